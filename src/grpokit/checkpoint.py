@@ -1,0 +1,64 @@
+"""Checkpoints: a Hugging Face model folder plus the trainer state, written atomically.
+
+`RUN_DIR/checkpoint-<step>/` holds `config.json`, safetensors weights and the
+tokenizer (loadable by `AutoModelForCausalLM.from_pretrained`) and
+`trainer_state.pt` (optimizer, scheduler, RNG states, step, data position).
+Each checkpoint is written into a hidden temporary folder and renamed into
+place, so a crash mid-save leaves the previous checkpoint untouched.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in `run_dir`, oldest first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: dict, keep_last: int) -> Path:
+    """Write `checkpoint-<step>` atomically, then drop all but the newest `keep_last`."""
+    final = run_dir / f"checkpoint-{step}"
+    tmp = run_dir / f".tmp-checkpoint-{step}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    torch.save(trainer_state, tmp / "trainer_state.pt")
+    if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
+        shutil.rmtree(final)
+    tmp.rename(final)
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_trainer_state(checkpoint: Path) -> dict:
+    return torch.load(checkpoint / "trainer_state.pt", weights_only=False)

@@ -1,0 +1,173 @@
+"""`grpokit train | eval | sft | demo | tiny-model` — the command line.
+
+User errors (a bad config field, a missing file, a failing reward function) end
+with one `error: ...` line that names the field or row and the fix, and exit
+code 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from .config import ConfigError
+    from .data import DataError
+    from .modeling import ModelLoadError
+    from .rewards import RewardError, RewardLoadError
+    from .run_setup import SetupError
+
+    return (ConfigError, DataError, ModelLoadError, RewardError, RewardLoadError, SetupError)
+
+
+def _key_values(items: list[str]) -> dict:
+    from .config import parse_override
+
+    return {path[1]: value for path, value in (parse_override(f"arg.{item}") for item in items or [])}
+
+
+def cmd_train(args) -> int:
+    from .config import load_config
+    from .trainer import train
+
+    config = load_config(args.config, args.set)
+    run_dir = train(config, resume=args.resume)
+    print(f"run folder: {run_dir}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .evaluate import evaluate
+    from .modeling import load_model_and_tokenizer
+    from .run_setup import eval_rows_and_specs
+
+    rows, specs, prompt_column = eval_rows_and_specs(
+        task=args.task, task_args=_key_values(args.task_arg), data=args.data, prompt_column=args.prompt_column,
+        rewards=args.reward, num_prompts=args.num_prompts, seed=args.data_seed)
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype, device=args.device)
+    from .data import render_prompt
+
+    ids = [tokenizer(render_prompt(tokenizer, r[prompt_column]), add_special_tokens=False)["input_ids"] for r in rows]
+    result = evaluate(model, tokenizer, rows, ids, specs, samples_per_prompt=args.samples, temperature=args.temperature,
+                      max_new_tokens=args.max_new_tokens, seed=args.seed, prompt_column=prompt_column,
+                      greedy=not args.no_greedy)
+    result["model"] = args.model
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for key, value in result.items():
+            print(f"{key:>18}: {value}")
+    return 0
+
+
+def cmd_sft(args) -> int:
+    from .modeling import load_model_and_tokenizer
+    from .run_setup import sft_pair_sampler
+    from .sft import sft
+
+    sample_pair = sft_pair_sampler(task=args.task, task_args=_key_values(args.task_arg), data=args.data,
+                                   prompt_column=args.prompt_column, completion_column=args.completion_column)
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype, device=args.device)
+    every = max(1, args.steps // 10)
+    sft(model, tokenizer, sample_pair, steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
+        seed=args.seed, on_step=lambda s, loss: print(f"sft step {s}/{args.steps} loss {loss:.4f}") if s % every == 0 else None)
+    model.save_pretrained(args.out)
+    tokenizer.save_pretrained(args.out)
+    print(f"saved: {args.out}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    run_demo(args.out, quick=args.quick, seed=args.seed)
+    return 0
+
+
+def cmd_tiny_model(args) -> int:
+    from .tiny import build_tiny_model
+
+    build_tiny_model(args.out, arch=args.arch, hidden_size=args.hidden_size, num_layers=args.layers, seed=args.seed)
+    print(f"saved: {args.out}")
+    return 0
+
+
+def _add_model_args(p) -> None:
+    p.add_argument("--model", required=True, help="local Hugging Face model folder")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+
+
+def _add_data_args(p) -> None:
+    p.add_argument("--task", help="built-in task: addition, countdown")
+    p.add_argument("--task-arg", action="append", metavar="KEY=VALUE", help="task option, e.g. digits=3")
+    p.add_argument("--data", help="JSONL / CSV / Parquet file of prompts (instead of --task)")
+    p.add_argument("--prompt-column", default="prompt")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grpokit", description="GRPO fine-tuning of Hugging Face causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="run GRPO from a TOML config")
+    p.add_argument("config")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config field")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", help="sampled accuracy, pass@k and mean reward on held-out prompts")
+    _add_model_args(p)
+    _add_data_args(p)
+    p.add_argument("--reward", action="append", default=[], help="reward name or file.py:function (with --data)")
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--data-seed", type=int, default=12345, help="seed of generated task prompts (held out by default)")
+    p.add_argument("--samples", type=int, default=8, help="answers per prompt (k of pass@k)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-greedy", action="store_true", help="skip the greedy pass")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("sft", help="short supervised warm start before RL")
+    _add_model_args(p)
+    _add_data_args(p)
+    p.add_argument("--completion-column", default="completion", help="target column (with --data)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=500)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_sft)
+
+    p = sub.add_parser("demo", help="build a tiny model, warm-start it, run GRPO, show before/after")
+    p.add_argument("--out", default="demo_run")
+    p.add_argument("--quick", action="store_true", help="a much shorter run (smoke test)")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("tiny-model", help="write a tiny random-init model + char tokenizer to a folder")
+    p.add_argument("out")
+    p.add_argument("--arch", default="qwen2")
+    p.add_argument("--hidden-size", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_tiny_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress bar is the one to watch
+    try:
+        return args.func(args)
+    except _user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

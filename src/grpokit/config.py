@@ -1,0 +1,301 @@
+"""Run configuration: frozen dataclasses, TOML loading, validation.
+
+Every field a researcher may want to vary is one visible field here, and every
+check runs when the config is built, before a model or a dataset is loaded, so a
+typo costs a second, not a GPU hour. A config is built the same way from Python
+(`Config(model=ModelConfig(path=...), ...)`) and from a TOML file with
+`--set section.key=value` overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config field has a bad value; the message names the field and the fix."""
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}: {message}")
+
+
+def _one_of(value: Any, allowed: tuple, field_name: str) -> None:
+    _check(value in allowed, field_name, f"got {value!r}; choose one of {', '.join(map(repr, allowed))}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+
+    def __post_init__(self):
+        _check(bool(self.path), "model.path", "set it to a local Hugging Face model folder")
+        _one_of(self.dtype, ("float32", "bfloat16", "float16"), "model.dtype")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    task: str = ""  # a built-in task name (addition, countdown) ...
+    path: str = ""  # ... or a JSONL / CSV / Parquet file or a saved datasets folder
+    prompt_column: str = "prompt"
+    task_args: dict = field(default_factory=dict)  # e.g. {digits = 2}
+    num_prompts: int = 5000  # prompts generated for a built-in task
+    seed: int = 0
+
+    def __post_init__(self):
+        _check(bool(self.task) != bool(self.path), "data", "set exactly one of data.task or data.path")
+        _check(self.num_prompts >= 1, "data.num_prompts", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    # Names of built-in rewards ("addition", "numeric_match", "math_equivalence",
+    # "format", "soft_overlong_penalty", ...) or "file.py:function" references.
+    # Empty: the task's own verifier.
+    functions: tuple = ()
+    weights: tuple = ()  # one per function; empty = all 1.0
+    args: dict = field(default_factory=dict)  # per-function keyword arguments: {name = {...}}
+
+    def __post_init__(self):
+        object.__setattr__(self, "functions", tuple(self.functions))
+        object.__setattr__(self, "weights", tuple(float(w) for w in self.weights))
+        _check(
+            not self.weights or len(self.weights) == len(self.functions),
+            "rewards.weights",
+            f"has {len(self.weights)} values for {len(self.functions)} functions; give one weight per function or none",
+        )
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    group_size: int = 8  # G answers per prompt
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_strings: tuple = ()
+    ignore_eos: bool = False  # benchmarks only: every answer runs to max_new_tokens
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        _check(self.group_size >= 2, "rollout.group_size", "must be >= 2 (GRPO compares answers within a group); 8-16 is common")
+        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+        _check(self.temperature > 0, "rollout.temperature", "must be > 0 for sampling (GRPO needs diverse answers)")
+        _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+        _check(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo | cispo
+    beta: float = 0.0  # KL coefficient; 0 = no reference model is loaded
+    epsilon: float = 0.2
+    epsilon_high: float = 0.0  # 0 = same as epsilon (DAPO uses 0.28)
+    scale_rewards: str = "group"  # group | batch | none (Dr. GRPO)
+    std: str = "population"  # population | sample (TRL)
+    importance_sampling_level: str = "token"  # token | sequence (GSPO)
+    num_iterations: int = 1  # mu: passes over one generation batch
+    mask_truncated_completions: bool = False
+    dynamic_sampling: bool = False  # DAPO: drop zero-std groups, draw more prompts
+    max_resample_rounds: int = 4  # extra prompt batches drawn per step at most
+
+    def __post_init__(self):
+        _one_of(self.loss_type, ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"), "algorithm.loss_type")
+        _one_of(self.scale_rewards, ("group", "batch", "none"), "algorithm.scale_rewards")
+        _one_of(self.std, ("population", "sample"), "algorithm.std")
+        _one_of(self.importance_sampling_level, ("token", "sequence"), "algorithm.importance_sampling_level")
+        _check(self.beta >= 0, "algorithm.beta", "must be >= 0 (0 disables the KL term)")
+        _check(0 < self.epsilon < 1, "algorithm.epsilon", "must be in (0, 1); 0.2 is usual")
+        _check(self.epsilon_high >= 0, "algorithm.epsilon_high", "must be >= 0 (0 = same as epsilon)")
+        _check(self.num_iterations >= 1, "algorithm.num_iterations", "must be >= 1")
+        _check(self.max_resample_rounds >= 0, "algorithm.max_resample_rounds", "must be >= 0")
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon_high or self.epsilon
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    prompts_per_step: int = 8  # B; one generation batch has B * G answers
+    minibatch_size: int = 0  # answers per optimizer step; 0 = the whole generation batch
+    micro_batch_size: int = 0  # answers per forward/backward; 0 = the minibatch
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    adam_betas: tuple = (0.9, 0.99)
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | cosine
+    max_grad_norm: float = 1.0  # 0 = no clipping
+    seed: int = 0
+    logprob_chunk_size: int = 1024  # rows per chunk of the selective log-softmax
+
+    def __post_init__(self):
+        object.__setattr__(self, "adam_betas", tuple(self.adam_betas))
+        _check(self.steps >= 1, "train.steps", "must be >= 1")
+        _check(self.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
+        _check(self.minibatch_size >= 0, "train.minibatch_size", "must be >= 0 (0 = whole batch)")
+        _check(self.micro_batch_size >= 0, "train.micro_batch_size", "must be >= 0 (0 = whole minibatch)")
+        _check(self.learning_rate > 0, "train.learning_rate", "must be > 0")
+        _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        _one_of(self.lr_schedule, ("constant", "cosine"), "train.lr_schedule")
+        _check(self.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0 (0 = off)")
+        _check(len(self.adam_betas) == 2, "train.adam_betas", "give two numbers, e.g. [0.9, 0.99]")
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    dir: str = "runs/grpo"
+    save_every: int = 0  # checkpoint every K steps; 0 = only at the end
+    keep_last: int = 2  # checkpoints kept on disk (the final one always stays)
+    overwrite: bool = False  # allow writing into a run folder that already has results
+    completions_every: int = 0  # write sampled answers every K steps; 0 = off
+    console: bool = True  # live progress bar
+
+    def __post_init__(self):
+        _check(self.save_every >= 0, "output.save_every", "must be >= 0")
+        _check(self.keep_last >= 1, "output.keep_last", "must be >= 1")
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "rewards": RewardConfig,
+    "rollout": RolloutConfig,
+    "algorithm": AlgorithmConfig,
+    "train": TrainConfig,
+    "output": OutputConfig,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    data: DataConfig
+    rewards: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def __post_init__(self):
+        n = self.generation_batch_size
+        mb = self.minibatch_size
+        _check(mb <= n and n % mb == 0, "train.minibatch_size",
+               f"{mb} must divide the generation batch of {n} answers (prompts_per_step * group_size)")
+        _check(mb % self.micro_batch_size == 0, "train.micro_batch_size",
+               f"{self.micro_batch_size} must divide train.minibatch_size ({mb})")
+
+    @property
+    def generation_batch_size(self) -> int:
+        return self.train.prompts_per_step * self.rollout.group_size
+
+    @property
+    def minibatch_size(self) -> int:
+        return self.train.minibatch_size or self.generation_batch_size
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.train.micro_batch_size or self.minibatch_size
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Old logprobs differ from the current ones only after a first update."""
+        return self.algorithm.num_iterations > 1 or self.minibatch_size < self.generation_batch_size
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _did_you_mean(name: str, options) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def config_from_dict(raw: dict) -> Config:
+    """Build a Config from nested dicts, rejecting unknown sections and keys."""
+    sections = {}
+    for name, values in raw.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"unknown section [{name}]{_did_you_mean(name, SECTIONS)}; known: {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{name}] must be a table of key = value pairs")
+        cls = SECTIONS[name]
+        known = {f.name for f in dataclasses.fields(cls)}
+        for key in values:
+            if key not in known:
+                raise ConfigError(f"unknown key {name}.{key}{_did_you_mean(key, known)}")
+        try:
+            sections[name] = cls(**values)
+        except TypeError as e:  # a wrong type that the dataclass could not take
+            raise ConfigError(f"[{name}]: {e}") from e
+    for required in ("model", "data"):
+        if required not in sections:
+            raise ConfigError(f"missing section [{required}]")
+    return Config(**sections)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`section.key=value` → (["section", "key"], value); the value is read as TOML, else as a string."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected section.key=value")
+    key, value = text.split("=", 1)
+    path = key.strip().split(".")
+    if len(path) != 2:
+        raise ConfigError(f"--set {text!r}: the key must be section.key, e.g. train.steps=10")
+    try:
+        parsed = tomllib.loads(f"v = {value}")["v"]
+    except tomllib.TOMLDecodeError:
+        parsed = value
+    return path, parsed
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None) -> Config:
+    """Read a TOML file (or start from `base`), apply `section.key=value` overrides, validate."""
+    raw: dict = dict(base or {})
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        try:
+            raw = tomllib.loads(p.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from e
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for text in overrides:
+        (section, key), value = parse_override(text)
+        raw.setdefault(section, {})[key] = value
+    return config_from_dict(raw)
+
+
+def to_toml(config: Config) -> str:
+    """The resolved config as TOML, saved in the run folder."""
+    lines = []
+    for name, values in config.to_dict().items():
+        lines.append(f"[{name}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {value!r} as TOML")

@@ -1,0 +1,88 @@
+"""Held-out evaluation: sampled accuracy, pass@k, greedy accuracy, mean reward.
+
+Sampled accuracy (the mean correctness of answers drawn at the training
+temperature) is what GRPO optimises; pass@k says how often the right answer is
+within reach at all. A warm start with high pass@k and low pass@1 is where RL
+helps most: it turns pass@k into pass@1.
+"""
+
+from __future__ import annotations
+
+from math import comb
+from typing import Sequence
+
+import torch
+
+from .data import columns_of
+from .rewards import RewardSpec, as_trl_completions, compute_rewards
+from .rollout import sample_groups
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al., 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def _grade(model, tokenizer, prompt_ids, rows, prompt_values, specs, *, group_size, temperature, max_new_tokens,
+           generator, batch_prompts, stop_strings):
+    totals = []
+    for start in range(0, len(prompt_ids), batch_prompts):
+        ids = prompt_ids[start:start + batch_prompts]
+        rollout = sample_groups(model, ids, group_size=group_size, max_new_tokens=max_new_tokens,
+                                eos_token_ids=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                temperature=temperature, stop_strings=stop_strings, tokenizer=tokenizer,
+                                generator=generator)
+        completion_ids = [r[m.bool()].tolist() for r, m in zip(rollout.completion_ids, rollout.completion_mask)]
+        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+        chunk_rows = rows[start:start + batch_prompts]
+        prompts = [p for p in prompt_values[start:start + batch_prompts] for _ in range(group_size)]
+        _, total = compute_rewards(specs, prompts, as_trl_completions(prompts, texts), completion_ids,
+                                   columns_of(chunk_rows, repeat=group_size))
+        totals.append(total.view(-1, group_size))
+    return torch.cat(totals)  # [num_prompts, group_size]
+
+
+@torch.no_grad()
+def evaluate(
+    model,
+    tokenizer,
+    rows: Sequence[dict],
+    prompt_ids: Sequence[Sequence[int]],
+    specs: Sequence[RewardSpec],
+    *,
+    samples_per_prompt: int = 8,
+    temperature: float = 1.0,
+    max_new_tokens: int = 32,
+    correct_threshold: float = 1.0,
+    greedy: bool = True,
+    seed: int = 0,
+    batch_prompts: int = 64,
+    prompt_column: str = "prompt",
+    stop_strings: Sequence[str] = (),
+) -> dict:
+    """Metrics over `rows` (with their tokenized prompts): an answer is correct when its
+    total reward reaches `correct_threshold`."""
+    model.eval()
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    prompt_values = [r[prompt_column] for r in rows]
+    common = dict(max_new_tokens=max_new_tokens, generator=generator, batch_prompts=batch_prompts,
+                  stop_strings=stop_strings)
+    sampled = _grade(model, tokenizer, prompt_ids, rows, prompt_values, specs, group_size=samples_per_prompt,
+                     temperature=temperature, **common)  # [P, k]
+    correct = torch.nan_to_num(sampled, nan=0.0) >= correct_threshold
+    k = samples_per_prompt
+    result = {
+        "num_prompts": len(rows),
+        "samples_per_prompt": k,
+        "temperature": temperature,
+        "accuracy": correct.float().mean().item(),
+        f"pass@{k}": sum(pass_at_k(k, int(c), k) for c in correct.sum(-1)) / len(rows),
+        "mean_reward": torch.nanmean(sampled).item(),
+    }
+    if greedy:
+        best = _grade(model, tokenizer, prompt_ids, rows, prompt_values, specs, group_size=1, temperature=0.0,
+                      **common)
+        result["greedy_accuracy"] = (torch.nan_to_num(best, nan=0.0) >= correct_threshold).float().mean().item()
+    return result

@@ -1,0 +1,112 @@
+"""Load a Hugging Face causal LM from a local folder and score completions with it.
+
+Scoring (`completion_logprobs`) is the training pass's forward: it runs the
+decoder once over `[prompt ‖ completion]` and turns the last hidden states of the
+completion positions into log-probs of the chosen tokens with a chunked
+selective log-softmax, so the `[N, T, V]` logits are never built. Models whose
+output head is more than a linear map of the final hidden state (Gemma-2's logit
+soft-capping, for instance) are detected once at load time and scored through
+the model's own logits instead.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .objectives import token_logprobs, token_logprobs_from_hidden
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """The model folder is missing or is not a Hugging Face causal-LM folder."""
+
+
+def check_model_folder(path: str | Path) -> Path:
+    """Fail fast, before any weights load, when `path` is not a model folder."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ModelLoadError(f"model.path {str(p)!r} is not a folder; give a local Hugging Face model folder "
+                             "(one with config.json, weights and tokenizer files)")
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(f"model.path {str(p)!r} has no config.json; is it a Hugging Face model folder?")
+    return p
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(check_model_folder(path)))
+    if tokenizer.pad_token_id is None:  # many base models ship without one
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(path: str | Path, *, dtype: str = "float32", device: str = "auto"):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(check_model_folder(path)), dtype=DTYPES[dtype])
+    model.to(resolve_device(device))
+    model.config.use_cache = False  # the training forward needs no cache; rollout passes its own
+    return model
+
+
+def load_model_and_tokenizer(path: str | Path, *, dtype: str = "float32", device: str = "auto"):
+    """`AutoModelForCausalLM` + `AutoTokenizer` from a local folder, ready for GRPO."""
+    return load_model(path, dtype=dtype, device=device), load_tokenizer(path)
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that skip left padding: 0 at each row's first real token."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # [N, L]
+
+
+def head_is_linear(model) -> bool:
+    """Whether logits == lm_head(last hidden state) for this model (checked once, on 4 tokens)."""
+    base, head = model.base_model, model.get_output_embeddings()
+    if head is None or base is model:
+        return False
+    ids = torch.arange(4, device=model.device).unsqueeze(0) % model.config.vocab_size
+    with torch.no_grad():
+        full = model(input_ids=ids).logits.float()
+        hidden = base(input_ids=ids).last_hidden_state
+        mine = head(hidden).float()
+    return torch.allclose(full, mine, atol=1e-4, rtol=1e-3)
+
+
+def completion_logprobs(
+    model,
+    prompt_ids: torch.Tensor,  # [N, P] left-padded
+    prompt_mask: torch.Tensor,  # [N, P]
+    completion_ids: torch.Tensor,  # [N, T] right-padded
+    completion_mask: torch.Tensor,  # [N, T]
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+    linear_head: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs `[N, T]` (and entropies) of the completion tokens under `model`."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P+T]
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P+T]
+    positions = positions_from_mask(attention_mask)
+    P, T = prompt_ids.shape[1], completion_ids.shape[1]
+    if linear_head:
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                                  use_cache=False).last_hidden_state  # [N, P+T, H]
+        hidden = hidden[:, P - 1 : P + T - 1]  # [N, T, H]: the state that predicts each completion token
+        return token_logprobs_from_hidden(hidden, model.get_output_embeddings(), completion_ids,
+                                          temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                   use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # [N, T, V]
+    out = token_logprobs(logits, completion_ids, temperature=temperature, chunk_size=chunk_size,
+                         with_entropy=with_entropy)
+    return out if with_entropy else (out, None)

@@ -1,0 +1,112 @@
+"""Where a run's numbers go: `metrics.jsonl`, TensorBoard (optional), the console.
+
+Metric names follow TRL where the meaning is the same (DESIGN.md, "Metrics").
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+
+def completion_metrics(completion_mask: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+    """`completions/*` length statistics of one generation batch."""
+    lengths = completion_mask.sum(-1).float()  # [N]
+    terminated = lengths[~truncated]
+    return {
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": truncated.float().mean().item(),
+        "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else 0.0,
+    }
+
+
+def reward_summary(total: torch.Tensor, group_size: int) -> dict[str, float]:
+    """`reward`, `reward_std` (mean of per-group stds, as TRL) and `frac_reward_zero_std`."""
+    grouped = total.view(-1, group_size)  # [B, G]
+    valid = ~torch.isnan(grouped)
+    counts = valid.sum(-1).clamp(min=1)
+    filled = torch.where(valid, grouped, torch.zeros_like(grouped))
+    mean = filled.sum(-1) / counts  # [B]
+    var = (torch.where(valid, grouped - mean[:, None], torch.zeros_like(grouped)) ** 2).sum(-1) / counts
+    std = var.sqrt()
+    return {
+        "reward": torch.nanmean(total).item(),
+        "reward_std": std.mean().item(),
+        "frac_reward_zero_std": (std < 1e-8).float().mean().item(),
+    }
+
+
+class MetricsWriter:
+    """One JSON object per step in `metrics.jsonl`, and TensorBoard scalars if installed and asked for."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool = False, append: bool = False):
+        self.path = run_dir / "metrics.jsonl"
+        self.file = open(self.path, "a" if append else "w", encoding="utf-8")
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` extra
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in metrics.items():
+                if value is not None and math.isfinite(value):
+                    self.tb.add_scalar(key, value, step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _finite_or_none(value):
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+class ConsoleProgress:
+    """A live rich progress bar: step, reward, kl, entropy, tokens/s and ETA."""
+
+    def __init__(self, total_steps: int, start_step: int = 0, enabled: bool = True):
+        self.progress = None
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.progress = Progress(
+            TextColumn("[bold]GRPO"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+        )
+        self.task = self.progress.add_task("train", total=total_steps, completed=start_step, info="")
+        self.progress.start()
+
+    def update(self, step: int, metrics: dict[str, float]) -> None:
+        if self.progress is None:
+            return
+        info = (f"reward {metrics['reward']:.3f}  kl {metrics.get('kl', 0.0):.4f}  "
+                f"entropy {metrics['entropy']:.3f}  {metrics['tokens_per_sec']:.0f} tok/s")
+        self.progress.update(self.task, completed=step, info=info)
+
+    def print(self, message: str) -> None:
+        if self.progress is not None:
+            self.progress.console.print(message)
+        else:
+            print(message, flush=True)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
