@@ -1,0 +1,43 @@
+"""Rewards: TRL-compatible reward functions, their weighted combination, built-in graders.
+
+    from grpokit.rewards import RewardSpec, compute_rewards, get_reward
+    specs = [RewardSpec("acc", get_reward("numeric_match")), RewardSpec("fmt", get_reward("format"), 0.1)]
+    per_fn, total = compute_rewards(specs, prompts, completions, completion_ids, {"answer": answers})
+"""
+
+from .core import (
+    RewardError,
+    RewardSpec,
+    as_trl_completions,
+    compute_rewards,
+    is_conversational,
+    reward_metrics,
+)
+from .graders import (
+    DEFAULT_FORMAT,
+    answer_span,
+    completion_text,
+    final_number,
+    format_reward,
+    math_equivalence,
+    numeric_match,
+    overlong_penalty_value,
+    soft_overlong_penalty,
+)
+from .registry import (
+    RewardLoadError,
+    available_rewards,
+    get_reward,
+    load_reward,
+    register_reward,
+    resolve_reward,
+    reward_name,
+    reward_specs,
+)
+
+__all__ = [
+    "DEFAULT_FORMAT", "RewardError", "RewardLoadError", "RewardSpec", "answer_span", "as_trl_completions",
+    "available_rewards", "completion_text", "compute_rewards", "final_number", "format_reward", "get_reward",
+    "is_conversational", "load_reward", "math_equivalence", "numeric_match", "overlong_penalty_value",
+    "register_reward", "resolve_reward", "reward_metrics", "reward_name", "reward_specs", "soft_overlong_penalty",
+]

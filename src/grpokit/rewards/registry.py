@@ -1,0 +1,153 @@
+"""Reward functions by name ("numeric_match", "countdown", ...) or by reference ("file.py:fn").
+
+The registry maps a name to a factory: `get_reward(name, **kwargs)` calls
+`factory(**kwargs)` and returns the reward function. Built-in tasks register
+their verifiers when `grpokit.tasks` is imported, which `get_reward` does on
+first miss, so `get_reward("addition")` works without importing tasks first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .core import RewardSpec
+from .graders import format_reward, math_equivalence, numeric_match, soft_overlong_penalty
+
+
+class RewardLoadError(ValueError):
+    """A reward name or "file.py:function" reference that cannot be resolved."""
+
+
+def _constant(fn: Callable) -> Callable[[], Callable]:
+    def factory() -> Callable:
+        return fn
+    factory.__signature__ = inspect.Signature()  # takes no arguments
+    return factory
+
+
+_REGISTRY: dict[str, Callable[..., Callable]] = {
+    "numeric_match": _constant(numeric_match),
+    "math_equivalence": _constant(math_equivalence),
+    "format": format_reward,
+    "soft_overlong_penalty": soft_overlong_penalty,
+}
+
+
+def register_reward(name: str, factory: Callable[..., Callable], *, overwrite: bool = False) -> None:
+    """Make `get_reward(name, **kwargs)` return `factory(**kwargs)`."""
+    if name in _REGISTRY and not overwrite and _REGISTRY[name] is not factory:
+        raise ValueError(f"a reward named {name!r} is already registered; pass overwrite=True to replace it")
+    _REGISTRY[name] = factory
+
+
+def available_rewards() -> list[str]:
+    """Names `get_reward` knows, built-in tasks' verifiers included."""
+    import grpokit.tasks  # noqa: F401  (registers the task verifiers)
+    return sorted(_REGISTRY)
+
+
+def get_reward(name: str, **kwargs) -> Callable:
+    """The reward function registered under `name`, built with `kwargs`."""
+    if name not in _REGISTRY:
+        import grpokit.tasks  # noqa: F401
+    if name not in _REGISTRY:
+        hint = " (a file reference needs ':function', e.g. my_rewards.py:score)" if name.endswith(".py") else ""
+        raise RewardLoadError(f"unknown reward {name!r}{hint}; known rewards: {', '.join(available_rewards())}, "
+                              f"or a reference 'path/to/file.py:function' / 'package.module:function'")
+    factory = _REGISTRY[name]
+    try:
+        inspect.signature(factory).bind(**kwargs)
+    except TypeError as e:
+        params = ", ".join(inspect.signature(factory).parameters) or "none"
+        raise RewardLoadError(f"reward {name!r} got arguments {sorted(kwargs)}: {e}; "
+                              f"it accepts: {params}") from None
+    return factory(**kwargs)
+
+
+def _import_file(path: Path, ref: str):
+    if not path.is_file():
+        raise RewardLoadError(f"reward {ref!r}: file {str(path)!r} not found (relative paths start at "
+                              f"{Path.cwd()}); fix the path or use 'package.module:function'")
+    resolved = path.resolve()
+    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:8]
+    mod_name = f"grpokit_user_{resolved.stem}_{digest}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    # The file's folder goes on sys.path so that it can import helper modules next to it.
+    if str(resolved.parent) not in sys.path:
+        sys.path.insert(0, str(resolved.parent))
+    spec = importlib.util.spec_from_file_location(mod_name, resolved)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[mod_name]
+        raise RewardLoadError(f"reward {ref!r}: importing {str(path)!r} raised "
+                              f"{type(e).__name__}: {e}") from e
+    return module
+
+
+def _import_module(name: str, ref: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as e:
+        raise RewardLoadError(f"reward {ref!r}: module {name!r} not found ({e}); for a file write "
+                              f"'path/to/{name.split('.')[-1]}.py:function'") from e
+    except Exception as e:
+        raise RewardLoadError(f"reward {ref!r}: importing module {name!r} raised {type(e).__name__}: {e}") from e
+
+
+def load_reward(ref: str) -> Callable:
+    """A user's reward function from "path/to/file.py:function" or "package.module:function"."""
+    where, sep, attr = ref.rpartition(":")
+    if not sep or not where or not attr:
+        raise RewardLoadError(f"reward reference {ref!r} must look like 'path/to/file.py:function' "
+                              f"or 'package.module:function'")
+    is_file = where.endswith(".py") or "/" in where or "\\" in where
+    module = _import_file(Path(where), ref) if is_file else _import_module(where, ref)
+    if not hasattr(module, attr):
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        raise RewardLoadError(f"reward {ref!r}: {where!r} has no attribute {attr!r}; "
+                              f"functions defined there: {found or 'none'}")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise RewardLoadError(f"reward {ref!r}: {attr!r} is a {type(fn).__name__}, not a function; point the "
+                              f"reference at a function f(completions, **kwargs) -> list[float | None]")
+    return fn
+
+
+def resolve_reward(ref: str, **kwargs) -> Callable:
+    """`load_reward(ref)` for "file.py:function" / "module:function", else `get_reward(ref, **kwargs)`."""
+    if ":" in ref:
+        if kwargs:
+            raise RewardLoadError(f"reward {ref!r}: arguments {sorted(kwargs)} only apply to built-in rewards; "
+                                  f"give the function defaults instead")
+        return load_reward(ref)
+    return get_reward(ref, **kwargs)
+
+
+def reward_name(ref: str) -> str:
+    """The metric name of a reward: the registry name, or the function name of a reference."""
+    return ref.rpartition(":")[2] if ":" in ref else ref
+
+
+def reward_specs(refs: Sequence[str], weights: Sequence[float] = (),
+                 args: dict[str, dict] | None = None) -> list[RewardSpec]:
+    """RewardSpecs for names/references, with optional weights and per-reference keyword arguments."""
+    if weights and len(weights) != len(refs):
+        raise ValueError(f"{len(weights)} reward weights for {len(refs)} reward functions; give one per function")
+    args = args or {}
+    unknown = sorted(set(args) - set(refs) - {reward_name(r) for r in refs})
+    if unknown:
+        raise ValueError(f"reward arguments given for {unknown}, which are not among the reward functions {list(refs)}")
+    weights = list(weights) or [1.0] * len(refs)
+    return [RewardSpec(reward_name(r), resolve_reward(r, **dict(args.get(r, args.get(reward_name(r), {})))), float(w))
+            for r, w in zip(refs, weights)]
