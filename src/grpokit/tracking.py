@@ -54,7 +54,7 @@ class MetricsWriter:
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
-        row = {"step": step, **{k: _finite_or_none(v) for k, v in metrics.items()}}
+        row = {"step": step, **{k: finite_or_none(v) for k, v in metrics.items()}}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.tb is not None:
@@ -68,7 +68,7 @@ class MetricsWriter:
             self.tb.close()
 
 
-def _finite_or_none(value):
+def finite_or_none(value):
     value = float(value)
     return value if math.isfinite(value) else None
 

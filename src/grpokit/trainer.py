@@ -13,6 +13,7 @@ this module only moves tensors between them.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass, fields
@@ -31,20 +32,22 @@ from .rollout import Rollout, sample_groups
 from .data import columns_of
 from .run_setup import (PreparedData, PromptTable, max_positions_of, prepare_data, prepare_output_dir,
                         resolve_reward_specs, tokenize_prompts)
-from .tracking import ConsoleProgress, MetricsWriter, completion_metrics, reward_summary
+from .tracking import ConsoleProgress, MetricsWriter, finite_or_none, completion_metrics, reward_summary
 
 
 @dataclass
 class GenerationBatch:
     """One step's sampled, graded answers; N = B * G rows, group by group."""
 
-    rollout: Rollout  # ids, masks, sampling logprobs, truncation flags
-    rewards: torch.Tensor  # [N] weighted total (NaN where every function returned None)
-    rewards_per_fn: torch.Tensor  # [N, F]
+    draw: "Draw"  # rollout (ids, masks, sampling logprobs, truncation), rewards [N] and [N, F], texts
     advantages: torch.Tensor  # [N]
     loss_mask: torch.Tensor  # [N, T] completion mask, truncated answers zeroed if asked
     old_logp: torch.Tensor | None = None  # [N, T] only when μ > 1 or several minibatches
     ref_logp: torch.Tensor | None = None  # [N, T] only when β > 0
+
+    @property
+    def rollout(self) -> Rollout:
+        return self.draw.rollout
 
 
 def train(
@@ -70,6 +73,7 @@ def train(
     if config.algorithm.beta > 0:  # with β = 0 no reference model is loaded at all
         ref_model = load_model(config.model.path, dtype=config.model.dtype, device=config.model.device)
         ref_model.eval().requires_grad_(False)
+    model.eval()  # dropout stays off throughout: ratio is exactly 1 before the first update
     linear_head = head_is_linear(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.learning_rate,
                                   betas=config.train.adam_betas, weight_decay=config.train.weight_decay)
@@ -88,11 +92,9 @@ def train(
     try:
         for step in range(start_step + 1, config.train.steps + 1):
             t0 = time.perf_counter()
-            model.eval()
             batch, gen_metrics = generate_and_grade(config, model, tokenizer, prompts, stream, specs, sampler)
             t1 = time.perf_counter()
             score_old_and_ref(config, model, ref_model, batch, linear_head)
-            model.train()
             train_metrics = optimize(config, model, optimizer, scheduler, batch, linear_head)
             t2 = time.perf_counter()
             n_tokens = batch.rollout.completion_mask.sum().item()
@@ -101,6 +103,8 @@ def train(
                        "time/rollout": gen_metrics.pop("time/rollout"), "time/train": t2 - t1,
                        "time/step": t2 - t0, "tokens_per_sec": n_tokens / (t2 - t0)}
             writer.write(step, metrics)
+            if config.output.completions_every and step % config.output.completions_every == 0:
+                write_completions(run_dir, step, batch, specs)
             console.update(step, metrics)
             if step == config.train.steps or (config.output.save_every and step % config.output.save_every == 0):
                 state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
@@ -146,16 +150,14 @@ def _restore(checkpoint: Path, model, optimizer, scheduler, sampler, stream) -> 
 # ---- 1. rollout and grading ---------------------------------------------------------
 
 
-def generate_and_grade(config, model, tokenizer, prompts, stream, specs, sampler):
+def generate_and_grade(config, model, tokenizer, prompts: PromptTable, stream, specs, sampler):
     """Sample G answers for B prompts and grade them; with dynamic sampling, keep drawing
     prompt batches (up to `max_resample_rounds` more) until B groups carry signal."""
-    G, B = config.rollout.group_size, config.train.prompts_per_step
-    kept: list[tuple] = []  # (rollout, per_fn, total, rows) per drawn batch, filtered
+    G, B, algo = config.rollout.group_size, config.train.prompts_per_step, config.algorithm
+    draws: list[Draw] = []
     t_rollout = t_reward = 0.0
-    first_summary = None
-    for round_ in range(1 + (config.algorithm.max_resample_rounds if config.algorithm.dynamic_sampling else 0)):
+    for _ in range(1 + (algo.max_resample_rounds if algo.dynamic_sampling else 0)):
         indices = stream.next_batch()  # B row indices
-        rows = [prompts.rows[i] for i in indices]
         t0 = time.perf_counter()
         rollout = sample_groups(
             model, [prompts.ids[i] for i in indices], group_size=G,
@@ -164,69 +166,91 @@ def generate_and_grade(config, model, tokenizer, prompts, stream, specs, sampler
             top_p=config.rollout.top_p, top_k=config.rollout.top_k, stop_strings=config.rollout.stop_strings,
             tokenizer=tokenizer, generator=sampler, ignore_eos=config.rollout.ignore_eos)
         t1 = time.perf_counter()
-        per_fn, total = grade(rollout, rows, tokenizer, specs, G)
+        draws.append(grade(rollout, [prompts.rows[i] for i in indices], tokenizer, specs, G))
         t_rollout, t_reward = t_rollout + t1 - t0, t_reward + time.perf_counter() - t1
-        summary = reward_summary(total, G)
-        first_summary = first_summary or summary
-        if not config.algorithm.dynamic_sampling:
-            kept.append((rollout, per_fn, total))
+        if not algo.dynamic_sampling or sum(d.with_signal(G).size for d in draws) >= B * G:
             break
-        keep = _groups_with_signal(total, G)  # [N] bool, whole groups
-        kept.append((_select(rollout, keep), per_fn[keep], total[keep]))
-        if sum(len(k[2]) for k in kept) >= B * G:
-            break
-    rollout, per_fn, total = _concat_kept(kept, B * G, tokenizer.pad_token_id)
-    advantages = group_advantages(total, G, scale_rewards=config.algorithm.scale_rewards, std=config.algorithm.std)
+    seen = reward_summary(torch.cat([d.total for d in draws]), G)  # before any filtering
+    draw = draws[0] if not algo.dynamic_sampling else Draw.join([d.with_signal(G) for d in draws], B * G,
+                                                                 tokenizer.pad_token_id, fallback=draws[-1])
+    rollout = draw.rollout
+    advantages = group_advantages(draw.total, G, scale_rewards=algo.scale_rewards, std=algo.std)
     loss_mask = rollout.completion_mask.clone()
-    if config.algorithm.mask_truncated_completions:  # truncated answers carry no gradient
+    if algo.mask_truncated_completions:  # truncated answers carry no gradient
         loss_mask[rollout.truncated] = 0
-    metrics = {**reward_summary(total, G), **reward_metrics(specs, per_fn),
+    metrics = {**reward_summary(draw.total, G), **reward_metrics(specs, draw.per_fn),
                **completion_metrics(rollout.completion_mask, rollout.truncated),
                "time/rollout": t_rollout, "time/reward": t_reward}
-    if config.algorithm.dynamic_sampling:  # what the filter saw before it dropped groups
-        metrics["frac_reward_zero_std"] = first_summary["frac_reward_zero_std"]
-        metrics["dynamic_sampling/groups_kept"] = len(total) / G
-    return GenerationBatch(rollout, total, per_fn, advantages, loss_mask), metrics
+    if algo.dynamic_sampling:  # what the filter saw before it dropped groups
+        metrics["frac_reward_zero_std"] = seen["frac_reward_zero_std"]
+        metrics["dynamic_sampling/groups_kept"] = draw.size / G
+        metrics["dynamic_sampling/draws"] = len(draws)
+    return GenerationBatch(draw, advantages, loss_mask), metrics
 
 
-def grade(rollout: Rollout, rows: list[dict], tokenizer, specs, G: int):
+@dataclass
+class Draw:
+    """One batch of sampled answers with their grades; rows group by group."""
+
+    rollout: Rollout
+    per_fn: torch.Tensor  # [N, F]
+    total: torch.Tensor  # [N]
+    prompts: list  # [N] the prompt of each answer (string or messages)
+    texts: list[str]  # [N] decoded answers
+
+    @property
+    def size(self) -> int:
+        return len(self.total)
+
+    def select(self, keep: torch.Tensor) -> "Draw":  # keep: [N] bool
+        idx = keep.nonzero().flatten().tolist()
+        rollout = Rollout(**{f.name: getattr(self.rollout, f.name)[keep.to(self.rollout.completion_ids.device)]
+                             for f in fields(Rollout)})
+        return Draw(rollout, self.per_fn[keep], self.total[keep], [self.prompts[i] for i in idx],
+                    [self.texts[i] for i in idx])
+
+    def with_signal(self, G: int) -> "Draw":
+        """Only the groups whose rewards are not all equal (DAPO's dynamic sampling filter)."""
+        grouped = torch.nan_to_num(self.total.view(-1, G), nan=0.0)  # [B, G]
+        return self.select(((grouped.amax(-1) - grouped.amin(-1)) > 0).repeat_interleave(G))
+
+    @staticmethod
+    def join(draws: list["Draw"], n: int, pad_id: int, fallback: "Draw") -> "Draw":
+        """The first `n` rows of several draws, padded to a common width; `fallback` if all are empty."""
+        draws = [d for d in draws if d.size] or [fallback]
+        joined = {}
+        for f in fields(Rollout):
+            parts = [getattr(d.rollout, f.name) for d in draws]
+            if parts[0].dim() == 2:
+                width = max(p.shape[1] for p in parts)
+                left = f.name.startswith("prompt")  # prompts are left-padded, completions right-padded
+                fill = pad_id if f.name.endswith("ids") else 0
+                parts = [torch.nn.functional.pad(p, (width - p.shape[1], 0) if left else (0, width - p.shape[1]),
+                                                 value=fill) for p in parts]
+            joined[f.name] = torch.cat(parts)[:n]
+        return Draw(Rollout(**joined), torch.cat([d.per_fn for d in draws])[:n], torch.cat([d.total for d in draws])[:n],
+                    [p for d in draws for p in d.prompts][:n], [t for d in draws for t in d.texts][:n])
+
+
+def grade(rollout: Rollout, rows: list[dict], tokenizer, specs, G: int) -> Draw:
     """Decode the answers and run every reward function on them (TRL's calling convention)."""
     ids = [row[m.bool()].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
     prompt_values = [r["prompt"] for r in rows for _ in range(G)]
     completions = as_trl_completions(prompt_values, texts)
-    return compute_rewards(specs, prompt_values, completions, ids, columns_of(rows, repeat=G))
+    per_fn, total = compute_rewards(specs, prompt_values, completions, ids, columns_of(rows, repeat=G))
+    return Draw(rollout, per_fn, total, prompt_values, texts)
 
 
-def _groups_with_signal(total: torch.Tensor, G: int) -> torch.Tensor:
-    grouped = total.view(-1, G)  # [B, G]
-    spread = torch.nan_to_num(grouped, nan=0.0).amax(-1) - torch.nan_to_num(grouped, nan=0.0).amin(-1)
-    return (spread > 0).repeat_interleave(G)  # [N]
-
-
-def _select(rollout: Rollout, keep: torch.Tensor) -> Rollout:
-    return Rollout(**{f.name: getattr(rollout, f.name)[keep.to(rollout.completion_ids.device)] for f in fields(rollout)})
-
-
-def _concat_kept(kept, n: int, pad_id: int):
-    """Join the kept groups of several draws (padding widths), first `n` rows."""
-    if len(kept) == 1:
-        return kept[0]
-    if sum(len(k[2]) for k in kept) == 0:  # nothing carried signal: train on the last draw
-        kept = kept[-1:]
-    joined = {}
-    for name in (f.name for f in fields(Rollout)):
-        parts = [getattr(k[0], name) for k in kept if len(k[2])]
-        if parts[0].dim() == 2:
-            width = max(p.shape[1] for p in parts)
-            left = name.startswith("prompt")  # prompts are left-padded, completions right-padded
-            fill = pad_id if name.endswith("ids") else 0
-            parts = [torch.nn.functional.pad(p, (width - p.shape[1], 0) if left else (0, width - p.shape[1]),
-                                             value=fill) for p in parts]
-        joined[name] = torch.cat(parts)[:n]
-    per_fn = torch.cat([k[1] for k in kept if len(k[2])])[:n]
-    total = torch.cat([k[2] for k in kept if len(k[2])])[:n]
-    return Rollout(**joined), per_fn, total
+def write_completions(run_dir: Path, step: int, batch: "GenerationBatch", specs) -> None:
+    """Append this step's answers to `completions.jsonl`: prompt, completion, each reward, advantage."""
+    d = batch.draw
+    with open(run_dir / "completions.jsonl", "a", encoding="utf-8") as f:
+        for i in range(d.size):
+            rewards = {s.name: finite_or_none(d.per_fn[i, j].item()) for j, s in enumerate(specs)}
+            f.write(json.dumps({"step": step, "prompt": d.prompts[i], "completion": d.texts[i], "rewards": rewards,
+                                "reward": finite_or_none(d.total[i].item()),
+                                "advantage": batch.advantages[i].item()}) + "\n")
 
 
 # ---- 2. reference and old log-probs (only when needed) ------------------------------
