@@ -305,7 +305,7 @@ def optimize(config: Config, model, optimizer, scheduler, batch: GenerationBatch
                 skipped += 1
             scheduler.step()
     tokens = sums.pop("_tokens")
-    metrics = {k: v / tokens for k, v in sums.items()}
+    metrics = {k: v / max(tokens, 1) for k, v in sums.items()}  # all-masked batches report 0
     metrics["loss"] = sum(losses) / len(losses)
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     metrics["skipped_updates"] = skipped

@@ -1,0 +1,137 @@
+"""The training loop through the Python API: the update, its bookkeeping, and its fast paths."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import grpokit.trainer as trainer_mod
+from grpokit.config import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+from grpokit.tracking import read_metrics
+from grpokit.trainer import lr_lambda, train
+
+DESIGN_METRICS = [
+    "reward", "reward_std", "frac_reward_zero_std", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
+    "clip_ratio/region_mean", "completions/mean_length", "completions/min_length", "completions/max_length",
+    "completions/clipped_ratio", "completions/mean_terminated_length", "grad_norm", "learning_rate",
+    "time/rollout", "time/reward", "time/train", "time/step", "tokens_per_sec", "rewards/addition/mean",
+    "rewards/addition/std",
+]
+
+
+def make_config(model_dir, out, *, algorithm=None, train=None, rollout=None, output=None) -> Config:
+    return Config(
+        model=ModelConfig(path=str(model_dir)),
+        data=DataConfig(task="addition", num_prompts=64),
+        rollout=RolloutConfig(**{"group_size": 4, "max_new_tokens": 5, **(rollout or {})}),
+        algorithm=AlgorithmConfig(**(algorithm or {})),
+        train=TrainConfig(**{"steps": 2, "prompts_per_step": 4, "learning_rate": 1e-3, **(train or {})}),
+        output=OutputConfig(**{"dir": str(out), "console": False, **(output or {})}),
+    )
+
+
+def parity(completions, **kwargs):
+    """A reward with signal on a random model: the share of even-valued characters in the answer."""
+    return [sum(ord(ch) % 2 == 0 for ch in c) / max(1, len(c)) for c in completions]
+
+
+def final_weights(run_dir):
+    ckpt = sorted(run_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
+    return load_file(str(ckpt / "model.safetensors"))
+
+
+def test_writes_every_design_metric_and_a_loadable_checkpoint(tiny_model_dir, tmp_path):
+    run = train(make_config(tiny_model_dir, tmp_path / "run"))
+    rows = read_metrics(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    for name in DESIGN_METRICS:
+        assert name in rows[0], name
+    assert "kl" not in rows[0]  # beta = 0: no KL is computed, none is reported
+    assert (run / "config.toml").is_file()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(run / "checkpoint-2")
+    tok = AutoTokenizer.from_pretrained(run / "checkpoint-2")
+    out = model.generate(torch.tensor([tok("1+1=")["input_ids"]]), max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 7)
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
+def test_gradient_accumulation_gives_the_same_update(tiny_model_dir, tmp_path, loss_type):
+    """One step with the batch in 1 micro-batch or in 4 reaches the same weights: the loss
+    normalisation spans the optimizer step's batch, not the micro-batch (bnpo excepted, as in TRL:
+    it averages per micro-batch, so the test gives it equal token counts via ignore_eos)."""
+    common = dict(algorithm={"loss_type": loss_type}, rollout={"ignore_eos": True}, train={"steps": 1})
+    a = train(make_config(tiny_model_dir, tmp_path / "a", **common), reward_functions=[parity])
+    common["train"] = {"steps": 1, "micro_batch_size": 4}
+    b = train(make_config(tiny_model_dir, tmp_path / "b", **common), reward_functions=[parity])
+    wa, wb = final_weights(a), final_weights(b)
+    assert read_metrics(a)[0]["reward_std"] > 0  # there was a gradient to compare
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=2e-6, rtol=1e-5)
+
+
+def test_no_reference_model_when_beta_is_zero_and_no_old_pass_when_mu_is_one(tiny_model_dir, tmp_path, monkeypatch):
+    loads, scores = [], []
+    real_load, real_score = trainer_mod.load_model, trainer_mod._score
+    monkeypatch.setattr(trainer_mod, "load_model", lambda *a, **k: loads.append(1) or real_load(*a, **k))
+    monkeypatch.setattr(trainer_mod, "_score", lambda *a, **k: scores.append(1) or real_score(*a, **k))
+    train(make_config(tiny_model_dir, tmp_path / "a", train={"steps": 1}))
+    assert (len(loads), len(scores)) == (1, 0)
+    loads.clear()
+    run = train(make_config(tiny_model_dir, tmp_path / "b", algorithm={"beta": 0.04, "num_iterations": 2},
+                            train={"steps": 1}))
+    assert len(loads) == 2 and len(scores) == 2  # the reference model, then old + ref log-probs
+    row = read_metrics(run)[0]
+    assert row["kl"] >= 0 and row["kl"] == row["kl"]
+
+
+def test_mu_two_moves_the_ratio_and_clips(tiny_model_dir, tmp_path):
+    run = train(make_config(tiny_model_dir, tmp_path / "r", algorithm={"num_iterations": 4, "epsilon": 0.05},
+                            train={"steps": 1, "learning_rate": 3e-3}), reward_functions=[parity])
+    assert read_metrics(run)[0]["clip_ratio/region_mean"] > 0
+
+
+def test_mask_truncated_completions_removes_their_gradient(tiny_model_dir, tmp_path):
+    # max_new_tokens=1 and EOS ignored: every answer is truncated, so nothing may change.
+    cfg = make_config(tiny_model_dir, tmp_path / "t", algorithm={"mask_truncated_completions": True},
+                      rollout={"max_new_tokens": 1, "ignore_eos": True}, train={"steps": 1})
+    run = train(cfg, reward_functions=[parity])
+    before = load_file(str(tiny_model_dir / "model.safetensors"))
+    after = final_weights(run)
+    assert read_metrics(run)[0]["completions/clipped_ratio"] == 1.0
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_dynamic_sampling_keeps_only_groups_with_signal(tiny_model_dir, tmp_path):
+    def first_group_flat(prompts, completions, **kwargs):  # half the prompts get all-equal rewards
+        return [0.0 if p.startswith(("1", "2", "3", "4")) else float(len(c) % 2) for p, c in zip(prompts, completions)]
+
+    cfg = make_config(tiny_model_dir, tmp_path / "d", algorithm={"dynamic_sampling": True, "max_resample_rounds": 6},
+                      train={"steps": 2}, output={"completions_every": 1})
+    run = train(cfg, reward_functions=[first_group_flat])
+    rows = [json.loads(l) for l in (run / "completions.jsonl").read_text().splitlines()]
+    groups = [rows[i:i + 4] for i in range(0, len(rows), 4)]
+    assert all(len({r["reward"] for r in g}) > 1 for g in groups)  # every kept group carries signal
+    assert all(m["dynamic_sampling/groups_kept"] == 4 for m in read_metrics(run))
+
+
+def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
+    straight = train(make_config(tiny_model_dir, tmp_path / "s", train={"steps": 4}), reward_functions=[parity])
+    cfg = make_config(tiny_model_dir, tmp_path / "r", train={"steps": 2}, output={"save_every": 1})
+    train(cfg, reward_functions=[parity])
+    resumed = train(make_config(tiny_model_dir, tmp_path / "r", train={"steps": 4}, output={"save_every": 1}),
+                    reward_functions=[parity], resume=True)
+    drop = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "tokens_per_sec"))}
+    assert [drop(m) for m in read_metrics(straight)] == [drop(m) for m in read_metrics(resumed)]
+    wa, wb = final_weights(straight), final_weights(resumed)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_learning_rate_schedule():
+    cfg = make_config("m", "o", train={"steps": 10, "warmup_steps": 4, "lr_schedule": "cosine"})
+    f = lr_lambda(cfg)
+    assert [round(f(s), 4) for s in (0, 3, 4, 7, 10)] == [0.2, 0.8, 1.0, 0.5, 0.0]
