@@ -1,0 +1,327 @@
+"""Rollout engine: sample G completions per prompt from a Hugging Face causal LM.
+
+Generation dominates the cost of GRPO, so this module does the least work that
+gives exact samples and exact log-probabilities:
+
+- **Prefill sharing.** The B prompts are left-padded and run through the model
+  once, as a [B, P] batch that fills a KV cache. Only then are the cache and the
+  last-position logits repeated to N = B*G rows, so a prompt's prefill is paid
+  once, not G times (``model.generate(num_return_sequences=G)`` prefills N rows).
+- **One decode loop, finished rows dropped.** All N rows decode together with the
+  KV cache. A row that emits an EOS token or a stop string leaves the batch (its
+  cache, attention-mask and position rows are sliced out), so it stops costing
+  compute; ``generate`` keeps running finished rows on padding until the last
+  row is done.
+- **Gumbel-max sampling.** A token is drawn as ``argmax(p / E)`` with ``E``
+  exponential noise (the Gumbel-max trick, ``argmax(log p + Gumbel)``, written
+  in the probability domain). That is one exp, one uniform draw and one log per
+  vocabulary entry, instead of a softmax plus ``torch.multinomial``, which on a
+  32k vocabulary costs more than the model's own decode step. The uniform noise
+  comes from ``torch.rand`` (``Tensor.exponential_`` is about 3x slower on CPU).
+  Top-k / top-p filtering sorts the vocabulary, so it runs only when asked, and
+  the noise is then drawn over the surviving candidates only.
+
+Log-probabilities are those of the *unfiltered* tempered distribution
+``log_softmax(logits / temperature)``, which is what the trainer recomputes, so
+with μ = 1 the policy ratio is exactly 1 on the first pass. With temperature 0
+(greedy) the log-probabilities are those of ``log_softmax(logits)``.
+
+The noise for a step is one [n_active, C] draw from ``generator``: the same seed,
+prompts and model give the same samples, but the samples of one prompt depend
+on the other prompts in the batch (greedy decoding does not).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """G sampled completions per prompt; rows group by group (prompt b → rows b*G .. b*G+G-1)."""
+
+    prompt_ids: Tensor  # [N, P] left-padded with pad_token_id
+    prompt_mask: Tensor  # [N, P] 1 on real prompt tokens
+    completion_ids: Tensor  # [N, T] right-padded with pad_token_id
+    completion_mask: Tensor  # [N, T] 1 up to and including the EOS / stop token
+    logprobs: Tensor  # [N, T] float32 log-probs under softmax(logits / T), 0 on padding
+    truncated: Tensor  # [N] bool: no EOS / stop string within max_new_tokens
+
+    @property
+    def num_sequences(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def completion_lengths(self) -> Tensor:
+        return self.completion_mask.sum(-1)  # [N]
+
+    @property
+    def sequence_ids(self) -> Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)  # [N, P+T]
+
+    @property
+    def sequence_mask(self) -> Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)  # [N, P+T]
+
+
+def position_ids_from_mask(mask: Tensor) -> Tensor:
+    """Positions that count only real tokens, so left padding does not shift them."""
+    return (mask.long().cumsum(-1) - 1).clamp_(min=0)  # [N, L]
+
+
+def left_pad(prompts: list[list[int]], pad_token_id: int, device) -> tuple[Tensor, Tensor]:
+    """Left-pad token lists into ids [B, P] and mask [B, P]."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)  # [B, P]
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, P]
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[row, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+def filter_candidates(z: Tensor, top_k: int, top_p: float) -> tuple[Tensor, Tensor]:
+    """Top-k then top-p (nucleus) filtering, as in HF's warpers.
+
+    Returns the candidates' logits sorted descending, -inf where filtered out,
+    [n, C], and their vocabulary ids [n, C]. Top-p keeps the smallest prefix
+    whose probability (renormalised after top-k) reaches ``top_p``; the most
+    likely token always survives.
+    """
+    if 0 < top_k < z.shape[-1]:
+        vals, idx = z.topk(top_k, dim=-1)  # [n, k], sorted descending
+    else:
+        vals, idx = z.sort(dim=-1, descending=True)  # [n, V]
+    if top_p < 1.0:
+        probs = vals.softmax(-1)  # [n, C]
+        mass_before = probs.cumsum(-1) - probs  # [n, C]
+        vals = vals.masked_fill(mass_before >= top_p, float("-inf"))
+    return vals, idx
+
+
+def exponential_race(weights: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Index of ``argmax(weights / E)``, E ~ Exponential(1): a sample ∝ weights [n, C] → [n].
+
+    This is the Gumbel-max trick in the probability domain; weights need not be
+    normalised, and zero weights are never chosen.
+    """
+    u = torch.rand(weights.shape, generator=generator, device=weights.device)  # [n, C]
+    return (weights / u.log_().neg_()).argmax(-1)  # [n]
+
+
+def sample_tokens(
+    logits: Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Sample one token per row from logits [n, V]; return ids [n] and their log-probs [n].
+
+    The log-prob is under the unfiltered ``softmax(logits / temperature)``
+    (``softmax(logits)`` when greedy), in float32. Greedy ignores top-k / top-p.
+    """
+    z = logits.float()  # [n, V]
+    if temperature == 0:
+        tokens = z.argmax(-1)  # [n]
+        return tokens, z.gather(1, tokens[:, None])[:, 0] - z.logsumexp(-1)
+    if temperature != 1.0:
+        z = z / temperature
+    if top_k == 0 and top_p >= 1.0:
+        top = z.amax(-1, keepdim=True)  # [n, 1]
+        weights = (z - top).exp_()  # [n, V] unnormalised probabilities
+        log_norm = top[:, 0] + weights.sum(-1).log()  # [n]
+        tokens = exponential_race(weights, generator)  # [n]
+    else:
+        vals, idx = filter_candidates(z, top_k, top_p)  # [n, C]
+        pick = exponential_race((vals - vals[:, :1]).exp_(), generator)  # [n]
+        tokens = idx.gather(1, pick[:, None])[:, 0]  # [n]
+        log_norm = z.logsumexp(-1)  # [n]
+    return tokens, z.gather(1, tokens[:, None])[:, 0] - log_norm
+
+
+# ----------------------------------------------------------------------------- model calls
+
+
+class _Decoder:
+    """Calls the model with a DynamicCache, under the keyword names this transformers uses.
+
+    transformers 5.x renamed ``past_key_values`` to ``cache``; the cache object is
+    updated in place, so the output's cache field is never read.
+    """
+
+    def __init__(self, model):
+        from transformers import DynamicCache
+
+        params = inspect.signature(model.forward).parameters
+        self.model = model
+        self.cache = DynamicCache(config=model.config)
+        self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+        self.keep_last = "logits_to_keep" in params
+
+    def __call__(self, ids: Tensor, mask: Tensor, positions: Tensor) -> Tensor:
+        """Run ids [n, L] (mask [n, past+L], positions [n, L]); return last logits [n, V]."""
+        kwargs = {self.cache_kwarg: self.cache, "use_cache": True}
+        if self.keep_last:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs)
+        return out.logits[:, -1, :]  # [n, V]
+
+    def repeat_rows(self, repeats: int) -> None:
+        self.cache.batch_repeat_interleave(repeats)
+
+    def select_rows(self, rows: Tensor) -> None:
+        self.cache.batch_select_indices(rows)
+
+
+def _stop_string_hits(tokens: Tensor, rows: Tensor, t: int, tokenizer, stops, window: int
+                      ) -> Tensor:
+    """Whether each row's completion tail (last ``window`` tokens) holds a stop string → [n].
+
+    A stop string of k bytes spans at most k tokens, so a window of k + 2 tokens
+    sees it whole, with one token to spare for decoders that strip a leading space.
+    """
+    tails = tokens[rows, max(0, t + 1 - window): t + 1].tolist()
+    texts = tokenizer.batch_decode(tails, skip_special_tokens=True)
+    hits = [any(s in text for s in stops) for text in texts]
+    return torch.tensor(hits, dtype=torch.bool, device=tokens.device)
+
+
+def _decode_loop(model, ids: Tensor, mask: Tensor, *, group_size: int, max_new_tokens: int,
+                 eos: Tensor | None, pad_token_id: int, sampling: dict, stops: tuple[str, ...],
+                 tokenizer) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Prefill [B, P] once, expand to N rows and decode them.
+
+    Returns tokens and logprobs [N, max_new_tokens], lengths [N] and finished [N].
+    """
+    step = _Decoder(model)
+    positions = position_ids_from_mask(mask)  # [B, P]
+    logits = step(ids, mask, positions)  # [B, V]: the prefill runs on B rows, not N
+    step.repeat_rows(group_size)
+    logits = logits.repeat_interleave(group_size, 0)  # [N, V]
+    mask = mask.repeat_interleave(group_size, 0)  # [N, P]
+    next_pos = positions[:, -1].repeat_interleave(group_size) + 1  # [N]
+    n, device = logits.shape[0], logits.device
+    tokens = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long,
+                        device=device)  # [N, T]
+    logps = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)  # [N, T]
+    lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)  # [N]
+    finished = torch.zeros(n, dtype=torch.bool, device=device)  # [N]
+    active = torch.arange(n, device=device)  # [n_active] original row ids
+    window = max((len(s.encode()) for s in stops), default=0) + 2
+    for t in range(max_new_tokens):
+        tok, lp = sample_tokens(logits, **sampling)  # [n_active]
+        tokens[active, t] = tok
+        logps[active, t] = lp
+        done = torch.isin(tok, eos) if eos is not None else torch.zeros_like(tok, dtype=torch.bool)
+        if stops:
+            done |= _stop_string_hits(tokens, active, t, tokenizer, stops, window)
+        n_done = int(done.sum())  # the one host sync per step (more only when rows finish)
+        if n_done:
+            lengths[active[done]] = t + 1
+            finished[active[done]] = True
+        if t == max_new_tokens - 1 or n_done == len(active):
+            break
+        if n_done:  # drop finished rows so they stop costing compute
+            keep = (~done).nonzero()[:, 0]  # [n_keep]
+            step.select_rows(keep)
+            active, tok, mask, next_pos = active[keep], tok[keep], mask[keep], next_pos[keep]
+        mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)  # [n_active, P+t+1]
+        logits = step(tok[:, None], mask, next_pos[:, None])  # [n_active, V]
+        next_pos = next_pos + 1
+    return tokens, logps, lengths, finished
+
+
+# ----------------------------------------------------------------------------- public entry
+
+
+def _validate(model, prompt_ids, group_size, max_new_tokens, temperature, top_p, top_k,
+              stop_strings, tokenizer, generator) -> None:
+    """Every input error before any model work, each naming the bad value."""
+    if not prompt_ids:
+        raise ValueError("prompt_ids is empty: pass at least one prompt (a list of token ids)")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
+    if stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need a tokenizer to decode completions: pass tokenizer=")
+    if any(not s for s in stop_strings):
+        raise ValueError("stop_strings must not contain an empty string")
+    if generator is not None and generator.device.type != model.device.type:
+        raise ValueError(f"generator is on {generator.device}, the model on {model.device}: "
+                         f"create it with torch.Generator(device={str(model.device)!r})")
+    config = model.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    max_pos = getattr(config, "max_position_embeddings", None)
+    vocab = getattr(config, "vocab_size", None)
+    for i, p in enumerate(prompt_ids):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        if max_pos is not None and len(p) + max_new_tokens > max_pos:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens; with max_new_tokens={max_new_tokens} that is "
+                f"{len(p) + max_new_tokens} positions, more than the model's "
+                f"max_position_embeddings={max_pos}: shorten the prompt or lower max_new_tokens")
+        if vocab is not None and (min(p) < 0 or max(p) >= vocab):
+            raise ValueError(f"prompt {i} has a token id outside the vocabulary [0, {vocab})")
+
+
+def sample_groups(
+    model, prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: int,
+    eos_token_ids: int | Sequence[int] | None, pad_token_id: int, temperature: float = 1.0,
+    top_p: float = 1.0, top_k: int = 0, stop_strings: Sequence[str] = (), tokenizer=None,
+    generator: torch.Generator | None = None, ignore_eos: bool = False,
+) -> Rollout:
+    """Sample ``group_size`` completions for each prompt; see the module docstring for how.
+
+    A completion ends at the first EOS token (any of ``eos_token_ids``, unless
+    ``ignore_eos``) or the first token after which its decoded text contains one
+    of ``stop_strings``; that token is kept and masked in. The model runs in
+    eval mode (dropout off) and is put back in its previous mode afterwards.
+
+    Sampling runs under ``torch.inference_mode``, but the returned tensors are
+    ordinary ones: inference tensors cannot be used in autograd, and the
+    trainer indexes its differentiable logits with ``completion_ids``.
+    """
+    stops = tuple(stop_strings)
+    _validate(model, prompt_ids, group_size, max_new_tokens, temperature, top_p, top_k,
+              stops, tokenizer, generator)
+    device = model.device
+    eos = None
+    if eos_token_ids is not None and not ignore_eos:
+        eos = torch.as_tensor(eos_token_ids, dtype=torch.long).reshape(-1).to(device)  # [E]
+        eos = eos if eos.numel() else None
+    ids, mask = left_pad(prompt_ids, pad_token_id, device)  # [B, P]
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            tokens, logps, lengths, finished = _decode_loop(
+                model, ids, mask, group_size=group_size, max_new_tokens=max_new_tokens, eos=eos,
+                pad_token_id=pad_token_id, sampling=sampling, stops=stops, tokenizer=tokenizer)
+    finally:
+        model.train(was_training)
+    tokens, logps, lengths, finished = (x.clone() for x in (tokens, logps, lengths, finished))
+    width = int(lengths.max())
+    completion_mask = torch.arange(width, device=device)[None, :] < lengths[:, None]  # [N, T]
+    return Rollout(
+        prompt_ids=ids.repeat_interleave(group_size, 0),  # [N, P]
+        prompt_mask=mask.repeat_interleave(group_size, 0),  # [N, P]
+        completion_ids=tokens[:, :width].masked_fill(~completion_mask, pad_token_id),  # [N, T]
+        completion_mask=completion_mask.long(),  # [N, T]
+        logprobs=logps[:, :width].masked_fill(~completion_mask, 0.0),  # [N, T]
+        truncated=~finished,  # [N]
+    )
