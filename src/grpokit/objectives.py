@@ -1,0 +1,327 @@
+"""Token log-probabilities and the GRPO policy loss (and its variants).
+
+Objective, per completion token t of answer i (N answers, T tokens, mask m):
+
+    rho_t  = pi_theta(y_t | x, y_<t) / pi_old(y_t | x, y_<t) = exp(logp_t - old_logp_t)
+    loss_t = -min(rho_t * A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) * A_i)
+             + beta * KL_t,   KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1   (k3)
+
+and the scalar loss aggregates loss_t over the mask (``loss_type``):
+
+    grpo     mean over each answer's tokens, then mean over answers (DeepSeekMath)
+    bnpo     sum over the micro-batch's tokens / its token count
+    dr_grpo  sum / (N * max_completion_length)                       (Dr. GRPO)
+    dapo     sum / num_items_in_batch, the token count of the whole generation
+             batch, so gradient accumulation does not change the scale (DAPO)
+    cispo    loss_t = -sg(min(rho_t, 1 + eps_high)) * A_i * logp_t, aggregated as
+             dapo (MiniMax-M1 CISPO: clip the importance weight, never drop a
+             token's gradient)
+
+``importance_sampling_level="sequence"`` is GSPO: one ratio per answer,
+exp(mean_t(logp_t - old_logp_t)) (length-normalised), shape [N, 1], broadcast
+over the answer's tokens, with gradient through every token of the mean. This is
+exactly TRL 1.16's implementation.
+
+Deviations from the papers (all but the CISPO one shared with TRL 1.16):
+
+- The KL term is added to the loss per token (DeepSeekMath's choice), not
+  subtracted from the reward, and uses k3 without TRL's optional
+  ``use_bias_correction_kl`` (which multiplies KL_t by rho_t).
+- grpo averages over answers including those with no completion token (they
+  contribute 0), as TRL does.
+- CISPO's cap is ``1 + eps_high`` (the MiniMax-M1 paper's clip(r, ., 1 + eps_high),
+  consistent with what eps_high means for every other loss type here). TRL 1.16
+  instead caps at ``epsilon_high`` itself (ScaleRL's eps_max, recommended 5.0):
+  TRL's epsilon_high = e is our epsilon_high = e - 1. Like TRL, no lower cap.
+- Clip metrics use the sequence ratio broadcast over tokens for GSPO, so they
+  are token means everywhere (TRL takes a mean over sequences in that case).
+- Padding positions never reach the loss: log-ratios and the KL argument are
+  zeroed there before ``exp``, and the per-token loss is selected by the mask
+  (``where``), so a sentinel or -inf at padding cannot produce NaN.
+
+Log-probabilities are computed in chunks of rows so that neither the full
+[N, T, V] float32 log-softmax nor (with ``token_logprobs_from_hidden``) the
+[N, T, V] logits ever exist at once; ``torch.utils.checkpoint`` makes backward
+recompute each chunk rather than keep every chunk's activations alive.
+
+Pure torch; no function modifies its inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "LOSS_TYPES",
+    "IMPORTANCE_SAMPLING_LEVELS",
+    "importance_log_ratio",
+    "policy_loss",
+    "sequence_ratio",
+    "token_logprobs",
+    "token_logprobs_from_hidden",
+]
+
+
+# ---------------------------------------------------------------- log-probabilities
+
+
+def _logp_entropy(logits: Tensor, ids: Tensor, temperature: float, with_entropy: bool):
+    """Gathered log-prob (and entropy) of softmax(logits / temperature) for rows [R, V], ids [R]."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    logz = logits.to(dtype) / temperature  # [R, V]
+    logsm = torch.log_softmax(logz, dim=-1)  # [R, V]
+    logp = logsm.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # [R]
+    if not with_entropy:
+        return logp
+    probs = logsm.exp()  # [R, V]
+    # where() before the product keeps -inf logits (masked vocab) from giving 0 * -inf = NaN.
+    entropy = -(probs * torch.where(probs > 0, logsm, 0.0)).sum(dim=-1)  # [R]
+    return logp, entropy
+
+
+def _row_chunks(x: Tensor, ids: Tensor, chunk_size: int) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+    """Split x [N, T, D] and ids [N, T] into matching chunks of rows [R, D], [R], in (n, t) order.
+
+    ``split`` (not a loop of slices) so that backward assembles the gradient with one
+    ``cat`` instead of one full-size zero tensor per chunk.
+    """
+    n, t, d = x.shape
+    try:
+        return x.view(n * t, d).split(chunk_size), ids.reshape(n * t).split(chunk_size)
+    except RuntimeError:  # not viewable (e.g. a slice of longer logits): whole sequences per chunk
+        per = max(1, chunk_size // max(t, 1))
+        return tuple(c.reshape(-1, d) for c in x.split(per)), tuple(c.reshape(-1) for c in ids.split(per))
+
+
+def _chunked(fn: Callable, x: Tensor, ids: Tensor, chunk_size: int, with_entropy: bool):
+    """Apply ``fn(rows [R, D], ids [R])`` over chunks of rows, checkpointed when grads are on."""
+    use_ckpt = torch.is_grad_enabled()
+    logps, ents = [], []
+    for rows, row_ids in zip(*_row_chunks(x, ids, chunk_size)):
+        out = checkpoint(fn, rows, row_ids, use_reentrant=False) if use_ckpt else fn(rows, row_ids)
+        logp, ent = out if with_entropy else (out, None)
+        logps.append(logp)
+        ents.append(ent)
+    logp = torch.cat(logps).reshape(ids.shape)  # [N, T]
+    return logp, (torch.cat(ents).reshape(ids.shape) if with_entropy else None)
+
+
+def _check_logprob_args(lead: Tensor, name: str, token_ids: Tensor, temperature: float, chunk_size: int) -> None:
+    if lead.dim() != 3:
+        last = {"logits": "V", "hidden": "H"}[name]
+        raise ValueError(f"{name} must have shape [N, T, {last}], got {tuple(lead.shape)}")
+    if tuple(token_ids.shape) != tuple(lead.shape[:2]):
+        raise ValueError(f"token_ids must have shape [N, T] = {tuple(lead.shape[:2])}, got {tuple(token_ids.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+
+
+def token_logprobs(
+    logits: Tensor,
+    token_ids: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 4096,
+    with_entropy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Log-prob ``[N, T]`` of ``token_ids`` under softmax(logits / temperature), logits ``[N, T, V]``.
+
+    With ``with_entropy`` also returns the entropy ``[N, T]`` of that distribution.
+    Results are float32 (float64 for float64 logits); gradients flow to ``logits``.
+    """
+    _check_logprob_args(logits, "logits", token_ids, temperature, chunk_size)
+
+    def fn(rows: Tensor, ids: Tensor):
+        return _logp_entropy(rows, ids, temperature, with_entropy)  # rows: [R, V]
+
+    logp, ent = _chunked(fn, logits, token_ids, chunk_size, with_entropy)  # [N, T], [N, T] | None
+    return (logp, ent) if with_entropy else logp
+
+
+def token_logprobs_from_hidden(
+    hidden: Tensor,
+    lm_head: torch.nn.Module,
+    token_ids: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-prob ``[N, T]`` (and entropy or None) from last hidden states ``[N, T, H]``.
+
+    ``lm_head`` maps H -> V (``model.get_output_embeddings()``). The ``[N, T, V]``
+    logits are never built: each chunk of rows is projected, reduced and
+    (under autograd) checkpointed, so peak memory is O(chunk_size * V) (O(T * V)
+    when ``hidden`` cannot be viewed as [N*T, H] and chunks are whole sequences).
+    Gradients flow to ``hidden`` and to ``lm_head``'s parameters.
+    """
+    _check_logprob_args(hidden, "hidden", token_ids, temperature, chunk_size)
+
+    def fn(rows: Tensor, ids: Tensor):
+        return _logp_entropy(lm_head(rows), ids, temperature, with_entropy)  # rows: [R, H] -> logits [R, V]
+
+    return _chunked(fn, hidden, token_ids, chunk_size, with_entropy)  # [N, T], [N, T] | None
+
+
+# ---------------------------------------------------------------- ratios
+
+
+def _token_log_ratio(log_ratio: Tensor, maskf: Tensor) -> Tensor:
+    return log_ratio  # [N, T]
+
+
+def _sequence_log_ratio(log_ratio: Tensor, maskf: Tensor) -> Tensor:
+    # GSPO: length-normalised, i.e. the log of the geometric mean of token ratios.
+    return (log_ratio * maskf).sum(-1, keepdim=True) / maskf.sum(-1, keepdim=True).clamp(min=1.0)  # [N, 1]
+
+
+IMPORTANCE_SAMPLING_LEVELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "token": _token_log_ratio,
+    "sequence": _sequence_log_ratio,
+}
+
+
+def importance_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, *, level: str = "token") -> Tensor:
+    """log rho: ``[N, T]`` per token (level="token") or ``[N, 1]`` per answer (level="sequence", GSPO)."""
+    if level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(
+            f"importance_sampling_level must be one of {sorted(IMPORTANCE_SAMPLING_LEVELS)}, got {level!r}"
+        )
+    valid = mask != 0  # [N, T]
+    log_ratio = torch.where(valid, logp - old_logp, 0.0)  # [N, T]
+    return IMPORTANCE_SAMPLING_LEVELS[level](log_ratio, valid.to(log_ratio.dtype))
+
+
+def sequence_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
+    """pi_theta(y|x) / pi_old(y|x) ``[N]``: the product of the masked token ratios (seed 002)."""
+    log_ratio = torch.where(mask != 0, logp - old_logp, 0.0)  # [N, T]
+    return log_ratio.sum(-1).exp()  # [N]
+
+
+# ---------------------------------------------------------------- surrogates
+
+
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, logp: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)  # [N, T] or [N, 1]
+    return -torch.min(ratio * adv, clipped * adv)
+
+
+def _cispo_surrogate(ratio: Tensor, adv: Tensor, logp: Tensor, eps_low: float, eps_high: float) -> Tensor:
+    weight = ratio.clamp(max=1.0 + eps_high).detach()  # [N, T] or [N, 1]
+    return -weight * adv * logp  # [N, T]
+
+
+# ---------------------------------------------------------------- aggregations
+
+
+def _agg_grpo(loss: Tensor, maskf: Tensor, max_len: int | None, n_items) -> Tensor:
+    per_answer = loss.sum(-1) / maskf.sum(-1).clamp(min=1.0)  # [N]
+    return per_answer.mean()
+
+
+def _agg_bnpo(loss: Tensor, maskf: Tensor, max_len: int | None, n_items) -> Tensor:
+    return loss.sum() / maskf.sum().clamp(min=1.0)
+
+
+def _agg_dr_grpo(loss: Tensor, maskf: Tensor, max_len: int | None, n_items) -> Tensor:
+    if max_len is None or int(max_len) < 1:
+        raise ValueError(f"loss_type='dr_grpo' needs max_completion_length (an integer >= 1), got {max_len!r}")
+    return loss.sum() / (loss.shape[0] * max_len)
+
+
+def _agg_dapo(loss: Tensor, maskf: Tensor, max_len: int | None, n_items) -> Tensor:
+    total = maskf.sum() if n_items is None else torch.as_tensor(n_items, dtype=loss.dtype, device=loss.device)
+    return loss.sum() / total.clamp(min=1.0)
+
+
+# loss_type -> (per-token surrogate, aggregation of the masked per-token loss [N, T] to a scalar)
+LOSS_TYPES: dict[str, tuple[Callable, Callable]] = {
+    "grpo": (_clipped_surrogate, _agg_grpo),
+    "bnpo": (_clipped_surrogate, _agg_bnpo),
+    "dr_grpo": (_clipped_surrogate, _agg_dr_grpo),
+    "dapo": (_clipped_surrogate, _agg_dapo),
+    "cispo": (_cispo_surrogate, _agg_dapo),
+}
+
+
+# ---------------------------------------------------------------- policy loss
+
+
+def _check_policy_args(logp, old_logp, advantages, mask, ref_logp, beta, loss_type) -> None:
+    if logp.dim() != 2:
+        raise ValueError(f"logp must have shape [N, T], got {tuple(logp.shape)}")
+    shape = tuple(logp.shape)
+    for name, x in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp)):
+        if x is not None and tuple(x.shape) != shape:
+            raise ValueError(f"{name} must have shape [N, T] = {shape} like logp, got {tuple(x.shape)}")
+    if tuple(advantages.shape) != shape[:1]:
+        got = tuple(advantages.shape)
+        raise ValueError(f"advantages must have shape [N] = {shape[:1]} (one per answer), got {got}")
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {sorted(LOSS_TYPES)}, got {loss_type!r}")
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0, got {beta!r}")
+    if beta > 0 and ref_logp is None:
+        raise ValueError(f"beta={beta} > 0 needs ref_logp (the reference model's token log-probs, [N, T])")
+
+
+def _masked_mean(x: Tensor, maskf: Tensor) -> Tensor:
+    return ((x * maskf).sum() / maskf.sum().clamp(min=1.0)).detach()
+
+
+def _clip_stats(ratio: Tensor, adv: Tensor, maskf: Tensor, eps_low: float, eps_high: float) -> dict[str, Tensor]:
+    ratio = ratio.detach().expand_as(maskf)  # [N, T] (GSPO's [N, 1] broadcast)
+    low = (ratio < 1.0 - eps_low) & (adv < 0)  # [N, T]
+    high = (ratio > 1.0 + eps_high) & (adv > 0)  # [N, T]
+    return {
+        "clip_ratio/low_mean": _masked_mean(low.to(maskf.dtype), maskf),
+        "clip_ratio/high_mean": _masked_mean(high.to(maskf.dtype), maskf),
+        "clip_ratio/region_mean": _masked_mean((low | high).to(maskf.dtype), maskf),
+    }
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    ref_logp: Tensor | None = None,
+    beta: float = 0.0,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    loss_type: str = "dapo",
+    importance_sampling_level: str = "token",
+    max_completion_length: int | None = None,
+    num_items_in_batch: int | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Scalar policy loss and detached stats; see the module docstring for the math.
+
+    logp, old_logp, ref_logp, mask: ``[N, T]``; advantages: ``[N]``. ``old_logp=None``
+    means on-policy (``logp.detach()``: ratio 1, gradient still flows).
+    """
+    _check_policy_args(logp, old_logp, advantages, mask, ref_logp, beta, loss_type)
+    surrogate, aggregate = LOSS_TYPES[loss_type]
+    eps_low, eps_high = epsilon, (epsilon if epsilon_high is None else epsilon_high)
+    old_logp = logp.detach() if old_logp is None else old_logp
+    valid = mask != 0  # [N, T]
+    maskf = valid.to(logp.dtype)  # [N, T]
+    adv = advantages.to(logp.dtype).unsqueeze(-1)  # [N, 1]
+
+    ratio = importance_log_ratio(logp, old_logp, mask, level=importance_sampling_level).exp()  # [N, T] | [N, 1]
+    per_token = surrogate(ratio, adv, logp, eps_low, eps_high).expand_as(logp)  # [N, T]
+    stats = _clip_stats(ratio, adv, maskf, eps_low, eps_high)
+    if beta > 0:
+        delta = torch.where(valid, ref_logp - logp, 0.0)  # [N, T]
+        kl = delta.exp() - delta - 1.0  # [N, T], k3 >= 0
+        per_token = per_token + beta * kl
+        stats["kl"] = _masked_mean(kl, maskf)
+    per_token = torch.where(valid, per_token, 0.0)  # [N, T]
+    loss = aggregate(per_token, maskf, max_completion_length, num_items_in_batch)
+    return loss, stats
