@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import json
 import pytest
 import torch
 import transformers
@@ -102,3 +103,28 @@ def test_batched_greedy_equals_per_prompt(arch_model_dir):
         single = sample_groups(model, [p], **kw)
         assert batched.completion_ids[b].tolist() == single.completion_ids[0].tolist()
         torch.testing.assert_close(batched.logprobs[b], single.logprobs[0], atol=1e-4, rtol=0)
+
+
+def test_one_training_step_changes_the_weights(arch_model_dir, tmp_path):
+    """The whole loop (rollout, rewards, scoring through the chunked head or the model's own
+    logits, backward, optimizer step, checkpoint) runs on every decoder family, with β > 0 and μ = 2
+    so the reference and old-logprob passes run too."""
+    from safetensors.torch import load_file
+
+    from grpokit.config import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+    from grpokit.trainer import train
+
+    def even_chars(completions, **kwargs):
+        return [sum(ord(ch) % 2 == 0 for ch in c) / max(1, len(c)) for c in completions]
+
+    config = Config(model=ModelConfig(path=str(arch_model_dir)), data=DataConfig(task="addition", num_prompts=16),
+                    rollout=RolloutConfig(group_size=4, max_new_tokens=4),
+                    algorithm=AlgorithmConfig(beta=0.04, num_iterations=2),
+                    train=TrainConfig(steps=1, prompts_per_step=2, learning_rate=1e-3),
+                    output=OutputConfig(dir=str(tmp_path / "run"), console=False))
+    run = train(config, reward_functions=[even_chars])
+    row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["grad_norm"] > 0 and row["kl"] >= 0
+    before = {k: v for k, v in load_file(str(next(arch_model_dir.glob("*.safetensors")))).items()}
+    after = load_file(str(next((run / "checkpoint-1").glob("*.safetensors"))))
+    assert any(not torch.equal(before[k], after[k]) for k in before if k in after)
