@@ -137,6 +137,7 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # 0 = no clipping
     seed: int = 0
     logprob_chunk_size: int = 1024  # rows per chunk of the selective log-softmax
+    max_consecutive_skips: int = 5  # stop after this many steps in a row with NaN/inf updates; 0 = never
 
     def __post_init__(self):
         object.__setattr__(self, "adam_betas", tuple(self.adam_betas))
@@ -149,6 +150,7 @@ class TrainConfig:
         _one_of(self.lr_schedule, ("constant", "cosine"), "train.lr_schedule")
         _check(self.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0 (0 = off)")
         _check(len(self.adam_betas) == 2, "train.adam_betas", "give two numbers, e.g. [0.9, 0.99]")
+        _check(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", "must be >= 0 (0 = never stop)")
 
 
 @dataclass(frozen=True)
@@ -159,10 +161,22 @@ class OutputConfig:
     overwrite: bool = False  # allow writing into a run folder that already has results
     completions_every: int = 0  # write sampled answers every K steps; 0 = off
     console: bool = True  # live progress bar
+    tensorboard: bool = False  # TensorBoard scalars in RUN_DIR/tensorboard (needs the tensorboard extra)
+    wandb: bool = False  # log every metric to Weights & Biases too (needs `pip install wandb`)
 
     def __post_init__(self):
         _check(self.save_every >= 0, "output.save_every", "must be >= 0")
         _check(self.keep_last >= 1, "output.keep_last", "must be >= 1")
+        _check(not self.tensorboard or _installed("tensorboard"), "output.tensorboard",
+               "needs the tensorboard package: pip install 'grpokit[tensorboard]', or set it to false")
+        _check(not self.wandb or _installed("wandb"), "output.wandb",
+               "needs the wandb package: pip install wandb, or set it to false")
+
+
+def _installed(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 SECTIONS = {

@@ -9,6 +9,7 @@ functions, the output folder, and prompts too long for the model's context.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -82,7 +83,20 @@ def prepare_output_dir(config: Config, *, resume: bool) -> Path:
         probe.unlink()
     except OSError as e:
         raise SetupError(f"output.dir {str(run_dir)!r} is not writable ({e.strerror}); choose another folder") from e
+    _check_free_space(run_dir, Path(config.model.path))
     return run_dir
+
+
+def _check_free_space(run_dir: Path, model_dir: Path) -> None:
+    """A checkpoint holds the weights and the optimizer's two moments (about 3x the weights); ask for
+    room for one more while the previous one still exists."""
+    weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) or \
+        sum(p.stat().st_size for p in model_dir.glob("*.bin"))
+    needed, free = 4 * weights, shutil.disk_usage(run_dir).free
+    if free < needed:
+        raise SetupError(f"output.dir {str(run_dir)!r} has {free / 2**20:.0f} MiB free; checkpoints of this model "
+                         f"need about {needed / 2**20:.0f} MiB (weights + optimizer state); free space or choose "
+                         "another output.dir")
 
 
 def tokenize_prompts(config: Config, data: PreparedData, tokenizer, max_positions: int | None) -> PromptTable:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import threading
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -30,6 +32,7 @@ from .objectives import policy_loss
 from .rewards import RewardSpec, as_trl_completions, compute_rewards, reward_metrics
 from .rollout import Rollout, sample_groups
 from .data import columns_of
+from .diagnostics import Diagnostics
 from .run_setup import (PreparedData, PromptTable, max_positions_of, prepare_data, prepare_output_dir,
                         resolve_reward_specs, tokenize_prompts)
 from .tracking import ConsoleProgress, MetricsWriter, finite_or_none, completion_metrics, reward_summary
@@ -85,35 +88,89 @@ def train(
     if resume and (checkpoints := list_checkpoints(run_dir)):
         start_step = _restore(checkpoints[-1], model, optimizer, scheduler, sampler, stream)
     (run_dir / "config.toml").write_text(to_toml(config), encoding="utf-8")
-    writer = MetricsWriter(run_dir, append=start_step > 0)
+    writer = MetricsWriter(run_dir, append=start_step > 0, tensorboard=config.output.tensorboard,
+                           wandb=config.output.wandb)
     console = ConsoleProgress(config.train.steps, start_step, enabled=config.output.console)
+    diagnostics = Diagnostics.from_config(config)  # the seeds' common mistakes, each printed once
+    for message in diagnostics.check_config(config):
+        console.print(message)
 
     # ---- the loop -------------------------------------------------------------------
+    def save(step: int) -> Path:
+        state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                 "rng": rng_state(), "sampler": sampler.get_state(), "stream": stream.state_dict()}
+        return save_checkpoint(run_dir, step, model, tokenizer, state, config.output.keep_last)
+
+    failed_steps = 0  # consecutive steps whose every update was skipped as non-finite
     try:
-        for step in range(start_step + 1, config.train.steps + 1):
-            t0 = time.perf_counter()
-            batch, gen_metrics = generate_and_grade(config, model, tokenizer, prompts, stream, specs, sampler)
-            t1 = time.perf_counter()
-            score_old_and_ref(config, model, ref_model, batch, linear_head)
-            train_metrics = optimize(config, model, optimizer, scheduler, batch, linear_head)
-            t2 = time.perf_counter()
-            n_tokens = batch.rollout.completion_mask.sum().item()
-            metrics = {**gen_metrics, **train_metrics,
-                       "learning_rate": scheduler.get_last_lr()[0],
-                       "time/rollout": gen_metrics.pop("time/rollout"), "time/train": t2 - t1,
-                       "time/step": t2 - t0, "tokens_per_sec": n_tokens / (t2 - t0)}
-            writer.write(step, metrics)
-            if config.output.completions_every and step % config.output.completions_every == 0:
-                write_completions(run_dir, step, batch, specs)
-            console.update(step, metrics)
-            if step == config.train.steps or (config.output.save_every and step % config.output.save_every == 0):
-                state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                         "rng": rng_state(), "sampler": sampler.get_state(), "stream": stream.state_dict()}
-                save_checkpoint(run_dir, step, model, tokenizer, state, config.output.keep_last)
+        with GracefulStop() as stop:
+            for step in range(start_step + 1, config.train.steps + 1):
+                t0 = time.perf_counter()
+                batch, gen_metrics = generate_and_grade(config, model, tokenizer, prompts, stream, specs, sampler)
+                t1 = time.perf_counter()
+                score_old_and_ref(config, model, ref_model, batch, linear_head)
+                train_metrics = optimize(config, model, optimizer, scheduler, batch, linear_head)
+                t2 = time.perf_counter()
+                n_tokens = batch.rollout.completion_mask.sum().item()
+                metrics = {**gen_metrics, **train_metrics,
+                           "learning_rate": scheduler.get_last_lr()[0],
+                           "time/rollout": gen_metrics.pop("time/rollout"), "time/train": t2 - t1,
+                           "time/step": t2 - t0, "tokens_per_sec": n_tokens / (t2 - t0)}
+                writer.write(step, metrics)
+                for message in diagnostics.update(step, metrics):
+                    console.print(message)
+                if config.output.completions_every and step % config.output.completions_every == 0:
+                    write_completions(run_dir, step, batch, specs)
+                console.update(step, metrics)
+                failed_steps = failed_steps + 1 if math.isnan(metrics["grad_norm"]) else 0
+                if config.train.max_consecutive_skips and failed_steps >= config.train.max_consecutive_skips:
+                    raise TrainingDiverged(_diverged_message(run_dir, failed_steps))
+                due = step == config.train.steps or (config.output.save_every and step % config.output.save_every == 0)
+                if due or stop.requested:
+                    path = save(step)
+                if stop.requested:
+                    console.print(f"{stop.requested}: stopped after step {step}; saved {path}. "
+                                  f"Continue with: grpokit train CONFIG --resume")
+                    break
     finally:
         console.close()
         writer.close()
     return run_dir
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many updates in a row had a non-finite loss or gradient."""
+
+
+def _diverged_message(run_dir: Path, failed_steps: int) -> str:
+    last = list_checkpoints(run_dir)
+    where = f"the last good checkpoint is {last[-1]}" if last else "no checkpoint was written yet"
+    return (f"{failed_steps} steps in a row had a NaN/inf loss or gradient, so no update was applied; "
+            f"stopping ({where}, untouched). Lower train.learning_rate, check the reward functions for "
+            f"extreme values, or raise train.max_consecutive_skips.")
+
+
+class GracefulStop:
+    """SIGINT / SIGTERM ask the loop to finish its step, save and exit; a second SIGINT stops at once."""
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+
+    def __enter__(self) -> "GracefulStop":
+        if threading.current_thread() is threading.main_thread():  # handlers can only be set there
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def lr_lambda(config: Config) -> Callable[[int], float]:
