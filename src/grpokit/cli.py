@@ -1,4 +1,4 @@
-"""`grpokit train | eval | sft | demo | tiny-model` — the command line.
+"""`grpokit train | eval | sft | demo | report | explain | tiny-model` — the command line.
 
 User errors (a bad config field, a missing file, a failing reward function) end
 with one `error: ...` line that names the field or row and the fix, and exit
@@ -85,6 +85,32 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from .report import ReportError, build_report
+
+    try:
+        out = build_report(args.run_dir, args.out, groups_per_step=args.groups, max_steps=args.steps)
+    except ReportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"report: {out}")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    from .explain import ExplainError, explain_checkpoints, format_explanation
+
+    try:
+        result = explain_checkpoints(args.old, args.new, args.prompt, args.answer, dtype=args.dtype, device=args.device,
+                                     chat=args.chat, temperature=args.temperature, top_k=args.top_k,
+                                     epsilon=args.epsilon, epsilon_high=args.epsilon_high, advantage=args.advantage)
+    except ExplainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else format_explanation(result))
+    return 0
+
+
 def cmd_tiny_model(args) -> int:
     from .tiny import build_tiny_model
 
@@ -146,6 +172,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="a much shorter run (smoke test)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("report", help="write a self-contained HTML report of a run folder (curves, groups, diagnostics)")
+    p.add_argument("run_dir", help="a run folder (output.dir) with metrics.jsonl")
+    p.add_argument("--out", help="HTML file to write (default RUN_DIR/report.html)")
+    p.add_argument("--groups", type=int, default=4, help="sampled groups shown per step")
+    p.add_argument("--steps", type=int, default=3, help="steps whose sampled groups are shown (first, last, between)")
+    p.set_defaults(func=cmd_report)
+
+    p = sub.add_parser("explain", help="per-token probabilities and policy ratios of one answer under two checkpoints")
+    p.add_argument("--old", required=True, help="model folder of the policy that sampled the answer")
+    p.add_argument("--new", required=True, help="model folder after the update")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--answer", required=True)
+    p.add_argument("--chat", action="store_true", help="render the prompt as a user message with the chat template")
+    p.add_argument("--temperature", type=float, default=1.0, help="the sampling temperature training scores with")
+    p.add_argument("--top-k", type=int, default=5, help="tokens shown per step (of either model)")
+    p.add_argument("--epsilon", type=float, default=0.2)
+    p.add_argument("--epsilon-high", type=float, default=None, help="upper clip (default: epsilon)")
+    p.add_argument("--advantage", type=float, default=None, help="the answer's advantage: shows which tokens clip")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("tiny-model", help="write a tiny random-init model + char tokenizer to a folder")
     p.add_argument("out")

@@ -42,9 +42,9 @@ def reward_summary(total: torch.Tensor, group_size: int) -> dict[str, float]:
 
 
 class MetricsWriter:
-    """One JSON object per step in `metrics.jsonl`, and TensorBoard scalars if installed and asked for."""
+    """One JSON object per step in `metrics.jsonl`; TensorBoard scalars and wandb when asked for."""
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool = False, append: bool = False):
+    def __init__(self, run_dir: Path, *, tensorboard: bool = False, append: bool = False, wandb: bool = False):
         self.path = run_dir / "metrics.jsonl"
         self.file = open(self.path, "a" if append else "w", encoding="utf-8")
         self.tb = None
@@ -52,6 +52,7 @@ class MetricsWriter:
             from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` extra
 
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        self.wandb = _start_wandb(run_dir) if wandb else None
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: finite_or_none(v) for k, v in metrics.items()}}
@@ -61,11 +62,26 @@ class MetricsWriter:
             for key, value in metrics.items():
                 if value is not None and math.isfinite(value):
                     self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=step)
 
     def close(self) -> None:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _start_wandb(run_dir: Path):
+    """A wandb run named after the run folder, with the resolved config (imported only when asked for)."""
+    import tomllib
+
+    import wandb
+
+    config_path = run_dir / "config.toml"
+    config = tomllib.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    return wandb.init(project="grpokit", name=run_dir.name, dir=str(run_dir), config=config)
 
 
 def finite_or_none(value):

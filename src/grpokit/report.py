@@ -1,0 +1,425 @@
+"""`grpokit report RUN_DIR`: one self-contained HTML page that shows what a run did.
+
+The page reads only the run folder — `metrics.jsonl`, `config.toml` and, when
+the run wrote it (`output.completions_every = K`), `completions.jsonl` — and has:
+
+- the diagnostics (`grpokit.diagnostics`) replayed over the whole run;
+- curves: reward overall and per reward function, reward_std,
+  frac_reward_zero_std, kl, entropy, clip ratios, lengths, the share of answers
+  cut at the length limit, throughput and time per step, loss, grad norm,
+  learning rate, and any other metric the run logged;
+- sampled groups laid out like seed 001's table: each answer, its score, minus
+  the group mean, divided by the std = the advantage the trainer used.
+
+Curves are drawn as SVG by this module (no plotting dependency) and embedded as
+base64 `data:` images, so the one HTML file is the whole report: it can be
+mailed, attached to an issue or opened offline.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import math
+import tomllib
+from pathlib import Path
+
+from .diagnostics import replay
+
+CHARTS = [  # (title, metric names; "*" matches one reward function name)
+    ("Reward (total and per function)", ["reward", "rewards/*/mean"]),
+    ("Reward std (within groups; per function over the batch)", ["reward_std", "rewards/*/std"]),
+    ("Share of groups with zero reward std", ["frac_reward_zero_std"]),
+    ("KL to the reference model", ["kl"]),
+    ("Entropy (nats per token)", ["entropy"]),
+    ("Clip ratios", ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]),
+    ("Completion length (tokens)", ["completions/mean_length", "completions/min_length", "completions/max_length",
+                                    "completions/mean_terminated_length"]),
+    ("Share of answers cut at max_new_tokens", ["completions/clipped_ratio"]),
+    ("Throughput (completion tokens per second)", ["tokens_per_sec"]),
+    ("Time per step (s)", ["time/step", "time/rollout", "time/reward", "time/train"]),
+    ("Loss", ["loss"]),
+    ("Gradient norm (before clipping)", ["grad_norm"]),
+    ("Learning rate", ["learning_rate"]),
+]
+WHY_MISSING = {"kl": "not logged: algorithm.beta = 0, so no reference model was loaded and no KL computed"}
+COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
+
+
+class ReportError(ValueError):
+    """The run folder cannot be reported on; the message says why."""
+
+
+# ---- reading the run folder ---------------------------------------------------------
+
+
+def _jsonl(path: Path) -> list[dict]:
+    lines, rows = path.read_text(encoding="utf-8").splitlines(), []
+    for i, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:  # a run killed mid-write may leave a partial last line
+                if i < len(lines):
+                    raise ReportError(f"{path}: line {i} is not JSON: {e}") from e
+    return rows
+
+
+def load_run(run_dir: str | Path) -> dict:
+    """metrics rows, the raw config dict, a Config when it still validates, and completions rows."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise ReportError(f"{run_dir} has no metrics.jsonl; give the run folder (output.dir) of a grpokit run")
+    metrics = _jsonl(run_dir / "metrics.jsonl")
+    if not metrics:
+        raise ReportError(f"{run_dir / 'metrics.jsonl'} is empty: the run has not finished a step yet")
+    raw, config = {}, None
+    if (run_dir / "config.toml").is_file():
+        raw = tomllib.loads((run_dir / "config.toml").read_text(encoding="utf-8"))
+        try:
+            from .config import config_from_dict
+
+            config = config_from_dict(raw)
+        except Exception:  # an older or hand-edited config: the page still shows what it can
+            config = None
+    path = run_dir / "completions.jsonl"
+    completions = _jsonl(path) if path.is_file() else []
+    return {"dir": run_dir, "metrics": metrics, "raw_config": raw, "config": config, "completions": completions}
+
+
+# ---- curves as SVG --------------------------------------------------------------------
+
+
+def _nice_ticks(lo: float, hi: float, n: int = 5) -> tuple[list[float], float]:
+    raw = (hi - lo) / max(1, n - 1)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step - 1e-9) * step
+    ticks = [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+    return [0.0 if abs(t) < step * 1e-6 else t for t in ticks], step
+
+
+def _tick_labels(ticks: list[float], step: float) -> list[str]:
+    """Labels with just enough digits to tell neighbouring ticks apart."""
+    e_step = math.floor(math.log10(step))
+    extra = 1 if round(step / 10 ** e_step, 6) == 2.5 else 0
+    big = max(abs(t) for t in ticks) if ticks else 0.0
+    if big >= 1e5 or 0 < big < 1e-3:
+        digits = max(0, math.floor(math.log10(big)) - e_step + extra)
+        return [f"{t:.{digits}e}" for t in ticks]
+    return [f"{t:.{max(0, extra - e_step)}f}" for t in ticks]
+
+
+def _smooth(values: list[float], span: int) -> list[float]:
+    alpha, out, acc = 2 / (span + 1), [], None
+    for v in values:
+        acc = v if acc is None else alpha * v + (1 - alpha) * acc
+        out.append(acc)
+    return out
+
+
+def svg_chart(title: str, series: dict[str, list[tuple[float, float | None]]], width: int = 520,
+              height: int = 230) -> str:
+    """A line chart of named (step, value) series as a standalone SVG document; None values leave gaps."""
+    left, right, bottom = 62, 14, 32
+    legend, x, y = [], left, 33  # (name, x, y) laid out in rows that fit the width
+    for name in series:
+        item = 22 + 6.2 * len(name)
+        if x + item > width - right and x > left:
+            x, y = left, y + 15
+        legend.append((name, x, y))
+        x += item
+    top = y + 11
+    pts = [(x, y) for s in series.values() for x, y in s if y is not None and math.isfinite(y)]
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    x0, x1 = (min(xs), max(xs)) if xs else (0, 1)
+    y0, y1 = (min(ys), max(ys)) if ys else (0, 1)
+    if x1 == x0:
+        x0, x1 = x0 - 1, x1 + 1
+    if y1 == y0:
+        pad = abs(y0) * 0.1 or 1.0
+        y0, y1 = y0 - pad, y1 + pad
+    pw, ph = width - left - right, height - top - bottom
+    sx = lambda x: left + (x - x0) / (x1 - x0) * pw  # noqa: E731
+    sy = lambda y: top + (1 - (y - y0) / (y1 - y0)) * ph  # noqa: E731
+    e = html.escape
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+           f'viewBox="0 0 {width} {height}" font-family="Helvetica, Arial, sans-serif" font-size="11">',
+           f'<rect width="{width}" height="{height}" fill="white"/>',
+           f'<text x="{left}" y="15" font-size="13" font-weight="bold">{e(title)}</text>']
+    ticks, step = _nice_ticks(y0, y1)
+    for t, label in zip(ticks, _tick_labels(ticks, step)):
+        y = sy(t)
+        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e5e5"/>')
+        out.append(f'<text x="{left - 5}" y="{y + 4:.1f}" text-anchor="end" fill="#555">{label}</text>')
+    for t in _nice_ticks(x0, x1, 6)[0]:
+        if abs(t - round(t)) < 1e-9:
+            x = sx(t)
+            out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{top + ph}" y2="{top + ph + 4}" stroke="#555"/>')
+            out.append(f'<text x="{x:.1f}" y="{top + ph + 16}" text-anchor="middle" fill="#555">{int(round(t))}</text>')
+    out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>')
+    out.append(f'<text x="{left + pw}" y="{height - 3}" text-anchor="end" fill="#555">step</text>')
+    for i, ((name, data), (_, lx, ly)) in enumerate(zip(series.items(), legend)):
+        color = COLORS[i % len(COLORS)]
+        out.append(f'<rect x="{lx:.0f}" y="{ly - 9}" width="10" height="10" fill="{color}"/>')
+        out.append(f'<text x="{lx + 14:.0f}" y="{ly}">{e(name)}</text>')
+        values = [y if y is not None and math.isfinite(y) else None for _, y in data]
+        raw_opacity = 1.0
+        if len([v for v in values if v is not None]) > 40:  # long runs: faint raw curve + smoothed line
+            raw_opacity = 0.3
+            smooth_in = [v for v in values if v is not None]
+            smoothed = iter(_smooth(smooth_in, max(3, len(smooth_in) // 20)))
+            out += _polylines([(x, next(smoothed) if v is not None else None) for (x, _), v in zip(data, values)],
+                              sx, sy, color, 1.0)
+        out += _polylines([(x, v) for (x, _), v in zip(data, values)], sx, sy, color, raw_opacity)
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _polylines(data, sx, sy, color: str, opacity: float) -> list[str]:
+    segments, current = [], []
+    for x, y in data:
+        if y is None:
+            if current:
+                segments.append(current)
+            current = []
+        else:
+            current.append((sx(x), sy(y)))
+    if current:
+        segments.append(current)
+    out = []
+    for seg in segments:
+        if len(seg) == 1:
+            out.append(f'<circle cx="{seg[0][0]:.1f}" cy="{seg[0][1]:.1f}" r="2.5" fill="{color}" '
+                       f'fill-opacity="{opacity}"/>')
+        else:
+            points = " ".join(f"{x:.1f},{y:.1f}" for x, y in seg)
+            out.append(f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="1.6" '
+                       f'stroke-opacity="{opacity}"/>')
+    return out
+
+
+def _match(pattern: str, keys: list[str]) -> list[str]:
+    if "*" not in pattern:
+        return [pattern] if pattern in keys else []
+    head, tail = pattern.split("*")
+    return [k for k in keys if k.startswith(head) and k.endswith(tail) and "/" not in k[len(head):-len(tail)]]
+
+
+def chart_images(metrics: list[dict]) -> list[tuple[str, str | None, str]]:
+    """(title, SVG or None, note) for every chart: the fixed list first, then any metric left over."""
+    keys = list(dict.fromkeys(k for row in metrics for k in row if k != "step"))
+    steps = [row.get("step", i + 1) for i, row in enumerate(metrics)]
+    used: set[str] = set()
+    out = []
+
+    def series_of(names):
+        return {n: [(s, _value(row.get(n))) for s, row in zip(steps, metrics)] for n in names}
+
+    for title, patterns in CHARTS:
+        names = [k for p in patterns for k in _match(p, keys)]
+        used.update(names)
+        if names:
+            out.append((title, svg_chart(title, series_of(names)), ""))
+        else:
+            out.append((title, None, WHY_MISSING.get(patterns[0], "not logged by this run")))
+    for name in keys:
+        if name not in used and any(_value(row.get(name)) is not None for row in metrics):
+            out.append((name, svg_chart(name, series_of([name])), ""))
+    return out
+
+
+def _value(v) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return float(v) if math.isfinite(v) else None
+
+
+def data_uri(svg: str) -> str:
+    return "data:image/svg+xml;base64," + base64.b64encode(svg.encode("utf-8")).decode("ascii")
+
+
+# ---- sampled groups, seed 001's table -----------------------------------------------
+
+
+def split_groups(rows: list[dict], group_size: int | None) -> dict[int, list[list[dict]]]:
+    """completions.jsonl rows → {step: [group, ...]}; rows are written group by group."""
+    by_step: dict[int, list[dict]] = {}
+    for row in rows:
+        by_step.setdefault(int(row.get("step", 0)), []).append(row)
+    out = {}
+    for step, step_rows in by_step.items():
+        if group_size:
+            out[step] = [step_rows[i:i + group_size] for i in range(0, len(step_rows), group_size)]
+        else:  # no config: consecutive answers to the same prompt form a group
+            groups: list[list[dict]] = []
+            for row in step_rows:
+                if groups and groups[-1][0].get("prompt") == row.get("prompt"):
+                    groups[-1].append(row)
+                else:
+                    groups.append([row])
+            out[step] = groups
+    return out
+
+
+def _prompt_text(prompt) -> str:
+    if isinstance(prompt, list):
+        return "\n".join(f"{m.get('role', '?')}: {m.get('content', '')}" for m in prompt if isinstance(m, dict))
+    return str(prompt)
+
+
+def _signed(v: float | None, digits: int = 2) -> str:
+    return "—" if v is None else f"{v:+.{digits}f}".replace("-", "−")
+
+
+def group_table(group: list[dict], *, std_kind: str = "population", scale: str = "group") -> str:
+    """One group as seed 001 lays it out: answers as columns; score, − mean, ÷ std = advantage as rows."""
+    e = html.escape
+    scores = [_value(r.get("reward")) for r in group]
+    valid = [s for s in scores if s is not None]
+    mean = sum(valid) / len(valid) if valid else None
+    dof = 1 if std_kind == "sample" else 0
+    std = (math.sqrt(sum((s - mean) ** 2 for s in valid) / (len(valid) - dof))
+           if valid and len(valid) > dof else None)
+    fn_names = list(dict.fromkeys(k for r in group for k in (r.get("rewards") or {})))
+    label = {"group": "÷ std = advantage", "batch": "÷ batch std = advantage",
+             "none": "advantage (no ÷ std, Dr. GRPO)"}.get(scale, "advantage")
+    head = "".join(f"<th>{i + 1}</th>" for i in range(len(group)))
+    rows = [f"<tr><th>answer</th>{head}<th></th></tr>",
+            "<tr><th>completion</th>" + "".join(
+                f'<td class="text" title="{e(str(r.get("completion", "")))}">{e(_clip(str(r.get("completion", ""))))}</td>'
+                for r in group) + "<td></td></tr>"]
+    if len(fn_names) > 1:  # the score is their weighted sum; show each
+        for name in fn_names:
+            cells = "".join(f"<td>{_num((r.get('rewards') or {}).get(name))}</td>" for r in group)
+            rows.append(f'<tr class="fn"><th>{e(name)}</th>{cells}<td></td></tr>')
+    rows.append("<tr><th>score</th>" + "".join(f"<td>{_num(s)}</td>" for s in scores) + "<td></td></tr>")
+    rows.append("<tr><th>− mean</th>" + "".join(
+        f"<td>{_signed(None if s is None or mean is None else s - mean)}</td>" for s in scores)
+        + f"<td class=\"note\">mean = {_num(mean)}</td></tr>")
+    cells = []
+    for r in group:
+        a = _value(r.get("advantage"))
+        cls = "" if a is None or abs(a) < 1e-9 else (' class="pos"' if a > 0 else ' class="neg"')
+        cells.append(f"<td{cls}>{_signed(a)}</td>")
+    note = f"std ≈ {_num(std)}" + (" (sample)" if dof else "") if scale != "none" else ""
+    if std is not None and std == 0:
+        note += " — all equal: no signal"
+    rows.append(f"<tr><th>{label}</th>{''.join(cells)}<td class=\"note\">{note}</td></tr>")
+    prompt = _prompt_text(group[0].get("prompt", ""))
+    return (f'<div class="group"><div class="prompt">prompt: <code>{e(_clip(prompt, 300))}</code></div>'
+            f'<table class="seed">{"".join(rows)}</table></div>')
+
+
+def _num(v) -> str:
+    v = _value(v)
+    return "—" if v is None else f"{v:.3g}" if abs(v) < 1000 else f"{v:.4g}"
+
+
+def _clip(text: str, n: int = 80) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+def pick_steps(steps: list[int], n: int) -> list[int]:
+    """Up to n steps spread over the run, always the first and the last."""
+    if len(steps) <= n:
+        return steps
+    return sorted({steps[round(i * (len(steps) - 1) / (n - 1))] for i in range(n)}) if n > 1 else [steps[-1]]
+
+
+# ---- the page -------------------------------------------------------------------------
+
+CSS = """
+body { font-family: Helvetica, Arial, sans-serif; margin: 24px; color: #222; max-width: 1150px; }
+h1 { font-size: 22px; } h2 { font-size: 17px; margin-top: 28px; border-bottom: 1px solid #ddd; }
+.charts { display: flex; flex-wrap: wrap; gap: 10px; }
+.charts figure { margin: 0; } .charts img { border: 1px solid #eee; }
+.missing { width: 520px; min-height: 60px; align-self: flex-start; border: 1px dashed #ccc; color: #777; padding: 8px; font-size: 13px; box-sizing: border-box; }
+table.kv td, table.kv th { padding: 2px 10px 2px 0; text-align: left; font-size: 13px; }
+.diag { background: #fff6e0; border-left: 4px solid #e0a000; padding: 8px 12px; margin: 6px 0; font-size: 13px; }
+.ok { background: #eef8ee; border-left: 4px solid #3a3; padding: 8px 12px; font-size: 13px; }
+.group { margin: 10px 0 18px; overflow-x: auto; }
+.prompt { font-size: 13px; margin-bottom: 4px; } code { white-space: pre-wrap; }
+table.seed { border-collapse: collapse; font-size: 13px; }
+table.seed th, table.seed td { border: 1px solid #ddd; padding: 3px 8px; text-align: right; }
+table.seed th:first-child { text-align: left; background: #f6f6f6; }
+table.seed td.text { font-family: monospace; text-align: left; max-width: 220px; white-space: pre-wrap; }
+table.seed td.pos { background: #e3f4e3; } table.seed td.neg { background: #fbe4e4; }
+table.seed td.note { border: none; color: #666; text-align: left; }
+table.seed tr.fn th, table.seed tr.fn td { color: #666; }
+"""
+
+
+def build_report(run_dir: str | Path, out: str | Path | None = None, *, groups_per_step: int = 4,
+                 max_steps: int = 3) -> Path:
+    """Write the HTML report of `run_dir` (default `RUN_DIR/report.html`); returns its path."""
+    run = load_run(run_dir)
+    out = Path(out) if out is not None else run["dir"] / "report.html"
+    e = html.escape
+    metrics, raw = run["metrics"], run["raw_config"]
+    parts = [f"<h1>grpokit run report: {e(str(run['dir']))}</h1>", _summary(run)]
+
+    found = replay(metrics, run["config"])
+    parts.append("<h2>Diagnostics</h2>")
+    if found:
+        parts += [f'<div class="diag"><b>{"config" if s == 0 else f"step {s}"}</b>: '
+                  f'{e(m.removeprefix("diagnostic: "))}</div>' for s, m in found]
+    else:
+        parts.append('<div class="ok">No diagnostic fired: none of the seeds\' common mistakes shows in '
+                     'these metrics.</div>')
+
+    parts.append('<h2>Curves</h2><div class="charts">')
+    for title, svg, note in chart_images(metrics):
+        if svg is None:
+            parts.append(f'<div class="missing"><b>{e(title)}</b><br>{e(note)}</div>')
+        else:
+            parts.append(f'<figure><img alt="{e(title)}" src="{data_uri(svg)}"></figure>')
+    parts.append("</div>")
+
+    parts.append("<h2>Sampled groups</h2>")
+    parts.append(_groups_section(run, groups_per_step, max_steps))
+    page = (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>grpokit report: '
+            f'{e(run["dir"].name)}</title><style>{CSS}</style></head><body>{"".join(parts)}</body></html>')
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(page, encoding="utf-8")
+    return out
+
+
+def _summary(run: dict) -> str:
+    raw, metrics = run["raw_config"], run["metrics"]
+    get = lambda section, key: raw.get(section, {}).get(key, "?")  # noqa: E731
+    first, last = metrics[0], metrics[-1]
+    rows = [
+        ("model", get("model", "path")),
+        ("data", get("data", "task") or get("data", "path")),
+        ("steps logged", f"{len(metrics)} (last step {last.get('step')})"),
+        ("prompts × group size", f"B = {get('train', 'prompts_per_step')}, G = {get('rollout', 'group_size')}"),
+        ("algorithm", f"loss_type = {get('algorithm', 'loss_type')}, β = {get('algorithm', 'beta')}, "
+                      f"ε = {get('algorithm', 'epsilon')}, μ = {get('algorithm', 'num_iterations')}, "
+                      f"scale_rewards = {get('algorithm', 'scale_rewards')}"),
+        ("learning rate", get("train", "learning_rate")),
+        ("max_new_tokens", get("rollout", "max_new_tokens")),
+        ("reward, first → last step", f"{_num(first.get('reward'))} → {_num(last.get('reward'))}"),
+        ("entropy, first → last step", f"{_num(first.get('entropy'))} → {_num(last.get('entropy'))}"),
+    ]
+    return '<table class="kv">' + "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
+                                           for k, v in rows) + "</table>"
+
+
+def _groups_section(run: dict, groups_per_step: int, max_steps: int) -> str:
+    if not run["completions"]:
+        return ('<p>No sampled answers in this run folder. Set <code>output.completions_every = K</code> to '
+                'write them to <code>completions.jsonl</code> every K steps.</p>')
+    algo = run["raw_config"].get("algorithm", {})
+    G = run["raw_config"].get("rollout", {}).get("group_size")
+    by_step = split_groups(run["completions"], G)
+    parts = ["<p>Seed 001's table for sampled groups: a score means something only next to the other answers "
+             "to the same prompt. Each answer's advantage is its score minus the group mean, divided by the "
+             "group std; every token of the answer gets it. Green: pushed up; red: pushed down.</p>"]
+    for step in pick_steps(sorted(by_step), max_steps):
+        groups = by_step[step]
+        parts.append(f"<h3>step {step}: {min(groups_per_step, len(groups))} of {len(groups)} groups</h3>")
+        parts += [group_table(g, std_kind=algo.get("std", "population"), scale=algo.get("scale_rewards", "group"))
+                  for g in groups[:groups_per_step]]
+    return "".join(parts)
