@@ -13,12 +13,11 @@ this module only moves tensors between them.
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -29,20 +28,20 @@ from .checkpoint import list_checkpoints, load_trainer_state, rng_state, save_ch
 from .config import Config, to_toml
 from .modeling import check_model_folder, completion_logprobs, head_is_linear, load_model, load_tokenizer
 from .objectives import policy_loss
-from .rewards import RewardSpec, as_trl_completions, compute_rewards, reward_metrics
+from .grading import Draw, grade, write_completions
+from .rewards import RewardSpec, reward_metrics
 from .rollout import Rollout, sample_groups
-from .data import columns_of
 from .diagnostics import Diagnostics
 from .run_setup import (PreparedData, PromptTable, max_positions_of, prepare_data, prepare_output_dir,
                         resolve_reward_specs, tokenize_prompts)
-from .tracking import ConsoleProgress, MetricsWriter, finite_or_none, completion_metrics, reward_summary
+from .tracking import ConsoleProgress, MetricsWriter, completion_metrics, reward_summary
 
 
 @dataclass
 class GenerationBatch:
     """One step's sampled, graded answers; N = B * G rows, group by group."""
 
-    draw: "Draw"  # rollout (ids, masks, sampling logprobs, truncation), rewards [N] and [N, F], texts
+    draw: Draw  # rollout (ids, masks, sampling logprobs, truncation), rewards [N] and [N, F], texts
     advantages: torch.Tensor  # [N]
     loss_mask: torch.Tensor  # [N, T] completion mask, truncated answers zeroed if asked
     old_logp: torch.Tensor | None = None  # [N, T] only when μ > 1 or several minibatches
@@ -120,7 +119,7 @@ def train(
                 for message in diagnostics.update(step, metrics):
                     console.print(message)
                 if config.output.completions_every and step % config.output.completions_every == 0:
-                    write_completions(run_dir, step, batch, specs)
+                    write_completions(run_dir, step, batch.draw, batch.advantages, specs)
                 console.update(step, metrics)
                 failed_steps = failed_steps + 1 if math.isnan(metrics["grad_norm"]) else 0
                 if config.train.max_consecutive_skips and failed_steps >= config.train.max_consecutive_skips:
@@ -243,71 +242,6 @@ def generate_and_grade(config, model, tokenizer, prompts: PromptTable, stream, s
         metrics["dynamic_sampling/groups_kept"] = draw.size / G
         metrics["dynamic_sampling/draws"] = len(draws)
     return GenerationBatch(draw, advantages, loss_mask), metrics
-
-
-@dataclass
-class Draw:
-    """One batch of sampled answers with their grades; rows group by group."""
-
-    rollout: Rollout
-    per_fn: torch.Tensor  # [N, F]
-    total: torch.Tensor  # [N]
-    prompts: list  # [N] the prompt of each answer (string or messages)
-    texts: list[str]  # [N] decoded answers
-
-    @property
-    def size(self) -> int:
-        return len(self.total)
-
-    def select(self, keep: torch.Tensor) -> "Draw":  # keep: [N] bool
-        idx = keep.nonzero().flatten().tolist()
-        rollout = Rollout(**{f.name: getattr(self.rollout, f.name)[keep.to(self.rollout.completion_ids.device)]
-                             for f in fields(Rollout)})
-        return Draw(rollout, self.per_fn[keep], self.total[keep], [self.prompts[i] for i in idx],
-                    [self.texts[i] for i in idx])
-
-    def with_signal(self, G: int) -> "Draw":
-        """Only the groups whose rewards are not all equal (DAPO's dynamic sampling filter)."""
-        grouped = torch.nan_to_num(self.total.view(-1, G), nan=0.0)  # [B, G]
-        return self.select(((grouped.amax(-1) - grouped.amin(-1)) > 0).repeat_interleave(G))
-
-    @staticmethod
-    def join(draws: list["Draw"], n: int, pad_id: int, fallback: "Draw") -> "Draw":
-        """The first `n` rows of several draws, padded to a common width; `fallback` if all are empty."""
-        draws = [d for d in draws if d.size] or [fallback]
-        joined = {}
-        for f in fields(Rollout):
-            parts = [getattr(d.rollout, f.name) for d in draws]
-            if parts[0].dim() == 2:
-                width = max(p.shape[1] for p in parts)
-                left = f.name.startswith("prompt")  # prompts are left-padded, completions right-padded
-                fill = pad_id if f.name.endswith("ids") else 0
-                parts = [torch.nn.functional.pad(p, (width - p.shape[1], 0) if left else (0, width - p.shape[1]),
-                                                 value=fill) for p in parts]
-            joined[f.name] = torch.cat(parts)[:n]
-        return Draw(Rollout(**joined), torch.cat([d.per_fn for d in draws])[:n], torch.cat([d.total for d in draws])[:n],
-                    [p for d in draws for p in d.prompts][:n], [t for d in draws for t in d.texts][:n])
-
-
-def grade(rollout: Rollout, rows: list[dict], tokenizer, specs, G: int) -> Draw:
-    """Decode the answers and run every reward function on them (TRL's calling convention)."""
-    ids = [row[m.bool()].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
-    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-    prompt_values = [r["prompt"] for r in rows for _ in range(G)]
-    completions = as_trl_completions(prompt_values, texts)
-    per_fn, total = compute_rewards(specs, prompt_values, completions, ids, columns_of(rows, repeat=G))
-    return Draw(rollout, per_fn, total, prompt_values, texts)
-
-
-def write_completions(run_dir: Path, step: int, batch: "GenerationBatch", specs) -> None:
-    """Append this step's answers to `completions.jsonl`: prompt, completion, each reward, advantage."""
-    d = batch.draw
-    with open(run_dir / "completions.jsonl", "a", encoding="utf-8") as f:
-        for i in range(d.size):
-            rewards = {s.name: finite_or_none(d.per_fn[i, j].item()) for j, s in enumerate(specs)}
-            f.write(json.dumps({"step": step, "prompt": d.prompts[i], "completion": d.texts[i], "rewards": rewards,
-                                "reward": finite_or_none(d.total[i].item()),
-                                "advantage": batch.advantages[i].item()}) + "\n")
 
 
 # ---- 2. reference and old log-probs (only when needed) ------------------------------
