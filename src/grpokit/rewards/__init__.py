@@ -8,6 +8,7 @@
 from .core import (
     RewardError,
     RewardSpec,
+    RewardTimeoutError,
     as_trl_completions,
     compute_rewards,
     is_conversational,
@@ -34,9 +35,11 @@ from .registry import (
     reward_name,
     reward_specs,
 )
+from .sandbox import code_execution, code_execution_reward, extract_code
 
 __all__ = [
-    "DEFAULT_FORMAT", "RewardError", "RewardLoadError", "RewardSpec", "answer_span", "as_trl_completions",
+    "DEFAULT_FORMAT", "RewardError", "RewardLoadError", "RewardSpec", "RewardTimeoutError", "answer_span",
+    "as_trl_completions", "code_execution", "code_execution_reward", "extract_code",
     "available_rewards", "completion_text", "compute_rewards", "final_number", "format_reward", "get_reward",
     "is_conversational", "load_reward", "math_equivalence", "numeric_match", "overlong_penalty_value",
     "register_reward", "resolve_reward", "reward_metrics", "reward_name", "reward_specs", "soft_overlong_penalty",

@@ -23,6 +23,12 @@ Deviations from TRL, all in the user's favour:
   function raised on the whole batch it is re-run one sample at a time to find
   the first failing index.
 - `async def` functions are awaited (TRL runs them on a daemon event loop).
+- A spec with a `timeout` (seconds) runs its function in a daemon worker thread
+  and waits at most that long; past it, `RewardTimeoutError` names the function
+  and the limit. A Python thread cannot be killed, so the hung call is abandoned
+  (it runs on in the background until the process exits) and the run stops with
+  the error. For untrusted code use the sandboxed "code_execution" reward, whose
+  answers run in separate, killable processes.
 - Reward *models* (`nn.Module`) are not handled here; wrap one in a function.
 """
 
@@ -32,6 +38,7 @@ import asyncio
 import inspect
 import math
 import numbers
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -49,12 +56,16 @@ class RewardError(RuntimeError):
     """A reward function failed or returned something that is not one number (or None) per sample."""
 
 
+class RewardTimeoutError(RewardError):
+    """A reward function ran past its `RewardSpec.timeout`."""
+
+
 @dataclass(frozen=True)
 class RewardSpec:
     """One reward function and its weight in the total.
 
-    `timeout` (seconds) is stored for the trainer; `compute_rewards` does not
-    enforce it.
+    `timeout` (seconds): `compute_rewards` stops with `RewardTimeoutError` when
+    one call takes longer (the call itself is abandoned in a daemon thread).
     """
 
     name: str
@@ -140,6 +151,32 @@ async def _await(awaitable):
     return await awaitable
 
 
+def _call(spec: RewardSpec, kwargs: dict, n: int):
+    """`_run(spec.fn, kwargs)`, within `spec.timeout` seconds when it has one."""
+    if spec.timeout is None:
+        return _run(spec.fn, kwargs)
+    box: dict = {}
+
+    def target():
+        try:
+            box["out"] = _run(spec.fn, kwargs)
+        except BaseException as e:  # handed to the caller's thread below
+            box["error"] = e
+
+    worker = threading.Thread(target=target, name=f"reward-{spec.name}", daemon=True)
+    worker.start()
+    worker.join(spec.timeout)
+    if worker.is_alive():  # cannot be killed: left running as a daemon, the run stops here
+        raise RewardTimeoutError(
+            f"reward function '{spec.name}' took longer than {float(spec.timeout)} s (its timeout) on a batch of "
+            f"{n} samples; the call was abandoned in a background thread and the run stops. Make the function "
+            f"faster, raise its timeout (rewards.args = {{{spec.name} = {{timeout = ...}}}}), or grade untrusted "
+            f"code with the sandboxed 'code_execution' reward")
+    if "error" in box:
+        raise box["error"]
+    return box["out"]
+
+
 def _slice_call(call: dict, i: int) -> dict:
     return {k: (v if k in EXTRA_KWARGS else v[i: i + 1]) for k, v in call.items()}
 
@@ -147,7 +184,9 @@ def _slice_call(call: dict, i: int) -> dict:
 def _locate_raise(spec: RewardSpec, kwargs: dict, n: int) -> int | None:
     for i in range(min(n, _RERUN_LIMIT)):
         try:
-            _run(spec.fn, _slice_call(kwargs, i))
+            _call(spec, _slice_call(kwargs, i), 1)
+        except RewardTimeoutError:
+            raise
         except Exception:
             return i
     return None
@@ -236,7 +275,9 @@ def compute_rewards(
     for j, spec in enumerate(specs):
         kwargs = _call_kwargs(spec, call)
         try:
-            out = _run(spec.fn, kwargs)
+            out = _call(spec, kwargs, n)
+        except RewardTimeoutError:
+            raise
         except Exception as e:
             i = _locate_raise(spec, kwargs, n)
             where = _where(spec.name, i, prompts, completions) if i is not None else \

@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 from .core import RewardSpec
 from .graders import format_reward, math_equivalence, numeric_match, soft_overlong_penalty
+from .sandbox import code_execution_reward
 
 
 class RewardLoadError(ValueError):
@@ -36,6 +37,7 @@ _REGISTRY: dict[str, Callable[..., Callable]] = {
     "math_equivalence": _constant(math_equivalence),
     "format": format_reward,
     "soft_overlong_penalty": soft_overlong_penalty,
+    "code_execution": code_execution_reward,
 }
 
 
@@ -67,7 +69,10 @@ def get_reward(name: str, **kwargs) -> Callable:
         params = ", ".join(inspect.signature(factory).parameters) or "none"
         raise RewardLoadError(f"reward {name!r} got arguments {sorted(kwargs)}: {e}; "
                               f"it accepts: {params}") from None
-    return factory(**kwargs)
+    try:
+        return factory(**kwargs)
+    except ValueError as e:  # a bad option value: a user error, not a traceback
+        raise RewardLoadError(f"reward {name!r}: {e}") from e
 
 
 def _import_file(path: Path, ref: str):
@@ -139,15 +144,33 @@ def reward_name(ref: str) -> str:
     return ref.rpartition(":")[2] if ":" in ref else ref
 
 
+def _timeout_of(ref: str, kwargs: dict) -> float | None:
+    """Pop the `timeout` key (seconds, for any reward) out of a reward's arguments."""
+    timeout = kwargs.pop("timeout", None)
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or not timeout > 0):
+        raise RewardLoadError(f"reward {ref!r}: timeout must be a number of seconds > 0, got {timeout!r}")
+    return None if timeout is None else float(timeout)
+
+
 def reward_specs(refs: Sequence[str], weights: Sequence[float] = (),
                  args: dict[str, dict] | None = None) -> list[RewardSpec]:
-    """RewardSpecs for names/references, with optional weights and per-reference keyword arguments."""
+    """RewardSpecs for names/references, with optional weights and per-reference keyword arguments.
+
+    The argument `timeout` (seconds) applies to any reward, references included: it becomes
+    `RewardSpec.timeout` instead of being passed to the factory.
+    """
     if weights and len(weights) != len(refs):
-        raise ValueError(f"{len(weights)} reward weights for {len(refs)} reward functions; give one per function")
+        raise RewardLoadError(f"{len(weights)} reward weights for {len(refs)} reward functions; give one per function")
     args = args or {}
     unknown = sorted(set(args) - set(refs) - {reward_name(r) for r in refs})
     if unknown:
-        raise ValueError(f"reward arguments given for {unknown}, which are not among the reward functions {list(refs)}")
+        raise RewardLoadError(f"reward arguments given for {unknown}, which are not among the reward functions "
+                              f"{list(refs)}")
     weights = list(weights) or [1.0] * len(refs)
-    return [RewardSpec(reward_name(r), resolve_reward(r, **dict(args.get(r, args.get(reward_name(r), {})))), float(w))
-            for r, w in zip(refs, weights)]
+    specs = []
+    for r, w in zip(refs, weights):
+        kwargs = dict(args.get(r, args.get(reward_name(r), {})))
+        timeout = _timeout_of(r, kwargs)
+        specs.append(RewardSpec(reward_name(r), resolve_reward(r, **kwargs), float(w), timeout))
+    return specs
