@@ -79,7 +79,7 @@ def test_report_is_self_contained_with_every_curve_and_seed_001_table(tmp_path):
     assert "all equal: no signal" in page  # the all-correct group
     assert "answer &lt;0&gt;" in page  # completions are escaped
     assert "completions/clipped_ratio = 0.90" in page  # diagnostics replayed into the page
-    assert page.count("<h3>step ") == 3
+    assert page.count("<h3>step ") == 3 and "2 of 2 groups (1 with no signal)" in page
 
 
 def test_report_without_completions_says_how_to_get_them(tmp_path):

@@ -44,6 +44,7 @@ CHARTS = [  # (title, metric names; "*" matches one reward function name)
     ("Learning rate", ["learning_rate"]),
 ]
 WHY_MISSING = {"kl": "not logged: algorithm.beta = 0, so no reference model was loaded and no KL computed"}
+BLANK = '<td class="note"></td>'  # the last column holds notes (mean, std) beside the table
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 
 
@@ -286,15 +287,15 @@ def group_table(group: list[dict], *, std_kind: str = "population", scale: str =
     label = {"group": "÷ std = advantage", "batch": "÷ batch std = advantage",
              "none": "advantage (no ÷ std, Dr. GRPO)"}.get(scale, "advantage")
     head = "".join(f"<th>{i + 1}</th>" for i in range(len(group)))
-    rows = [f"<tr><th>answer</th>{head}<th></th></tr>",
+    rows = [f"<tr><th>answer</th>{head}{BLANK}</tr>",
             "<tr><th>completion</th>" + "".join(
                 f'<td class="text" title="{e(str(r.get("completion", "")))}">{e(_clip(str(r.get("completion", ""))))}</td>'
-                for r in group) + "<td></td></tr>"]
+                for r in group) + BLANK + "</tr>"]
     if len(fn_names) > 1:  # the score is their weighted sum; show each
         for name in fn_names:
             cells = "".join(f"<td>{_num((r.get('rewards') or {}).get(name))}</td>" for r in group)
-            rows.append(f'<tr class="fn"><th>{e(name)}</th>{cells}<td></td></tr>')
-    rows.append("<tr><th>score</th>" + "".join(f"<td>{_num(s)}</td>" for s in scores) + "<td></td></tr>")
+            rows.append(f'<tr class="fn"><th>{e(name)}</th>{cells}{BLANK}</tr>')
+    rows.append("<tr><th>score</th>" + "".join(f"<td>{_num(s)}</td>" for s in scores) + BLANK + "</tr>")
     rows.append("<tr><th>− mean</th>" + "".join(
         f"<td>{_signed(None if s is None or mean is None else s - mean)}</td>" for s in scores)
         + f"<td class=\"note\">mean = {_num(mean)}</td></tr>")
@@ -357,7 +358,7 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, *, groups_p
     run = load_run(run_dir)
     out = Path(out) if out is not None else run["dir"] / "report.html"
     e = html.escape
-    metrics, raw = run["metrics"], run["raw_config"]
+    metrics = run["metrics"]
     parts = [f"<h1>grpokit run report: {e(str(run['dir']))}</h1>", _summary(run)]
 
     found = replay(metrics, run["config"])
@@ -419,7 +420,9 @@ def _groups_section(run: dict, groups_per_step: int, max_steps: int) -> str:
              "group std; every token of the answer gets it. Green: pushed up; red: pushed down.</p>"]
     for step in pick_steps(sorted(by_step), max_steps):
         groups = by_step[step]
-        parts.append(f"<h3>step {step}: {min(groups_per_step, len(groups))} of {len(groups)} groups</h3>")
-        parts += [group_table(g, std_kind=algo.get("std", "population"), scale=algo.get("scale_rewards", "group"))
-                  for g in groups[:groups_per_step]]
+        flat = [len({r.get("reward") for r in g}) <= 1 for g in groups]  # every answer scored the same
+        shown = sorted(range(len(groups)), key=lambda i: flat[i])[:groups_per_step]  # groups with signal first
+        parts.append(f"<h3>step {step}: {len(shown)} of {len(groups)} groups ({sum(flat)} with no signal)</h3>")
+        parts += [group_table(groups[i], std_kind=algo.get("std", "population"),
+                              scale=algo.get("scale_rewards", "group")) for i in sorted(shown)]
     return "".join(parts)
