@@ -48,7 +48,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: d
     """Write `checkpoint-<step>` atomically, then drop all but the newest `keep_last`."""
     final = run_dir / f"checkpoint-{step}"
     tmp = run_dir / f".tmp-checkpoint-{step}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in run_dir.glob(".tmp-checkpoint-*"):  # left by a crash mid-save
+        shutil.rmtree(stale, ignore_errors=True)
     model.save_pretrained(str(tmp))
     tokenizer.save_pretrained(str(tmp))
     torch.save(trainer_state, tmp / "trainer_state.pt")

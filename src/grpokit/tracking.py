@@ -89,6 +89,18 @@ def finite_or_none(value):
     return value if math.isfinite(value) else None
 
 
+def drop_rows_after(path: Path, step: int) -> None:
+    """Keep only rows of steps <= `step` in a JSONL log (atomically): on resume, the steps a crash
+    cut off after the last checkpoint are run again and must not appear twice."""
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
+            if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    tmp.replace(path)
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
