@@ -1,6 +1,6 @@
 """`grpokit demo`: the real GRPO loop on a laptop CPU in minutes.
 
-1. Build a tiny Qwen2-architecture model (~1M parameters) and a character
+1. Build a tiny Qwen2-architecture model (1.0M parameters) and a character
    tokenizer locally — nothing comes from a hub.
 2. Warm-start it with `sft` on 2-digit addition where a share of the targets
    is deliberately off by a little. The model learns where the answer lives
@@ -22,8 +22,8 @@ from pathlib import Path
 # Demo settings, chosen on a 2-core CPU (see README "The demo" for the measured run).
 MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2)
 TASK = dict(name="addition", digits=2)
-SFT = dict(steps=1500, batch_size=64, learning_rate=3e-3, wrong_fraction=0.6)
-GRPO = dict(steps=200, prompts_per_step=16, group_size=8, learning_rate=2e-4, max_new_tokens=6)
+SFT = dict(steps=3000, batch_size=64, learning_rate=3e-3, wrong_fraction=0.7)
+GRPO = dict(steps=1000, prompts_per_step=16, group_size=8, learning_rate=3e-4, max_new_tokens=6)
 EVAL = dict(num_prompts=200, samples_per_prompt=8, temperature=1.0)
 QUICK = dict(sft_steps=60, grpo_steps=4, eval_prompts=16)
 
@@ -102,7 +102,7 @@ def run_demo(out: str | Path = "demo_run", *, quick: bool = False, seed: int = 0
         algorithm=AlgorithmConfig(loss_type="dapo", beta=0.0),
         train=TrainConfig(steps=QUICK["grpo_steps"] if quick else GRPO["steps"], prompts_per_step=GRPO["prompts_per_step"],
                           learning_rate=GRPO["learning_rate"], warmup_steps=10, seed=seed),
-        output=OutputConfig(dir=str(out / "grpo"), overwrite=True),
+        output=OutputConfig(dir=str(out / "grpo"), overwrite=True, completions_every=50),
     )
     run_dir = train(config, rows=train_rows)
     final = sorted(run_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
@@ -124,5 +124,6 @@ def run_demo(out: str | Path = "demo_run", *, quick: bool = False, seed: int = 0
     console.print(table)
     console.print(f"reward  per step: {sparkline([m['reward'] for m in metrics])}")
     console.print(f"entropy per step: {sparkline([m['entropy'] for m in metrics])}")
-    console.print(f"demo finished in {summary['seconds']:.0f} s; metrics: {run_dir / 'metrics.jsonl'}")
+    console.print(f"demo finished in {summary['seconds']:.0f} s; metrics: {run_dir / 'metrics.jsonl'}; "
+                  f"HTML report: grpokit report {run_dir}")
     return summary
