@@ -47,7 +47,7 @@ def sparkline(values: list[float]) -> str:
     if not values:
         return ""
     lo, hi = min(values), max(values)
-    step = max(1, len(values) // 60)
+    step = max(1, -(-len(values) // 40))  # at most 40 bars: fits an 80-column terminal
     picked = [sum(values[i:i + step]) / len(values[i:i + step]) for i in range(0, len(values), step)]
     return "".join(bars[int((v - lo) / (hi - lo + 1e-12) * (len(bars) - 1))] for v in picked) + f"  ({lo:.3f} → {hi:.3f})"
 
