@@ -135,3 +135,19 @@ def test_learning_rate_schedule():
     cfg = make_config("m", "o", train={"steps": 10, "warmup_steps": 4, "lr_schedule": "cosine"})
     f = lr_lambda(cfg)
     assert [round(f(s), 4) for s in (0, 3, 4, 7, 10)] == [0.2, 0.8, 1.0, 0.5, 0.0]
+
+
+def test_bfloat16_with_stop_strings_and_filtered_sampling(tiny_model_dir, tmp_path):
+    """bf16 weights, nucleus/top-k sampling and a stop string all go through the loop: answers stop at
+    the stop string (kept in the answer), and the bf16 update stays finite."""
+    cfg = Config(model=ModelConfig(path=str(tiny_model_dir), dtype="bfloat16"),
+                 data=DataConfig(task="addition", num_prompts=32),
+                 rollout=RolloutConfig(group_size=4, max_new_tokens=8, top_p=0.9, top_k=20, stop_strings=("1",)),
+                 train=TrainConfig(steps=1, prompts_per_step=4, learning_rate=1e-3),
+                 output=OutputConfig(dir=str(tmp_path / "bf16"), console=False, completions_every=1))
+    run = train(cfg, reward_functions=[parity])
+    rows = [json.loads(l) for l in (run / "completions.jsonl").read_text().splitlines()]
+    assert all("1" not in r["completion"][:-1] for r in rows)  # nothing generated past a stop string
+    assert any(r["completion"].endswith("1") for r in rows)
+    weights = final_weights(run)
+    assert all(w.dtype == torch.bfloat16 and torch.isfinite(w.float()).all() for w in weights.values())
