@@ -35,10 +35,13 @@ class ModelConfig:
     path: str = ""
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    lora: dict = field(default_factory=dict)  # LoRA adapters (lora.py): {r = 8, alpha = 16, target_modules = [...]}
+    fsdp: bool = False  # shard parameters, gradients, optimizer state over torchrun processes (FSDP2)
 
     def __post_init__(self):
         _check(bool(self.path), "model.path", "set it to a local Hugging Face model folder")
         _one_of(self.dtype, ("float32", "bfloat16", "float16"), "model.dtype")
+        _check_lora(self.lora)
 
 
 @dataclass(frozen=True)
@@ -83,9 +86,19 @@ class RolloutConfig:
     top_k: int = 0
     stop_strings: tuple = ()
     ignore_eos: bool = False  # benchmarks only: every answer runs to max_new_tokens
+    engine: str = "hf"  # hf (built-in sampler on the training model) | vllm (colocated vLLM; engines.py)
+    # vLLM options: gpu_memory_utilization, enable_sleep_mode, sync_bucket_mb, max_model_len, enforce_eager, dtype
+    vllm: dict = field(default_factory=dict)
 
     def __post_init__(self):
         object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        _one_of(self.engine, ("hf", "vllm"), "rollout.engine")
+        unknown = set(self.vllm) - {"gpu_memory_utilization", "enable_sleep_mode", "sync_bucket_mb", "max_model_len",
+                                    "enforce_eager", "dtype"}
+        _check(not unknown, "rollout.vllm", f"unknown option(s) {', '.join(sorted(unknown))}")
+        _check(self.engine == "vllm" or not self.vllm, "rollout.vllm", "set only with rollout.engine = \"vllm\"")
+        _check(self.engine != "vllm" or _installed("vllm"), "rollout.engine",
+               "\"vllm\" needs vLLM on a CUDA machine: pip install 'grpokit[vllm]' (or use \"hf\")")
         _check(self.group_size >= 2, "rollout.group_size", "must be >= 2 (GRPO compares answers within a group); 8-16 is common")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
         _check(self.temperature > 0, "rollout.temperature", "must be > 0 for sampling (GRPO needs diverse answers)")
@@ -106,6 +119,9 @@ class AlgorithmConfig:
     mask_truncated_completions: bool = False
     dynamic_sampling: bool = False  # DAPO: drop zero-std groups, draw more prompts
     max_resample_rounds: int = 4  # extra prompt batches drawn per step at most
+    # Truncated importance sampling for a sampler that is not the trainer (vLLM): each token's loss is
+    # weighted by min(exp(trainer_logp - sampler_logp), tis_cap); 0 = off (engines.py). 2.0 is usual.
+    tis_cap: float = 0.0
 
     def __post_init__(self):
         _one_of(self.loss_type, ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"), "algorithm.loss_type")
@@ -117,10 +133,21 @@ class AlgorithmConfig:
         _check(self.epsilon_high >= 0, "algorithm.epsilon_high", "must be >= 0 (0 = same as epsilon)")
         _check(self.num_iterations >= 1, "algorithm.num_iterations", "must be >= 1")
         _check(self.max_resample_rounds >= 0, "algorithm.max_resample_rounds", "must be >= 0")
+        _check(self.tis_cap >= 0, "algorithm.tis_cap", "must be >= 0 (0 = off; 2.0 is usual with rollout.engine = vllm)")
 
     @property
     def clip_high(self) -> float:
         return self.epsilon_high or self.epsilon
+
+
+def _check_lora(lora) -> None:
+    _check(isinstance(lora, dict), "model.lora", "must be a table, e.g. {r = 8, alpha = 16}")
+    unknown = set(lora) - {"r", "alpha", "target_modules"}
+    _check(not unknown, "model.lora", f"unknown key(s) {', '.join(sorted(unknown))}; known: r, alpha, target_modules")
+    _check(isinstance(lora.get("r", 8), int) and lora.get("r", 8) >= 1, "model.lora.r", "must be an integer >= 1")
+    _check(isinstance(lora.get("alpha", 16), (int, float)) and lora.get("alpha", 16) > 0, "model.lora.alpha",
+           "must be > 0")
+    _check(not lora or _installed("peft"), "model.lora", "needs the peft package: pip install 'grpokit[peft]'")
 
 
 @dataclass(frozen=True)

@@ -300,11 +300,14 @@ def policy_loss(
     importance_sampling_level: str = "token",
     max_completion_length: int | None = None,
     num_items_in_batch: int | Tensor | None = None,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Scalar policy loss and detached stats; see the module docstring for the math.
 
     logp, old_logp, ref_logp, mask: ``[N, T]``; advantages: ``[N]``. ``old_logp=None``
     means on-policy (``logp.detach()``: ratio 1, gradient still flows).
+    ``token_weights`` ``[N, T]`` (no gradient) multiply each token's policy term: truncated importance
+    sampling for a sampler other than the trainer (``engines.truncated_importance_weights``).
     """
     _check_policy_args(logp, old_logp, advantages, mask, ref_logp, beta, loss_type)
     surrogate, aggregate = LOSS_TYPES[loss_type]
@@ -316,6 +319,8 @@ def policy_loss(
 
     ratio = importance_log_ratio(logp, old_logp, mask, level=importance_sampling_level).exp()  # [N, T] | [N, 1]
     per_token = surrogate(ratio, adv, logp, eps_low, eps_high).expand_as(logp)  # [N, T]
+    if token_weights is not None:  # TIS: constant per-token weights of the policy term, before KL (as TRL)
+        per_token = per_token * token_weights.detach().to(logp.dtype)
     stats = _clip_stats(ratio, adv, maskf, eps_low, eps_high)
     if beta > 0:
         delta = torch.where(valid, ref_logp - logp, 0.0)  # [N, T]

@@ -32,6 +32,11 @@ from .grading import Draw, grade, write_completions
 from .rewards import RewardSpec, reward_metrics
 from .rollout import Rollout, sample_groups
 from .diagnostics import Diagnostics
+from .distributed import (CheckpointWeights, DistributedContext, all_ranks, gather_states, global_sum,
+                          load_checkpoint_weights, load_device, load_optimizer_state, local_state, optimizer_state,
+                          prepare_model, reduce_gradients)
+from .engines import SamplingParams, build_engine, truncated_importance_weights
+from .lora import AdapterDisabled, apply_lora
 from .run_setup import (PreparedData, PromptTable, max_positions_of, prepare_data, prepare_output_dir,
                         resolve_reward_specs, tokenize_prompts)
 from .tracking import ConsoleProgress, MetricsWriter, completion_metrics, reward_summary
@@ -46,6 +51,7 @@ class GenerationBatch:
     loss_mask: torch.Tensor  # [N, T] completion mask, truncated answers zeroed if asked
     old_logp: torch.Tensor | None = None  # [N, T] only when μ > 1 or several minibatches
     ref_logp: torch.Tensor | None = None  # [N, T] only when β > 0
+    tis_weight: torch.Tensor | None = None  # [N, T] only with algorithm.tis_cap (a sampler other than the trainer)
 
     @property
     def rollout(self) -> Rollout:
@@ -58,82 +64,104 @@ def train(
     reward_functions: Sequence[Callable] | None = None,
     rows: Iterable[dict] | None = None,
     resume: bool = False,
+    engine: Callable | None = None,
 ) -> Path:
     """Run GRPO as `config` says; returns the run folder. Python-side callables and
-    rows may replace the config's `rewards.functions` and data source."""
+    rows may replace the config's `rewards.functions` and data source, and `engine(config,
+    model, tokenizer)` the rollout engine (engines.py). Under torchrun every process runs this
+    together (distributed.py): each takes its share of every batch, rank 0 writes the files."""
     # ---- checks and setup, all before the model loads -------------------------------
+    dist = DistributedContext.from_env()  # alone: rank 0 of 1, and every collective is a no-op
+    run = dist.local_config(config)  # this process's share: B / world prompts per step
     check_model_folder(config.model.path)
     data: PreparedData = prepare_data(config, rows)
     specs: list[RewardSpec] = resolve_reward_specs(config, data.task, reward_functions)
     tokenizer = load_tokenizer(config.model.path)
     prompts: PromptTable = tokenize_prompts(config, data, tokenizer, max_positions_of(config.model.path))
-    run_dir = prepare_output_dir(config, resume=resume)
+    run_dir = dist.run_on_main(prepare_output_dir, config, resume=resume)
     torch.manual_seed(config.train.seed)
 
-    model = load_model(config.model.path, dtype=config.model.dtype, device=config.model.device)
+    model = load_model(config.model.path, dtype=config.model.dtype, device=load_device(config))
     ref_model = None
-    if config.algorithm.beta > 0:  # with β = 0 no reference model is loaded at all
-        ref_model = load_model(config.model.path, dtype=config.model.dtype, device=config.model.device)
+    if config.algorithm.beta > 0 and not config.model.lora:  # with β = 0 no reference model is loaded at all
+        ref_model = load_model(config.model.path, dtype=config.model.dtype, device=load_device(config))
         ref_model.eval().requires_grad_(False)
     model.eval()  # dropout stays off throughout: ratio is exactly 1 before the first update
     linear_head = head_is_linear(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.learning_rate,
+    if config.model.lora:  # adapters only; the KL reference is the same weights with the adapters off
+        model = apply_lora(model, config.model.lora)
+        ref_model = AdapterDisabled(model) if config.algorithm.beta > 0 else None
+    model, ref_model, linear_head = prepare_model(model, ref_model, linear_head, fsdp=config.model.fsdp)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=config.train.learning_rate,
                                   betas=config.train.adam_betas, weight_decay=config.train.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
-    sampler = torch.Generator(device=model.device).manual_seed(config.train.seed)
-    stream = data.stream(config.train.prompts_per_step, seed=config.data.seed)
+    sampler = torch.Generator(device=model.device).manual_seed(config.train.seed + dist.rank)
+    stream = dist.shard_stream(data.stream(config.train.prompts_per_step, seed=config.data.seed))
+    rollout_engine = (engine or build_engine)(run, model, tokenizer)
 
     start_step = 0
     if resume and (checkpoints := list_checkpoints(run_dir)):
         start_step = _restore(checkpoints[-1], model, optimizer, scheduler, sampler, stream)
-    (run_dir / "config.toml").write_text(to_toml(config), encoding="utf-8")
-    writer = MetricsWriter(run_dir, append=start_step > 0, tensorboard=config.output.tensorboard,
-                           wandb=config.output.wandb)
-    console = ConsoleProgress(config.train.steps, start_step, enabled=config.output.console)
+    rollout_engine.sync_weights(model)  # vLLM starts from the trainer's (resumed) weights; HF: nothing to do
+    if dist.is_main:
+        (run_dir / "config.toml").write_text(to_toml(config), encoding="utf-8")
+    writer = dist.main_only(lambda: MetricsWriter(run_dir, append=start_step > 0, tensorboard=config.output.tensorboard,
+                                                  wandb=config.output.wandb))
+    console = dist.main_only(lambda: ConsoleProgress(config.train.steps, start_step, enabled=config.output.console))
     diagnostics = Diagnostics.from_config(config)  # the seeds' common mistakes, each printed once
     for message in diagnostics.check_config(config):
         console.print(message)
 
     # ---- the loop -------------------------------------------------------------------
     def save(step: int) -> Path:
-        state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "rng": rng_state(), "sampler": sampler.get_state(), "stream": stream.state_dict()}
-        return save_checkpoint(run_dir, step, model, tokenizer, state, config.output.keep_last)
+        state = {"step": step, "optimizer": optimizer_state(model, optimizer), "scheduler": scheduler.state_dict(),
+                 "rng": rng_state(), "sampler": gather_states(sampler.get_state()), "stream": stream.state_dict()}
+        weights = CheckpointWeights(model)  # gathered under FSDP; with LoRA the merged model + adapter/
+        return dist.run_on_main(save_checkpoint, run_dir, step, weights, tokenizer, state, config.output.keep_last)
 
     failed_steps = 0  # consecutive steps whose every update was skipped as non-finite
     try:
         with GracefulStop() as stop:
             for step in range(start_step + 1, config.train.steps + 1):
                 t0 = time.perf_counter()
-                batch, gen_metrics = generate_and_grade(config, model, tokenizer, prompts, stream, specs, sampler)
+                batch, gen_metrics = generate_and_grade(run, model, tokenizer, prompts, stream, specs, sampler,
+                                                        rollout_engine)
                 t1 = time.perf_counter()
-                score_old_and_ref(config, model, ref_model, batch, linear_head)
-                train_metrics = optimize(config, model, optimizer, scheduler, batch, linear_head)
+                score_old_and_ref(run, model, ref_model, batch, linear_head)
+                if run.algorithm.tis_cap:  # the sampler is not the trainer (vLLM): weight tokens by their gap
+                    gen_metrics.update(_tis(run, model, batch, linear_head))
+                train_metrics = optimize(run, model, optimizer, scheduler, batch, linear_head)
+                rollout_engine.sync_weights(model)  # vLLM: push the new weights; HF: the sampler is the model
                 t2 = time.perf_counter()
                 n_tokens = batch.rollout.completion_mask.sum().item()
                 metrics = {**gen_metrics, **train_metrics,
                            "learning_rate": scheduler.get_last_lr()[0],
                            "time/rollout": gen_metrics.pop("time/rollout"), "time/train": t2 - t1,
                            "time/step": t2 - t0, "tokens_per_sec": n_tokens / (t2 - t0)}
+                metrics = dist.reduce_metrics(metrics, batch, specs, run)  # over all processes
                 writer.write(step, metrics)
                 for message in diagnostics.update(step, metrics):
                     console.print(message)
                 if config.output.completions_every and step % config.output.completions_every == 0:
-                    write_completions(run_dir, step, batch.draw, batch.advantages, specs)
+                    draw, advantages = dist.gather_draw(batch.draw, batch.advantages)
+                    if dist.is_main:
+                        write_completions(run_dir, step, draw, advantages, specs)
                 console.update(step, metrics)
                 failed_steps = failed_steps + 1 if math.isnan(metrics["grad_norm"]) else 0
                 if config.train.max_consecutive_skips and failed_steps >= config.train.max_consecutive_skips:
                     raise TrainingDiverged(_diverged_message(run_dir, failed_steps))
                 due = step == config.train.steps or (config.output.save_every and step % config.output.save_every == 0)
-                if due or stop.requested:
+                stopping = dist.any(bool(stop.requested))  # a signal to any process stops them all
+                if due or stopping:
                     path = save(step)
-                if stop.requested:
-                    console.print(f"{stop.requested}: stopped after step {step}; saved {path}. "
+                if stopping:
+                    console.print(f"{stop.requested or 'a stop on another process'}: stopped after step {step}; saved {path}. "
                                   f"Continue with: grpokit train CONFIG --resume")
                     break
     finally:
         console.close()
         writer.close()
+        dist.close()
     return run_dir
 
 
@@ -188,17 +216,12 @@ def lr_lambda(config: Config) -> Callable[[int], float]:
 
 
 def _restore(checkpoint: Path, model, optimizer, scheduler, sampler, stream) -> int:
-    from safetensors.torch import load_file
-
-    weights = {}
-    for shard in sorted(checkpoint.glob("*.safetensors")):
-        weights.update(load_file(str(shard), device=str(model.device)))
-    model.load_state_dict(weights, strict=False)  # tied weights may be stored once
+    load_checkpoint_weights(checkpoint, model)  # plain, FSDP-sharded, or the LoRA adapter alone
     state = load_trainer_state(checkpoint)
-    optimizer.load_state_dict(state["optimizer"])
+    load_optimizer_state(model, optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
-    sampler.set_state(state["sampler"])
+    sampler.set_state(local_state(state["sampler"]))  # this process's generator
     stream.load_state_dict(state["stream"])
     return int(state["step"])
 
@@ -206,25 +229,24 @@ def _restore(checkpoint: Path, model, optimizer, scheduler, sampler, stream) -> 
 # ---- 1. rollout and grading ---------------------------------------------------------
 
 
-def generate_and_grade(config, model, tokenizer, prompts: PromptTable, stream, specs, sampler):
+def generate_and_grade(config, model, tokenizer, prompts: PromptTable, stream, specs, sampler, engine=None):
     """Sample G answers for B prompts and grade them; with dynamic sampling, keep drawing
     prompt batches (up to `max_resample_rounds` more) until B groups carry signal."""
+    engine = engine or build_engine(config, model, tokenizer)
+    sampling = SamplingParams.from_config(config, prompts.eos_token_ids, tokenizer.pad_token_id)
     G, B, algo = config.rollout.group_size, config.train.prompts_per_step, config.algorithm
     draws: list[Draw] = []
     t_rollout = t_reward = 0.0
     for _ in range(1 + (algo.max_resample_rounds if algo.dynamic_sampling else 0)):
         indices = stream.next_batch()  # B row indices
         t0 = time.perf_counter()
-        rollout = sample_groups(
-            model, [prompts.ids[i] for i in indices], group_size=G,
-            max_new_tokens=config.rollout.max_new_tokens, eos_token_ids=prompts.eos_token_ids,
-            pad_token_id=tokenizer.pad_token_id, temperature=config.rollout.temperature,
-            top_p=config.rollout.top_p, top_k=config.rollout.top_k, stop_strings=config.rollout.stop_strings,
-            tokenizer=tokenizer, generator=sampler, ignore_eos=config.rollout.ignore_eos)
+        rollout = engine.generate([prompts.ids[i] for i in indices], group_size=G, sampling=sampling,
+                                  generator=sampler)
         t1 = time.perf_counter()
         draws.append(grade(rollout, [prompts.rows[i] for i in indices], tokenizer, specs, G))
         t_rollout, t_reward = t_rollout + t1 - t0, t_reward + time.perf_counter() - t1
-        if not algo.dynamic_sampling or sum(d.with_signal(G).size for d in draws) >= B * G:
+        # several processes: every one draws as often as the one that needs most (streams stay in step)
+        if not algo.dynamic_sampling or all_ranks(sum(d.with_signal(G).size for d in draws) >= B * G):
             break
     seen = reward_summary(torch.cat([d.total for d in draws]), G)  # before any filtering
     draw = draws[0] if not algo.dynamic_sampling else Draw.join([d.with_signal(G) for d in draws], B * G,
@@ -265,6 +287,18 @@ def _score(config: Config, model, batch: GenerationBatch, linear_head: bool) -> 
     return torch.cat(out)  # [N, T]
 
 
+def _tis(config: Config, model, batch: GenerationBatch, linear_head: bool) -> dict:
+    """Truncated importance sampling (engines.py): per-token weights min(exp(trainer - sampler), cap),
+    with the trainer's log-probs before the update (the old ones when the trainer computed them, else a
+    no-grad pass; never the sampler's own, which algorithm.old_logprobs = "sampler" would reuse)."""
+    own = batch.old_logp is not None and batch.old_logp is not batch.rollout.logprobs
+    with torch.no_grad():
+        trainer_logp = batch.old_logp if own else _score(config, model, batch, linear_head)
+    batch.tis_weight, stats = truncated_importance_weights(trainer_logp, batch.rollout.logprobs, batch.loss_mask,
+                                                           config.algorithm.tis_cap)
+    return stats
+
+
 # ---- 3. policy update ---------------------------------------------------------------
 
 
@@ -280,7 +314,7 @@ def optimize(config: Config, model, optimizer, scheduler, batch: GenerationBatch
         for minibatch in order.split(config.minibatch_size):
             optimizer.zero_grad(set_to_none=True)
             micro_batches = minibatch.split(config.micro_batch_size)
-            n_items = batch.loss_mask[minibatch].sum().clamp(min=1)  # dapo: tokens of the whole minibatch
+            n_items = global_sum(batch.loss_mask[minibatch].sum()).clamp(min=1)  # dapo: minibatch tokens, all ranks
             loss = 0.0
             for rows in micro_batches:
                 micro_loss, stats = _micro_step(config, model, batch, rows, n_items, len(micro_batches), linear_head)
@@ -288,6 +322,7 @@ def optimize(config: Config, model, optimizer, scheduler, batch: GenerationBatch
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
             losses.append(loss)
+            reduce_gradients(model, algo.loss_type)  # several processes: the whole batch's gradient on each
             norm = _clip_grad(model, config.train.max_grad_norm)
             if math.isfinite(norm):
                 optimizer.step()
@@ -318,7 +353,8 @@ def _micro_step(config, model, batch, rows, n_items, n_micro, linear_head) -> tu
         ref_logp=None if batch.ref_logp is None else batch.ref_logp[rows, :T], beta=algo.beta,
         epsilon=algo.epsilon, epsilon_high=algo.clip_high, loss_type=algo.loss_type,
         importance_sampling_level=algo.importance_sampling_level,
-        max_completion_length=config.rollout.max_new_tokens, num_items_in_batch=n_items)
+        max_completion_length=config.rollout.max_new_tokens, num_items_in_batch=n_items,
+        token_weights=None if batch.tis_weight is None else batch.tis_weight[rows, :T])
     if algo.loss_type not in ("dapo", "cispo"):  # their normaliser already spans the minibatch
         loss = loss / n_micro
     loss.backward()

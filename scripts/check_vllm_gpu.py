@@ -1,0 +1,211 @@
+#!/usr/bin/env python
+"""Check grpokit's vLLM rollout path on one GPU, in under 10 minutes.
+
+    pip install -e '.[vllm,peft]'        # on a CUDA machine
+    python scripts/check_vllm_gpu.py [--out DIR] [--budget-s 540]
+
+Builds a small Qwen2 model locally (no hub access: grpokit.tiny, hidden 256, 4 layers, head dim 64,
+character tokenizer), then runs each phase in its own process (a fresh vLLM engine each):
+
+  engine  VLLMEngine colocated with the trainer's model: vLLM's log-probs of its own samples against
+          the trainer's recomputed ones; then the trainer's weights are perturbed, pushed in buckets,
+          and the new samples' log-probs must match the *new* weights (and not the old ones).
+  train   5 GRPO steps through grpokit.train with rollout.engine = "vllm" and TIS (tis_cap = 2):
+          finite metrics, and the sampler-trainer gap stays small after every update (weights synced).
+  lora    the same with model.lora: only the adapter is pushed (a new LoRARequest per update).
+  sleep   the train phase with rollout.vllm.enable_sleep_mode = true.
+
+Prints one line per check (PASS/FAIL with the numbers) and writes DIR/report.json. Exit code 0 when
+every check passed. Phases left when the time budget runs out are reported as SKIPPED.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PHASES = ("engine", "train", "lora", "sleep")
+GAP_MEAN_MAX = 0.05  # mean |logp_vllm - logp_trainer| per token, bf16 on both sides
+
+
+def build_model(path: Path) -> None:
+    from grpokit.tiny import build_tiny_model
+
+    if not (path / "config.json").is_file():
+        build_tiny_model(path, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=512, seed=0)
+
+
+def vllm_options() -> dict:
+    return {"gpu_memory_utilization": 0.25, "enforce_eager": True, "max_model_len": 512}
+
+
+def check(results: list, name: str, ok: bool, **numbers) -> None:
+    results.append({"check": name, "ok": bool(ok), **numbers})
+    shown = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in numbers.items())
+    print(f"{'PASS' if ok else 'FAIL'}  {name}  {shown}", flush=True)
+
+
+# ---- phases (each in its own process) ----------------------------------------------------------
+
+
+def phase_engine(model_dir: Path, out: Path) -> list:
+    import torch
+
+    from grpokit.engines import SamplingParams, VLLMEngine
+    from grpokit.modeling import completion_logprobs, load_model_and_tokenizer
+    from grpokit.tasks import get_task
+
+    results: list = []
+    model, tok = load_model_and_tokenizer(model_dir, dtype="bfloat16", device="cuda")
+    rows = get_task("addition").generate(16, seed=0, split="train")
+    prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+    t0 = time.perf_counter()
+    engine = VLLMEngine(str(model_dir), dtype="bfloat16", seed=0, **vllm_options())
+    check(results, "engine starts", True, seconds=time.perf_counter() - t0)
+    s = SamplingParams(max_new_tokens=16, eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def gap(m, rollout) -> tuple[float, float]:
+        with torch.no_grad():
+            lp, _ = completion_logprobs(m, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+                                        rollout.completion_mask)
+        d = (lp.float() - rollout.logprobs.float()).abs()[rollout.completion_mask.bool()]
+        return float(d.mean()), float(d.max())
+
+    t0 = time.perf_counter()
+    r = engine.generate(prompts, group_size=8, sampling=s, generator=gen)
+    seconds = time.perf_counter() - t0
+    check(results, "generate: 16 prompts x 8 answers", r.completion_ids.shape[0] == 128, seconds=seconds,
+          tokens=int(r.completion_mask.sum()))
+    mean, worst = gap(model, r)
+    check(results, "logprobs: vLLM vs trainer (same weights)", mean < GAP_MEAN_MAX, mean_gap=mean, max_gap=worst)
+
+    old = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    t0 = time.perf_counter()
+    engine.sync_weights(model)
+    torch.cuda.synchronize()
+    check(results, "weight sync in buckets", 1 <= len(engine.sync_calls) < sum(1 for _ in model.parameters()),
+          seconds=time.perf_counter() - t0, load_calls=len(engine.sync_calls), tensors=sum(engine.sync_calls))
+    r2 = engine.generate(prompts, group_size=8, sampling=s, generator=gen)
+    new_mean, new_max = gap(model, r2)
+    old_model, _ = load_model_and_tokenizer(model_dir, dtype="bfloat16", device="cuda")
+    old_model.load_state_dict(old)
+    stale_mean, _ = gap(old_model, r2)
+    check(results, "after sync vLLM samples from the new weights", new_mean < GAP_MEAN_MAX and stale_mean > 3 * new_mean,
+          mean_gap_new=new_mean, max_gap_new=new_max, mean_gap_old_weights=stale_mean)
+    return results
+
+
+def phase_train(model_dir: Path, out: Path, *, lora: bool = False, sleep: bool = False) -> list:
+    from grpokit.config import (AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig,
+                                TrainConfig)
+    from grpokit.tracking import read_metrics
+    from grpokit.trainer import train
+
+    results: list = []
+    options = {**vllm_options(), **({"enable_sleep_mode": True} if sleep else {})}
+    name = "lora" if lora else "sleep" if sleep else "train"
+    config = Config(
+        model=ModelConfig(path=str(model_dir), dtype="bfloat16", device="cuda",
+                          lora={"r": 8, "alpha": 16} if lora else {}),
+        data=DataConfig(task="addition", num_prompts=512),
+        rollout=RolloutConfig(group_size=8, max_new_tokens=16, engine="vllm", vllm=options),
+        algorithm=AlgorithmConfig(tis_cap=2.0),
+        train=TrainConfig(steps=5, prompts_per_step=16, learning_rate=1e-2 if lora else 1e-3),
+        output=OutputConfig(dir=str(out / name), console=False, overwrite=True),
+    )
+    t0 = time.perf_counter()
+    run = train(config)
+    rows = read_metrics(run)
+    finite = all(v is not None and math.isfinite(v) for r in rows for k, v in r.items() if k != "step")
+    gaps = [r["sampling/logprob_gap_mean"] for r in rows]
+    check(results, f"{name}: 5 GRPO steps, finite metrics", finite and len(rows) == 5,
+          seconds=time.perf_counter() - t0, rollout_s=sum(r["time/rollout"] for r in rows) / len(rows),
+          reward_first=rows[0]["reward"], reward_last=rows[-1]["reward"])
+    check(results, f"{name}: sampler-trainer gap stays small after every update", max(gaps) < GAP_MEAN_MAX,
+          gap_step1=gaps[0], gap_max=max(gaps), tis_weight_mean=rows[-1]["sampling/tis_weight_mean"],
+          grad_norm=rows[-1]["grad_norm"])
+    ckpt = run / "checkpoint-5"
+    check(results, f"{name}: checkpoint written", (ckpt / "config.json").is_file()
+          and (not lora or (ckpt / "adapter" / "adapter_config.json").is_file()))
+    return results
+
+
+def run_phase(phase: str, model_dir: Path, out: Path) -> list:
+    if phase == "engine":
+        return phase_engine(model_dir, out)
+    return phase_train(model_dir, out, lora=phase == "lora", sleep=phase == "sleep")
+
+
+# ---- orchestration -----------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="vllm_gpu_check")
+    parser.add_argument("--budget-s", type=float, default=540, help="stop starting phases after this many seconds")
+    parser.add_argument("--phase", choices=PHASES, help=argparse.SUPPRESS)  # internal: run one phase here
+    args = parser.parse_args()
+    out = Path(args.out).resolve()
+    model_dir = out / "model"
+    if args.phase:
+        results = run_phase(args.phase, model_dir, out)
+        (out / f"{args.phase}.json").write_text(json.dumps(results, indent=2))
+        return 0
+
+    start = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        import torch
+        import vllm
+    except ImportError as e:
+        print(f"FAIL  vLLM not importable ({e}); install with: pip install -e '.[vllm,peft]'")
+        return 2
+    if not torch.cuda.is_available():
+        print("FAIL  no CUDA device")
+        return 2
+    print(f"vllm {vllm.__version__}  torch {torch.__version__}  {torch.cuda.get_device_name(0)}", flush=True)
+    build_model(model_dir)
+    report = {"vllm": vllm.__version__, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "phases": {}}
+    for phase in PHASES:
+        left = args.budget_s - (time.perf_counter() - start)
+        if left < 60:
+            print(f"SKIPPED  {phase} (time budget)")
+            report["phases"][phase] = "skipped"
+            continue
+        t0 = time.perf_counter()
+        print(f"--- {phase}", flush=True)
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--out", str(out), "--phase", phase],
+                                  timeout=left, capture_output=True, text=True, env={**os.environ})
+            sys.stdout.write("".join(line + "\n" for line in proc.stdout.splitlines()
+                                     if line.startswith(("PASS", "FAIL"))))
+            if proc.returncode:
+                print(f"FAIL  {phase}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
+            results = json.loads((out / f"{phase}.json").read_text()) if (out / f"{phase}.json").is_file() else []
+            if proc.returncode:
+                results.append({"check": f"{phase} exited", "ok": False, "stderr_tail": proc.stderr[-3000:]})
+        except subprocess.TimeoutExpired:
+            print(f"FAIL  {phase}: timed out")
+            results = [{"check": f"{phase} timed out", "ok": False}]
+        report["phases"][phase] = {"seconds": time.perf_counter() - t0, "results": results}
+    report["seconds"] = time.perf_counter() - start
+    ok = all(isinstance(p, dict) and p["results"] and all(r["ok"] for r in p["results"])
+             for p in report["phases"].values())
+    report["ok"] = ok
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    print(f"{'ALL PASSED' if ok else 'SOME CHECKS FAILED'} in {report['seconds']:.0f} s; report: {out / 'report.json'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

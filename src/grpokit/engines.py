@@ -1,0 +1,354 @@
+"""Rollout engines: what samples the answers, behind one interface.
+
+    rollout = engine.generate(prompt_ids, group_size=G, sampling=SamplingParams(...), generator=g)
+    engine.sync_weights(model)        # after every optimizer step: the sampler now holds the trainer's weights
+
+`generate` returns a `Rollout` (N = B*G rows, group by group, with the sampler's own log-probs of the
+tokens it drew); the trainer never looks behind it.
+
+- `HFEngine` [`rollout.engine = "hf"`]: the built-in sampler (`rollout.sample_groups`) on the training
+  model itself. Nothing to sync, and its log-probs are the trainer's (ratio exactly 1 on-policy).
+- `VLLMEngine` [`rollout.engine = "vllm"`, extra `grpokit[vllm]`, one GPU per process]: a `vllm.LLM`
+  colocated in the training process, on the same GPU (`rollout.vllm.gpu_memory_utilization` of it;
+  `enable_sleep_mode` frees its memory while the trainer runs). Under torchrun every rank owns one
+  engine (`distributed_executor_backend="external_launcher"`) and samples its own prompts. After each
+  update the weights are pushed in buckets of about `sync_bucket_mb` (one `load_weights` call per
+  bucket, not per parameter; FSDP shards are gathered one bucket at a time); with LoRA only the
+  adapter moves (saved to a temporary folder, loaded as a new `LoRARequest`). Each `generate` passes
+  a seed drawn from the trainer's generator, so `--resume` replays the same sampling seeds.
+- The sampler and the trainer compute log-probs with different kernels (and vLLM often in bf16), so
+  even on-policy their ratio is not exactly 1. `algorithm.tis_cap = C > 0` applies truncated
+  importance sampling (TIS, Yao et al. 2025): each token's loss is multiplied by
+  `w_t = min(exp(logp_trainer_t - logp_sampler_t), C)`, with `logp_trainer` the trainer's log-probs of
+  the sampled tokens before the update (a no-grad pass, as TRL). vLLM runs with
+  `logprobs_mode="processed_logprobs"` so that its log-probs include the temperature; with top-k/top-p
+  they are those of the filtered distribution while the trainer's are unfiltered (as in TRL).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Protocol, Sequence
+
+import torch
+from torch import Tensor
+
+from .distributed import buckets, full_params_for_generation, is_fsdp
+from .lora import adapter_of
+from .rollout import Rollout, left_pad, sample_groups
+
+ENGINES = ("hf", "vllm")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    eos_token_ids: tuple = ()
+    pad_token_id: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_strings: tuple = ()
+    ignore_eos: bool = False
+
+    @classmethod
+    def from_config(cls, config, eos_token_ids: Sequence[int], pad_token_id: int) -> "SamplingParams":
+        r = config.rollout
+        return cls(r.max_new_tokens, tuple(eos_token_ids), pad_token_id, r.temperature, r.top_p, r.top_k,
+                   tuple(r.stop_strings), r.ignore_eos)
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompt_ids: list[list[int]], *, group_size: int, sampling: SamplingParams,
+                 generator: torch.Generator | None = None) -> Rollout: ...
+
+    def sync_weights(self, model) -> None: ...
+
+
+class HFEngine:
+    """The built-in sampler on the training model (shared prefill, KV cache, Gumbel-max)."""
+
+    def __init__(self, model, tokenizer=None):
+        self.model, self.tokenizer = model, tokenizer
+
+    def generate(self, prompt_ids, *, group_size, sampling, generator=None) -> Rollout:
+        s = sampling
+        with full_params_for_generation(self.model):  # FSDP: gathered once for the whole decode loop
+            return sample_groups(
+                self.model, prompt_ids, group_size=group_size, max_new_tokens=s.max_new_tokens,
+                eos_token_ids=list(s.eos_token_ids), pad_token_id=s.pad_token_id, temperature=s.temperature,
+                top_p=s.top_p, top_k=s.top_k, stop_strings=s.stop_strings, tokenizer=self.tokenizer,
+                generator=generator, ignore_eos=s.ignore_eos)
+
+    def sync_weights(self, model) -> None:
+        """Nothing to do: the sampler is the training model."""
+
+
+def build_engine(config, model, tokenizer) -> RolloutEngine:
+    """The engine `rollout.engine` names, for this process."""
+    if config.rollout.engine == "hf":
+        return HFEngine(model, tokenizer)
+    from . import distributed
+
+    options = dict(getattr(config.rollout, "vllm", {}) or {})
+    options = {"dtype": config.model.dtype, **options}
+    return VLLMEngine(config.model.path, seed=config.train.seed + distributed.rank(), lora=config.model.lora or None,
+                      **options)
+
+
+# ---- building rollouts from token lists ----------------------------------------------------
+
+
+def rollout_from_tokens(prompt_ids: list[list[int]], completions: list[list[int]], logprobs: list[list[float]],
+                        truncated: list[bool], *, group_size: int, pad_token_id: int,
+                        device: torch.device | str = "cpu") -> Rollout:
+    """A `Rollout` from B prompts and their N = B*G completions (lists of token ids, group by group)."""
+    if len(completions) != len(prompt_ids) * group_size:
+        raise ValueError(f"{len(prompt_ids)} prompts x {group_size} answers need {len(prompt_ids) * group_size} "
+                         f"completions, got {len(completions)}")
+    ids, mask = left_pad(prompt_ids, pad_token_id, device)  # [B, P]
+    width = max(1, max(len(c) for c in completions))
+    n = len(completions)
+    comp = torch.full((n, width), pad_token_id, dtype=torch.long)  # [N, T]
+    comp_mask = torch.zeros((n, width), dtype=torch.long)  # [N, T]
+    logp = torch.zeros((n, width), dtype=torch.float32)  # [N, T]
+    for i, (c, lp) in enumerate(zip(completions, logprobs)):
+        comp[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+        comp_mask[i, :len(c)] = 1
+        logp[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    return Rollout(prompt_ids=ids.repeat_interleave(group_size, 0), prompt_mask=mask.repeat_interleave(group_size, 0),
+                   completion_ids=comp.to(device), completion_mask=comp_mask.to(device), logprobs=logp.to(device),
+                   truncated=torch.tensor(truncated, dtype=torch.bool, device=device))
+
+
+def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
+    """Rows of several rollouts in order: prompts re-left-padded, completions re-right-padded."""
+    P = max(r.prompt_ids.shape[1] for r in rollouts)
+    T = max(r.completion_ids.shape[1] for r in rollouts)
+    pad = torch.nn.functional.pad
+
+    def cat(name: str, left: bool, width: int, fill) -> Tensor:
+        parts = [getattr(r, name) for r in rollouts]
+        return torch.cat([pad(p, (width - p.shape[1], 0) if left else (0, width - p.shape[1]), value=fill)
+                          for p in parts])
+
+    return Rollout(prompt_ids=cat("prompt_ids", True, P, pad_token_id), prompt_mask=cat("prompt_mask", True, P, 0),
+                   completion_ids=cat("completion_ids", False, T, pad_token_id),
+                   completion_mask=cat("completion_mask", False, T, 0), logprobs=cat("logprobs", False, T, 0.0),
+                   truncated=torch.cat([r.truncated for r in rollouts]))
+
+
+# ---- truncated importance sampling ---------------------------------------------------------
+
+
+def truncated_importance_weights(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cap: float
+                                 ) -> tuple[Tensor, dict[str, float]]:
+    """TIS weights `min(exp(trainer - sampler), cap)` [N, T] (1 on padding), and their statistics.
+
+    trainer_logp, sampler_logp, mask: [N, T]. The weights are constants (no gradient)."""
+    if cap <= 0:
+        raise ValueError(f"tis cap must be > 0, got {cap}")
+    valid = mask != 0  # [N, T]
+    T = min(trainer_logp.shape[1], sampler_logp.shape[1], mask.shape[1])
+    valid = valid[:, :T]
+    gap = torch.where(valid, trainer_logp[:, :T].detach().float() - sampler_logp[:, :T].float(), 0.0)  # [N, T]
+    raw = gap.exp()  # [N, T]
+    weights = raw.clamp(max=cap)
+    count = valid.sum().clamp(min=1)
+    stats = {
+        "sampling/logprob_gap_mean": float(gap.abs().sum() / count),
+        "sampling/logprob_gap_max": float(gap.abs().max()) if valid.any() else 0.0,
+        "sampling/tis_weight_mean": float((weights * valid).sum() / count),
+        "sampling/tis_clipped_ratio": float(((raw > cap) & valid).sum() / count),
+    }
+    return weights, stats
+
+
+# ---- vLLM ----------------------------------------------------------------------------------
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("rollout.engine = \"vllm\" needs vLLM on a CUDA machine: pip install 'grpokit[vllm]'") from e
+    return vllm
+
+
+def named_weights_for_sync(model) -> Iterable[tuple[str, Tensor]]:
+    """(Hugging Face name, full tensor) of every parameter and buffer the sampler needs, one at a time
+    (FSDP shards are gathered here, one tensor at a time: every rank must iterate in step)."""
+    seen = set()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if id(t) in seen or "rotary_emb" in name:  # tied weights once; rotary tables are rebuilt by vLLM
+            continue
+        seen.add(id(t))
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        yield name, full.detach()
+
+
+class VLLMEngine:
+    """A colocated `vllm.LLM` behind the RolloutEngine interface (see the module docstring).
+
+    `llm` and `vllm_module` may be given (tests pass fakes); otherwise vLLM is imported and the LLM
+    built from `model_path`."""
+
+    def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0, lora: dict | None = None,
+                 gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False, sync_bucket_mb: float = 512,
+                 max_model_len: int | None = None, enforce_eager: bool = False, llm=None, vllm_module=None):
+        self.vllm = vllm_module or _import_vllm()
+        self.bucket_bytes = int(sync_bucket_mb * 2**20)
+        self.sleep_mode, self.lora = enable_sleep_mode, lora
+        self.lora_request, self._lora_dir, self._lora_version = None, None, 0
+        self.sync_calls: list[int] = []  # tensors per load_weights call of the last sync (for tests and logs)
+        if llm is None:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: its model is reachable
+            kwargs = dict(model=str(model_path), dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+                          enable_sleep_mode=enable_sleep_mode, logprobs_mode="processed_logprobs",
+                          enforce_eager=enforce_eager, max_model_len=max_model_len)
+            from . import distributed
+
+            if distributed.world_size() > 1:  # one engine per rank, inside torchrun's process group
+                kwargs["distributed_executor_backend"] = "external_launcher"
+            if lora:
+                kwargs.update(enable_lora=True, max_lora_rank=int(lora.get("r", 8)), max_loras=1)
+            llm = self.vllm.LLM(**{k: v for k, v in kwargs.items() if v is not None})
+        self.llm = llm
+        self.asleep = self.weights_awake = False  # sleeps after each generate (enable_sleep_mode)
+
+    # ---- sampling --------------------------------------------------------------------------
+
+    def generate(self, prompt_ids, *, group_size, sampling, generator=None) -> Rollout:
+        s = sampling
+        self._wake()
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device).item()) \
+            if generator is not None else None
+        params = self.vllm.SamplingParams(
+            n=group_size, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_new_tokens,
+            stop=list(s.stop_strings) or None, include_stop_str_in_output=True, ignore_eos=s.ignore_eos,
+            stop_token_ids=None if s.ignore_eos else list(s.eos_token_ids), logprobs=0, seed=seed,
+            skip_special_tokens=False)
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], sampling_params=params,
+                                    use_tqdm=False, lora_request=self.lora_request)
+        completions, logprobs, truncated = [], [], []
+        for request in outputs:
+            if len(request.outputs) != group_size:
+                raise RuntimeError(f"vLLM returned {len(request.outputs)} answers for a prompt, expected {group_size}")
+            for out in request.outputs:
+                ids = list(out.token_ids)[:s.max_new_tokens]
+                completions.append(ids)
+                logprobs.append(_sampled_logprobs(out.logprobs, ids))
+                truncated.append(out.finish_reason == "length")
+        if self.sleep_mode:
+            self._sleep()
+        device = generator.device if generator is not None else "cpu"
+        return rollout_from_tokens(prompt_ids, completions, logprobs, truncated, group_size=group_size,
+                                   pad_token_id=s.pad_token_id, device=device)
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def sync_weights(self, model) -> None:
+        """Push the trainer's weights: the adapter alone with LoRA, else every tensor in buckets."""
+        self._wake(weights_only=True)
+        adapter = adapter_of(model)
+        if adapter is not None:
+            self._sync_adapter(adapter)
+        else:
+            self.sync_calls = []
+            for bucket in buckets(named_weights_for_sync(model), self.bucket_bytes):
+                self._load_weights(bucket)
+                self.sync_calls.append(len(bucket))
+        self.llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
+
+    def _load_weights(self, bucket: list[tuple[str, Tensor]]) -> None:
+        target = _vllm_model(self.llm)
+        if target is not None:
+            target.load_weights(weights=bucket)
+        else:  # the engine runs its workers elsewhere: send the bucket over its RPC
+            self.llm.collective_rpc(_load_weights_on_worker, args=(bucket,))
+
+    def _sync_adapter(self, adapter) -> None:
+        from . import distributed
+
+        if self._lora_dir is None:
+            self._lora_dir = tempfile.mkdtemp(prefix=f"grpokit-lora-rank{distributed.rank()}-")
+        previous = self.lora_request
+        self._lora_version += 1
+        folder = Path(self._lora_dir) / f"v{self._lora_version}"
+        adapter.save_pretrained(str(folder))
+        self.lora_request = _lora_request_class(self.vllm)(f"policy-v{self._lora_version}", self._lora_version,
+                                                           str(folder))
+        self.sync_calls = [0]
+        if previous is not None:
+            try:
+                self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            except Exception:  # an engine without remove_lora keeps at most max_loras adapters (LRU)
+                pass
+            old = Path(self._lora_dir) / f"v{self._lora_version - 1}"
+            import shutil
+
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ---- sleep mode: the engine's GPU memory is free while the trainer runs --------------------
+    # After each generate the engine sleeps: level 2 drops its weights (the trainer pushes new ones
+    # after the update anyway); with LoRA the base weights are never pushed, so level 1 keeps them
+    # in host memory. sync_weights wakes the weights only; generate wakes the KV cache.
+
+    def _sleep(self) -> None:
+        self.llm.sleep(level=1 if self.lora else 2)
+        self.asleep, self.weights_awake = True, False
+
+    def _wake(self, weights_only: bool = False) -> None:
+        if not self.asleep:
+            return
+        if weights_only:
+            if not self.weights_awake:
+                self.llm.wake_up(tags=["weights"])
+                self.weights_awake = True
+            return
+        self.llm.wake_up(tags=["kv_cache"]) if self.weights_awake else self.llm.wake_up()
+        self.asleep = self.weights_awake = False
+
+
+def _lora_request_class(vllm):
+    if hasattr(vllm, "LoRARequest"):
+        return vllm.LoRARequest
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest
+
+
+def _vllm_model(llm):
+    """The nn.Module inside an in-process vLLM engine (V1 with VLLM_ENABLE_V1_MULTIPROCESSING=0), or None."""
+    try:
+        worker = llm.llm_engine.model_executor.driver_worker
+    except AttributeError:
+        return None
+    for path in ("model_runner.model", "worker.model_runner.model"):
+        obj = worker
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if obj is not None and hasattr(obj, "load_weights"):
+            return obj
+    return None
+
+
+def _load_weights_on_worker(worker, bucket):  # runs inside a vLLM worker (collective_rpc)
+    worker.model_runner.model.load_weights(weights=bucket)
+
+
+def _sampled_logprobs(per_position, token_ids: list[int]) -> list[float]:
+    """The sampled token's log-prob at each position, from vLLM's per-position {token_id: Logprob}."""
+    if per_position is None:
+        raise RuntimeError("vLLM returned no log-probs; the engine needs SamplingParams(logprobs=0)")
+    out = []
+    for tok, entry in zip(token_ids, per_position):
+        item = entry.get(tok) if hasattr(entry, "get") else None
+        if item is None:  # the sampled token is always present with logprobs=0; be lenient with formats
+            item = next(iter(entry.values()))
+        value = getattr(item, "logprob", item)
+        out.append(float(value))
+    return out

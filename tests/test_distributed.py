@@ -1,0 +1,195 @@
+"""Data parallel and FSDP2 over torchrun: 2 CPU processes (gloo) make the same update as 1 process.
+
+Both runs must see the same answers, so the rollout engine here samples each prompt with its
+own generator, seeded by the prompt's tokens and the step: the 1-process batch is then exactly
+the concatenation of the 2 ranks' batches, and the comparison isolates the update (sharding,
+normalisers, gradient all-reduce, metric reduction, rank-0-only files).
+
+The 2-process side is this file run by `torchrun --nproc_per_node 2` (see `__main__` below).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import zlib
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpokit.config import (AlgorithmConfig, Config, ConfigError, DataConfig, ModelConfig, OutputConfig, RolloutConfig,
+                            TrainConfig)
+from grpokit.distributed import DistributedContext, ShardedStream, buckets
+from grpokit.engines import HFEngine, concat_rollouts
+
+SCENARIOS = {
+    # dapo: the global token count normalises; micro-batches of 2 answers (gradient accumulation on each rank)
+    "dapo": dict(train={"micro_batch_size": 2}),
+    # grpo with a reference model (β > 0) and μ = 2 (old log-probs, clipping)
+    "grpo_kl": dict(algorithm={"loss_type": "grpo", "beta": 0.04, "num_iterations": 2, "epsilon": 0.1}),
+    # LoRA adapters (only they are all-reduced) with the adapters-off reference
+    "lora": dict(model={"lora": {"r": 4, "alpha": 8}}, algorithm={"beta": 0.04}, train={"learning_rate": 1e-2}),
+    # FSDP2 on 2 CPU processes against the plain 1-process run
+    "fsdp": dict(model={"fsdp": True}, train={"micro_batch_size": 4}),
+}
+
+
+def scenario_config(name: str, model_dir, out) -> Config:
+    s = SCENARIOS[name]
+    return Config(
+        model=ModelConfig(path=str(model_dir), device="cpu", **s.get("model", {})),
+        data=DataConfig(task="addition", num_prompts=64),
+        rollout=RolloutConfig(group_size=4, max_new_tokens=6),
+        algorithm=AlgorithmConfig(**s.get("algorithm", {})),
+        train=TrainConfig(**{"steps": 2, "prompts_per_step": 4, "learning_rate": 1e-3, **s.get("train", {})}),
+        output=OutputConfig(dir=str(out), console=False, completions_every=1),
+    )
+
+
+def parity(completions, **kwargs):
+    return [sum(ord(ch) % 2 == 0 for ch in c) / max(1, len(c)) for c in completions]
+
+
+class PerPromptEngine(HFEngine):
+    """Each prompt sampled alone, with a generator seeded by (prompt tokens, call number): the
+    answers do not depend on which other prompts share the batch, nor on the process."""
+
+    calls = 0
+
+    def generate(self, prompt_ids, *, group_size, sampling, generator=None):
+        self.calls += 1
+        parts = []
+        for p in prompt_ids:
+            g = torch.Generator().manual_seed(zlib.crc32(bytes(str(p), "utf-8")) + 7919 * self.calls)
+            parts.append(super().generate([p], group_size=group_size, sampling=sampling, generator=g))
+        return concat_rollouts(parts, sampling.pad_token_id)
+
+
+def per_prompt_engine(config, model, tokenizer):
+    return PerPromptEngine(model, tokenizer)
+
+
+def run_scenario(name: str, model_dir, out, *, fsdp_off: bool = False) -> Path:
+    from grpokit.trainer import train
+
+    config = scenario_config(name, model_dir, out)
+    if fsdp_off:
+        config = replace(config, model=replace(config.model, fsdp=False))
+    return train(config, reward_functions=[parity], engine=per_prompt_engine)
+
+
+# ---- the 2-process comparison --------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _weights(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "checkpoint-2" / "model.safetensors"))
+
+
+COMPARED = ("reward", "reward_std", "frac_reward_zero_std", "rewards/parity/mean", "rewards/parity/std", "loss",
+            "grad_norm", "entropy", "clip_ratio/region_mean", "completions/mean_length", "completions/min_length",
+            "completions/max_length", "completions/clipped_ratio", "completions/mean_terminated_length",
+            "learning_rate")
+
+
+def test_two_processes_make_the_same_update_as_one(tiny_model_dir, tmp_path):
+    names = list(SCENARIOS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(_free_port()), __file__, str(tiny_model_dir), str(tmp_path / "two"), *names]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        singles = {name: run_scenario(name, tiny_model_dir, tmp_path / "one" / name, fsdp_off=True) for name in names}
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-4000:]
+    for name in names:
+        one, two = singles[name], tmp_path / "two" / name
+        m1 = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
+        m2 = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in m2] == [1, 2], name  # rank 0 alone wrote, once per step
+        assert m1[0]["reward_std"] > 0 and m1[0]["grad_norm"] > 0  # there was an update to compare
+        for a, b in zip(m1, m2):
+            for key in COMPARED + (("kl",) if "kl" in a else ()):
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (name, a["step"], key)
+        c1 = (one / "completions.jsonl").read_text().splitlines()
+        c2 = (two / "completions.jsonl").read_text().splitlines()
+        assert [json.loads(x)["completion"] for x in c1] == [json.loads(x)["completion"] for x in c2], name
+        w1, w2 = _weights(one), _weights(two)
+        assert w1.keys() == w2.keys(), name
+        before = _initial_weights(tiny_model_dir)
+        assert not all(torch.equal(w1[k], before[k]) for k in w1), name  # the update moved the weights
+        for k in w1:
+            torch.testing.assert_close(w2[k], w1[k], atol=2e-5, rtol=1e-4, msg=lambda m: f"{name} {k}: {m}")
+        assert not (two / "checkpoint-2" / "trainer_state.pt").is_file() or \
+            isinstance(torch.load(two / "checkpoint-2" / "trainer_state.pt", weights_only=False)["sampler"], list)
+
+
+def _initial_weights(model_dir) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(model_dir) / "model.safetensors"))
+
+
+# ---- pieces, without processes -------------------------------------------------------------------
+
+
+def _config(**train) -> Config:
+    return Config(model=ModelConfig(path="m"), data=DataConfig(task="addition"),
+                  rollout=RolloutConfig(group_size=4), train=TrainConfig(**train))
+
+
+def test_local_config_splits_the_batch_and_checks_it_splits_evenly():
+    two = DistributedContext(rank=1, world_size=2)
+    local = two.local_config(_config(prompts_per_step=8, minibatch_size=16, micro_batch_size=4))
+    assert (local.train.prompts_per_step, local.minibatch_size, local.micro_batch_size) == (4, 8, 4)
+    assert DistributedContext().local_config(cfg := _config()) is cfg  # one process: untouched
+    with pytest.raises(ConfigError, match="train.prompts_per_step: 3 prompts cannot be split over 2"):
+        two.local_config(_config(prompts_per_step=3))
+    with pytest.raises(ConfigError, match="train.micro_batch_size: 8 .* per-process minibatch of 4"):
+        two.local_config(_config(prompts_per_step=4, minibatch_size=8, micro_batch_size=8))
+    with pytest.raises(ConfigError, match="model.fsdp with model.lora is not supported yet"):
+        two.local_config(replace(_config(), model=ModelConfig(path="m", fsdp=True, lora={"r": 4})))
+    with pytest.raises(ConfigError, match="model.fsdp: sharding needs several processes"):
+        DistributedContext().local_config(replace(_config(), model=ModelConfig(path="m", fsdp=True)))
+
+
+def test_sharded_stream_gives_each_rank_its_contiguous_share():
+    class Stream:
+        def next_batch(self):
+            return list(range(8))
+
+    assert ShardedStream(Stream(), 0, 2).next_batch() == [0, 1, 2, 3]
+    assert ShardedStream(Stream(), 1, 2).next_batch() == [4, 5, 6, 7]
+
+
+def test_buckets_group_by_size_and_dtype():
+    ts = [("a", torch.zeros(10)), ("b", torch.zeros(10)), ("c", torch.zeros(30)), ("d", torch.zeros(2, dtype=torch.int64)),
+          ("e", torch.zeros(1))]
+    groups = [[n for n, _ in b] for b in buckets(ts, bucket_bytes=100)]
+    assert groups == [["a", "b"], ["c"], ["d"], ["e"]]
+
+
+if __name__ == "__main__":  # one torchrun process: python -m torch.distributed.run ... test_distributed.py MODEL OUT NAMES
+    import torch.distributed as tdist
+
+    torch.set_num_threads(1)
+    model_dir, out_root, *names = sys.argv[1:]
+    tdist.init_process_group("gloo")  # once for all scenarios: train() joins it and leaves it open
+    for scenario in names:
+        run_scenario(scenario, model_dir, Path(out_root) / scenario)
+    tdist.destroy_process_group()

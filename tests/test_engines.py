@@ -1,0 +1,306 @@
+"""Rollout engines behind one interface: the built-in one, a fake one through the trainer, the vLLM
+engine's logic against a fake `vllm.LLM`, and truncated importance sampling (TIS)."""
+
+from __future__ import annotations
+
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpokit.config import (AlgorithmConfig, Config, ConfigError, DataConfig, ModelConfig, OutputConfig, RolloutConfig,
+                            TrainConfig)
+from grpokit.engines import (HFEngine, SamplingParams, VLLMEngine, concat_rollouts, rollout_from_tokens,
+                             truncated_importance_weights)
+from grpokit.modeling import load_model_and_tokenizer
+from grpokit.objectives import policy_loss
+from grpokit.rollout import sample_groups
+from grpokit.tracking import read_metrics
+from grpokit.trainer import train
+
+
+def make_config(model_dir, out, *, algorithm=None, rollout=None, train=None) -> Config:
+    return Config(model=ModelConfig(path=str(model_dir), device="cpu"), data=DataConfig(task="addition", num_prompts=32),
+                  rollout=RolloutConfig(**{"group_size": 4, "max_new_tokens": 5, **(rollout or {})}),
+                  algorithm=AlgorithmConfig(**(algorithm or {})),
+                  train=TrainConfig(**{"steps": 2, "prompts_per_step": 2, "learning_rate": 1e-3, **(train or {})}),
+                  output=OutputConfig(dir=str(out), console=False, completions_every=1))
+
+
+def parity(completions, **kwargs):
+    return [sum(ord(ch) % 2 == 0 for ch in c) / max(1, len(c)) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model_and_tokenizer(tiny_model_dir, device="cpu")
+
+
+# ---- the interface ---------------------------------------------------------------------------------
+
+
+def test_hf_engine_is_the_built_in_sampler(tiny):
+    model, tok = tiny
+    prompts = [tok("1+2=")["input_ids"], tok("30+4=")["input_ids"]]
+    s = SamplingParams(max_new_tokens=6, eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id)
+    got = HFEngine(model, tok).generate(prompts, group_size=3, sampling=s, generator=torch.Generator().manual_seed(5))
+    want = sample_groups(model, prompts, group_size=3, max_new_tokens=6, eos_token_ids=[tok.eos_token_id],
+                         pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(5))
+    for name in ("prompt_ids", "completion_ids", "completion_mask", "logprobs", "truncated"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def test_rollout_from_tokens_and_concat_pad_like_the_built_in_engine():
+    r = rollout_from_tokens([[5, 6], [7]], [[1, 2, 3], [4], [8, 9], []], [[-.1, -.2, -.3], [-.4], [-.5, -.6], []],
+                            [True, False, False, False], group_size=2, pad_token_id=0)
+    assert r.prompt_ids.tolist() == [[5, 6], [5, 6], [0, 7], [0, 7]]
+    assert r.prompt_mask.tolist() == [[1, 1], [1, 1], [0, 1], [0, 1]]
+    assert r.completion_ids.tolist() == [[1, 2, 3], [4, 0, 0], [8, 9, 0], [0, 0, 0]]
+    assert r.completion_mask.sum(-1).tolist() == [3, 1, 2, 0]
+    assert r.logprobs[0].tolist() == pytest.approx([-.1, -.2, -.3]) and r.truncated.tolist() == [True, False, False, False]
+    both = concat_rollouts([r, rollout_from_tokens([[1, 2, 3]], [[4], [5]], [[-1.], [-2.]], [False, True],
+                                                   group_size=2, pad_token_id=0)], 0)
+    assert both.prompt_ids.shape == (6, 3) and both.prompt_ids[0].tolist() == [0, 5, 6]
+    assert both.completion_ids[4].tolist() == [4, 0, 0] and both.truncated.tolist()[-2:] == [False, True]
+
+
+class FakeEngine:
+    """Deterministic answers ("7", "77", ...) with made-up sampler log-probs; records weight syncs."""
+
+    def __init__(self, config, model, tokenizer, logprob=-0.5):
+        self.tok, self.logprob, self.syncs = tokenizer, logprob, []
+
+    def generate(self, prompt_ids, *, group_size, sampling, generator=None):
+        completions = [self.tok("7" * (1 + i % 3), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
+                       for i in range(len(prompt_ids) * group_size)]
+        return rollout_from_tokens(prompt_ids, completions, [[self.logprob] * len(c) for c in completions],
+                                   [False] * len(completions), group_size=group_size,
+                                   pad_token_id=sampling.pad_token_id)
+
+    def sync_weights(self, model):
+        self.syncs.append(sum(p.detach().sum().item() for p in model.parameters()))
+
+
+def test_the_trainer_samples_through_the_engine_and_syncs_after_every_update(tiny_model_dir, tmp_path):
+    engines = []
+    run = train(make_config(tiny_model_dir, tmp_path / "r"), reward_functions=[lambda completions, **k: [
+        len(c) for c in completions]], engine=lambda *a: engines.append(FakeEngine(*a)) or engines[-1])
+    rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert {r["completion"] for r in rows} == {"7", "77", "777"}
+    syncs = engines[0].syncs
+    assert len(syncs) == 3  # once at the start, then after each of the 2 updates
+    assert syncs[0] != syncs[1] != syncs[2]  # each sync saw the new weights
+
+
+# ---- truncated importance sampling -------------------------------------------------------------
+
+
+def test_tis_weights_golden():
+    trainer = torch.tensor([[-1.0, -2.0, -0.3], [-0.5, 0.0, 0.0]])
+    sampler = torch.tensor([[-1.5, -1.0, -0.3], [-0.2, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    w, stats = truncated_importance_weights(trainer, sampler, mask, cap=1.5)
+    want = [[1.5, math.exp(-1.0), 1.0], [math.exp(-0.3), 1.0, 1.0]]  # min(exp(0.5), 1.5); padding: 1
+    torch.testing.assert_close(w, torch.tensor(want))
+    assert stats["sampling/tis_clipped_ratio"] == pytest.approx(1 / 4)
+    assert stats["sampling/logprob_gap_mean"] == pytest.approx((0.5 + 1.0 + 0.0 + 0.3) / 4)
+    assert stats["sampling/logprob_gap_max"] == pytest.approx(1.0)
+    assert stats["sampling/tis_weight_mean"] == pytest.approx((1.5 + math.exp(-1) + 1 + math.exp(-0.3)) / 4)
+
+
+def test_tis_weights_multiply_each_tokens_policy_term_not_the_kl():
+    logp = torch.tensor([[-1.0, -2.0], [-0.5, -0.7]], requires_grad=True)
+    ref = torch.tensor([[-1.2, -1.9], [-0.4, -0.9]])
+    adv, mask = torch.tensor([1.0, -2.0]), torch.ones(2, 2)
+    w = torch.tensor([[1.5, 0.5], [2.0, 1.0]])
+    loss, _ = policy_loss(logp, None, adv, mask, ref_logp=ref, beta=0.1, loss_type="dapo", num_items_in_batch=4,
+                          token_weights=w)
+    d = ref - logp.detach()
+    kl = d.exp() - d - 1
+    want = ((-adv[:, None] * w) + 0.1 * kl).sum() / 4  # on-policy: ratio 1, per-token -A·w + β·KL
+    assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+    loss.backward()
+    g_want = (-adv[:, None] * w + 0.1 * (1 - d.exp())) / 4  # d/dlogp of ratio·A·w is A·w; of k3 is 1 - exp(d)
+    torch.testing.assert_close(logp.grad, g_want)
+
+
+def test_tis_through_the_trainer_weights_every_token_by_the_gap(tiny_model_dir, tmp_path):
+    run = train(make_config(tiny_model_dir, tmp_path / "t", algorithm={"tis_cap": 2.0}, train={"steps": 1}),
+                reward_functions=[parity], engine=lambda *a: FakeEngine(*a, logprob=-30.0))
+    row = read_metrics(run)[0]
+    assert row["sampling/tis_clipped_ratio"] == 1.0 and row["sampling/tis_weight_mean"] == pytest.approx(2.0)
+    # the built-in engine is the trainer: the gap is float noise and TIS changes nothing
+    run = train(make_config(tiny_model_dir, tmp_path / "h", algorithm={"tis_cap": 2.0}, train={"steps": 1}),
+                reward_functions=[parity])
+    row = read_metrics(run)[0]
+    assert row["sampling/logprob_gap_max"] < 1e-4 and row["sampling/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+
+
+def test_tis_config_checks():
+    with pytest.raises(ConfigError, match="algorithm.tis_cap: must be >= 0"):
+        AlgorithmConfig(tis_cap=-1)
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        RolloutConfig(engine="sglang")
+    with pytest.raises(ConfigError, match="rollout.vllm: unknown option"):
+        RolloutConfig(engine="hf", vllm={"gpu_mem": 0.5})
+
+
+# ---- the vLLM engine's logic, against a fake vllm.LLM ------------------------------------------
+
+
+class FakeLLM:
+    """Records what the engine asks of vLLM; answers every prompt with tokens 10, 11, ..."""
+
+    def __init__(self):
+        self.calls, self.loaded = [], []
+        worker = SimpleNamespace(model_runner=SimpleNamespace(model=SimpleNamespace(load_weights=self._load)))
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker),
+                                          remove_lora=lambda i: self.calls.append(("remove_lora", i)))
+
+    def _load(self, weights):
+        self.loaded.append([name for name, _ in weights])
+
+    def generate(self, prompts, sampling_params, use_tqdm, lora_request):
+        self.calls.append(("generate", sampling_params, lora_request))
+        out = []
+        for p in prompts:
+            answers = []
+            for j in range(sampling_params.n):
+                ids = [10 + j] * (j + 1)  # answer j has j + 1 tokens; the last one runs out of tokens
+                lps = [{t: SimpleNamespace(logprob=-0.1 * (k + 1))} for k, t in enumerate(ids)]
+                reason = "length" if j + 1 >= sampling_params.max_tokens else "stop"
+                answers.append(SimpleNamespace(token_ids=ids, logprobs=lps, finish_reason=reason))
+            out.append(SimpleNamespace(outputs=answers, prompt_token_ids=p["prompt_token_ids"]))
+        return out
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tuple(tags or ())))
+
+
+FAKE_VLLM = SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw),
+                            LoRARequest=lambda name, i, path: SimpleNamespace(lora_name=name, lora_int_id=i, path=path))
+
+
+def test_vllm_engine_builds_a_rollout_from_vllm_outputs():
+    llm = FakeLLM()
+    engine = VLLMEngine("unused", llm=llm, vllm_module=FAKE_VLLM)
+    s = SamplingParams(max_new_tokens=3, eos_token_ids=(2,), pad_token_id=0, temperature=0.7, top_k=5,
+                       stop_strings=("\n",))
+    r = engine.generate([[5, 6], [7]], group_size=3, sampling=s, generator=torch.Generator().manual_seed(0))
+    params = llm.calls[0][1]
+    assert (params.n, params.temperature, params.top_k, params.max_tokens, params.logprobs) == (3, 0.7, 5, 3, 0)
+    assert params.stop == ["\n"] and params.stop_token_ids == [2] and params.include_stop_str_in_output
+    assert isinstance(params.seed, int)  # drawn from the trainer's generator: resume replays it
+    assert r.completion_ids.tolist()[:3] == [[10, 0, 0], [11, 11, 0], [12, 12, 12]]
+    assert r.prompt_ids.tolist()[2:4] == [[5, 6], [0, 7]]
+    assert r.logprobs[2].tolist() == pytest.approx([-0.1, -0.2, -0.3])
+    assert r.truncated.tolist() == [False, False, True] * 2
+    other = VLLMEngine("unused", llm=FakeLLM(), vllm_module=FAKE_VLLM)
+    other.generate([[5]], group_size=1, sampling=s, generator=torch.Generator().manual_seed(0))
+    assert other.llm.calls[0][1].seed == params.seed  # same generator state, same vLLM seed
+
+
+def test_vllm_weight_sync_goes_in_buckets_not_one_call_per_parameter(tiny):
+    model, _ = tiny
+    llm = FakeLLM()
+    engine = VLLMEngine("unused", llm=llm, vllm_module=FAKE_VLLM, sync_bucket_mb=0.05)  # ~52 KB buckets
+    engine.sync_weights(model)
+    names = [n for call in llm.loaded for n in call]
+    params = {n for n, _ in model.named_parameters()}
+    assert set(names) == params and len(names) == len(params)  # every weight once (the tied head once)
+    assert 1 < len(llm.loaded) < len(params)  # several buckets, far fewer calls than tensors
+    weights = dict(model.named_parameters())
+    for call in llm.loaded:  # a bucket stays under the limit unless one tensor alone exceeds it
+        assert sum(weights[n].numel() * 4 for n in call) <= 0.05 * 2**20 or len(call) == 1
+    assert llm.calls[-1] == ("reset_prefix_cache",)
+    engine.bucket_bytes = 2**40
+    engine.sync_weights(model)
+    assert engine.sync_calls == [len(params)]  # one bucket: one call
+
+
+def test_vllm_lora_sync_pushes_only_the_adapter(tiny_model_dir, tmp_path):
+    pytest.importorskip("peft")
+    from grpokit.lora import apply_lora
+    from grpokit.modeling import load_model
+
+    model = apply_lora(load_model(tiny_model_dir, device="cpu"), {"r": 4})
+    llm = FakeLLM()
+    engine = VLLMEngine("unused", llm=llm, vllm_module=FAKE_VLLM, lora={"r": 4})
+    engine.sync_weights(model)
+    engine.sync_weights(model)
+    assert llm.loaded == []  # no base weight moved
+    req = engine.lora_request
+    assert (req.lora_int_id, req.lora_name) == (2, "policy-v2")
+    assert {p.name for p in __import__("pathlib").Path(req.path).iterdir()} >= {"adapter_config.json",
+                                                                                 "adapter_model.safetensors"}
+    assert ("remove_lora", 1) in llm.calls
+    s = SamplingParams(max_new_tokens=2, pad_token_id=0)
+    engine.generate([[5]], group_size=1, sampling=s)
+    assert llm.calls[-1][2] is req  # generation uses the newest adapter
+
+
+def test_vllm_sleep_mode_frees_memory_between_rollouts():
+    llm = FakeLLM()
+    engine = VLLMEngine("unused", llm=llm, vllm_module=FAKE_VLLM, enable_sleep_mode=True)
+    s = SamplingParams(max_new_tokens=2, pad_token_id=0)
+    engine.generate([[5]], group_size=1, sampling=s)
+    engine.sync_weights(torch.nn.Linear(2, 2))
+    engine.generate([[5]], group_size=1, sampling=s)
+    kinds = [f"wake_up:{','.join(c[1])}" if c[0] == "wake_up" else c[0] for c in llm.calls]
+    assert kinds == ["generate", "sleep", "wake_up:weights", "reset_prefix_cache", "wake_up:kv_cache", "generate",
+                     "sleep"]
+    assert llm.calls[1] == ("sleep", 2)  # full weights are pushed after each update: level 2 drops them
+
+
+class HFBackedLLM(FakeLLM):
+    """A CPU stand-in for vllm.LLM: its own copy of the model, changed only through load_weights."""
+
+    def __init__(self, model_dir):
+        super().__init__()
+        self.model, _ = load_model_and_tokenizer(model_dir, device="cpu")
+
+    def _load(self, weights):
+        super()._load(weights)
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights:
+                params[name].copy_(tensor)
+
+    def generate(self, prompts, sampling_params, use_tqdm, lora_request):
+        p, out = sampling_params, []
+        g = torch.Generator().manual_seed(p.seed)
+        for prompt in prompts:
+            r = sample_groups(self.model, [prompt["prompt_token_ids"]], group_size=p.n, max_new_tokens=p.max_tokens,
+                              eos_token_ids=p.stop_token_ids, pad_token_id=0, temperature=p.temperature, generator=g)
+            answers = []
+            for j in range(p.n):
+                toks = r.completion_ids[j, :int(r.completion_mask[j].sum())].tolist()
+                lps = [{t: SimpleNamespace(logprob=float(r.logprobs[j, k]))} for k, t in enumerate(toks)]
+                answers.append(SimpleNamespace(token_ids=toks, logprobs=lps,
+                                               finish_reason="length" if r.truncated[j] else "stop"))
+            out.append(SimpleNamespace(outputs=answers))
+        return out
+
+
+def test_the_trainer_through_the_vllm_engine_keeps_the_sampler_in_sync(tiny_model_dir, tmp_path):
+    class NoSync(VLLMEngine):
+        def sync_weights(self, model):
+            pass
+
+    def runs(cls, out):
+        engine = lambda config, model, tok: cls(config.model.path, llm=HFBackedLLM(tiny_model_dir),
+                                                vllm_module=FAKE_VLLM, sync_bucket_mb=0.1)
+        cfg = make_config(tiny_model_dir, out, algorithm={"tis_cap": 2.0}, train={"steps": 3, "learning_rate": 1e-2})
+        return [r["sampling/logprob_gap_max"] for r in read_metrics(train(cfg, reward_functions=[parity], engine=engine))]
+
+    assert max(runs(VLLMEngine, tmp_path / "synced")) < 1e-4  # the sampler holds the trainer's weights every step
+    stale = runs(NoSync, tmp_path / "stale")
+    assert stale[0] < 1e-4 and stale[-1] > 1e-2  # control: without the pushes it falls behind after the updates
