@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 def _user_errors() -> tuple[type[Exception], ...]:
@@ -33,7 +34,8 @@ def cmd_train(args) -> int:
 
     config = load_config(args.config, args.set)
     run_dir = train(config, resume=args.resume)
-    print(f"run folder: {run_dir}")
+    if os.environ.get("RANK", "0") == "0":  # under torchrun, once
+        print(f"run folder: {run_dir}")
     return 0
 
 

@@ -123,7 +123,7 @@ class DistributedContext:
             return config
         if t.prompts_per_step % W:
             raise ConfigError(f"train.prompts_per_step: {t.prompts_per_step} prompts cannot be split over {W} processes "
-                              f"(whole groups per rank); use a multiple of {W}, e.g. {W * max(1, t.prompts_per_step // W)}")
+                              f"(whole groups per rank); use a multiple of {W}, e.g. {W * (t.prompts_per_step // W + 1)}")
         if config.minibatch_size % W:
             raise ConfigError(f"train.minibatch_size: {config.minibatch_size} answers cannot be split over {W} "
                               f"processes; use a multiple of {W}")
@@ -440,8 +440,12 @@ def _decoder_layers(model) -> list:
 
 
 def load_device(config) -> str:
-    """Where to load the weights: the CPU under FSDP (only the shards move to the accelerator)."""
-    return "cpu" if getattr(config.model, "fsdp", False) else config.model.device
+    """Where to load the weights: the CPU under FSDP (only the shards move to the accelerator); under
+    torchrun "cuda:N" means this process's own GPU (LOCAL_RANK, set by `from_env`)."""
+    if getattr(config.model, "fsdp", False):
+        return "cpu"
+    device = config.model.device
+    return "cuda" if _active() and device.startswith("cuda") else device
 
 
 @contextmanager
