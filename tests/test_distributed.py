@@ -83,7 +83,19 @@ def run_scenario(name: str, model_dir, out, *, fsdp_off: bool = False) -> Path:
     return train(config, reward_functions=[parity], engine=per_prompt_engine)
 
 
-# ---- the 2-process comparison --------------------------------------------------------------------
+def run_resume(kind: str, model_dir, out: Path) -> None:
+    """2 steps straight, and 1 step + `--resume` for the second, with the built-in engine (each rank's
+    own sampling generator must come back from the checkpoint)."""
+    from grpokit.trainer import train
+
+    base = scenario_config("fsdp" if kind == "fsdp" else "dapo", model_dir, out)
+    for name, steps, resume in (("straight", 2, False), ("resumed", 1, False), ("resumed", 2, True)):
+        cfg = replace(base, train=replace(base.train, steps=steps),
+                      output=replace(base.output, dir=str(out / name), save_every=1, keep_last=3))
+        train(cfg, reward_functions=[parity], resume=resume)
+
+
+# ---- the 2-process runs --------------------------------------------------------------------------
 
 
 def _free_port() -> int:
@@ -104,23 +116,36 @@ COMPARED = ("reward", "reward_std", "frac_reward_zero_std", "rewards/parity/mean
             "learning_rate")
 
 
-def test_two_processes_make_the_same_update_as_one(tiny_model_dir, tmp_path):
-    names = list(SCENARIOS)
+RESUMES = ("resume-dp", "resume-fsdp")
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory):
+    """One torchrun launch (2 processes) for every scenario, while this process runs the 1-process side."""
+    root = tmp_path_factory.mktemp("dist")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), __file__, str(tiny_model_dir), str(tmp_path / "two"), *names]
+           "--master_port", str(_free_port()), __file__, str(tiny_model_dir), str(root / "two"), *SCENARIOS, *RESUMES]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        singles = {name: run_scenario(name, tiny_model_dir, tmp_path / "one" / name, fsdp_off=True) for name in names}
+        singles = {name: run_scenario(name, tiny_model_dir, root / "one" / name, fsdp_off=True) for name in SCENARIOS}
         out, _ = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out[-4000:]
-    for name in names:
-        one, two = singles[name], tmp_path / "two" / name
-        m1 = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
-        m2 = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+    return singles, root / "two"
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_make_the_same_update_as_one(runs, tiny_model_dir):
+    singles, two_root = runs
+    for name in SCENARIOS:
+        one, two = singles[name], two_root / name
+        m1, m2 = _metrics(one), _metrics(two)
         assert [r["step"] for r in m2] == [1, 2], name  # rank 0 alone wrote, once per step
         assert m1[0]["reward_std"] > 0 and m1[0]["grad_norm"] > 0  # there was an update to compare
         for a, b in zip(m1, m2):
@@ -135,8 +160,22 @@ def test_two_processes_make_the_same_update_as_one(tiny_model_dir, tmp_path):
         assert not all(torch.equal(w1[k], before[k]) for k in w1), name  # the update moved the weights
         for k in w1:
             torch.testing.assert_close(w2[k], w1[k], atol=2e-5, rtol=1e-4, msg=lambda m: f"{name} {k}: {m}")
-        assert not (two / "checkpoint-2" / "trainer_state.pt").is_file() or \
-            isinstance(torch.load(two / "checkpoint-2" / "trainer_state.pt", weights_only=False)["sampler"], list)
+        state = torch.load(two / "checkpoint-2" / "trainer_state.pt", weights_only=False)
+        assert isinstance(state["sampler"], list) and len(state["sampler"]) == 2  # each rank's generator
+
+
+@pytest.mark.parametrize("kind", ["dp", "fsdp"])
+def test_two_processes_resume_exactly(runs, kind):
+    """Per-rank generators, the sharded stream, optimizer state (gathered from FSDP shards and sharded
+    again) all come back: 1 step + resume = 2 steps straight."""
+    root = runs[1] / f"resume-{kind}"
+    drop = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "tokens_per_sec"))}
+    straight, resumed = _metrics(root / "straight"), _metrics(root / "resumed")
+    assert [r["step"] for r in resumed] == [1, 2]
+    assert [drop(m) for m in resumed] == [drop(m) for m in straight]
+    a, b = _weights(root / "straight"), _weights(root / "resumed")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], atol=0, rtol=0, msg=lambda m: f"{kind} {k}: {m}")
 
 
 def _initial_weights(model_dir) -> dict:
@@ -191,5 +230,8 @@ if __name__ == "__main__":  # one torchrun process: python -m torch.distributed.
     model_dir, out_root, *names = sys.argv[1:]
     tdist.init_process_group("gloo")  # once for all scenarios: train() joins it and leaves it open
     for scenario in names:
-        run_scenario(scenario, model_dir, Path(out_root) / scenario)
+        if scenario.startswith("resume-"):
+            run_resume(scenario.removeprefix("resume-"), model_dir, Path(out_root) / scenario)
+        else:
+            run_scenario(scenario, model_dir, Path(out_root) / scenario)
     tdist.destroy_process_group()
