@@ -119,6 +119,10 @@ class AlgorithmConfig:
     mask_truncated_completions: bool = False
     dynamic_sampling: bool = False  # DAPO: drop zero-std groups, draw more prompts
     max_resample_rounds: int = 4  # extra prompt batches drawn per step at most
+    # Old log-probs when μ > 1 (or several minibatches): "recompute" (a no-grad pass, as TRL),
+    # "first_pass" (kept from the first pass's forward: exact, no extra pass; needs one minibatch),
+    # "sampler" (the rollout's log-probs: no extra pass, differs from a recompute by float noise).
+    old_logprobs: str = "recompute"
     # Truncated importance sampling for a sampler that is not the trainer (vLLM): each token's loss is
     # weighted by min(exp(trainer_logp - sampler_logp), tis_cap); 0 = off (engines.py). 2.0 is usual.
     tis_cap: float = 0.0
@@ -133,6 +137,7 @@ class AlgorithmConfig:
         _check(self.epsilon_high >= 0, "algorithm.epsilon_high", "must be >= 0 (0 = same as epsilon)")
         _check(self.num_iterations >= 1, "algorithm.num_iterations", "must be >= 1")
         _check(self.max_resample_rounds >= 0, "algorithm.max_resample_rounds", "must be >= 0")
+        _one_of(self.old_logprobs, ("recompute", "first_pass", "sampler"), "algorithm.old_logprobs")
         _check(self.tis_cap >= 0, "algorithm.tis_cap", "must be >= 0 (0 = off; 2.0 is usual with rollout.engine = vllm)")
 
     @property
@@ -163,8 +168,12 @@ class TrainConfig:
     lr_schedule: str = "constant"  # constant | cosine
     max_grad_norm: float = 1.0  # 0 = no clipping
     seed: int = 0
-    logprob_chunk_size: int = 1024  # rows per chunk of the selective log-softmax
+    logprob_chunk_size: int = 256  # rows per chunk of the selective log-softmax (~32 MB of logits at V = 32k)
     max_consecutive_skips: int = 5  # stop after this many steps in a row with NaN/inf updates; 0 = never
+    # Fast paths (same loss and gradients; off only for ablations): the fused log-softmax head with
+    # its one-pass backward, and (β = 0) no forward/backward for answers whose advantage is 0.
+    fused_logprobs: bool = True
+    skip_zero_advantage: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "adam_betas", tuple(self.adam_betas))

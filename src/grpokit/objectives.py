@@ -55,6 +55,8 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from .fused_logprobs import linear_logprobs
+
 __all__ = [
     "LOSS_TYPES",
     "IMPORTANCE_SAMPLING_LEVELS",
@@ -152,8 +154,15 @@ def token_logprobs_from_hidden(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = False,
+    grad_fn: Callable[[Tensor, int], Tensor] | None = None,
+    fused: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-prob ``[N, T]`` (and entropy or None) from last hidden states ``[N, T, H]``.
+
+    A head that is exactly ``torch.nn.Linear`` takes the fused path (``fused_logprobs``: one exp
+    per logit, closed-form backward; ``grad_fn`` there enables the one-pass backward, with its
+    row offsets counted in the flattened ``[N*T]`` order). Any other head module is called on
+    chunks of rows under ``torch.utils.checkpoint`` (as is a linear head with ``fused=False``).
 
     ``lm_head`` maps H -> V (``model.get_output_embeddings()``). The ``[N, T, V]``
     logits are never built: each chunk of rows is projected, reduced and
@@ -162,6 +171,14 @@ def token_logprobs_from_hidden(
     Gradients flow to ``hidden`` and to ``lm_head``'s parameters.
     """
     _check_logprob_args(hidden, "hidden", token_ids, temperature, chunk_size)
+    if fused and type(lm_head) is torch.nn.Linear:  # exactly a linear map: the fused path (fused_logprobs.py)
+        n, t, d = hidden.shape
+        logp, ent = linear_logprobs(hidden.reshape(n * t, d), lm_head.weight, lm_head.bias, token_ids.reshape(n * t),
+                                    temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+                                    grad_fn=grad_fn)
+        return logp.view(n, t), (ent.view(n, t) if with_entropy else None)
+    if grad_fn is not None:
+        raise ValueError("grad_fn (the one-pass backward) needs an exactly torch.nn.Linear lm_head")
 
     def fn(rows: Tensor, ids: Tensor):
         return _logp_entropy(lm_head(rows), ids, temperature, with_entropy)  # rows: [R, H] -> logits [R, V]

@@ -117,6 +117,49 @@ def exponential_race(weights: Tensor, generator: torch.Generator | None) -> Tens
     return (weights / u.log_().neg_()).argmax(-1)  # [n]
 
 
+_BLOCK = 256  # vocabulary entries per block of the two-level inverse-CDF sampler
+
+# Ablation switches (bench/run.py --ablations), never changed by the library itself.
+SAMPLER = "inverse_cdf"  # "gumbel": the exponential race over the whole vocabulary instead
+PREALLOCATE_KV_CACHE = True  # False: transformers' DynamicCache, which concatenates every step
+SHARE_PREFILL = True  # False: prefill all N = B*G rows instead of the B prompts
+
+
+def _first_above(cdf: Tensor, target: Tensor, weights: Tensor) -> Tensor:
+    """First index whose cdf [n, C] exceeds target [n], never an index of zero weight [n, C]."""
+    idx = torch.searchsorted(cdf, target[:, None], right=True)[:, 0]  # [n]
+    cols = torch.arange(weights.shape[1], device=weights.device)
+    last_positive = torch.where(weights > 0, cols, -1).amax(-1)  # rounding may overshoot the last bin
+    return torch.minimum(idx, last_positive)
+
+
+def inverse_cdf_sample(weights: Tensor, generator: torch.Generator | None) -> Tensor:
+    """Index of a sample ∝ weights [n, V] (non-negative, some positive per row) → [n].
+
+    One uniform per row, located by inverse CDF in two levels: among the sums of blocks of
+    ``_BLOCK`` entries, then inside the chosen block. The full-vocabulary work is one read of
+    ``weights``; the cumulative sums are over [n, V / _BLOCK] and [n, _BLOCK] only, in float64.
+    """
+    n, V = weights.shape
+    u = torch.rand(n, generator=generator, device=weights.device, dtype=torch.float64)  # [n]
+    if V <= 2 * _BLOCK:
+        w = weights.double()
+        cdf = w.cumsum(-1)  # [n, V]
+        return _first_above(cdf, u * cdf[:, -1], w)
+    full = V // _BLOCK * _BLOCK
+    sums = weights[:, :full].reshape(n, full // _BLOCK, _BLOCK).sum(-1)  # [n, nb] (a view: no copy)
+    if full < V:
+        sums = torch.cat([sums, weights[:, full:].sum(-1, keepdim=True)], dim=1)  # the tail block
+    sums = sums.double()
+    cdf = sums.cumsum(-1)  # [n, nb]
+    target = u * cdf[:, -1]  # [n]
+    block = _first_above(cdf, target, sums)  # [n]
+    before = (cdf.gather(1, block[:, None]) - sums.gather(1, block[:, None]))[:, 0]  # mass of earlier blocks
+    cols = block[:, None] * _BLOCK + torch.arange(_BLOCK, device=weights.device)  # [n, _BLOCK]
+    inner = weights.gather(1, cols.clamp(max=V - 1)).double().masked_fill_(cols >= V, 0.0)  # [n, _BLOCK]
+    return block * _BLOCK + _first_above(inner.cumsum(-1), (target - before).clamp_(min=0.0), inner)
+
+
 def sample_tokens(
     logits: Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
     generator: torch.Generator | None = None,
@@ -136,7 +179,7 @@ def sample_tokens(
         top = z.amax(-1, keepdim=True)  # [n, 1]
         weights = (z - top).exp_()  # [n, V] unnormalised probabilities
         log_norm = top[:, 0] + weights.sum(-1).log()  # [n]
-        tokens = exponential_race(weights, generator)  # [n]
+        tokens = (inverse_cdf_sample if SAMPLER == "inverse_cdf" else exponential_race)(weights, generator)  # [n]
     else:
         vals, idx = filter_candidates(z, top_k, top_p)  # [n, C]
         pick = exponential_race((vals - vals[:, :1]).exp_(), generator)  # [n]
@@ -148,19 +191,72 @@ def sample_tokens(
 # ----------------------------------------------------------------------------- model calls
 
 
+def _preallocated_layer(capacity: int):
+    """A ``DynamicLayer`` that writes each step's keys and values into buffers [n, h, capacity, d]
+    allocated once, and hands attention a view of the filled part: a decode step then copies one
+    position per layer, where ``DynamicLayer``'s ``torch.cat`` copies the whole cache (quadratic
+    in the completion length)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+            n, h, _, _ = key_states.shape
+            self.device, self.length = key_states.device, 0
+            self.k_buf = key_states.new_empty(n, h, capacity, key_states.shape[-1])  # [n, h, C, d]
+            self.v_buf = value_states.new_empty(n, h, capacity, value_states.shape[-1])  # [n, h, C, d]
+            self.is_initialized = True
+
+        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            if end > self.k_buf.shape[-2]:  # more positions than planned: grow (never on the normal path)
+                grow = lambda b: torch.cat([b, b.new_empty(*b.shape[:2], end, b.shape[-1])], dim=2)  # noqa: E731
+                self.k_buf, self.v_buf = grow(self.k_buf), grow(self.v_buf)
+            self.k_buf[:, :, self.length:end] = key_states
+            self.v_buf[:, :, self.length:end] = value_states
+            self.length = end
+            self._views()
+            return self.keys, self.values
+
+        def _views(self) -> None:
+            self.keys, self.values = self.k_buf[:, :, :self.length], self.v_buf[:, :, :self.length]
+
+        def get_seq_length(self) -> int:
+            return self.length if self.is_initialized else 0
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            if self.is_initialized:
+                self.k_buf = self.k_buf.repeat_interleave(repeats, dim=0)
+                self.v_buf = self.v_buf.repeat_interleave(repeats, dim=0)
+                self._views()
+
+        def batch_select_indices(self, indices: Tensor) -> None:
+            if self.is_initialized:
+                self.k_buf, self.v_buf = self.k_buf[indices], self.v_buf[indices]
+                self._views()
+
+    return PreallocatedLayer()
+
+
 class _Decoder:
     """Calls the model with a DynamicCache, under the keyword names this transformers uses.
 
     transformers 5.x renamed ``past_key_values`` to ``cache``; the cache object is
-    updated in place, so the output's cache field is never read.
+    updated in place, so the output's cache field is never read. Plain (full-attention)
+    cache layers are replaced by preallocated ones sized for ``capacity`` positions.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, capacity: int | None = None):
         from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
 
         params = inspect.signature(model.forward).parameters
         self.model = model
         self.cache = DynamicCache(config=model.config)
+        if capacity is not None:  # sliding-window and other special layers keep their own logic
+            self.cache.layers = [_preallocated_layer(capacity) if type(layer) is DynamicLayer else layer
+                                 for layer in self.cache.layers]
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.keep_last = "logits_to_keep" in params
 
@@ -199,7 +295,7 @@ def _decode_loop(model, ids: Tensor, mask: Tensor, *, group_size: int, max_new_t
 
     Returns tokens and logprobs [N, max_new_tokens], lengths [N] and finished [N].
     """
-    step = _Decoder(model)
+    step = _Decoder(model, capacity=ids.shape[1] + max_new_tokens if PREALLOCATE_KV_CACHE else None)
     positions = position_ids_from_mask(mask)  # [B, P]
     logits = step(ids, mask, positions)  # [B, V]: the prefill runs on B rows, not N
     step.repeat_rows(group_size)
@@ -309,9 +405,12 @@ def sample_groups(
     model.eval()
     try:
         with torch.inference_mode():
+            share = SHARE_PREFILL or group_size == 1
             tokens, logps, lengths, finished = _decode_loop(
-                model, ids, mask, group_size=group_size, max_new_tokens=max_new_tokens, eos=eos,
-                pad_token_id=pad_token_id, sampling=sampling, stops=stops, tokenizer=tokenizer)
+                model, ids if share else ids.repeat_interleave(group_size, 0),
+                mask if share else mask.repeat_interleave(group_size, 0), group_size=group_size if share else 1,
+                max_new_tokens=max_new_tokens, eos=eos, pad_token_id=pad_token_id, sampling=sampling, stops=stops,
+                tokenizer=tokenizer)
     finally:
         model.train(was_training)
     tokens, logps, lengths, finished = (x.clone() for x in (tokens, logps, lengths, finished))

@@ -272,7 +272,12 @@ def generate_and_grade(config, model, tokenizer, prompts: PromptTable, stream, s
 @torch.no_grad()
 def score_old_and_ref(config: Config, model, ref_model, batch: GenerationBatch, linear_head: bool) -> None:
     if config.needs_old_logprobs:
-        batch.old_logp = _score(config, model, batch, linear_head)
+        mode = config.algorithm.old_logprobs
+        if mode == "sampler":  # the rollout's own log-probs: the same policy, no extra pass
+            batch.old_logp = batch.rollout.logprobs
+        elif mode == "recompute" or config.minibatch_size < len(batch.advantages):
+            batch.old_logp = _score(config, model, batch, linear_head)
+        # "first_pass" with one minibatch: optimize() keeps the first pass's log-probs (no update precedes them)
     if ref_model is not None:
         batch.ref_logp = _score(config, ref_model, batch, linear_head)
 
@@ -282,7 +287,8 @@ def _score(config: Config, model, batch: GenerationBatch, linear_head: bool) -> 
     for rows in torch.arange(len(batch.advantages)).split(config.micro_batch_size):
         logp, _ = completion_logprobs(model, r.prompt_ids[rows], r.prompt_mask[rows], r.completion_ids[rows],
                                       r.completion_mask[rows], temperature=config.rollout.temperature,
-                                      chunk_size=config.train.logprob_chunk_size, linear_head=linear_head)
+                                      chunk_size=config.train.logprob_chunk_size, linear_head=linear_head,
+                                      fused=config.train.fused_logprobs)
         out.append(logp)
     return torch.cat(out)  # [N, T]
 
@@ -309,7 +315,10 @@ def optimize(config: Config, model, optimizer, scheduler, batch: GenerationBatch
     N = len(batch.advantages)
     sums: dict[str, float] = {}
     grad_norms, losses, skipped = [], [], 0
-    for _ in range(algo.num_iterations):
+    # old_logprobs = "first_pass": the first pass runs on-policy (ratio 1) and its log-probs become the old ones
+    first_logp = torch.zeros(batch.loss_mask.shape, device=batch.loss_mask.device) \
+        if config.needs_old_logprobs and batch.old_logp is None else None
+    for iteration in range(algo.num_iterations):
         order = torch.randperm(N) if config.minibatch_size < N else torch.arange(N)
         for minibatch in order.split(config.minibatch_size):
             optimizer.zero_grad(set_to_none=True)
@@ -317,7 +326,10 @@ def optimize(config: Config, model, optimizer, scheduler, batch: GenerationBatch
             n_items = global_sum(batch.loss_mask[minibatch].sum()).clamp(min=1)  # dapo: minibatch tokens, all ranks
             loss = 0.0
             for rows in micro_batches:
-                micro_loss, stats = _micro_step(config, model, batch, rows, n_items, len(micro_batches), linear_head)
+                micro_loss, stats, logp = _micro_step(config, model, batch, rows, n_items, len(micro_batches),
+                                                      linear_head)
+                if first_logp is not None and iteration == 0:
+                    first_logp[rows, :logp.shape[1]] = logp
                 loss += micro_loss
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
@@ -330,39 +342,90 @@ def optimize(config: Config, model, optimizer, scheduler, batch: GenerationBatch
             else:  # a NaN/inf gradient must never reach the weights
                 skipped += 1
             scheduler.step()
-    tokens = sums.pop("_tokens")
+        if first_logp is not None and iteration == 0:
+            batch.old_logp = first_logp
+    tokens, entropy_tokens = sums.pop("_tokens"), sums.pop("_entropy_tokens")
     metrics = {k: v / max(tokens, 1) for k, v in sums.items()}  # all-masked batches report 0
+    # entropy: over the answers that went through the model (all of them unless zero-advantage ones were skipped)
+    metrics["entropy"] = sums["entropy"] / entropy_tokens if entropy_tokens else 0.0 if not tokens else float("nan")
     metrics["loss"] = sum(losses) / len(losses)
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     metrics["skipped_updates"] = skipped
     return metrics
 
 
-def _micro_step(config, model, batch, rows, n_items, n_micro, linear_head) -> tuple[float, dict[str, float]]:
-    """Forward + backward on one micro-batch; returns its share of the minibatch loss
-    and token-weighted sums of its stats."""
-    algo, r = config.algorithm, batch.rollout
+def _micro_step(config, model, batch, rows, n_items, n_micro, linear_head):
+    """Forward + backward on one micro-batch; returns its share of the minibatch loss, token-weighted
+    sums of its stats, and its log-probs [n, T] (detached).
+
+    With β = 0 an answer whose advantage is 0 adds exactly 0 to the loss and to its gradient, so it
+    is left out of the forward (`train.skip_zero_advantage`); the loss is still evaluated on the full
+    [n, T] layout (0 log-probs in those rows), so every normaliser stays what it was."""
+    algo, r, train = config.algorithm, batch.rollout, config.train
     T = int(r.completion_mask[rows].sum(-1).max().clamp(min=1))  # trim padding columns of this micro-batch
-    mask = batch.loss_mask[rows, :T]
-    logp, entropy = completion_logprobs(
-        model, r.prompt_ids[rows], r.prompt_mask[rows], r.completion_ids[rows, :T], r.completion_mask[rows, :T],
-        temperature=config.rollout.temperature, chunk_size=config.train.logprob_chunk_size,
-        with_entropy=True, linear_head=linear_head)  # [n, T]
-    loss, stats = policy_loss(
-        logp, None if batch.old_logp is None else batch.old_logp[rows, :T], batch.advantages[rows], mask,
-        ref_logp=None if batch.ref_logp is None else batch.ref_logp[rows, :T], beta=algo.beta,
-        epsilon=algo.epsilon, epsilon_high=algo.clip_high, loss_type=algo.loss_type,
-        importance_sampling_level=algo.importance_sampling_level,
-        max_completion_length=config.rollout.max_new_tokens, num_items_in_batch=n_items,
-        token_weights=None if batch.tis_weight is None else batch.tis_weight[rows, :T])
-    if algo.loss_type not in ("dapo", "cispo"):  # their normaliser already spans the minibatch
-        loss = loss / n_micro
-    loss.backward()
+    mask, adv = batch.loss_mask[rows, :T], batch.advantages[rows]
+    old = None if batch.old_logp is None else batch.old_logp[rows, :T]
+    ref = None if batch.ref_logp is None else batch.ref_logp[rows, :T]
+    tis = None if batch.tis_weight is None else batch.tis_weight[rows, :T]
+
+    def loss_of(logp):  # [n, T] -> this micro-batch's share of the minibatch loss, stats
+        loss, stats = policy_loss(
+            logp, old, adv, mask, ref_logp=ref, beta=algo.beta, epsilon=algo.epsilon, epsilon_high=algo.clip_high,
+            loss_type=algo.loss_type, importance_sampling_level=algo.importance_sampling_level,
+            max_completion_length=config.rollout.max_new_tokens, num_items_in_batch=n_items, token_weights=tis)
+        # dapo's and cispo's normaliser already spans the minibatch
+        return (loss if algo.loss_type in ("dapo", "cispo") else loss / n_micro), stats
+
+    n = len(rows)
+    keep = (adv != 0).nonzero()[:, 0] if train.skip_zero_advantage and algo.beta == 0 else torch.arange(n)
+    keep = keep.to(mask.device)
+    constant = old is None and algo.beta == 0  # on-policy, no KL: dLoss/dlogp does not depend on logp
+    grad_fn = None
+    if len(keep) and linear_head and train.fused_logprobs and (constant or algo.importance_sampling_level == "token"):
+        grad_fn = _logp_grad_fn(loss_of, n, T, keep, constant)
+    if len(keep):
+        sel = rows if len(keep) == n else rows[keep.to(rows.device)]
+        logp_kept, entropy = completion_logprobs(
+            model, r.prompt_ids[sel], r.prompt_mask[sel], r.completion_ids[sel, :T], r.completion_mask[sel, :T],
+            temperature=config.rollout.temperature, chunk_size=train.logprob_chunk_size, with_entropy=True,
+            linear_head=linear_head, fused=train.fused_logprobs, grad_fn=grad_fn)  # [k, T]
+        logp = logp_kept if len(keep) == n else logp_kept.new_zeros(n, T).index_copy(0, keep, logp_kept)
+    else:  # nothing carries a gradient: no model call at all
+        logp = torch.zeros(n, T, device=mask.device)
+    loss, stats = loss_of(logp)
+    if logp.requires_grad:
+        loss.backward()
     tokens = mask.sum().item()
     out = {k: float(v) * tokens for k, v in stats.items()}
-    out["entropy"] = (entropy.detach() * mask).sum().item()
+    kept_mask = mask[keep]
+    out["entropy"] = (entropy.detach() * kept_mask).sum().item() if len(keep) else 0.0
+    out["_entropy_tokens"] = kept_mask.sum().item()
     out["_tokens"] = tokens
-    return loss.item(), out
+    return loss.item(), out, logp.detach()
+
+
+def _logp_grad_fn(loss_of, n: int, T: int, keep: torch.Tensor, constant: bool):
+    """dLoss/dlogp for a chunk of the kept rows' flattened [k*T] log-probs: the input of the fused
+    head's one-pass backward. Valid because each loss here is a sum of per-token terms (or, when
+    `constant`, has a gradient independent of logp); fused_logprobs checks it against autograd's."""
+    k = len(keep)
+
+    def grad_at(flat: torch.Tensor) -> torch.Tensor:  # [k*T] -> [k*T]
+        with torch.enable_grad():
+            logp = flat.new_zeros(n, T).index_copy(0, keep, flat.view(k, T)).requires_grad_()
+            (g,) = torch.autograd.grad(loss_of(logp)[0], logp)
+        return g.index_select(0, keep).reshape(-1)
+
+    if constant:
+        g = grad_at(torch.zeros(k * T, device=keep.device))
+        return lambda lp, start: g[start:start + len(lp)]
+    buf = torch.zeros(k * T, device=keep.device)
+
+    def per_chunk(lp: torch.Tensor, start: int) -> torch.Tensor:
+        buf[start:start + len(lp)] = lp
+        return grad_at(buf)[start:start + len(lp)]
+
+    return per_chunk
 
 
 def _clip_grad(model, max_norm: float) -> float:

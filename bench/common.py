@@ -1,0 +1,58 @@
+"""Shared pieces of the benchmark workers: the reward, the prompts, timing and memory helpers."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MODELS = HERE / "out" / "models"
+
+
+def letter_fraction(completions, **kwargs) -> list[float]:
+    """A cheap continuous reward (share of letters in the text): groups almost never tie,
+    so every answer carries an advantage and no system can skip work on this benchmark."""
+    out = []
+    for c in completions:
+        text = c if isinstance(c, str) else c[-1]["content"]
+        out.append(sum(ch.isalpha() for ch in text) / max(len(text), 1))
+    return out
+
+
+def half_unsolvable(completions, solvable, **kwargs) -> list[float]:
+    """The ablation reward: half the prompts are 'too hard' (reward 0 for every answer, so their
+    group's advantage is 0), as in real GRPO runs where many groups tie; the others as above."""
+    base = letter_fraction(completions)
+    return [b if s else 0.0 for b, s in zip(base, solvable)]
+
+
+REWARDS = {"letter_fraction": letter_fraction, "half_unsolvable": half_unsolvable}
+
+
+def load_rows(n: int) -> list[dict]:
+    rows = json.loads((MODELS / "prompts.json").read_text())[:n]
+    return [{"prompt": r["prompt"], "solvable": i % 2 == 1} for i, r in enumerate(rows)]
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def set_threads(n: int) -> None:
+    import torch
+
+    torch.set_num_threads(n)
+
+
+def read_spec() -> dict:
+    return json.loads(sys.argv[1])
+
+
+def emit(result: dict) -> None:
+    """The worker's one result line, tagged so the driver can find it among library logs."""
+    sys.stdout.write("BENCH_RESULT " + json.dumps(result) + "\n")
+    sys.stdout.flush()
+    os._exit(0)  # skip interpreter teardown (and atexit hooks of libraries): nothing left to save

@@ -1,0 +1,70 @@
+"""Model FLOPs of one GRPO step, and the machine's fp32 matmul peak.
+
+Model FLOPs count what the algorithm needs, not what a system happens to do:
+
+    forward FLOPs of a token = 2 * P_body + 2 * P_head (only where logits are needed)
+                               + 4 * L * H_attn * ctx   (QKᵀ and AV over the ctx positions it attends to)
+    P_body = L * (q, k, v, o projections + gate, up, down)     (matmul weights; norms and biases ignored)
+    P_head = V * H                                             (the output projection; the tied input
+                                                                embedding is a lookup, 0 FLOPs)
+
+    generation  = prefill of B prompts (P tokens each, once per prompt) + N*T decode tokens with logits
+    training    = 3x forward (forward + backward) over N sequences of P + T tokens, logits on the T
+    reference   = 1x forward over N sequences, logits on the T         (only when beta > 0)
+    per generation batch: generation + reference + mu * training;  per optimizer step: that / mu
+
+Old log-probs (mu > 1) are not counted: the policy's first pass computes them (exactly), so a
+separate pass is work a system chooses to do, not work the algorithm needs.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+def model_shape(path: str) -> dict:
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(path)
+    H, L, V, inter = c.hidden_size, c.num_hidden_layers, c.vocab_size, c.intermediate_size
+    head_dim = getattr(c, "head_dim", None) or H // c.num_attention_heads
+    q_dim, kv_dim = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+    attn = H * q_dim + 2 * H * kv_dim + q_dim * H
+    return {"L": L, "H": H, "V": V, "H_attn": q_dim, "P_body": L * (attn + 3 * H * inter), "P_head": V * H}
+
+
+def _forward(shape: dict, seqs: int, prompt: int, completion: int, logits_on: int) -> float:
+    """Forward FLOPs of `seqs` causal sequences of prompt + completion tokens, logits on `logits_on` per seq."""
+    n_tok = prompt + completion
+    ctx_sum = n_tok * (n_tok + 1) / 2  # token i attends to i + 1 positions
+    return seqs * (2 * shape["P_body"] * n_tok + 2 * shape["P_head"] * logits_on
+                   + 4 * shape["L"] * shape["H_attn"] * ctx_sum)
+
+
+def step_flops(shape: dict, *, B: int, G: int, P: int, T: int, beta: float, mu: int) -> dict:
+    N = B * G
+    prefill = _forward(shape, B, P, 0, 1)
+    decode = _forward(shape, N, P, T, T) - _forward(shape, N, P, 0, 0)  # the T new tokens with their context
+    generation = prefill + decode
+    train = 3 * _forward(shape, N, P, T, T)
+    ref = _forward(shape, N, P, T, T) if beta > 0 else 0.0
+    per_generation = generation + ref + mu * train
+    return {"generation": generation, "train_pass": train, "reference": ref,
+            "per_generation": per_generation, "per_opt_step": per_generation / mu}
+
+
+def matmul_peak(threads: int, n: int = 2048, repeats: int = 12) -> float:
+    """Best fp32 GFLOP/s of an n x n matmul with `threads` threads (best of `repeats` timed blocks)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    out = torch.empty(n, n)
+    torch.mm(a, b, out=out)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(3):
+            torch.mm(a, b, out=out)
+        best = min(best, (time.perf_counter() - t) / 3)
+    return 2 * n ** 3 / best / 1e9

@@ -1,0 +1,218 @@
+"""Every fast path gives the same loss and gradients as the plain path.
+
+Fast paths (each can be switched off, which is how the benchmark's ablation rows are made):
+the fused selective log-softmax (`train.fused_logprobs`) and its one-pass backward, skipping
+answers whose advantage is 0 when β = 0 (`train.skip_zero_advantage`), old log-probs kept from
+the first pass (`algorithm.old_logprobs = "first_pass"`) or taken from the sampler ("sampler"),
+and the rollout engine's preallocated KV cache and sampler.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpokit import fused_logprobs
+from grpokit.config import AlgorithmConfig, Config, DataConfig, ModelConfig, RolloutConfig, TrainConfig
+from grpokit.modeling import completion_logprobs, load_model, load_tokenizer
+from grpokit.rollout import sample_groups
+from grpokit.trainer import GenerationBatch, _micro_step, optimize, score_old_and_ref
+
+G = 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(tiny_model_dir, device="cpu").eval(), load_tokenizer(tiny_model_dir)
+
+
+def _rollout(tiny, max_new_tokens=6, ignore_eos=False, seed=0):
+    model, tok = tiny
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("12+7=", "3+45=", "100+1=")]
+    eos = tok.eos_token_id
+    return sample_groups(model, prompts, group_size=G, max_new_tokens=max_new_tokens, eos_token_ids=eos,
+                         pad_token_id=tok.pad_token_id, temperature=1.0, ignore_eos=ignore_eos,
+                         generator=torch.Generator().manual_seed(seed))
+
+
+def _config(tiny_model_dir, *, fused=True, skip=True, **algo) -> Config:
+    return Config(model=ModelConfig(path=str(tiny_model_dir), device="cpu"), data=DataConfig(path="unused.jsonl"),
+                  rollout=RolloutConfig(group_size=G, max_new_tokens=6, temperature=0.8),
+                  algorithm=AlgorithmConfig(**algo),
+                  train=TrainConfig(prompts_per_step=3, fused_logprobs=fused, skip_zero_advantage=skip,
+                                    logprob_chunk_size=5))
+
+
+def _batch(rollout, *, zero_groups=True, off_policy=False, ref=False, seed=1) -> GenerationBatch:
+    gen = torch.Generator().manual_seed(seed)
+    N = rollout.num_sequences
+    adv = torch.randn(N, generator=gen)
+    if zero_groups:  # the first group ties (advantage 0 for all its answers), as many real groups do
+        adv[:G] = 0.0
+    batch = GenerationBatch(SimpleNamespace(rollout=rollout), adv, rollout.completion_mask.clone())
+    noise = lambda: 0.3 * torch.randn(rollout.logprobs.shape, generator=gen)  # noqa: E731
+    if off_policy:  # ratios away from 1, so that both clip sides bind somewhere
+        batch.old_logp = rollout.logprobs + noise()
+    if ref:
+        batch.ref_logp = rollout.logprobs + noise()
+    return batch
+
+
+def _loss_and_grads(config, model, batch):
+    model.zero_grad(set_to_none=True)
+    N = len(batch.advantages)
+    n_items = batch.loss_mask.sum().clamp(min=1)
+    loss, stats, _ = _micro_step(config, model, batch, torch.arange(N), n_items, 1, True)
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    return loss, stats, grads
+
+
+def _assert_same(a, b):
+    (loss_a, stats_a, grads_a), (loss_b, stats_b, grads_b) = a, b
+    assert loss_a == pytest.approx(loss_b, rel=1e-5, abs=1e-7)
+    for k in ("clip_ratio/region_mean", "kl"):
+        if k in stats_b:
+            assert stats_a[k] == pytest.approx(stats_b[k], rel=1e-5, abs=1e-7)
+    assert grads_a.keys() == grads_b.keys()
+    for k in grads_b:
+        torch.testing.assert_close(grads_a[k], grads_b[k], atol=2e-7, rtol=1e-4)
+
+
+CASES = [
+    dict(loss_type="dapo"),
+    dict(loss_type="grpo"),
+    dict(loss_type="bnpo"),
+    dict(loss_type="dr_grpo"),
+    dict(loss_type="cispo", epsilon_high=0.28),
+    dict(loss_type="dapo", importance_sampling_level="sequence"),  # GSPO
+]
+
+
+@pytest.mark.parametrize("algo", CASES)
+@pytest.mark.parametrize("regime", ["on_policy", "off_policy", "kl"])
+def test_fused_head_and_zero_advantage_skip_match_the_plain_path(tiny, tiny_model_dir, algo, regime):
+    model, _ = tiny
+    beta = 0.04 if regime == "kl" else 0.0
+    batch = _batch(_rollout(tiny), off_policy=regime != "on_policy", ref=beta > 0)
+    plain = _loss_and_grads(_config(tiny_model_dir, fused=False, skip=False, beta=beta, **algo), model, batch)
+    before = dict(fused_logprobs.PATH_COUNTS)
+    for fused, skip in ((True, False), (False, True), (True, True)):
+        fast = _loss_and_grads(_config(tiny_model_dir, fused=fused, skip=skip, beta=beta, **algo), model, batch)
+        _assert_same(fast, plain)
+    one_pass = fused_logprobs.PATH_COUNTS["one_pass"] - before["one_pass"]
+    gspo_off_policy = algo.get("importance_sampling_level") == "sequence" and regime != "on_policy"
+    assert one_pass == (0 if gspo_off_policy else 2)  # GSPO's off-policy ratio is not per token: recompute
+
+
+def test_skipping_zero_advantage_answers_runs_the_model_on_the_others_only(tiny, tiny_model_dir, monkeypatch):
+    model, _ = tiny
+    batch = _batch(_rollout(tiny))
+    seen = []
+    real = completion_logprobs
+
+    def spy(model, prompt_ids, *a, **k):
+        seen.append(prompt_ids.shape[0])
+        return real(model, prompt_ids, *a, **k)
+
+    monkeypatch.setattr("grpokit.trainer.completion_logprobs", spy)
+    _loss_and_grads(_config(tiny_model_dir), model, batch)
+    assert seen == [len(batch.advantages) - G]
+    batch.advantages.zero_()  # no answer carries a gradient: no model call at all, and no update
+    loss, _, grads = _loss_and_grads(_config(tiny_model_dir), model, batch)
+    assert seen == [len(batch.advantages) - G] and loss == 0.0 and not grads
+
+
+def test_fused_logprobs_of_the_whole_model_match_the_plain_head(tiny):
+    model, _ = tiny
+    r = _rollout(tiny)
+    args = (model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+    with torch.no_grad():
+        fused, ent_f = completion_logprobs(*args, temperature=0.7, chunk_size=5, with_entropy=True)
+        plain, ent_p = completion_logprobs(*args, temperature=0.7, chunk_size=5, with_entropy=True, fused=False)
+    torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent_f, ent_p, atol=1e-5, rtol=1e-5)
+
+
+def _one_step(tiny_model_dir, rollout, **algo):
+    """Weights after one GRPO step (μ = 2) from fresh weights, and the step's metrics."""
+    model = load_model(tiny_model_dir, device="cpu").eval()
+    config = _config(tiny_model_dir, num_iterations=2, **algo)
+    batch = _batch(rollout, zero_groups=False)
+    score_old_and_ref(config, model, None, batch, True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    metrics = optimize(config, model, optimizer, scheduler, batch, True)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, metrics, batch
+
+
+def test_old_logprobs_from_the_first_pass_equal_the_recomputed_ones(tiny, tiny_model_dir):
+    rollout = _rollout(tiny)
+    w_re, m_re, b_re = _one_step(tiny_model_dir, rollout, old_logprobs="recompute")
+    w_fp, m_fp, b_fp = _one_step(tiny_model_dir, rollout, old_logprobs="first_pass")
+    torch.testing.assert_close(b_fp.old_logp * b_fp.loss_mask, b_re.old_logp * b_re.loss_mask, atol=1e-5, rtol=0)
+    assert m_fp["clip_ratio/region_mean"] == pytest.approx(m_re["clip_ratio/region_mean"], abs=1e-6)
+    assert m_fp["loss"] == pytest.approx(m_re["loss"], rel=1e-4, abs=1e-6)
+    for k in w_re:
+        torch.testing.assert_close(w_fp[k], w_re[k], atol=1e-5, rtol=1e-4)
+
+
+def test_sampler_logprobs_as_old_logprobs_differ_from_a_recompute_by_float_noise_only(tiny, tiny_model_dir):
+    rollout = _rollout(tiny)
+    _, _, b_re = _one_step(tiny_model_dir, rollout, old_logprobs="recompute")
+    _, _, b_sa = _one_step(tiny_model_dir, rollout, old_logprobs="sampler")
+    # the rollout ran at temperature 1.0 and the trainer at 0.8: compare at the sampling temperature
+    model = load_model(tiny_model_dir, device="cpu").eval()
+    with torch.no_grad():
+        recomputed, _ = completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+                                            rollout.completion_mask, temperature=1.0)
+    gap = ((recomputed - rollout.logprobs) * rollout.completion_mask).abs().max().item()
+    assert gap < 1e-5
+    assert torch.equal(b_sa.old_logp, rollout.logprobs)
+
+
+@pytest.mark.parametrize("with_grad", [True, False])
+def test_shared_prompt_forward_matches_one_forward_per_row(tiny, tiny_model_dir, monkeypatch, with_grad):
+    """Each distinct prompt runs once, its KV cache repeated over its answers (prompts of different
+    lengths, so left padding; EOS-terminated answers, so right padding): same log-probs and gradients."""
+    import grpokit.modeling as modeling
+
+    import dataclasses
+
+    model, tok = tiny
+    r = _rollout(tiny, max_new_tokens=8)
+    cut = torch.zeros_like(r.completion_mask, dtype=torch.bool)
+    cut[::3, 5:] = True  # as if these answers had ended with EOS at their 5th token
+    r = dataclasses.replace(r, completion_mask=r.completion_mask.masked_fill(cut, 0),
+                            completion_ids=r.completion_ids.masked_fill(cut, tok.pad_token_id))
+    assert r.prompt_mask.sum(-1).unique().numel() > 1 and (r.completion_mask == 0).any()
+    w = torch.randn(r.completion_ids.shape, generator=torch.Generator().manual_seed(3))
+    calls = []
+
+    def run(share: bool):
+        monkeypatch.setattr(modeling, "SHARE_PROMPTS", share)
+        model.zero_grad(set_to_none=True)
+        spy = model.base_model.register_forward_pre_hook(
+            lambda mod, args, kwargs: calls.append((share, kwargs["input_ids"].shape)), with_kwargs=True)
+        try:
+            with torch.set_grad_enabled(with_grad):
+                logp, ent = completion_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids,
+                                                r.completion_mask, temperature=0.9, chunk_size=7, with_entropy=True)
+                if with_grad:
+                    (logp * w * r.completion_mask).sum().backward()
+        finally:
+            spy.remove()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        return logp.detach(), ent.detach(), grads
+
+    shared, plain = run(True), run(False)
+    N, P, T = r.num_sequences, r.prompt_ids.shape[1], r.completion_ids.shape[1]
+    assert [c for c in calls if c[0]] == [(True, (N // G, P)), (True, (N, T - 1))]  # 3 prompts once, then answers
+    assert [c for c in calls if not c[0]] == [(False, (N, P + T))]
+    m = r.completion_mask.bool()
+    torch.testing.assert_close(shared[0][m], plain[0][m], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(shared[1][m], plain[1][m], atol=2e-5, rtol=1e-5)
+    assert shared[2].keys() == plain[2].keys()
+    for k in plain[2]:
+        torch.testing.assert_close(shared[2][k], plain[2][k], atol=1e-6, rtol=1e-4)
