@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -304,3 +305,16 @@ def test_the_trainer_through_the_vllm_engine_keeps_the_sampler_in_sync(tiny_mode
     assert max(runs(VLLMEngine, tmp_path / "synced")) < 1e-4  # the sampler holds the trainer's weights every step
     stale = runs(NoSync, tmp_path / "stale")
     assert stale[0] < 1e-4 and stale[-1] > 1e-2  # control: without the pushes it falls behind after the updates
+
+
+def test_vllm_engine_builds_a_colocated_in_process_llm(monkeypatch):
+    made = []
+    fake = SimpleNamespace(**vars(FAKE_VLLM), LLM=lambda **kw: made.append(kw) or FakeLLM())
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    VLLMEngine("/models/m", dtype="bfloat16", seed=3, lora={"r": 4}, gpu_memory_utilization=0.4, vllm_module=fake)
+    kw = made[0]
+    assert kw["model"] == "/models/m" and kw["seed"] == 3 and kw["gpu_memory_utilization"] == 0.4
+    assert kw["logprobs_mode"] == "processed_logprobs"  # temperature-scaled log-probs, as the trainer's
+    assert (kw["enable_lora"], kw["max_lora_rank"], kw["max_loras"]) == (True, 8, 1)  # r = 4 fits vLLM's rank 8
+    assert "distributed_executor_backend" not in kw  # one process: no torchrun group to join
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # its model in this process, for load_weights

@@ -41,6 +41,7 @@ from .lora import adapter_of
 from .rollout import Rollout, left_pad, sample_groups
 
 ENGINES = ("hf", "vllm")
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclass(frozen=True)
@@ -213,8 +214,10 @@ class VLLMEngine:
 
             if distributed.world_size() > 1:  # one engine per rank, inside torchrun's process group
                 kwargs["distributed_executor_backend"] = "external_launcher"
-            if lora:
-                kwargs.update(enable_lora=True, max_lora_rank=int(lora.get("r", 8)), max_loras=1)
+            if lora:  # vLLM accepts only some ranks as its maximum: the smallest one that holds r
+                rank = int(lora.get("r", 8))
+                kwargs.update(enable_lora=True, max_loras=1,
+                              max_lora_rank=next((k for k in VLLM_LORA_RANKS if k >= rank), rank))
             llm = self.vllm.LLM(**{k: v for k, v in kwargs.items() if v is not None})
         self.llm = llm
         self.asleep = self.weights_awake = False  # sleeps after each generate (enable_sleep_mode)
