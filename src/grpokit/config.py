@@ -123,11 +123,26 @@ class AlgorithmConfig:
     # "first_pass" (kept from the first pass's forward: exact, no extra pass; needs one minibatch),
     # "sampler" (the rollout's log-probs: no extra pass, differs from a recompute by float noise).
     old_logprobs: str = "recompute"
+    # Variants (docs/VARIANTS.md): a named preset (grpo | dr_grpo | dapo | gspo | cispo; see presets.py),
+    # resolved when the config is built from TOML/dict, under the fields you set yourself.
+    preset: str = ""
+    advantage_estimator: str = "grpo"  # grpo (group mean/std) | rloo (leave-one-out) | reinforce_pp
+    entropy_coef: float = 0.0  # entropy bonus: loss -= coef * H_t, aggregated like the loss
+    top_entropy_quantile: float = 1.0  # < 1: policy term only on this top share of tokens by entropy
+    kl_bias_correction: bool = False  # KL_t * ratio_t (DeepSeek-V3.2; TRL's use_bias_correction_kl)
     # Truncated importance sampling for a sampler that is not the trainer (vLLM): each token's loss is
     # weighted by min(exp(trainer_logp - sampler_logp), tis_cap); 0 = off (engines.py). 2.0 is usual.
     tis_cap: float = 0.0
 
     def __post_init__(self):
+        _check_preset(self.preset)
+        _one_of(self.advantage_estimator, ("grpo", "rloo", "reinforce_pp"), "algorithm.advantage_estimator")
+        _check(self.advantage_estimator == "grpo" or self.scale_rewards == "group", "algorithm.scale_rewards",
+               f"{self.scale_rewards!r} applies to advantage_estimator = 'grpo' only; "
+               f"{self.advantage_estimator!r} sets its own scale (leave scale_rewards at 'group')")
+        _check(self.entropy_coef >= 0, "algorithm.entropy_coef", "must be >= 0 (0 = no entropy bonus)")
+        _check(0 <= self.top_entropy_quantile <= 1, "algorithm.top_entropy_quantile",
+               "must be in [0, 1] (1 = every token; 0.2 = the 20% highest-entropy tokens)")
         _one_of(self.loss_type, ("grpo", "bnpo", "dr_grpo", "dapo", "cispo"), "algorithm.loss_type")
         _one_of(self.scale_rewards, ("group", "batch", "none"), "algorithm.scale_rewards")
         _one_of(self.std, ("population", "sample"), "algorithm.std")
@@ -144,6 +159,11 @@ class AlgorithmConfig:
     def clip_high(self) -> float:
         return self.epsilon_high or self.epsilon
 
+    @property
+    def uses_entropy(self) -> bool:
+        """The loss reads per-token entropies (bonus or top-entropy mask)."""
+        return self.entropy_coef > 0 or self.top_entropy_quantile < 1
+
 
 def _check_lora(lora) -> None:
     _check(isinstance(lora, dict), "model.lora", "must be a table, e.g. {r = 8, alpha = 16}")
@@ -153,6 +173,14 @@ def _check_lora(lora) -> None:
     _check(isinstance(lora.get("alpha", 16), (int, float)) and lora.get("alpha", 16) > 0, "model.lora.alpha",
            "must be > 0")
     _check(not lora or _installed("peft"), "model.lora", "needs the peft package: pip install 'grpokit[peft]'")
+
+
+def _check_preset(name) -> None:
+    from .presets import PRESETS
+
+    _check(name == "" or (isinstance(name, str) and name in PRESETS), "algorithm.preset",
+           f"unknown preset {name!r}{_did_you_mean(str(name), PRESETS)}; choose one of {', '.join(PRESETS)} "
+           "(or leave it empty)")
 
 
 @dataclass(frozen=True)
@@ -271,7 +299,16 @@ def _did_you_mean(name: str, options) -> str:
 
 
 def config_from_dict(raw: dict) -> Config:
-    """Build a Config from nested dicts, rejecting unknown sections and keys."""
+    """Build a Config from nested dicts, rejecting unknown sections and keys; `algorithm.preset`'s
+    fields (presets.py) are filled in under the values given."""
+    from .presets import PresetError, apply_preset
+
+    if isinstance(raw.get("algorithm"), dict):
+        _check_preset(raw["algorithm"].get("preset", ""))
+        try:
+            raw = apply_preset(raw)
+        except PresetError as e:
+            raise ConfigError(str(e)) from e
     sections = {}
     for name, values in raw.items():
         if name not in SECTIONS:

@@ -17,6 +17,23 @@ and the scalar loss aggregates loss_t over the mask (``loss_type``):
              dapo (MiniMax-M1 CISPO: clip the importance weight, never drop a
              token's gradient)
 
+Options beside the loss type, each off by default:
+
+- ``kl_bias_correction``: KL_t is multiplied by the (differentiable) ratio rho_t (GSPO: the
+  sequence ratio), so that its gradient is the unbiased gradient of the reverse KL
+  (DeepSeek-V3.2); exactly TRL 1.16's ``use_bias_correction_kl`` (TRL's default is on,
+  grpokit's off). It changes the gradient even on-policy, where rho_t = 1 in value.
+- ``top_entropy_quantile`` q < 1: the policy term (not the KL) is kept only on the tokens
+  whose entropy is at least the (1 - q) quantile of the entropies of the valid tokens in
+  this call (Wang et al. 2025, "Beyond the 80/20 rule"; TRL's ``get_high_entropy_mask``).
+  The normalisers stay those of the full mask, as in TRL. The quantile is over the tokens
+  passed in: the trainer passes one micro-batch (the whole minibatch unless
+  ``train.micro_batch_size`` is set), as TRL does per device.
+- ``entropy_coef`` c > 0: an entropy bonus, loss_t -= c * H_t on the tokens the policy
+  term acts on, aggregated with the loss type's own aggregation (so for dapo/bnpo it is
+  c times the mean token entropy). TRL instead always takes a plain token mean of H; the
+  two agree for bnpo, and for dapo when ``num_items_in_batch`` is this call's token count.
+
 ``importance_sampling_level="sequence"`` is GSPO: one ratio per answer,
 exp(mean_t(logp_t - old_logp_t)) (length-normalised), shape [N, 1], broadcast
 over the answer's tokens, with gradient through every token of the mean. This is
@@ -25,8 +42,8 @@ exactly TRL 1.16's implementation.
 Deviations from the papers (all but the CISPO one shared with TRL 1.16):
 
 - The KL term is added to the loss per token (DeepSeekMath's choice), not
-  subtracted from the reward, and uses k3 without TRL's optional
-  ``use_bias_correction_kl`` (which multiplies KL_t by rho_t).
+  subtracted from the reward, and uses k3; TRL's ``use_bias_correction_kl`` (KL_t * rho_t,
+  on by default there) is ``kl_bias_correction``, off by default here.
 - grpo averages over answers including those with no completion token (they
   contribute 0), as TRL does.
 - CISPO's cap is ``1 + eps_high`` (the MiniMax-M1 paper's clip(r, ., 1 + eps_high),
@@ -60,6 +77,7 @@ from .fused_logprobs import linear_logprobs
 __all__ = [
     "LOSS_TYPES",
     "IMPORTANCE_SAMPLING_LEVELS",
+    "high_entropy_mask",
     "importance_log_ratio",
     "policy_loss",
     "sequence_ratio",
@@ -270,6 +288,36 @@ LOSS_TYPES: dict[str, tuple[Callable, Callable]] = {
 # ---------------------------------------------------------------- policy loss
 
 
+def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
+    """Boolean ``[N, T]``: valid tokens whose entropy is at least the ``(1 - quantile)`` quantile
+    (linear interpolation, as ``torch.quantile``) of the valid tokens' entropies; ``quantile=0.2``
+    keeps the top 20%, ``1.0`` keeps every valid token. No valid token: all False."""
+    if not 0.0 <= quantile <= 1.0:
+        raise ValueError(f"top_entropy_quantile must be in [0, 1], got {quantile!r}")
+    valid = mask != 0  # [N, T]
+    ent = entropy.detach()
+    values = ent[valid].to(torch.promote_types(ent.dtype, torch.float32)).sort().values  # [K] (TRL: float32)
+    if values.numel() == 0:
+        return torch.zeros_like(valid)
+    # torch.quantile by hand: it refuses inputs above 2**24 elements, a long-context batch can have more
+    pos = (1.0 - quantile) * (values.numel() - 1)
+    lo = int(pos)
+    hi = min(lo + 1, values.numel() - 1)
+    threshold = torch.lerp(values[lo], values[hi], torch.tensor(pos - lo, dtype=values.dtype, device=values.device))
+    return (torch.where(valid, ent, 0.0) >= threshold.to(ent.dtype)) & valid  # [N, T]
+
+
+def _check_entropy_args(logp, entropy, entropy_coef, top_entropy_quantile) -> None:
+    if entropy_coef < 0:
+        raise ValueError(f"entropy_coef must be >= 0, got {entropy_coef!r}")
+    if not 0.0 <= top_entropy_quantile <= 1.0:
+        raise ValueError(f"top_entropy_quantile must be in [0, 1], got {top_entropy_quantile!r}")
+    if (entropy_coef > 0 or top_entropy_quantile < 1.0) and entropy is None:
+        raise ValueError("entropy_coef > 0 or top_entropy_quantile < 1 needs entropy (the per-token entropies, [N, T])")
+    if entropy is not None and tuple(entropy.shape) != tuple(logp.shape):
+        raise ValueError(f"entropy must have shape [N, T] = {tuple(logp.shape)} like logp, got {tuple(entropy.shape)}")
+
+
 def _check_policy_args(logp, old_logp, advantages, mask, ref_logp, beta, loss_type) -> None:
     if logp.dim() != 2:
         raise ValueError(f"logp must have shape [N, T], got {tuple(logp.shape)}")
@@ -317,16 +365,22 @@ def policy_loss(
     importance_sampling_level: str = "token",
     max_completion_length: int | None = None,
     num_items_in_batch: int | Tensor | None = None,
+    kl_bias_correction: bool = False,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
+    top_entropy_quantile: float = 1.0,
     token_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Scalar policy loss and detached stats; see the module docstring for the math.
 
-    logp, old_logp, ref_logp, mask: ``[N, T]``; advantages: ``[N]``. ``old_logp=None``
-    means on-policy (``logp.detach()``: ratio 1, gradient still flows).
+    logp, old_logp, ref_logp, mask, entropy: ``[N, T]``; advantages: ``[N]``. ``old_logp=None``
+    means on-policy (``logp.detach()``: ratio 1, gradient still flows). ``entropy`` (with its
+    gradient, for the bonus) is needed only when ``entropy_coef > 0`` or ``top_entropy_quantile < 1``.
     ``token_weights`` ``[N, T]`` (no gradient) multiply each token's policy term: truncated importance
     sampling for a sampler other than the trainer (``engines.truncated_importance_weights``).
     """
     _check_policy_args(logp, old_logp, advantages, mask, ref_logp, beta, loss_type)
+    _check_entropy_args(logp, entropy, entropy_coef, top_entropy_quantile)
     surrogate, aggregate = LOSS_TYPES[loss_type]
     eps_low, eps_high = epsilon, (epsilon if epsilon_high is None else epsilon_high)
     old_logp = logp.detach() if old_logp is None else old_logp
@@ -339,9 +393,18 @@ def policy_loss(
     if token_weights is not None:  # TIS: constant per-token weights of the policy term, before KL (as TRL)
         per_token = per_token * token_weights.detach().to(logp.dtype)
     stats = _clip_stats(ratio, adv, maskf, eps_low, eps_high)
+    if top_entropy_quantile < 1.0:  # the policy term only on the high-entropy tokens
+        acting = high_entropy_mask(entropy, mask, top_entropy_quantile).to(logp.dtype)  # [N, T]
+        per_token = per_token * acting
+    else:
+        acting = maskf
+    if entropy_coef > 0:
+        per_token = per_token - entropy_coef * torch.where(valid, entropy, 0.0).to(logp.dtype) * acting
     if beta > 0:
         delta = torch.where(valid, ref_logp - logp, 0.0)  # [N, T]
         kl = delta.exp() - delta - 1.0  # [N, T], k3 >= 0
+        if kl_bias_correction:  # DeepSeek-V3.2: KL_t * rho_t (rho not detached), as TRL
+            kl = kl * ratio
         per_token = per_token + beta * kl
         stats["kl"] = _masked_mean(kl, maskf)
     per_token = torch.where(valid, per_token, 0.0)  # [N, T]

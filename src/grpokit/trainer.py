@@ -252,7 +252,8 @@ def generate_and_grade(config, model, tokenizer, prompts: PromptTable, stream, s
     draw = draws[0] if not algo.dynamic_sampling else Draw.join([d.with_signal(G) for d in draws], B * G,
                                                                  tokenizer.pad_token_id, fallback=draws[-1])
     rollout = draw.rollout
-    advantages = group_advantages(draw.total, G, scale_rewards=algo.scale_rewards, std=algo.std)
+    advantages = group_advantages(draw.total, G, scale_rewards=algo.scale_rewards, std=algo.std,
+                                  estimator=algo.advantage_estimator)
     loss_mask = rollout.completion_mask.clone()
     if algo.mask_truncated_completions:  # truncated answers carry no gradient
         loss_mask[rollout.truncated] = 0
@@ -368,20 +369,25 @@ def _micro_step(config, model, batch, rows, n_items, n_micro, linear_head):
     ref = None if batch.ref_logp is None else batch.ref_logp[rows, :T]
     tis = None if batch.tis_weight is None else batch.tis_weight[rows, :T]
 
-    def loss_of(logp):  # [n, T] -> this micro-batch's share of the minibatch loss, stats
+    def loss_of(logp, entropy=None):  # [n, T] -> this micro-batch's share of the minibatch loss, stats
         loss, stats = policy_loss(
             logp, old, adv, mask, ref_logp=ref, beta=algo.beta, epsilon=algo.epsilon, epsilon_high=algo.clip_high,
             loss_type=algo.loss_type, importance_sampling_level=algo.importance_sampling_level,
-            max_completion_length=config.rollout.max_new_tokens, num_items_in_batch=n_items, token_weights=tis)
+            max_completion_length=config.rollout.max_new_tokens, num_items_in_batch=n_items,
+            kl_bias_correction=algo.kl_bias_correction, entropy=entropy, entropy_coef=algo.entropy_coef,
+            top_entropy_quantile=algo.top_entropy_quantile, token_weights=tis)
         # dapo's and cispo's normaliser already spans the minibatch
         return (loss if algo.loss_type in ("dapo", "cispo") else loss / n_micro), stats
 
     n = len(rows)
-    keep = (adv != 0).nonzero()[:, 0] if train.skip_zero_advantage and algo.beta == 0 else torch.arange(n)
+    # entropy options: a zero-advantage answer still has an entropy gradient, and its tokens count in the quantile
+    skippable = train.skip_zero_advantage and algo.beta == 0 and not algo.uses_entropy
+    keep = (adv != 0).nonzero()[:, 0] if skippable else torch.arange(n)
     keep = keep.to(mask.device)
     constant = old is None and algo.beta == 0  # on-policy, no KL: dLoss/dlogp does not depend on logp
     grad_fn = None
-    if len(keep) and linear_head and train.fused_logprobs and (constant or algo.importance_sampling_level == "token"):
+    if len(keep) and linear_head and train.fused_logprobs and not algo.uses_entropy and \
+            (constant or algo.importance_sampling_level == "token"):  # one-pass: the loss must depend on logp only
         grad_fn = _logp_grad_fn(loss_of, n, T, keep, constant)
     if len(keep):
         sel = rows if len(keep) == n else rows[keep.to(rows.device)]
@@ -392,7 +398,7 @@ def _micro_step(config, model, batch, rows, n_items, n_micro, linear_head):
         logp = logp_kept if len(keep) == n else logp_kept.new_zeros(n, T).index_copy(0, keep, logp_kept)
     else:  # nothing carries a gradient: no model call at all
         logp = torch.zeros(n, T, device=mask.device)
-    loss, stats = loss_of(logp)
+    loss, stats = loss_of(logp, entropy if algo.uses_entropy else None)
     if logp.requires_grad:
         loss.backward()
     tokens = mask.sum().item()
