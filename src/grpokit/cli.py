@@ -18,8 +18,9 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from .modeling import ModelLoadError
     from .rewards import RewardError, RewardLoadError
     from .run_setup import SetupError
+    from .trainer import TrainingDiverged
 
-    return (ConfigError, DataError, ModelLoadError, RewardError, RewardLoadError, SetupError)
+    return (ConfigError, DataError, ModelLoadError, RewardError, RewardLoadError, SetupError, TrainingDiverged)
 
 
 def _key_values(items: list[str]) -> dict:

@@ -37,9 +37,9 @@ from .distributed import (CheckpointWeights, DistributedContext, all_ranks, gath
                           prepare_model, reduce_gradients)
 from .engines import SamplingParams, build_engine, truncated_importance_weights
 from .lora import AdapterDisabled, apply_lora
-from .run_setup import (PreparedData, PromptTable, max_positions_of, prepare_data, prepare_output_dir,
+from .run_setup import (PreparedData, PromptTable, SetupError, max_positions_of, prepare_data, prepare_output_dir,
                         resolve_reward_specs, tokenize_prompts)
-from .tracking import ConsoleProgress, MetricsWriter, completion_metrics, reward_summary
+from .tracking import ConsoleProgress, MetricsWriter, completion_metrics, drop_rows_after, reward_summary
 
 
 @dataclass
@@ -102,6 +102,9 @@ def train(
     start_step = 0
     if resume and (checkpoints := list_checkpoints(run_dir)):
         start_step = _restore(checkpoints[-1], model, optimizer, scheduler, sampler, stream)
+        for log in ("metrics.jsonl", "completions.jsonl"):
+            if dist.is_main:
+                drop_rows_after(run_dir / log, start_step)
     rollout_engine.sync_weights(model)  # vLLM starts from the trainer's (resumed) weights; HF: nothing to do
     if dist.is_main:
         (run_dir / "config.toml").write_text(to_toml(config), encoding="utf-8")
@@ -222,7 +225,10 @@ def _restore(checkpoint: Path, model, optimizer, scheduler, sampler, stream) -> 
     scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     sampler.set_state(local_state(state["sampler"]))  # this process's generator
-    stream.load_state_dict(state["stream"])
+    try:
+        stream.load_state_dict(state["stream"])
+    except ValueError as e:  # a different dataset or seed than the run being resumed
+        raise SetupError(f"--resume from {checkpoint}: {e}") from e
     return int(state["step"])
 
 
