@@ -318,3 +318,18 @@ def test_vllm_engine_builds_a_colocated_in_process_llm(monkeypatch):
     assert (kw["enable_lora"], kw["max_lora_rank"], kw["max_loras"]) == (True, 8, 1)  # r = 4 fits vLLM's rank 8
     assert "distributed_executor_backend" not in kw  # one process: no torchrun group to join
     assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # its model in this process, for load_weights
+
+
+@pytest.mark.slow
+def test_the_gpu_check_script_passes_against_the_cpu_stand_in(tmp_path):
+    """scripts/check_vllm_gpu.py's own logic, with tests/fake_vllm in place of vLLM (about 4 min on 2 cores)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    env = {**os.environ, "GRPOKIT_CHECK_DEVICE": "cpu", "PYTHONPATH": str(root / "tests" / "fake_vllm")}
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "check_vllm_gpu.py"), "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "ALL PASSED" in proc.stdout and "FAIL" not in proc.stdout

@@ -1,0 +1,89 @@
+"""A CPU stand-in for vLLM's offline API: just enough of `vllm.LLM` for grpokit's VLLMEngine.
+
+Not vLLM: a Hugging Face model sampled with grpokit's own sampler, whose weights change only
+through `llm_engine.model_executor.driver_worker.model_runner.model.load_weights(...)` (as vLLM's
+in-process engine) and whose LoRA adapters come from `LoRARequest` folders. It lets the logic of
+`engines.VLLMEngine` and of `scripts/check_vllm_gpu.py` run where vLLM cannot:
+
+    GRPOKIT_CHECK_DEVICE=cpu PYTHONPATH=tests/fake_vllm python scripts/check_vllm_gpu.py --out /tmp/check
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+__version__ = "0.0+cpu-stand-in"
+
+
+class SamplingParams:
+    def __init__(self, **kwargs):
+        self.__dict__.update(kwargs)
+
+
+class LoRARequest:
+    def __init__(self, lora_name: str, lora_int_id: int, lora_path: str):
+        self.lora_name, self.lora_int_id, self.lora_path = lora_name, lora_int_id, lora_path
+
+
+class _Loadable:
+    def __init__(self, model):
+        self.hf = model
+
+    def load_weights(self, weights):
+        params = dict(self.hf.named_parameters())
+        with torch.no_grad():
+            for name, tensor in weights:
+                params[name].copy_(tensor.to(params[name].dtype))
+
+
+class LLM:
+    def __init__(self, model: str, dtype: str = "bfloat16", seed: int = 0, enable_lora: bool = False, **kwargs):
+        from transformers import AutoModelForCausalLM
+
+        self.hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
+        runner = SimpleNamespace(model=_Loadable(self.hf))
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)),
+                                          remove_lora=lambda lora_id: None)
+        self._adapter = (None, None)  # (id, merged model)
+
+    def _model(self, lora_request):
+        if lora_request is None:
+            return self.hf
+        if self._adapter[0] != lora_request.lora_int_id:
+            import copy
+
+            from peft import PeftModel
+
+            merged = PeftModel.from_pretrained(copy.deepcopy(self.hf), lora_request.lora_path).merge_and_unload()
+            self._adapter = (lora_request.lora_int_id, merged)
+        return self._adapter[1]
+
+    def generate(self, prompts, sampling_params, use_tqdm=False, lora_request=None):
+        from grpokit.rollout import sample_groups
+
+        p, model = sampling_params, self._model(lora_request)
+        g = torch.Generator().manual_seed(p.seed or 0)
+        out = []
+        for prompt in prompts:
+            r = sample_groups(model, [prompt["prompt_token_ids"]], group_size=p.n, max_new_tokens=p.max_tokens,
+                              eos_token_ids=p.stop_token_ids, pad_token_id=0, temperature=p.temperature,
+                              top_p=p.top_p, top_k=p.top_k, generator=g)
+            answers = []
+            for j in range(p.n):
+                ids = r.completion_ids[j, :int(r.completion_mask[j].sum())].tolist()
+                logprobs = [{t: SimpleNamespace(logprob=float(r.logprobs[j, k]), rank=1)} for k, t in enumerate(ids)]
+                answers.append(SimpleNamespace(token_ids=ids, logprobs=logprobs,
+                                               finish_reason="length" if bool(r.truncated[j]) else "stop"))
+            out.append(SimpleNamespace(outputs=answers, prompt_token_ids=prompt["prompt_token_ids"]))
+        return out
+
+    def reset_prefix_cache(self):
+        pass
+
+    def sleep(self, level: int = 1):
+        pass
+
+    def wake_up(self, tags=None):
+        pass
