@@ -144,7 +144,9 @@ def test_a_real_run_writes_tensorboard_completions_and_prints_diagnostics(tiny_m
     config = Config(
         model=ModelConfig(path=str(tiny_model_dir)), data=DataConfig(task="addition", num_prompts=32),
         rollout=RolloutConfig(group_size=3, max_new_tokens=4), algorithm=AlgorithmConfig(),
-        train=TrainConfig(steps=3, prompts_per_step=2, learning_rate=1e-3),
+        # every answer is wrong, so every advantage is 0: keep those answers in the forward pass so
+        # that entropy is measured (the zero-advantage fast path leaves it unmeasured: null)
+        train=TrainConfig(steps=3, prompts_per_step=2, learning_rate=1e-3, skip_zero_advantage=False),
         output=OutputConfig(dir=str(tmp_path / "run"), console=False, tensorboard=True, completions_every=1))
     run = train(config)
     printed = capsys.readouterr().out
