@@ -18,6 +18,7 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from grpokit.rollout import Rollout, sample_groups
+from test_rollout import recomputed_logprobs  # the independent recompute, shared with the rollout tests
 from grpokit.tiny import build_char_tokenizer
 
 PROMPTS = ["1+2=", "What is 17 + 25?", "hi"]  # mixed lengths → left padding
@@ -65,18 +66,6 @@ def arch_model_dir(arch, tmp_path_factory) -> Path:
 
 def load(path: Path):
     return AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
-
-
-def recomputed_logprobs(model, r: Rollout, temperature: float) -> torch.Tensor:
-    """log_softmax(logits / T) of the chosen tokens, from one forward over prompt + completion."""
-    ids = torch.cat([r.prompt_ids, r.completion_ids], dim=1)  # [N, P+T]
-    mask = torch.cat([r.prompt_mask, r.completion_mask], dim=1)  # [N, P+T]
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits.float()
-    p, t = r.prompt_ids.shape[1], r.completion_ids.shape[1]
-    logp = (logits[:, p - 1: p - 1 + t] / temperature).log_softmax(-1)  # [N, T, V]
-    return logp.gather(2, r.completion_ids[..., None])[..., 0] * r.completion_mask
 
 
 def test_rollout_logprobs_equal_recomputed(arch_model_dir):
