@@ -17,7 +17,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpokit.rollout import Rollout, sample_groups
+from grpokit.rollout import sample_groups
 from test_rollout import recomputed_logprobs  # the independent recompute, shared with the rollout tests
 from grpokit.tiny import build_char_tokenizer
 
