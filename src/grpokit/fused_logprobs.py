@@ -95,7 +95,9 @@ def _head_grads(grad: Tensor, h: Tensor, weight: Tensor, sl: slice, gh, gw, gb) 
     if gh is not None:
         torch.mm(grad, weight, out=gh[sl])  # [r, H]
     if gw is not None:
-        if gw.dtype == weight.dtype:
+        if gw.dtype == weight.dtype and sl.start == 0:  # the first chunk writes: no zero-filled [V, H] buffer
+            torch.mm(grad.t(), h, out=gw)  # [V, H]
+        elif gw.dtype == weight.dtype:
             gw.addmm_(grad.t(), h)  # [V, H]
         else:  # low-precision head: matmul in its dtype, accumulate in float32
             gw.add_(grad.t() @ h)
@@ -106,7 +108,10 @@ def _head_grads(grad: Tensor, h: Tensor, weight: Tensor, sl: slice, gh, gw, gb) 
 def _grad_buffers(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None):
     acc = _acc(weight)
     gh = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-    gw = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None
+    gw = None
+    if ctx.needs_input_grad[1]:  # written by the first chunk (zeros only when it is not overwritten)
+        empty = hidden.shape[0] == 0 or acc != weight.dtype
+        gw = torch.zeros_like(weight, dtype=acc) if empty else torch.empty_like(weight, dtype=acc)
     gb = torch.zeros_like(bias, dtype=acc) if bias is not None and ctx.needs_input_grad[2] else None
     return gh, gw, gb
 
