@@ -60,6 +60,20 @@ def test_parquet_and_saved_folder_round_trip(tmp_path):
     assert load_prompts(tmp_path / "dd", split="test") == FLAT[:1]
     with pytest.raises(DataError, match=r"dd: has no split 'validation'; its splits are \['test', 'train'\]"):
         load_prompts(tmp_path / "dd", split="validation")
+    in_memory = datasets.DatasetDict({"train": ds, "test": ds.select([1])})
+    assert load_prompts(in_memory, split="test") == FLAT[1:2]
+    with pytest.raises(DataError, match=r"DatasetDict has no split 'dev'"):
+        load_prompts(in_memory, split="dev")
+
+
+def test_python_rows_do_not_import_datasets():
+    """A list of dicts needs neither datasets nor pandas/pyarrow (about 100 MB resident)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from grpokit.data import load_prompts; load_prompts([{'prompt': 'x'}]); "
+            "print('datasets' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
 def test_iterables_of_dicts_and_prompt_column_rename():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -132,14 +133,11 @@ def _read_source(source: Any, split: str) -> tuple[list, str, list[int] | None]:
             return _read_with_datasets(path, suffix[1:], split), str(path), None
         raise DataError(f"{path}: unsupported file type {suffix or '(none)'}; use one of {', '.join(SUFFIXES)} "
                         f"or a folder written by Dataset.save_to_disk")
-    try:
-        import datasets
-        if isinstance(source, datasets.DatasetDict):
-            if split not in source:
-                raise DataError(f"DatasetDict has no split {split!r}; its splits are {sorted(source)}")
-            source = source[split]
-    except ImportError:
-        pass
+    datasets = sys.modules.get("datasets")  # a DatasetDict implies datasets is imported: no ~100 MB import for lists
+    if datasets is not None and isinstance(source, datasets.DatasetDict):
+        if split not in source:
+            raise DataError(f"DatasetDict has no split {split!r}; its splits are {sorted(source)}")
+        source = source[split]
     if isinstance(source, dict) or not isinstance(source, Iterable):
         raise DataError(f"prompt source must be a file path, a saved dataset folder or an iterable of dicts, "
                         f"got {type(source).__name__}")
