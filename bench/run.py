@@ -37,8 +37,8 @@ COMMON = dict(G=8, temperature=1.0, lr=1e-6, loss_type="dapo", reward="letter_fr
 # name: (model, B prompts, completion length, beta, mu, runs, grpokit steps, TRL cycles, grpokit micro-batch)
 CONFIGS = {
     "S": dict(model="S", B=4, L=16, beta=0.0, mu=1, runs=3, steps=4, trl_steps=4, micro=0),
-    "M": dict(model="M", B=8, L=128, beta=0.0, mu=1, runs=3, steps=2, trl_steps=2, micro=16),
-    "R": dict(model="M", B=8, L=128, beta=0.04, mu=2, runs=3, steps=2, trl_steps=1, micro=16),
+    "M": dict(model="M", B=8, L=128, beta=0.0, mu=1, runs=3, steps=2, trl_steps=2, micro=8),
+    "R": dict(model="M", B=8, L=128, beta=0.04, mu=2, runs=3, steps=2, trl_steps=1, micro=8),
     "X": dict(model="M", B=8, L=512, beta=0.0, mu=1, runs=3, steps=1, trl_steps=1, micro=8, trl_runs=1),
 }
 PROMPT_TOKENS = 32
@@ -50,8 +50,10 @@ ABLATIONS = [
     ("preallocated KV cache off (DynamicCache concatenation)", "M", {"patch": {"preallocate": False}}),
     ("inverse-CDF sampler off (Gumbel-max race)", "M", {"patch": {"sampler": "gumbel"}}),
     ("shared prefill off (prefill all N rows)", "M", {"patch": {"share_prefill": False}}),
+    ("shared prompt forward in training off (every row runs its prompt)", "M", {"patch": {"share_prompts": False}}),
     ("1 thread instead of 2", "M", {"threads": 1}),
-    ("micro-batch 64 (the whole batch) instead of 16", "M", {"grpokit_train": {"micro_batch_size": 0}}),
+    ("micro-batch 16 instead of 8", "M", {"grpokit_train": {"micro_batch_size": 16}}),
+    ("micro-batch 64 (the whole batch) instead of 8", "M", {"grpokit_train": {"micro_batch_size": 0}}),
     ("zero-advantage skip on, half the groups tie", "M", {"reward": "half_unsolvable"}),
     ("zero-advantage skip off, half the groups tie", "M",
      {"reward": "half_unsolvable", "grpokit_train": {"skip_zero_advantage": False}}),

@@ -23,9 +23,10 @@ def main(spec: dict) -> None:
 
     patch = spec.get("patch", {})  # ablations: switch one fast path off
     if patch:
-        from grpokit import fused_logprobs, rollout
+        from grpokit import fused_logprobs, modeling, rollout
 
         fused_logprobs.ONE_PASS = patch.get("one_pass", True)
+        modeling.SHARE_PROMPTS = patch.get("share_prompts", True)
         rollout.PREALLOCATE_KV_CACHE = patch.get("preallocate", True)
         rollout.SAMPLER = patch.get("sampler", "inverse_cdf")
         rollout.SHARE_PREFILL = patch.get("share_prefill", True)
