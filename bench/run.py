@@ -51,6 +51,8 @@ ABLATIONS = [
     ("inverse-CDF sampler off (Gumbel-max race)", "M", {"patch": {"sampler": "gumbel"}}),
     ("shared prefill off (prefill all N rows)", "M", {"patch": {"share_prefill": False}}),
     ("shared prompt forward in training off (every row runs its prompt)", "M", {"patch": {"share_prompts": False}}),
+    ("keep freed memory off (glibc's default mmap/trim thresholds)", "M",
+     {"grpokit_train": {"keep_freed_memory": False}}),
     ("1 thread instead of 2", "M", {"threads": 1}),
     ("micro-batch 16 instead of 8", "M", {"grpokit_train": {"micro_batch_size": 16}}),
     ("micro-batch 64 (the whole batch) instead of 8", "M", {"grpokit_train": {"micro_batch_size": 0}}),
@@ -223,26 +225,36 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_ablations(peak: float) -> list[dict]:
+def run_ablations(peak: float, runs: int) -> list[dict]:
+    """Every ablation row `runs` times, round-robin over the rows (slow drifts of the machine then
+    touch every row alike); each row reports its median run."""
+    done: dict[int, list[dict]] = {i: [] for i in range(len(ABLATIONS))}
+    for round_ in range(runs):
+        for i, (label, name, changes) in enumerate(ABLATIONS):
+            c = CONFIGS[name]
+            r = run_worker("grpokit", spec_for(name, steps=c["steps"], **changes))
+            done[i].append(r)
+            log(f"ablation [{name}] {label} (run {round_ + 1}): {r['s_per_opt_step']:.3f} s/step "
+                f"(rollout {r['rollout_s']:.3f}, train {r['train_s']:.3f}), rss {r['peak_rss_mb']:.0f} MB")
     rows = []
-    for label, name, changes in ABLATIONS:
-        c = CONFIGS[name]
-        spec = spec_for(name, steps=c["steps"], **changes)
-        r = run_worker("grpokit", spec)
+    for i, (label, name, _) in enumerate(ABLATIONS):
+        c, runs_i = CONFIGS[name], done[i]
         shape = model_shape(str(HERE / "out" / "models" / c["model"]))
         fl = step_flops(shape, B=c["B"], G=COMMON["G"], P=PROMPT_TOKENS, T=c["L"], beta=c["beta"], mu=c["mu"])
-        r.update(label=label, config=name, mfu=fl["per_opt_step"] / r["s_per_opt_step"] / (peak * 1e9))
-        log(f"ablation [{name}] {label}: {r['s_per_opt_step']:.3f} s/step (rollout {r['rollout_s']:.3f}, "
-            f"train {r['train_s']:.3f}), rss {r['peak_rss_mb']:.0f} MB")
-        rows.append(r)
+        s = median_of(runs_i, "s_per_opt_step")
+        rows.append({"label": label, "config": name, "s_per_opt_step": s, "rollout_s": median_of(runs_i, "rollout_s"),
+                     "train_s": median_of(runs_i, "train_s"), "peak_rss_mb": max(r["peak_rss_mb"] for r in runs_i),
+                     "others_cores": max(r["others_cores"] for r in runs_i), "mfu": fl["per_opt_step"] / s / (peak * 1e9),
+                     "all_s": [round(r["s_per_opt_step"], 3) for r in runs_i]})
     return rows
 
 
 def ablation_table(rows: list[dict]) -> str:
-    lines = ["| config | grpokit variant | s / opt. step | rollout s | train s | MFU | peak RSS MB | others' load |",
+    lines = ["| config | grpokit variant | s / opt. step (runs) | rollout s | train s | MFU | peak RSS MB | others' load |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['config']} | {r['label']} | {r['s_per_opt_step']:.3f} | {r['rollout_s']:.3f} "
+        lines.append(f"| {r['config']} | {r['label']} | {r['s_per_opt_step']:.3f} ({', '.join(map(str, r['all_s']))}) "
+                     f"| {r['rollout_s']:.3f} "
                      f"| {r['train_s']:.3f} | {r['mfu']:.0%} | {r['peak_rss_mb']:.0f} | {r['others_cores']:.2f} |")
     return "\n".join(lines)
 
@@ -289,6 +301,7 @@ def main() -> None:
     ap.add_argument("--only", default="S,M,R,X", help="comma-separated configurations")
     ap.add_argument("--ablations", action="store_true", help="also run the grpokit ablation rows")
     ap.add_argument("--ablations-only", action="store_true")
+    ap.add_argument("--ablation-runs", type=int, default=3, help="runs per ablation row (the median is reported)")
     ap.add_argument("--malloc-study", action="store_true",
                     help="also S and M with glibc malloc tuned for both systems (MALLOC_TUNED)")
     args = ap.parse_args()
@@ -310,7 +323,7 @@ def main() -> None:
     log(f"fp32 matmul peak at the end: {peak_end:.1f} GFLOP/s; MFU uses {peak:.1f}")
     names = [] if args.ablations_only else args.only.split(",")
     rows = [summarize(n, r, peak) for n, r in zip(names, results)]
-    abl = run_ablations(peak) if args.ablations or args.ablations_only else []
+    abl = run_ablations(peak, args.ablation_runs) if args.ablations or args.ablations_only else []
     mal = malloc_study(rows) if args.malloc_study else []
     report = {"machine": machine(), "load_start": start_load, "load_end": load(), "peak_gflops": peak,
               "peak_start": peak_start, "peak_end": peak_end, "rows": rows, "ablations": abl, "malloc": mal, "runs": runs,

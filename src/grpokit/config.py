@@ -203,6 +203,7 @@ class TrainConfig:
     # its one-pass backward, and (β = 0) no forward/backward for answers whose advantage is 0.
     fused_logprobs: bool = True
     skip_zero_advantage: bool = True
+    keep_freed_memory: bool = True  # CPU, glibc: reuse freed pages instead of faulting them in again (allocator.py)
 
     def __post_init__(self):
         object.__setattr__(self, "adam_betas", tuple(self.adam_betas))

@@ -24,9 +24,11 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from .advantages import group_advantages
+from .allocator import keep_freed_memory
 from .checkpoint import list_checkpoints, load_trainer_state, rng_state, save_checkpoint, set_rng_state
 from .config import Config, to_toml
-from .modeling import check_model_folder, completion_logprobs, head_is_linear, load_model, load_tokenizer
+from .modeling import (check_model_folder, completion_logprobs, head_is_linear, load_model, load_tokenizer,
+                       resolve_device)
 from .objectives import policy_loss
 from .grading import Draw, grade, write_completions
 from .rewards import RewardSpec, reward_metrics
@@ -81,6 +83,8 @@ def train(
     run_dir = dist.run_on_main(prepare_output_dir, config, resume=resume)
     torch.manual_seed(config.train.seed)
 
+    if config.train.keep_freed_memory and resolve_device(load_device(config)).type == "cpu":
+        keep_freed_memory()  # glibc: freed buffers stay mapped for the next step (allocator.py)
     model = load_model(config.model.path, dtype=config.model.dtype, device=load_device(config))
     ref_model = None
     if config.algorithm.beta > 0 and not config.model.lora:  # with β = 0 no reference model is loaded at all

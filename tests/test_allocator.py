@@ -1,0 +1,51 @@
+"""allocator.keep_freed_memory: freed large blocks are reused without new page faults (glibc)."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+
+import pytest
+
+PROBE = """
+import resource, sys, torch
+if sys.argv[1] == "keep":
+    from grpokit.allocator import keep_freed_memory
+    assert keep_freed_memory()
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(4):  # warm-up: the heap grows to hold the block (40 MB: above glibc's mmap threshold)
+    x = torch.empty(40 * 2**18); x.fill_(1); del x
+before = faults()
+for _ in range(10):
+    x = torch.empty(40 * 2**18); x.fill_(1); del x
+print((faults() - before) / 10)
+"""
+
+
+def faults_per_reuse(mode: str) -> float:
+    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip())
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_freed_blocks_are_reused_without_page_faults():
+    pages = 40 * 2**20 / 4096
+    assert faults_per_reuse("default") > 0.9 * pages  # every reuse faults the whole block in again
+    assert faults_per_reuse("keep") < 0.05 * pages  # then the same pages serve every reuse
+
+
+def test_the_trainer_applies_it_on_cpu_only_when_enabled(monkeypatch, tiny_model_dir, tmp_path):
+    from grpokit import trainer
+    from grpokit.config import Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+
+    calls = []
+    monkeypatch.setattr(trainer, "keep_freed_memory", lambda: calls.append(1) or True)
+    for keep in (True, False):
+        config = Config(model=ModelConfig(path=str(tiny_model_dir), device="cpu"), data=DataConfig(path="x.jsonl"),
+                        rollout=RolloutConfig(group_size=2, max_new_tokens=2),
+                        train=TrainConfig(steps=1, prompts_per_step=1, keep_freed_memory=keep),
+                        output=OutputConfig(dir=str(tmp_path / f"run-{keep}"), console=False))
+        trainer.train(config, reward_functions=[lambda completions, **kw: [0.0] * len(completions)],
+                      rows=[{"prompt": "1+1="}])
+    assert calls == [1]
