@@ -3,6 +3,7 @@
     .venv/bin/python bench/run.py                    # S, M, R, X: grpokit and TRL, alternating
     .venv/bin/python bench/run.py --only S,M         # a subset
     .venv/bin/python bench/run.py --ablations        # also grpokit with each fast path switched off
+    .venv/bin/python bench/run.py --trl-malloc-tuned # TRL with the allocator setting grpokit applies itself
 
 Builds the benchmark models if missing (bench/build_models.py: 32k BPE tokenizer trained on the
 standard library, random-init Qwen2 models), measures the fp32 matmul peak, then runs every
@@ -155,6 +156,9 @@ def median_of(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
+TRL_ENV: dict = {}  # --trl-malloc-tuned: MALLOC_TUNED for every TRL run of the main table
+
+
 def bench_config(name: str, log_runs: list) -> dict:
     c = CONFIGS[name]
     g_spec = spec_for(name, steps=c["steps"])
@@ -170,7 +174,7 @@ def bench_config(name: str, log_runs: list) -> dict:
             continue
         # TRL: both gradient-checkpointing settings in the first round, then the faster one only
         for gc in ((True, False) if best_gc is None else (best_gc,)):
-            r = run_worker("trl", {**t_spec, "gc": gc})
+            r = run_worker("trl", {**t_spec, "gc": gc}, extra_env=TRL_ENV)
             trl[gc].append(r)
             log(f"{name} TRL (gc={gc}) run {len(trl[gc])}: {r['s_per_opt_step']:.3f} s/step, "
                 f"rss {r['peak_rss_mb']:.0f} MB, others {r['others_cores']:.2f} cores")
@@ -304,7 +308,10 @@ def main() -> None:
     ap.add_argument("--ablation-runs", type=int, default=3, help="runs per ablation row (the median is reported)")
     ap.add_argument("--malloc-study", action="store_true",
                     help="also S and M with glibc malloc tuned for both systems (MALLOC_TUNED)")
+    ap.add_argument("--trl-malloc-tuned", action="store_true",
+                    help="TRL runs with glibc's freed memory kept (MALLOC_TUNED), as grpokit does by itself")
     args = ap.parse_args()
+    TRL_ENV.update(MALLOC_TUNED if args.trl_malloc_tuned else {})
     stamp = time.strftime("%Y%m%d-%H%M%S")
     start_load = load()
     log("building models (cached in bench/out/models)")
@@ -325,12 +332,12 @@ def main() -> None:
     rows = [summarize(n, r, peak) for n, r in zip(names, results)]
     abl = run_ablations(peak, args.ablation_runs) if args.ablations or args.ablations_only else []
     mal = malloc_study(rows) if args.malloc_study else []
-    report = {"machine": machine(), "load_start": start_load, "load_end": load(), "peak_gflops": peak,
+    report = {"trl_env": TRL_ENV, "machine": machine(), "load_start": start_load, "load_end": load(), "peak_gflops": peak,
               "peak_start": peak_start, "peak_end": peak_end, "rows": rows, "ablations": abl, "malloc": mal, "runs": runs,
               "configs": CONFIGS, "common": COMMON}
     out = HERE / "out"
     (out / f"results-{stamp}.json").write_text(json.dumps(report, indent=1))
-    md = [f"machine: {report['machine']}", f"load average (1/5/15 min) at start: {start_load}; at end: {load()}",
+    md = [f"TRL environment: {TRL_ENV or 'default'}", f"machine: {report['machine']}", f"load average (1/5/15 min) at start: {start_load}; at end: {load()}",
           f"fp32 matmul peak: {peak_start:.1f} GFLOP/s at start, {peak_end:.1f} at end", ""]
     if rows:
         md.append(table(rows))
