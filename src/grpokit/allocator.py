@@ -5,8 +5,9 @@ threshold with a fresh ``mmap`` and unmaps them again at ``free``, and it return
 the top of the heap to the system once more than the trim threshold is free. A
 GRPO step allocates and frees the same large buffers over and over (a [rows, V]
 logits block every decode step; activations every micro-batch), so each reuse
-starts from pages the kernel must fault in and zero again: about 8% of a step on
-the benchmark's M configuration (BENCHMARKS.md, ablation "keep freed memory off").
+starts from pages the kernel must fault in and zero again: 5-10% of a step on the
+benchmark's M configuration in paired runs, and far more for code that materialises
+[N, T, V] logits (TRL's CPU step: 1.65 -> 0.74 s on the benchmark's S; BENCHMARKS.md).
 Raising both thresholds keeps those pages mapped for the next allocation. Peak
 resident memory stays what the live tensors need; what changes is that memory
 freed after the peak is not handed back while the process runs.

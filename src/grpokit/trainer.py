@@ -83,7 +83,7 @@ def train(
     run_dir = dist.run_on_main(prepare_output_dir, config, resume=resume)
     torch.manual_seed(config.train.seed)
 
-    if config.train.keep_freed_memory and resolve_device(load_device(config)).type == "cpu":
+    if config.train.keep_freed_memory and resolve_device(config.model.device).type == "cpu":
         keep_freed_memory()  # glibc: freed buffers stay mapped for the next step (allocator.py)
     model = load_model(config.model.path, dtype=config.model.dtype, device=load_device(config))
     ref_model = None
