@@ -180,10 +180,28 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tiny_model_dir, t
         return real_save(obj, f, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint_mod.torch, "save", save_or_fail)
-    with pytest.raises(OSError, match="No space left on device"):
+    message = (f"{run}: could not write checkpoint-2 (No space left on device); the earlier checkpoints are "
+               f"intact (checkpoint-1); free space and continue with --resume")
+    with pytest.raises(checkpoint_mod.CheckpointError) as caught:
         train(make_config(tiny_model_dir, run, steps=3, save_every=1), reward_functions=[parity])
+    assert str(caught.value) == message
     assert checkpoint_mod.list_checkpoints(run) == [run / "checkpoint-1"]
     assert checkpoint_mod.load_trainer_state(run / "checkpoint-1")["step"] == 1
+    assert not list(run.glob(".tmp-checkpoint-*"))  # the partial copy is gone (it only takes space)
+
+
+def test_a_failed_first_save_is_an_error_line_saying_no_checkpoint_exists(tiny_model_dir, tmp_path, monkeypatch,
+                                                                           capsys):
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint_mod.torch, "save", no_space)
+    run = tmp_path / "run"
+    assert cli_main(["train", str(write_cli_config(tmp_path, tiny_model_dir, run, steps=1))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run}: could not write checkpoint-1 (No space left on device); no earlier "
+                          "checkpoint exists; free space (or choose another output.dir) and start again"), err
+    assert "Traceback" not in err and not list(run.glob("*checkpoint-*"))
 
 
 # ------------------------------------------------------------------ 3. SIGTERM / SIGINT: finish the step, save, say how to resume

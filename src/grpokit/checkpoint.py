@@ -44,15 +44,28 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the message says which ones are intact and how to go on."""
+
+
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: dict, keep_last: int) -> Path:
     """Write `checkpoint-<step>` atomically, then drop all but the newest `keep_last`."""
     final = run_dir / f"checkpoint-{step}"
     tmp = run_dir / f".tmp-checkpoint-{step}"
     for stale in run_dir.glob(".tmp-checkpoint-*"):  # left by a crash mid-save
         shutil.rmtree(stale, ignore_errors=True)
-    model.save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
-    torch.save(trainer_state, tmp / "trainer_state.pt")
+    try:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+    except OSError as e:  # disk full, quota, permissions: say what is safe and how to go on
+        shutil.rmtree(tmp, ignore_errors=True)  # the partial copy would only take more space
+        kept = [c.name for c in list_checkpoints(run_dir)]
+        raise CheckpointError(
+            f"{run_dir}: could not write checkpoint-{step} ({e.strerror or e}); "
+            + (f"the earlier checkpoints are intact ({', '.join(kept)}); free space and continue with --resume"
+               if kept else "no earlier checkpoint exists; free space (or choose another output.dir) and start again")
+        ) from e
     if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
         shutil.rmtree(final)
     tmp.rename(final)

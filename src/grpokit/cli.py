@@ -13,6 +13,7 @@ import os
 import sys
 
 def _user_errors() -> tuple[type[Exception], ...]:
+    from .checkpoint import CheckpointError
     from .config import ConfigError
     from .data import DataError
     from .modeling import ModelLoadError
@@ -20,7 +21,8 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from .run_setup import SetupError
     from .trainer import TrainingDiverged
 
-    return (ConfigError, DataError, ModelLoadError, RewardError, RewardLoadError, SetupError, TrainingDiverged)
+    return (CheckpointError, ConfigError, DataError, ModelLoadError, RewardError, RewardLoadError, SetupError,
+            TrainingDiverged)
 
 
 def _key_values(items: list[str]) -> dict:
