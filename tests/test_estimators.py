@@ -207,6 +207,7 @@ def test_defaults_leave_the_loss_unchanged():
 # ---------------------------------------------------------------- TRL 1.16 parity
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
+from test_trl_parity import trl_compute_loss  # noqa: E402  (TRL's loss on our tensors, shared with the parity tests)
 EPS, EPS_HIGH, MAX_LEN = 0.2, 0.28, 7
 
 
@@ -247,14 +248,7 @@ def _both(loss_type, level, beta, on_policy, *, seed=0, bias_kl=False, quantile=
     trl_logp, trl_ent = logp0.clone().requires_grad_(), ent0.clone().requires_grad_()
     fake = _fake_trl(loss_type, level, beta, trl_logp, trl_ent, bias_kl=bias_kl, quantile=quantile,
                      entropy_coef=entropy_coef)
-    inputs = {"prompt_ids": torch.zeros(6, 1, dtype=torch.long), "prompt_mask": torch.ones(6, 1, dtype=torch.long),
-              "completion_ids": torch.zeros(6, MAX_LEN, dtype=torch.long), "completion_mask": mask,
-              "advantages": adv, "num_items_in_batch": num_items}
-    if old is not None:
-        inputs["old_per_token_logps"] = old
-    if beta:
-        inputs["ref_per_token_logps"] = ref
-    trl_loss = trl_grpo.GRPOTrainer._compute_loss(fake, None, inputs)
+    trl_loss = trl_compute_loss(fake, adv, mask, old, ref if beta else None, num_items)
     trl_loss.backward()
 
     logp, ent = logp0.clone().requires_grad_(), ent0.clone().requires_grad_()

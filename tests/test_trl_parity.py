@@ -73,6 +73,20 @@ def _random_batch(seed: int, on_policy: bool):
     return logp, old, ref, adv, mask
 
 
+def trl_compute_loss(fake, adv, mask, old, ref, num_items):
+    """TRL's own `GRPOTrainer._compute_loss` on our tensors (the prompt and token ids are dummies: the
+    fake trainer returns the log-probs under test); `old` / `ref` None = on-policy / no KL term."""
+    n, t = mask.shape
+    inputs = {"prompt_ids": torch.zeros(n, 1, dtype=torch.long), "prompt_mask": torch.ones(n, 1, dtype=torch.long),
+              "completion_ids": torch.zeros(n, t, dtype=torch.long), "completion_mask": mask,
+              "advantages": adv, "num_items_in_batch": num_items}
+    if old is not None:
+        inputs["old_per_token_logps"] = old
+    if ref is not None:
+        inputs["ref_per_token_logps"] = ref
+    return grpo_trainer.GRPOTrainer._compute_loss(fake, None, inputs)
+
+
 CASES = [
     (lt, level, beta, on_policy)
     for lt in ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
@@ -89,19 +103,7 @@ def test_loss_gradient_and_stats_match_trl(loss_type, level, beta, on_policy):
 
     trl_logp = logp0.clone().requires_grad_()
     fake = _fake_trainer(loss_type, level, beta, trl_logp)
-    inputs = {
-        "prompt_ids": torch.zeros(6, 1, dtype=torch.long),
-        "prompt_mask": torch.ones(6, 1, dtype=torch.long),
-        "completion_ids": torch.zeros(6, MAX_LEN, dtype=torch.long),
-        "completion_mask": mask,
-        "advantages": adv,
-        "num_items_in_batch": num_items,
-    }
-    if old is not None:
-        inputs["old_per_token_logps"] = old
-    if beta:
-        inputs["ref_per_token_logps"] = ref
-    trl_loss = grpo_trainer.GRPOTrainer._compute_loss(fake, None, inputs)
+    trl_loss = trl_compute_loss(fake, adv, mask, old, ref if beta else None, num_items)
     trl_loss.backward()
 
     logp = logp0.clone().requires_grad_()
