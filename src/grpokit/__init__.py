@@ -6,16 +6,21 @@
     grpokit.train(grpokit.load_config("examples/addition.toml"))   # the whole loop
 """
 
-from .advantages import group_advantages
-from .objectives import policy_loss, token_logprobs, token_logprobs_from_hidden
-
 __version__ = "0.1.0"
 
 __all__ = ["group_advantages", "policy_loss", "token_logprobs", "token_logprobs_from_hidden", "train",
            "load_config", "Config"]
 
 
-def __getattr__(name):  # the loop and config pull in transformers: import them only when asked
+def __getattr__(name):  # nothing imports torch until it is used: `grpokit train` checks its config first
+    if name == "group_advantages":
+        from .advantages import group_advantages
+
+        return group_advantages
+    if name in ("policy_loss", "token_logprobs", "token_logprobs_from_hidden"):
+        from . import objectives
+
+        return getattr(objectives, name)
     if name == "train":
         from .trainer import train
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from .errors import UserError
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -44,7 +45,7 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint could not be written; the message says which ones are intact and how to go on."""
 
 

@@ -12,17 +12,7 @@ import json
 import os
 import sys
 
-def _user_errors() -> tuple[type[Exception], ...]:
-    from .checkpoint import CheckpointError
-    from .config import ConfigError
-    from .data import DataError
-    from .modeling import ModelLoadError
-    from .rewards import RewardError, RewardLoadError
-    from .run_setup import SetupError
-    from .trainer import TrainingDiverged
-
-    return (CheckpointError, ConfigError, DataError, ModelLoadError, RewardError, RewardLoadError, SetupError,
-            TrainingDiverged)
+from .errors import UserError
 
 
 def _key_values(items: list[str]) -> dict:
@@ -33,9 +23,10 @@ def _key_values(items: list[str]) -> dict:
 
 def cmd_train(args) -> int:
     from .config import load_config
+
+    config = load_config(args.config, args.set)  # a bad field fails here, before torch is imported
     from .trainer import train
 
-    config = load_config(args.config, args.set)
     run_dir = train(config, resume=args.resume)
     if os.environ.get("RANK", "0") == "0":  # under torchrun, once
         print(f"run folder: {run_dir}")
@@ -91,27 +82,19 @@ def cmd_demo(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from .report import ReportError, build_report
+    from .report import build_report
 
-    try:
-        out = build_report(args.run_dir, args.out, groups_per_step=args.groups, max_steps=args.steps)
-    except ReportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    out = build_report(args.run_dir, args.out, groups_per_step=args.groups, max_steps=args.steps)
     print(f"report: {out}")
     return 0
 
 
 def cmd_explain(args) -> int:
-    from .explain import ExplainError, explain_checkpoints, format_explanation
+    from .explain import explain_checkpoints, format_explanation
 
-    try:
-        result = explain_checkpoints(args.old, args.new, args.prompt, args.answer, dtype=args.dtype, device=args.device,
-                                     chat=args.chat, temperature=args.temperature, top_k=args.top_k,
-                                     epsilon=args.epsilon, epsilon_high=args.epsilon_high, advantage=args.advantage)
-    except ExplainError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    result = explain_checkpoints(args.old, args.new, args.prompt, args.answer, dtype=args.dtype, device=args.device,
+                                 chat=args.chat, temperature=args.temperature, top_k=args.top_k,
+                                 epsilon=args.epsilon, epsilon_high=args.epsilon_high, advantage=args.advantage)
     print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else format_explanation(result))
     return 0
 
@@ -213,12 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # our own progress bar is the one to watch
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # our own progress bar is the one to watch
     try:
         return args.func(args)
-    except _user_errors() as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -18,11 +18,12 @@ import random
 import sys
 from pathlib import Path
 from typing import Any, Iterable, Iterator
+from .errors import UserError
 
 SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """A prompt source that cannot be used as it is; the message says where and how to fix it."""
 
 

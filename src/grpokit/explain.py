@@ -28,9 +28,10 @@ import math
 from pathlib import Path
 
 import torch
+from .errors import UserError
 
 
-class ExplainError(ValueError):
+class ExplainError(UserError, ValueError):
     """The prompt, answer or checkpoints cannot be explained; the message says why."""
 
 

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import torch
 
+from .errors import UserError
 from .objectives import token_logprobs, token_logprobs_from_hidden
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(UserError, ValueError):
     """The model folder is missing or is not a Hugging Face causal-LM folder."""
 
 

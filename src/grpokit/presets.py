@@ -53,6 +53,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from .errors import UserError
+
 __all__ = ["PRESETS", "apply_preset", "preset_fields", "OVERLONG_BUFFER_FRACTION"]
 
 OVERLONG_BUFFER_FRACTION = 0.2  # DAPO: L_cache = 4096 of L_max = 20480
@@ -79,7 +81,7 @@ PRESETS: dict[str, dict] = {
 _TASK_VERIFIER_ARGS = {"addition": (), "countdown": ("format_score",)}
 
 
-class PresetError(ValueError):
+class PresetError(UserError, ValueError):
     """A preset cannot be applied to this config (the message says what to set)."""
 
 

@@ -25,6 +25,7 @@ import math
 import tomllib
 from pathlib import Path
 
+from .errors import UserError
 from .diagnostics import replay
 
 CHARTS = [  # (title, metric names; "*" matches one reward function name)
@@ -48,7 +49,7 @@ BLANK = '<td class="note"></td>'  # the last column holds notes (mean, std) besi
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
 
 
-class ReportError(ValueError):
+class ReportError(UserError, ValueError):
     """The run folder cannot be reported on; the message says why."""
 
 

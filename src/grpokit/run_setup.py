@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
+from .errors import UserError
 from .checkpoint import list_checkpoints
 from .config import Config
 from .data import DataError, PromptStream, load_prompts, render_prompt
@@ -21,7 +22,7 @@ from .rewards import RewardSpec, reward_specs
 from .tasks import get_task
 
 
-class SetupError(ValueError):
+class SetupError(UserError, ValueError):
     """The run cannot start as configured; the message says why and what to change."""
 
 

@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
+from .errors import UserError
 from .advantages import group_advantages
 from .allocator import keep_freed_memory
 from .checkpoint import list_checkpoints, load_trainer_state, rng_state, save_checkpoint, set_rng_state
@@ -172,7 +173,7 @@ def train(
     return run_dir
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(UserError, RuntimeError):
     """Too many updates in a row had a non-finite loss or gradient."""
 
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
+from ..errors import UserError
 
 # Keys TRL passes to every reward function besides the dataset columns.
 EXTRA_KWARGS = ("trainer_state", "log_extra", "log_metric")
@@ -52,7 +53,7 @@ RESERVED_COLUMNS = ("prompt", "completion", "completion_ids", "prompts", "comple
 _RERUN_LIMIT = 256  # samples re-run one at a time to locate a raise
 
 
-class RewardError(RuntimeError):
+class RewardError(UserError, RuntimeError):
     """A reward function failed or returned something that is not one number (or None) per sample."""
 
 

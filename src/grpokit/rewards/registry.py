@@ -16,12 +16,13 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from ..errors import UserError
 from .core import RewardSpec
 from .graders import format_reward, math_equivalence, numeric_match, soft_overlong_penalty
 from .sandbox import code_execution_reward
 
 
-class RewardLoadError(ValueError):
+class RewardLoadError(UserError, ValueError):
     """A reward name or "file.py:function" reference that cannot be resolved."""
 
 

@@ -1,0 +1,68 @@
+"""What every fault case asserts, in one place: the CLI run in a subprocess, then its contract.
+
+A user-reachable fault ends in exit code 2 and exactly one `error:` line that names the field or
+file (and says the fix), with no traceback; a clean stop ends in exit code 0. Folders are compared
+byte for byte before and after with `snapshot`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class CliResult:
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def error_lines(self) -> list[str]:
+        return [line for line in self.stderr.splitlines() if line.startswith("error:")]
+
+    def describe(self) -> str:
+        return (f"grpokit {' '.join(self.args)}\nexit {self.returncode}\n--- stdout\n{self.stdout[-3000:]}"
+                f"\n--- stderr\n{self.stderr[-3000:]}")
+
+
+def run_cli(*args, cwd: Path = ROOT, env: dict | None = None, timeout: float = 300) -> CliResult:
+    """`python -m grpokit.cli ARGS` in a fresh process (one torch thread: cases run side by side)."""
+    args = [str(a) for a in args]
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    r = subprocess.run([sys.executable, "-m", "grpokit.cli", *args], cwd=cwd, env=full_env, capture_output=True,
+                       text=True, timeout=timeout)
+    return CliResult(args, r.returncode, r.stdout, r.stderr)
+
+
+def assert_user_error(result: CliResult, *mentions: str) -> str:
+    """Exit 2, one `error:` line, no traceback, and the line names each of `mentions`; returns the line."""
+    assert result.returncode == 2, result.describe()
+    assert "Traceback" not in result.stderr + result.stdout, result.describe()
+    lines = result.error_lines
+    assert len(lines) == 1, result.describe()
+    for text in mentions:
+        assert text in lines[0], f"{text!r} not in the error line\n{result.describe()}"
+    return lines[0]
+
+
+def assert_clean_exit(result: CliResult) -> None:
+    assert result.returncode == 0, result.describe()
+    assert "Traceback" not in result.stderr + result.stdout, result.describe()
+    assert not result.error_lines, result.describe()
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under `folder` (empty if it does not exist)."""
+    folder = Path(folder)
+    if not folder.exists():
+        return {}
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
