@@ -43,9 +43,105 @@ def test_json_list_and_json_lines_under_json_name(tmp_path):
 def test_csv_round_trip(tmp_path):
     path = tmp_path / "p.csv"
     path.write_text("prompt,answer,note\n1+1=,2,x\n\"a, b\",3,\n")
-    # `datasets` infers column types: a numeric column comes back as numbers, an empty cell as None.
-    assert load_prompts(path) == [{"prompt": "1+1=", "answer": 2, "note": "x"},
-                                  {"prompt": "a, b", "answer": 3, "note": None}]
+    # No type inference: every cell is its text; an empty cell is None, as a key a JSONL row lacks.
+    assert load_prompts(path) == [{"prompt": "1+1=", "answer": "2", "note": "x"},
+                                  {"prompt": "a, b", "answer": "3", "note": None}]
+
+
+def test_csv_values_stay_strings_even_with_gaps(tmp_path):
+    """pandas-style inference turned "02" into 2, and "2" into 2.0 once the column had an empty cell."""
+    path = tmp_path / "z.csv"
+    path.write_text("prompt,answer,id\nA=,02,007\nB=,,1\nC=,2,1e3\n")
+    rows = load_prompts(path)
+    assert [r["answer"] for r in rows] == ["02", None, "2"]
+    assert [r["id"] for r in rows] == ["007", "1", "1e3"]
+    assert columns_of(rows)["answer"] == ["02", None, "2"]
+
+
+def test_csv_bom_crlf_blank_lines_and_quoted_newlines_keep_physical_line_numbers(tmp_path):
+    path = tmp_path / "x.csv"
+    text = "prompt,answer\r\n\"multi\r\nline\",2\r\n\r\nc=, 3 \r\n,,\r\n,4\r\n"
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())  # Excel's "CSV UTF-8": a BOM and CRLF
+    with pytest.raises(DataError, match=r"x\.csv: line 7: empty 'prompt'"):  # header 1, record 2-3, blank 4
+        load_prompts(path)
+    path.write_bytes(b"\xef\xbb\xbf" + text.rsplit(",4", 1)[0].encode())
+    assert load_prompts(path) == [{"prompt": "multi\r\nline", "answer": "2"}, {"prompt": "c=", "answer": " 3 "}]
+
+
+def test_csv_header_names_are_stripped_and_a_long_field_is_fine(tmp_path):
+    import csv
+
+    path = tmp_path / "h.csv"
+    path.write_text(f"\n prompt , answer\n{'x' * 200_000},1\n")
+    limit = csv.field_size_limit()
+    assert load_prompts(path) == [{"prompt": "x" * 200_000, "answer": "1"}]
+    assert csv.field_size_limit() == limit  # restored
+
+
+@pytest.mark.parametrize("body, pattern", [
+    ("1+1=,2\n2+2=\n", r"line 3 has 1 field, expected 2 like the header \(line 1\); add the missing fields"),
+    ("1+1=,2\nwhat is 1,000+1?,1001\n",
+     r"line 3 has 3 fields, expected 2 like the header \(line 1\); put double quotes around each field that "
+     r"contains a comma"),
+    ("\"a\nb\",2\n\n\"c\nd\",3,4\n",
+     r"line 5 \(a quoted field runs on to line 6\) has 3 fields, expected 2 like the header \(line 1\)"),
+])
+def test_csv_row_with_the_wrong_number_of_fields(tmp_path, body, pattern):
+    path = tmp_path / "f.csv"
+    path.write_text("prompt,answer\n" + body)
+    with pytest.raises(DataError, match=r"f\.csv: " + pattern):
+        load_prompts(path)
+
+
+@pytest.mark.parametrize("text, pattern", [
+    ("prompt,answer,answer\na,1,2\n", r"line 1: the header names column 'answer' twice \(columns 2 and 3\); "
+                                       r"rename one"),
+    ("prompt,answer,\na,1,\n", r"line 1: header column 3 has no name; name it \(e\.g\. answer\) or delete"),
+    ("prompt;answer\na;1\n", r"line 1: the header is the one column 'prompt;answer'; the file looks separated "
+                              r"by ';', not commas"),
+    ("prompt,answer\n1+1=,\"2\n3+3=,6\n", r"line 2: a quoted field is never closed \(the file ends inside it\); "
+                                          r"add the closing double quote"),
+    ("prompt,answer\n1+1=,\"2\"x\n", r"line 2 is not valid CSV \(',' expected after '\"'\); put the whole field"),
+])
+def test_malformed_csv_names_the_line_and_the_fix(tmp_path, text, pattern):
+    path = tmp_path / "m.csv"
+    path.write_text(text)
+    with pytest.raises(DataError, match=r"m\.csv: " + pattern):
+        load_prompts(path)
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "prompt,answer\n", "\ufeffprompt,answer\r\n\r\n"])
+def test_empty_or_header_only_csv_has_no_rows(tmp_path, text):
+    path = tmp_path / "e.csv"
+    path.write_bytes(text.encode())
+    with pytest.raises(DataError, match=r"e\.csv: no rows; the dataset is empty"):
+        load_prompts(path)
+
+
+def test_csv_column_types_on_request(tmp_path):
+    path = tmp_path / "t.csv"
+    path.write_text('q,n,x,meta,s\n"[{""role"": ""user"", ""content"": ""hi""}]",02,2.5,"{""k"": [1]}",07\n'
+                    '"""b=""",,,,\n')  # the JSON string "b="
+    rows = load_prompts(path, prompt_column="q",
+                        csv_column_types={"q": "json", "n": "int", "x": float, "meta": "json", "s": str})
+    assert rows == [{"prompt": [{"role": "user", "content": "hi"}], "n": 2, "x": 2.5, "meta": {"k": [1]}, "s": "07"},
+                    {"prompt": "b=", "n": None, "x": None, "meta": None, "s": None}]
+    # a cell that does not convert names the line and the column
+    with pytest.raises(DataError, match=r"t\.csv: line 2: column 'x' is '2\.5', not an int; fix the cell .*"
+                                        r"csv_column_types\['x'\]"):
+        load_prompts(path, prompt_column="q", csv_column_types={"x": "int"})
+    with pytest.raises(DataError, match=r"t\.csv: line 2: column 's' is '07', not valid JSON \(Extra data\)"):
+        load_prompts(path, prompt_column="q", csv_column_types={"s": "json"})
+    with pytest.raises(DataError, match=r"t\.csv: csv_column_types names \['nope'\] but the header \(line 1\) has "
+                                        r"only \['q', 'n', 'x', 'meta', 's'\]"):
+        load_prompts(path, prompt_column="q", csv_column_types={"nope": "int"})
+    with pytest.raises(DataError, match=r"csv_column_types\['n'\] is 'bool'; use one of 'int', 'float', 'str', 'json'"):
+        load_prompts(path, prompt_column="q", csv_column_types={"n": bool})
+    (tmp_path / "t.jsonl").write_text('{"prompt": "a"}\n')
+    with pytest.raises(DataError, match=r"t\.jsonl: csv_column_types applies to \.csv files only"):
+        load_prompts(tmp_path / "t.jsonl", csv_column_types={"n": "int"})
+    with pytest.raises(DataError, match=r"csv_column_types applies to \.csv files only"):
+        load_prompts([{"prompt": "a"}], csv_column_types={"n": "int"})
 
 
 def test_parquet_and_saved_folder_round_trip(tmp_path):
@@ -104,6 +200,32 @@ def test_malformed_json_line_names_the_line(tmp_path):
         load_prompts(path)
 
 
+def test_truncated_last_json_line_names_the_line(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(ROWS[0]) + '\n{"prompt": "2+2=", "ans')  # a write cut short
+    with pytest.raises(DataError, match=r"t\.jsonl: line 2 is not valid JSON \(Unterminated string starting at "
+                                        r"column 20\)"):
+        load_prompts(path)
+
+
+def test_jsonl_with_a_bom_and_crlf_loads(tmp_path):
+    path = tmp_path / "b.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (json.dumps(ROWS[0]) + "\r\n" + json.dumps(ROWS[2]) + "\r\n").encode())
+    assert load_prompts(path) == [ROWS[0], ROWS[2]]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv"])
+def test_nul_bytes_name_the_line(tmp_path, suffix):
+    path = tmp_path / f"z{suffix}"
+    first = b'{"prompt": "ok"}' if suffix == ".jsonl" else b"prompt"
+    path.write_bytes(first + b"\n\x00\x00\x00\n")  # a crash left zeroed blocks behind
+    with pytest.raises(DataError, match=rf"z\{suffix}: line 2 contains a NUL byte \(column 1\); .*re-save"):
+        load_prompts(path)
+    path.write_bytes('{"prompt": "a"}\n'.encode("utf-16-le"))  # UTF-16 without a BOM decodes as UTF-8
+    with pytest.raises(DataError, match=r"line 1 contains a NUL byte \(column 2\); .*\(UTF-16\?\)"):
+        load_prompts(path)
+
+
 def test_non_object_json_line(tmp_path):
     path = _jsonl(tmp_path / "arr.jsonl", [json.dumps(ROWS[0]), "[1, 2]"])
     with pytest.raises(DataError, match=r"arr\.jsonl: line 2 is a JSON list, not an object"):
@@ -139,11 +261,24 @@ def test_empty_prompt_names_the_line(tmp_path, prompt):
         load_prompts(path)
 
 
-def test_empty_prompt_in_csv_names_the_row(tmp_path):
+def test_empty_prompt_in_csv_names_the_line(tmp_path):
     path = tmp_path / "e.csv"
     path.write_text("prompt,answer\n1+1=,2\n,3\n")
-    with pytest.raises(DataError, match=r"e\.csv: row 2: empty 'prompt'"):
+    with pytest.raises(DataError, match=r"e\.csv: line 3: empty 'prompt'"):  # the header is line 1
         load_prompts(path)
+
+
+def test_bad_parquet_row_names_the_row(tmp_path):
+    """Parquet has no lines: the 1-based row is the position a user can find."""
+    import datasets
+
+    datasets.Dataset.from_list([{"prompt": "a", "answer": "1"}, {"prompt": None, "answer": "2"}]).to_parquet(
+        str(tmp_path / "p.parquet"))
+    with pytest.raises(DataError, match=r"p\.parquet: row 2: empty 'prompt'"):
+        load_prompts(tmp_path / "p.parquet")
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all\n")
+    with pytest.raises(DataError, match=r"junk\.parquet: cannot read as PARQUET"):
+        load_prompts(tmp_path / "junk.parquet")
 
 
 @pytest.mark.parametrize("prompt, pattern", [

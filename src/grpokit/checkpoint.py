@@ -2,7 +2,8 @@
 
 `RUN_DIR/checkpoint-<step>/` holds `config.json`, safetensors weights and the
 tokenizer (loadable by `AutoModelForCausalLM.from_pretrained`) and
-`trainer_state.pt` (optimizer, scheduler, RNG states, step, data position).
+`trainer_state.pt` (optimizer, scheduler, RNG states, step, data position) and
+`grpokit_config.toml` (the config that wrote it: a resume is checked against it).
 Each checkpoint is written into a hidden temporary folder and renamed into
 place, so a crash mid-save leaves the previous checkpoint untouched.
 """
@@ -19,6 +20,7 @@ import torch
 from .errors import UserError
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
+CHECKPOINT_CONFIG = "grpokit_config.toml"
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -28,6 +30,10 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
         return []
     found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    return int(_NAME.match(checkpoint.name).group(1))
 
 
 def rng_state() -> dict:
@@ -49,7 +55,8 @@ class CheckpointError(UserError, RuntimeError):
     """A checkpoint could not be written; the message says which ones are intact and how to go on."""
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: dict, keep_last: int) -> Path:
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: dict, keep_last: int,
+                    config_text: str = "") -> Path:
     """Write `checkpoint-<step>` atomically, then drop all but the newest `keep_last`."""
     final = run_dir / f"checkpoint-{step}"
     tmp = run_dir / f".tmp-checkpoint-{step}"
@@ -59,11 +66,15 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: d
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         torch.save(trainer_state, tmp / "trainer_state.pt")
-    except OSError as e:  # disk full, quota, permissions: say what is safe and how to go on
+        (tmp / CHECKPOINT_CONFIG).write_text(config_text, encoding="utf-8")
+    except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)  # the partial copy would only take more space
+        reason = _write_failure(e, run_dir)
+        if reason is None:  # not a failed write: a bug, keep its traceback
+            raise
         kept = [c.name for c in list_checkpoints(run_dir)]
         raise CheckpointError(
-            f"{run_dir}: could not write checkpoint-{step} ({e.strerror or e}); "
+            f"{run_dir}: could not write checkpoint-{step} ({reason}); "
             + (f"the earlier checkpoints are intact ({', '.join(kept)}); free space and continue with --resume"
                if kept else "no earlier checkpoint exists; free space (or choose another output.dir) and start again")
         ) from e
@@ -73,6 +84,19 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: d
     for old in list_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _write_failure(error: Exception, run_dir: Path) -> str | None:
+    """Why a save failed, if it failed to write: an OSError (disk full, quota, permissions), or the
+    writers' own wrappers of one (torch.save's `[enforce fail at inline_container.cc]`, safetensors'
+    `I/O error`), which hide the errno; then say how much room is left."""
+    if isinstance(error, OSError):
+        return error.strerror or str(error)
+    text = str(error)
+    if not any(s in text for s in ("inline_container", "I/O error", "file write failed", "No space left")):
+        return None
+    free = shutil.disk_usage(run_dir).free / 2**20
+    return f"the write failed with {free:.0f} MiB free on that disk{'; it is full' if free < 64 else ''}"
 
 
 def load_trainer_state(checkpoint: Path) -> dict:

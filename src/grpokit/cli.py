@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 
 from .errors import UserError
@@ -27,10 +28,17 @@ def cmd_train(args) -> int:
     config = load_config(args.config, args.set)  # a bad field fails here, before torch is imported
     from .trainer import train
 
-    run_dir = train(config, resume=args.resume)
+    run_dir = train(config, resume=args.resume, command=_train_command(args))
     if os.environ.get("RANK", "0") == "0":  # under torchrun, once
         print(f"run folder: {run_dir}")
     return 0
+
+
+def _train_command(args) -> str:
+    """The command line of this run as the user typed it (for "continue with: ..." messages)."""
+    prog = sys.argv[0] if os.path.basename(sys.argv[0]) == "grpokit" else "grpokit"
+    words = [prog, "train", args.config, *[w for item in args.set for w in ("--set", item)]]
+    return shlex.join(words + (["--resume"] if args.resume else []))
 
 
 def cmd_eval(args) -> int:
@@ -200,8 +208,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        print(f"{e.label}: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("stopped: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

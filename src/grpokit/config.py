@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import json
+import math
+import re
 import tomllib
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +37,120 @@ def _one_of(value: Any, allowed: tuple, field_name: str) -> None:
     _check(value in allowed, field_name, f"got {value!r}; choose one of {', '.join(map(repr, allowed))}")
 
 
+# ---- types: every field is checked against its annotation before its range ----------------
+
+# The built-in task names (tasks.TASKS; not imported here: that imports torch). A test keeps them equal.
+_TASK_NAMES = ("addition", "countdown")
+
+# The fix shown for a field whose default is empty; other fields show their default.
+_EXAMPLES = {
+    "model.path": '"models/Qwen2.5-0.5B"',
+    "model.lora": "{r = 8, alpha = 16}",
+    "data.task": '"addition"',
+    "data.path": '"prompts.jsonl"',
+    "data.task_args": "{digits = 2}",
+    "rewards.functions": '["addition"]',
+    "rewards.weights": "[1.0, 0.5]",
+    "rewards.args": "{countdown = {format_score = 0.1}}",
+    "rollout.stop_strings": '["\\n\\n"]',
+    "rollout.vllm": "{gpu_memory_utilization = 0.3}",
+    "algorithm.preset": '"dapo"',
+}
+
+_KINDS = {bool: "true or false", int: "an integer", float: "a finite number", str: "a string", dict: "a table"}
+_PLURALS = {int: "integers", float: "finite numbers", str: "strings", dict: "tables"}
+
+
+@functools.cache
+def _hints(cls) -> dict[str, Any]:
+    """A section's field name -> annotated type (resolved: this module postpones annotations)."""
+    return typing.get_type_hints(cls)
+
+
+def _finite(value) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _show(value) -> str:
+    """A value as an error message shows it: `2.5 (float)`, `'false' (a string)`."""
+    text = repr(value) if not isinstance(value, bool) else str(value).lower()
+    text = text if len(text) <= 60 else text[:57] + "..."
+    kind = {bool: "a boolean", int: "int", float: "float", str: "a string", list: "a list", tuple: "a list",
+            dict: "a table"}.get(type(value), type(value).__name__)
+    return f"{text} ({kind})"
+
+
+def _problem(kind, value) -> str | None:
+    """Why `value` is not of the scalar type `kind` (bool is not an int; floats are finite), or None."""
+    if kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and _finite(value)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    return None if ok else f"must be {_KINDS[kind]}, got {_show(value)}"
+
+
+def _fix(name: str, kind, value, example: str) -> str:
+    if isinstance(value, str) and kind not in (str, dict):  # a quoted number or boolean
+        text = value.strip().lower() if kind is bool else value.strip()
+        try:
+            unquoted = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            unquoted = None
+        if unquoted is not None and _problem(kind, unquoted) is None:
+            return f"write it without quotes: {name} = {text}"
+    if kind is str and isinstance(value, (int, float)):
+        return f"quote it: {name} = {_toml_value(_toml_value(value))}"
+    if kind is bool:
+        return f"write true or false without quotes, e.g. {name} = {example}"
+    return f"e.g. {name} = {example}"
+
+
+def _checked(name: str, kind, value, example: str):
+    """`value` checked against the annotation `kind` (bool, int, float, str, dict, dict[str, dict],
+    tuple[X, ...], tuple[X, X]) and normalised: an int given for a float becomes a float, a list a
+    tuple. A wrong type is a ConfigError naming the field and the fix."""
+    origin, args = typing.get_origin(kind) or kind, typing.get_args(kind)
+    if origin is tuple:
+        item, fixed = args[0], args[-1] is not Ellipsis
+        if isinstance(value, str):
+            example = _toml_value([value])
+        if not isinstance(value, (list, tuple)) or (fixed and len(value) != len(args)):
+            size = f"{len(args)} " if fixed else ""
+            raise ConfigError(f"{name}: must be a list of {size}{_PLURALS[item]}, got {_show(value)}; "
+                              f"e.g. {name} = {example}")
+        for i, v in enumerate(value, 1):
+            problem = _problem(item, v) or ("must not be empty" if v == "" else None)
+            _check(problem is None, name, f"item {i} {problem}; e.g. {name} = {example}")
+        return tuple(float(v) if item is float else v for v in value)
+    problem = _problem(origin, value)
+    _check(problem is None, name, f"{problem}; {_fix(name, origin, value, example)}")
+    if args:  # dict[str, dict]: a table of tables
+        for key, v in value.items():
+            _check(isinstance(v, args[1]), f"{name}.{key}", f"must be a table, got {_show(v)}; e.g. {name} = {example}")
+    return float(value) if origin is float else value
+
+
+def _example(cls, name: str, key: str) -> str:
+    return _EXAMPLES.get(key) or _toml_value(cls.__dataclass_fields__[name].default)
+
+
+def _check_fields(section, name: str) -> None:
+    """Check (and normalise, in place) every field of a section object against its annotation;
+    a string field with a non-empty default must not be empty."""
+    for f in dataclasses.fields(section):
+        key = f"{name}.{f.name}"
+        kind = _hints(type(section))[f.name]
+        example = _example(type(section), f.name, key)
+        value = _checked(key, kind, getattr(section, f.name), example)
+        _check(value != "" or f.default in ("", dataclasses.MISSING), key, f"must not be empty; e.g. {key} = {example}")
+        object.__setattr__(section, f.name, value)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     path: str = ""
@@ -42,8 +160,11 @@ class ModelConfig:
     fsdp: bool = False  # shard parameters, gradients, optimizer state over torchrun processes (FSDP2)
 
     def __post_init__(self):
+        _check_fields(self, "model")
         _check(bool(self.path), "model.path", "set it to a local Hugging Face model folder")
         _one_of(self.dtype, ("float32", "bfloat16", "float16"), "model.dtype")
+        _check(re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", self.device) is not None, "model.device",
+               f"got {self.device!r}; use auto, cpu, cuda, cuda:N (N = the GPU index), mps or xpu")
         _check_lora(self.lora)
 
 
@@ -57,7 +178,11 @@ class DataConfig:
     seed: int = 0
 
     def __post_init__(self):
+        _check_fields(self, "data")
         _check(bool(self.task) != bool(self.path), "data", "set exactly one of data.task or data.path")
+        _check(not self.task or self.task in _TASK_NAMES, "data.task",
+               f"unknown task {self.task!r}{_did_you_mean(self.task, _TASK_NAMES)}; built-in tasks: "
+               f"{', '.join(_TASK_NAMES)} (or set data.path to a file of prompts)")
         _check(self.num_prompts >= 1, "data.num_prompts", "must be >= 1")
 
 
@@ -66,13 +191,12 @@ class RewardConfig:
     # Names of built-in rewards ("addition", "numeric_match", "math_equivalence",
     # "format", "soft_overlong_penalty", ...) or "file.py:function" references.
     # Empty: the task's own verifier.
-    functions: tuple = ()
-    weights: tuple = ()  # one per function; empty = all 1.0
-    args: dict = field(default_factory=dict)  # per-function keyword arguments: {name = {...}}
+    functions: tuple[str, ...] = ()
+    weights: tuple[float, ...] = ()  # one per function; empty = all 1.0
+    args: dict[str, dict] = field(default_factory=dict)  # per-function keyword arguments: {name = {...}}
 
     def __post_init__(self):
-        object.__setattr__(self, "functions", tuple(self.functions))
-        object.__setattr__(self, "weights", tuple(float(w) for w in self.weights))
+        _check_fields(self, "rewards")
         _check(
             not self.weights or len(self.weights) == len(self.functions),
             "rewards.weights",
@@ -87,18 +211,16 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    stop_strings: tuple = ()
+    stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks only: every answer runs to max_new_tokens
     engine: str = "hf"  # hf (built-in sampler on the training model) | vllm (colocated vLLM; engines.py)
     # vLLM options: gpu_memory_utilization, enable_sleep_mode, sync_bucket_mb, max_model_len, enforce_eager, dtype
     vllm: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+        _check_fields(self, "rollout")
         _one_of(self.engine, ("hf", "vllm"), "rollout.engine")
-        unknown = set(self.vllm) - {"gpu_memory_utilization", "enable_sleep_mode", "sync_bucket_mb", "max_model_len",
-                                    "enforce_eager", "dtype"}
-        _check(not unknown, "rollout.vllm", f"unknown option(s) {', '.join(sorted(unknown))}")
+        _check_vllm(self)
         _check(self.engine == "vllm" or not self.vllm, "rollout.vllm", "set only with rollout.engine = \"vllm\"")
         _check(self.engine != "vllm" or _installed("vllm"), "rollout.engine",
                "\"vllm\" needs vLLM on a CUDA machine: pip install 'grpokit[vllm]' (or use \"hf\")")
@@ -107,6 +229,26 @@ class RolloutConfig:
         _check(self.temperature > 0, "rollout.temperature", "must be > 0 for sampling (GRPO needs diverse answers)")
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
         _check(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")
+
+
+# rollout.vllm options (engines.VLLMEngine's keyword arguments): type, example
+_VLLM_OPTIONS = {"gpu_memory_utilization": (float, "0.3"), "enable_sleep_mode": (bool, "true"),
+                 "sync_bucket_mb": (float, "512"), "max_model_len": (int, "4096"), "enforce_eager": (bool, "true"),
+                 "dtype": (str, '"bfloat16"')}
+
+
+def _check_vllm(rollout: RolloutConfig) -> None:
+    unknown = set(rollout.vllm) - set(_VLLM_OPTIONS)
+    _check(not unknown, "rollout.vllm",
+           f"unknown option(s) {', '.join(sorted(map(str, unknown)))}; known: {', '.join(_VLLM_OPTIONS)}")
+    options = {k: _checked(f"rollout.vllm.{k}", _VLLM_OPTIONS[k][0], v, _VLLM_OPTIONS[k][1])
+               for k, v in rollout.vllm.items()}
+    object.__setattr__(rollout, "vllm", options)
+    _check(0 < options.get("gpu_memory_utilization", 0.3) <= 1, "rollout.vllm.gpu_memory_utilization",
+           "must be in (0, 1]: the share of the GPU's memory vLLM may take")
+    _check(options.get("sync_bucket_mb", 512) > 0, "rollout.vllm.sync_bucket_mb", "must be > 0")
+    _check(options.get("max_model_len", 1) >= 1, "rollout.vllm.max_model_len", "must be >= 1")
+    _one_of(options.get("dtype", "auto"), ("auto", "float32", "bfloat16", "float16"), "rollout.vllm.dtype")
 
 
 @dataclass(frozen=True)
@@ -138,6 +280,7 @@ class AlgorithmConfig:
     tis_cap: float = 0.0
 
     def __post_init__(self):
+        _check_fields(self, "algorithm")
         _check_preset(self.preset)
         _one_of(self.advantage_estimator, ("grpo", "rloo", "reinforce_pp"), "algorithm.advantage_estimator")
         _check(self.advantage_estimator == "grpo" or self.scale_rewards == "group", "algorithm.scale_rewards",
@@ -172,9 +315,11 @@ def _check_lora(lora) -> None:
     _check(isinstance(lora, dict), "model.lora", "must be a table, e.g. {r = 8, alpha = 16}")
     unknown = set(lora) - {"r", "alpha", "target_modules"}
     _check(not unknown, "model.lora", f"unknown key(s) {', '.join(sorted(unknown))}; known: r, alpha, target_modules")
-    _check(isinstance(lora.get("r", 8), int) and lora.get("r", 8) >= 1, "model.lora.r", "must be an integer >= 1")
-    _check(isinstance(lora.get("alpha", 16), (int, float)) and lora.get("alpha", 16) > 0, "model.lora.alpha",
-           "must be > 0")
+    _check(_checked("model.lora.r", int, lora.get("r", 8), "8") >= 1, "model.lora.r", "must be an integer >= 1")
+    _check(_checked("model.lora.alpha", float, lora.get("alpha", 16), "16") > 0, "model.lora.alpha", "must be > 0")
+    targets = lora.get("target_modules", "all-linear")
+    if not isinstance(targets, str):
+        _checked("model.lora.target_modules", tuple[str, ...], targets, '["q_proj", "v_proj"] or "all-linear"')
     _check(not lora or _installed("peft"), "model.lora", "needs the peft package: pip install 'grpokit[peft]'")
 
 
@@ -194,7 +339,7 @@ class TrainConfig:
     micro_batch_size: int = 0  # answers per forward/backward; 0 = the minibatch
     learning_rate: float = 1e-6
     weight_decay: float = 0.0
-    adam_betas: tuple = (0.9, 0.99)
+    adam_betas: tuple[float, float] = (0.9, 0.99)
     warmup_steps: int = 0
     lr_schedule: str = "constant"  # constant | cosine
     max_grad_norm: float = 1.0  # 0 = no clipping
@@ -208,16 +353,20 @@ class TrainConfig:
     keep_freed_memory: bool = True  # CPU, glibc: reuse freed pages instead of faulting them in again (allocator.py)
 
     def __post_init__(self):
-        object.__setattr__(self, "adam_betas", tuple(self.adam_betas))
+        _check_fields(self, "train")
         _check(self.steps >= 1, "train.steps", "must be >= 1")
         _check(self.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
         _check(self.minibatch_size >= 0, "train.minibatch_size", "must be >= 0 (0 = whole batch)")
         _check(self.micro_batch_size >= 0, "train.micro_batch_size", "must be >= 0 (0 = whole minibatch)")
         _check(self.learning_rate > 0, "train.learning_rate", "must be > 0")
+        _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0 (0 = off)")
         _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         _one_of(self.lr_schedule, ("constant", "cosine"), "train.lr_schedule")
         _check(self.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0 (0 = off)")
-        _check(len(self.adam_betas) == 2, "train.adam_betas", "give two numbers, e.g. [0.9, 0.99]")
+        _check(all(0 <= b < 1 for b in self.adam_betas), "train.adam_betas",
+               f"each must be in [0, 1), got {list(self.adam_betas)}; e.g. train.adam_betas = [0.9, 0.99]")
+        _check(0 <= self.seed < 2**63, "train.seed", "must be in [0, 2**63)")
+        _check(self.logprob_chunk_size >= 1, "train.logprob_chunk_size", "must be >= 1; 256 is usual")
         _check(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", "must be >= 0 (0 = never stop)")
 
 
@@ -233,8 +382,10 @@ class OutputConfig:
     wandb: bool = False  # log every metric to Weights & Biases too (needs `pip install wandb`)
 
     def __post_init__(self):
-        _check(self.save_every >= 0, "output.save_every", "must be >= 0")
+        _check_fields(self, "output")
+        _check(self.save_every >= 0, "output.save_every", "must be >= 0 (0 = only at the end)")
         _check(self.keep_last >= 1, "output.keep_last", "must be >= 1")
+        _check(self.completions_every >= 0, "output.completions_every", "must be >= 0 (0 = off)")
         _check(not self.tensorboard or _installed("tensorboard"), "output.tensorboard",
                "needs the tensorboard package: pip install 'grpokit[tensorboard]', or set it to false")
         _check(not self.wandb or _installed("wandb"), "output.wandb",
@@ -269,6 +420,9 @@ class Config:
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def __post_init__(self):
+        for name, cls in SECTIONS.items():
+            _check(isinstance(getattr(self, name), cls), name,
+                   f"must be a {cls.__name__}, got {_show(getattr(self, name))}")
         n = self.generation_batch_size
         mb = self.minibatch_size
         _check(mb <= n and n % mb == 0, "train.minibatch_size",
@@ -307,27 +461,23 @@ def config_from_dict(raw: dict) -> Config:
     fields (presets.py) are filled in under the values given."""
     from .presets import PresetError, apply_preset
 
+    for name, values in raw.items():  # names and types first: a preset merges into these values
+        if name not in SECTIONS:
+            raise ConfigError(f"unknown section [{name}]{_did_you_mean(name, SECTIONS)}; known: {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"[{name}] must be a table of key = value pairs")
+        known = _hints(SECTIONS[name])
+        for key, value in values.items():
+            if key not in known:
+                raise ConfigError(f"unknown key {name}.{key}{_did_you_mean(key, known)}")
+            _checked(f"{name}.{key}", known[key], value, _example(SECTIONS[name], key, f"{name}.{key}"))
     if isinstance(raw.get("algorithm"), dict):
         _check_preset(raw["algorithm"].get("preset", ""))
         try:
             raw = apply_preset(raw)
         except PresetError as e:
             raise ConfigError(str(e)) from e
-    sections = {}
-    for name, values in raw.items():
-        if name not in SECTIONS:
-            raise ConfigError(f"unknown section [{name}]{_did_you_mean(name, SECTIONS)}; known: {', '.join(SECTIONS)}")
-        if not isinstance(values, dict):
-            raise ConfigError(f"[{name}] must be a table of key = value pairs")
-        cls = SECTIONS[name]
-        known = {f.name for f in dataclasses.fields(cls)}
-        for key in values:
-            if key not in known:
-                raise ConfigError(f"unknown key {name}.{key}{_did_you_mean(key, known)}")
-        try:
-            sections[name] = cls(**values)
-        except TypeError as e:  # a wrong type that the dataclass could not take
-            raise ConfigError(f"[{name}]: {e}") from e
+    sections = {name: SECTIONS[name](**values) for name, values in raw.items()}
     for required in ("model", "data"):
         if required not in sections:
             raise ConfigError(f"missing section [{required}]")
@@ -335,7 +485,8 @@ def config_from_dict(raw: dict) -> Config:
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """`section.key=value` → (["section", "key"], value); the value is read as TOML, else as a string."""
+    """`section.key=value` → (["section", "key"], value); the value is read as TOML, else as a string.
+    (`load_config` keeps the text itself for a string field: `output.dir=2024` means the folder "2024".)"""
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected section.key=value")
     key, value = text.split("=", 1)
@@ -356,14 +507,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist")
+        data = p.read_bytes()
         try:
-            raw = tomllib.loads(p.read_text(encoding="utf-8"))
+            raw = tomllib.loads(data.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            line = data[:e.start].count(b"\n") + 1
+            raise ConfigError(f"{p}: line {line}: byte 0x{data[e.start]:02x} is not UTF-8; "
+                              "re-save the file as UTF-8") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"{p}: not valid TOML: {e}") from e
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
     for text in overrides:
         (section, key), value = parse_override(text)
-        raw.setdefault(section, {})[key] = value
+        if section in SECTIONS and _hints(SECTIONS[section]).get(key) is str and not isinstance(value, str):
+            value = text.split("=", 1)[1]  # `--set output.dir=2024`: the shell user means the text "2024"
+        if not isinstance(raw.setdefault(section, {}), dict):
+            raise ConfigError(f"[{section}] must be a table of key = value pairs")
+        raw[section][key] = value
     return config_from_dict(raw)
 
 

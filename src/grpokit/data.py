@@ -8,11 +8,16 @@ Rows come back as plain dicts with the prompt under "prompt" whatever
 
 JSONL and JSON are parsed here with `json.loads`, line by line, rather than by
 `datasets`: its errors name neither the line nor the cause, and it coerces
-mixed-type columns. CSV and Parquet go through `datasets.load_dataset`.
+mixed-type columns. CSV is read with the `csv` module, every cell as text (no type
+inference: "02" stays "02"; see `load_prompts`). Parquet goes through
+`datasets.load_dataset`.
 """
 
 from __future__ import annotations
 
+import codecs
+import csv
+import io
 import json
 import random
 import sys
@@ -32,15 +37,22 @@ class DataError(UserError, ValueError):
 
 
 def _decode_lines(path: Path) -> list[str]:
-    """The file's lines as text; DataError naming the first line that is not UTF-8."""
-    lines = path.read_bytes().split(b"\n")
+    """The file's lines as text, a leading UTF-8 BOM dropped (Excel and Notepad write one);
+    DataError naming the first line that is not UTF-8 or holds a NUL byte."""
+    data = path.read_bytes()
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8):]
     out = []
-    for i, raw in enumerate(lines, start=1):
+    for i, raw in enumerate(data.split(b"\n"), start=1):
         try:
             out.append(raw.decode("utf-8"))
         except UnicodeDecodeError as e:
             raise DataError(f"{path}: line {i} is not valid UTF-8 (byte {raw[e.start]:#04x} at column "
                             f"{e.start + 1}); re-save the file as UTF-8") from None
+        nul = raw.find(b"\0")
+        if nul >= 0:
+            raise DataError(f"{path}: line {i} contains a NUL byte (column {nul + 1}); the file is damaged "
+                            f"or not UTF-8 text (UTF-16?): re-save it as UTF-8")
     return out
 
 
@@ -53,7 +65,8 @@ def _read_jsonl(path: Path) -> tuple[list[Any], list[int]]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}: line {i} is not valid JSON ({e.msg} at column {e.colno}); "
+            msg = e.msg.removesuffix(" at")  # "Unterminated string starting at" + " at column 5"
+            raise DataError(f"{path}: line {i} is not valid JSON ({msg} at column {e.colno}); "
                             f"each line must be one JSON object like {{\"prompt\": \"...\"}}") from None
         if not isinstance(row, dict):
             raise DataError(f"{path}: line {i} is a JSON {type(row).__name__}, not an object; "
@@ -83,11 +96,109 @@ def _read_json(path: Path) -> tuple[list[Any], list[int] | None]:
     return data, None
 
 
+CSV_TYPES = ("int", "float", "str", "json")
+_CSV_TYPE_NAMES = {int: "int", float: "float", str: "str"}
+
+
+def _csv_types(column_types: dict | None) -> dict[str, str]:
+    """`csv_column_types` with Python types (int, float, str) spelled as names; DataError for others."""
+    out = {}
+    for column, kind in (column_types or {}).items():
+        if isinstance(kind, type):
+            kind = _CSV_TYPE_NAMES.get(kind, kind.__name__)
+        if kind not in CSV_TYPES:
+            raise DataError(f"csv_column_types[{column!r}] is {kind!r}; use one of {', '.join(map(repr, CSV_TYPES))}")
+        out[column] = kind
+    return out
+
+
+def _convert_cell(cell: str, kind: str, where: str, column: str) -> Any:
+    if kind == "str":
+        return cell
+    try:
+        return json.loads(cell) if kind == "json" else (int if kind == "int" else float)(cell)
+    except ValueError as e:  # json.JSONDecodeError is a ValueError
+        why = (f"not valid JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else
+               "not an int" if kind == "int" else "not a float")
+        raise DataError(f"{where}: column {column!r} is {cell!r:.60}, {why}; fix the cell (or leave it empty "
+                        f"for a missing value), or change csv_column_types[{column!r}]") from None
+
+
+def _read_csv(path: Path, column_types: dict[str, str]) -> tuple[list[dict], list[int]]:
+    """The rows of a comma-separated file with a header line, and the 1-based line each row starts on.
+
+    Every cell is a str; an empty cell is None (as a key missing from a JSONL
+    row); `column_types` converts the named columns. Blank lines and rows of
+    empty cells are skipped. Line numbers are physical lines of the file (the
+    header is line 1), so a quoted field holding newlines moves the rows below it.
+    """
+    text = "\n".join(_decode_lines(path))  # UTF-8 errors name their line; a BOM is dropped
+    reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+    header, header_line, rows, line_numbers = None, 0, [], []
+    old_limit = csv.field_size_limit()
+    csv.field_size_limit(2**31 - 1)  # the default 128 KiB per field would refuse long prompts
+    try:
+        while True:
+            start = reader.line_num + 1
+            try:
+                record = next(reader)
+            except StopIteration:
+                break
+            except csv.Error as e:
+                if "unexpected end of data" in str(e):
+                    raise DataError(f"{path}: line {start}: a quoted field is never closed (the file ends inside "
+                                    f"it); add the closing double quote, and double any quote inside a quoted "
+                                    f"field (\"say \"\"hi\"\"\")") from None
+                raise DataError(f"{path}: line {reader.line_num} is not valid CSV ({e}); put the whole field in "
+                                f"double quotes and double any quote inside it (\"say \"\"hi\"\"\")") from None
+            if all(not cell.strip() for cell in record):
+                continue  # a blank line, or a row of empty cells as spreadsheets export
+            if header is None:
+                header, header_line = [name.strip() for name in record], start
+                _check_header(path, header, header_line, column_types)
+                continue
+            lines = f"line {start}" + (f" (a quoted field runs on to line {reader.line_num})"
+                                       if reader.line_num > start else "")
+            if len(record) != len(header):
+                fix = ("put double quotes around each field that contains a comma, e.g. \"a, b\""
+                       if len(record) > len(header) else
+                       "add the missing fields (an empty field is nothing between two commas: a,,c)")
+                raise DataError(f"{path}: {lines} has {len(record)} field{'s' * (len(record) != 1)}, expected "
+                                f"{len(header)} like the header (line {header_line}); {fix}")
+            row = {}
+            for column, cell in zip(header, record):
+                kind = column_types.get(column)
+                row[column] = (None if cell == "" else
+                               cell if kind is None else _convert_cell(cell, kind, f"{path}: line {start}", column))
+            rows.append(row)
+            line_numbers.append(start)
+    finally:
+        csv.field_size_limit(old_limit)
+    return rows, line_numbers
+
+
+def _check_header(path: Path, header: list[str], line: int, column_types: dict[str, str]) -> None:
+    if len(header) == 1 and (sep := next((s for s in ";\t|" if s in header[0]), None)):
+        raise DataError(f"{path}: line {line}: the header is the one column {header[0]!r:.60}; the file looks "
+                        f"separated by {sep!r}, not commas: save it as comma-separated CSV")
+    seen: dict[str, int] = {}
+    for j, name in enumerate(header, start=1):
+        if not name:
+            raise DataError(f"{path}: line {line}: header column {j} has no name; name it (e.g. answer) or "
+                            f"delete that column (a trailing comma on each line makes an empty one)")
+        if name in seen:
+            raise DataError(f"{path}: line {line}: the header names column {name!r} twice (columns {seen[name]} "
+                            f"and {j}); rename one of them")
+        seen[name] = j
+    unknown = [c for c in column_types if c not in seen]
+    if unknown:
+        raise DataError(f"{path}: csv_column_types names {unknown} but the header (line {line}) has only "
+                        f"{header}; fix the column names")
+
+
 def _read_with_datasets(path: Path, kind: str, split: str) -> list[dict]:
     import datasets
 
-    if kind == "csv":
-        _decode_lines(path)  # pandas' UnicodeDecodeError names no line
     bars_on = not datasets.utils.are_progress_bars_disabled()
     datasets.disable_progress_bars()
     try:
@@ -116,10 +227,13 @@ def _read_saved_folder(path: Path, split: str) -> list[dict]:
     return ds.to_list()
 
 
-def _read_source(source: Any, split: str) -> tuple[list, str, list[int] | None]:
+def _read_source(source: Any, split: str, csv_types: dict[str, str]) -> tuple[list, str, list[int] | None]:
     """(rows, name for messages, the 1-based line number of each row when rows are lines)."""
     if isinstance(source, (str, Path)):
         path = Path(source)
+        if csv_types and path.suffix.lower() != ".csv":
+            raise DataError(f"{path}: csv_column_types applies to .csv files only (JSONL, JSON and Parquet keep "
+                            f"their own types); drop it")
         if path.is_dir():
             return _read_saved_folder(path, split), str(path), None
         if not path.exists():
@@ -130,10 +244,15 @@ def _read_source(source: Any, split: str) -> tuple[list, str, list[int] | None]:
         if suffix in (".jsonl", ".json"):
             rows, lines = (_read_jsonl if suffix == ".jsonl" else _read_json)(path)
             return rows, str(path), lines
-        if suffix in (".csv", ".parquet"):
-            return _read_with_datasets(path, suffix[1:], split), str(path), None
+        if suffix == ".csv":
+            rows, lines = _read_csv(path, csv_types)
+            return rows, str(path), lines
+        if suffix == ".parquet":
+            return _read_with_datasets(path, "parquet", split), str(path), None
         raise DataError(f"{path}: unsupported file type {suffix or '(none)'}; use one of {', '.join(SUFFIXES)} "
                         f"or a folder written by Dataset.save_to_disk")
+    if csv_types:
+        raise DataError("csv_column_types applies to .csv files only; convert the values in your rows instead")
     datasets = sys.modules.get("datasets")  # a DatasetDict implies datasets is imported: no ~100 MB import for lists
     if datasets is not None and isinstance(source, datasets.DatasetDict):
         if split not in source:
@@ -165,13 +284,27 @@ def _check_prompt(prompt: Any, where: str, column: str) -> None:
                     f"or a list of {{\"role\", \"content\"}} messages")
 
 
-def load_prompts(source: Any, *, prompt_column: str = "prompt", split: str = "train") -> list[dict]:
+def load_prompts(source: Any, *, prompt_column: str = "prompt", split: str = "train",
+                 csv_column_types: dict[str, str | type] | None = None) -> list[dict]:
     """Validated prompt rows from a file, a saved dataset folder, or an iterable of dicts.
 
     Every row gets its prompt under "prompt" (renamed from `prompt_column`).
-    Raises DataError naming the file and the row (the 1-based line for JSONL).
+    Raises DataError naming the file and the row (the 1-based line for JSONL
+    and CSV, counting a CSV's header as line 1).
+
+    CSV: the first non-blank line is the header (names stripped of spaces; an
+    empty or repeated name is an error); every row must have as many fields.
+    Cells are not type-inferred: every value is the cell's text as a `str`
+    ("02" stays "02", "2" does not become 2.0 in a column with gaps), which is
+    what the built-in rewards compare `answer` against. An empty cell is None,
+    the value reward functions get for a key a JSONL row lacks. Blank lines and
+    rows of empty cells are skipped; a UTF-8 BOM and CRLF line ends are fine.
+    `csv_column_types` maps column names to "int", "float", "str" or "json"
+    (or int, float, str) to get typed values instead; a cell that does not
+    convert is a DataError naming its line and column (empty cells stay None).
     """
-    rows, name, lines = _read_source(source, split)
+    csv_types = _csv_types(csv_column_types)
+    rows, name, lines = _read_source(source, split, csv_types)
     if not rows:
         raise DataError(f"{name}: no rows; the dataset is empty")
     out = []

@@ -12,3 +12,6 @@ from __future__ import annotations
 
 class UserError(Exception):
     """A fault in the user's input or environment; the message says what to change."""
+
+    label = "error"  # the CLI prints `{label}: {message}` and exits with `exit_code`
+    exit_code = 2

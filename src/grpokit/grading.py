@@ -7,7 +7,6 @@ equal and joins several draws into one generation batch.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import torch
 from .data import columns_of
 from .rewards import as_trl_completions, compute_rewards
 from .rollout import Rollout
-from .tracking import finite_or_none
+from .tracking import append_jsonl, finite_or_none
 
 
 @dataclass
@@ -76,9 +75,8 @@ def grade(rollout: Rollout, rows: list[dict], tokenizer, specs, G: int) -> Draw:
 def write_completions(run_dir: Path, step: int, draw: Draw, advantages: torch.Tensor, specs) -> None:
     """Append this step's answers to `completions.jsonl`: prompt, completion, each reward, advantage."""
     d = draw
-    with open(run_dir / "completions.jsonl", "a", encoding="utf-8") as f:
-        for i in range(d.size):
-            rewards = {s.name: finite_or_none(d.per_fn[i, j].item()) for j, s in enumerate(specs)}
-            f.write(json.dumps({"step": step, "prompt": d.prompts[i], "completion": d.texts[i], "rewards": rewards,
-                                "reward": finite_or_none(d.total[i].item()),
-                                "advantage": advantages[i].item()}) + "\n")
+    append_jsonl(run_dir / "completions.jsonl", [
+        {"step": step, "prompt": d.prompts[i], "completion": d.texts[i],
+         "rewards": {s.name: finite_or_none(d.per_fn[i, j].item()) for j, s in enumerate(specs)},
+         "reward": finite_or_none(d.total[i].item()), "advantage": advantages[i].item()}
+        for i in range(d.size)])

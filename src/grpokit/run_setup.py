@@ -9,13 +9,11 @@ functions, the output folder, and prompts too long for the model's context.
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from .errors import UserError
-from .checkpoint import list_checkpoints
 from .config import Config
 from .data import DataError, PromptStream, load_prompts, render_prompt
 from .rewards import RewardSpec, reward_specs
@@ -66,38 +64,6 @@ def resolve_reward_specs(config: Config, task, functions: Sequence[Callable] | N
         return task.reward_functions()
     raise SetupError("no reward functions: set rewards.functions (a built-in name such as 'numeric_match', "
                      "or 'file.py:function'), or use a built-in data.task")
-
-
-def prepare_output_dir(config: Config, *, resume: bool) -> Path:
-    """Create the run folder, refuse to overwrite a previous run by accident, check it is writable."""
-    run_dir = Path(config.output.dir)
-    has_run = (run_dir / "metrics.jsonl").exists() or bool(list_checkpoints(run_dir))
-    if resume and not list_checkpoints(run_dir):
-        raise SetupError(f"--resume: {run_dir} has no checkpoint to resume from; run without --resume to start")
-    if has_run and not resume and not config.output.overwrite:
-        raise SetupError(f"output.dir {str(run_dir)!r} already holds a run; continue it with --resume, choose "
-                         "another output.dir, or set output.overwrite = true to start over")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise SetupError(f"output.dir {str(run_dir)!r} is not writable ({e.strerror}); choose another folder") from e
-    _check_free_space(run_dir, Path(config.model.path))
-    return run_dir
-
-
-def _check_free_space(run_dir: Path, model_dir: Path) -> None:
-    """A checkpoint holds the weights and the optimizer's two moments (about 3x the weights); ask for
-    room for one more while the previous one still exists."""
-    weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) or \
-        sum(p.stat().st_size for p in model_dir.glob("*.bin"))
-    needed, free = 4 * weights, shutil.disk_usage(run_dir).free
-    if free < needed:
-        raise SetupError(f"output.dir {str(run_dir)!r} has {free / 2**20:.0f} MiB free; checkpoints of this model "
-                         f"need about {needed / 2**20:.0f} MiB (weights + optimizer state); free space or choose "
-                         "another output.dir")
 
 
 def tokenize_prompts(config: Config, data: PreparedData, tokenizer, max_positions: int | None) -> PromptTable:

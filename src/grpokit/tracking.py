@@ -7,9 +7,16 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
+
+from .errors import UserError
+
+
+class LogWriteError(UserError, OSError):
+    """A run log could not be written or read back; the message names the file."""
 
 
 def completion_metrics(completion_mask: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
@@ -46,7 +53,8 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path, *, tensorboard: bool = False, append: bool = False, wandb: bool = False):
         self.path = run_dir / "metrics.jsonl"
-        self.file = open(self.path, "a" if append else "w", encoding="utf-8")
+        if not append:
+            self.path.write_text("", encoding="utf-8")
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # needs the `tensorboard` extra
@@ -56,8 +64,7 @@ class MetricsWriter:
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: finite_or_none(v) for k, v in metrics.items()}}
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+        append_jsonl(self.path, [row])
         if self.tb is not None:
             for key, value in metrics.items():
                 if value is not None and math.isfinite(value):
@@ -66,7 +73,6 @@ class MetricsWriter:
             self.wandb.log({k: v for k, v in row.items() if k != "step" and v is not None}, step=step)
 
     def close(self) -> None:
-        self.file.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
@@ -89,21 +95,58 @@ def finite_or_none(value):
     return value if math.isfinite(value) else None
 
 
+def append_jsonl(path: Path, rows: list[dict]) -> None:
+    """Append rows to a JSONL log in one write; if the write fails (disk full, quota) the file is cut
+    back to where it was, so a log never ends in half a line."""
+    data = "".join(json.dumps(row) + "\n" for row in rows).encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, data)
+            if written != len(data):  # a short write: the disk filled up mid-way
+                raise OSError(28, os.strerror(28))
+        except OSError as e:
+            os.ftruncate(fd, size)
+            raise LogWriteError(f"{path}: could not append step {rows[0].get('step', '?')} "
+                                f"({e.strerror or e}); the file keeps every earlier line") from e
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The rows of a JSONL log. A last line cut short (no newline: the process died mid-write under an
+    older version, or the file was copied while written) is dropped: its step is the one being redone.
+    Any other unreadable line is an error naming the file and the line."""
+    text = Path(path).read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if number == len(lines):  # the last line, without its newline: cut off mid-write
+                break
+            raise LogWriteError(f"{path}: line {number} is not valid JSON ({e.msg}); the file is damaged: "
+                                "delete that line (or the file) and try again") from None
+    return rows
+
+
 def drop_rows_after(path: Path, step: int) -> None:
     """Keep only rows of steps <= `step` in a JSONL log (atomically): on resume, the steps a crash
     cut off after the last checkpoint are run again and must not appear twice."""
     if not path.is_file():
         return
-    kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+    kept = [row for row in read_jsonl(path) if row["step"] <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
     tmp.replace(path)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")
 
 
 class ConsoleProgress:

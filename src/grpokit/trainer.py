@@ -13,7 +13,9 @@ this module only moves tensors between them.
 
 from __future__ import annotations
 
+import errno
 import math
+import os
 import signal
 import threading
 import time
@@ -26,7 +28,7 @@ import torch
 from .errors import UserError
 from .advantages import group_advantages
 from .allocator import keep_freed_memory
-from .checkpoint import list_checkpoints, load_trainer_state, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import CheckpointError, list_checkpoints, load_trainer_state, rng_state, save_checkpoint, set_rng_state
 from .config import Config, to_toml
 from .modeling import (check_model_folder, completion_logprobs, head_is_linear, load_model, load_tokenizer,
                        resolve_device)
@@ -40,8 +42,9 @@ from .distributed import (CheckpointWeights, DistributedContext, all_ranks, gath
                           prepare_model, reduce_gradients)
 from .engines import SamplingParams, build_engine, truncated_importance_weights
 from .lora import AdapterDisabled, apply_lora
-from .run_setup import (PreparedData, PromptTable, SetupError, max_positions_of, prepare_data, prepare_output_dir,
-                        resolve_reward_specs, tokenize_prompts)
+from .run_folder import RunFolder, RunFolderLock, prepare_run_folder, record_segment
+from .run_setup import (PreparedData, PromptTable, SetupError, max_positions_of, prepare_data, resolve_reward_specs,
+                        tokenize_prompts)
 from .tracking import ConsoleProgress, MetricsWriter, completion_metrics, drop_rows_after, reward_summary
 
 
@@ -68,20 +71,57 @@ def train(
     rows: Iterable[dict] | None = None,
     resume: bool = False,
     engine: Callable | None = None,
+    command: str | None = None,
 ) -> Path:
     """Run GRPO as `config` says; returns the run folder. Python-side callables and
     rows may replace the config's `rewards.functions` and data source, and `engine(config,
     model, tokenizer)` the rollout engine (engines.py). Under torchrun every process runs this
-    together (distributed.py): each takes its share of every batch, rank 0 writes the files."""
-    # ---- checks and setup, all before the model loads -------------------------------
+    together (distributed.py): each takes its share of every batch, rank 0 writes the files.
+    `command` is how the run was started (the CLI's own words); stop messages build the exact
+    command that continues the run from it."""
     dist = DistributedContext.from_env()  # alone: rank 0 of 1, and every collective is a no-op
+    lock = RunFolderLock(config.output.dir, command) if dist.is_main else None  # rank 0 holds the folder
+    resume_hint = f"{command} --resume" if command and "--resume" not in command.split() else \
+        command or "train(config, resume=True)"
+    try:
+        return _train(config, dist, lock, resume_hint, reward_functions=reward_functions, rows=rows, resume=resume,
+                      engine=engine, command=command)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop now, without a traceback; the folder stays resumable
+        last = list_checkpoints(config.output.dir)
+        raise StoppedNow(f"a second Ctrl-C stopped the run at once; the step in progress is lost. "
+                         + (f"The newest checkpoint is {last[-1]}; continue with: {resume_hint}" if last
+                            else "No checkpoint was written yet; start again with the same command")) from None
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        last = list_checkpoints(config.output.dir)
+        raise CheckpointError(f"{e.filename or config.output.dir}: {e.strerror}; "
+                              + (f"the newest checkpoint is {last[-1]}; free space and continue with: {resume_hint}"
+                                 if last else "no checkpoint was written yet; free space and start again")) from e
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train(config: Config, dist: DistributedContext, lock, resume_hint: str, *, reward_functions, rows, resume,
+           engine, command) -> Path:
+    # ---- checks and setup, all before the model loads -------------------------------
     run = dist.local_config(config)  # this process's share: B / world prompts per step
     check_model_folder(config.model.path)
     data: PreparedData = prepare_data(config, rows)
     specs: list[RewardSpec] = resolve_reward_specs(config, data.task, reward_functions)
     tokenizer = load_tokenizer(config.model.path)
     prompts: PromptTable = tokenize_prompts(config, data, tokenizer, max_positions_of(config.model.path))
-    run_dir = dist.run_on_main(prepare_output_dir, config, resume=resume)
+    folder: RunFolder = dist.run_on_main(prepare_run_folder, config, resume=resume, lock=lock)
+    run_dir = folder.path
+    if dist.is_main:
+        for note in folder.notes:
+            print(note, flush=True)
+    if resume and folder.resume_step == config.train.steps:
+        if dist.is_main:
+            print(f"{run_dir} is already complete at step {folder.resume_step} (train.steps = {config.train.steps}); "
+                  "raise train.steps to continue it", flush=True)
+        return run_dir
     torch.manual_seed(config.train.seed)
 
     if config.train.keep_freed_memory and resolve_device(config.model.device).type == "cpu":
@@ -112,7 +152,7 @@ def train(
                 drop_rows_after(run_dir / log, start_step)
     rollout_engine.sync_weights(model)  # vLLM starts from the trainer's (resumed) weights; HF: nothing to do
     if dist.is_main:
-        (run_dir / "config.toml").write_text(to_toml(config), encoding="utf-8")
+        record_segment(run_dir, config, folder, start_step, command)
     writer = dist.main_only(lambda: MetricsWriter(run_dir, append=start_step > 0, tensorboard=config.output.tensorboard,
                                                   wandb=config.output.wandb))
     console = dist.main_only(lambda: ConsoleProgress(config.train.steps, start_step, enabled=config.output.console))
@@ -125,7 +165,10 @@ def train(
         state = {"step": step, "optimizer": optimizer_state(model, optimizer), "scheduler": scheduler.state_dict(),
                  "rng": rng_state(), "sampler": gather_states(sampler.get_state()), "stream": stream.state_dict()}
         weights = CheckpointWeights(model)  # gathered under FSDP; with LoRA the merged model + adapter/
-        return dist.run_on_main(save_checkpoint, run_dir, step, weights, tokenizer, state, config.output.keep_last)
+        return dist.run_on_main(save_checkpoint, run_dir, step, weights, tokenizer, state, config.output.keep_last,
+                                config_text)
+
+    config_text = to_toml(config)
 
     failed_steps = 0  # consecutive steps whose every update was skipped as non-finite
     try:
@@ -164,7 +207,7 @@ def train(
                     path = save(step)
                 if stopping:
                     console.print(f"{stop.requested or 'a stop on another process'}: stopped after step {step}; saved {path}. "
-                                  f"Continue with: grpokit train CONFIG --resume")
+                                  f"Continue with: {resume_hint}")
                     break
     finally:
         console.close()
@@ -177,6 +220,13 @@ class TrainingDiverged(UserError, RuntimeError):
     """Too many updates in a row had a non-finite loss or gradient."""
 
 
+class StoppedNow(UserError, KeyboardInterrupt):
+    """A second Ctrl-C stopped the run mid-step: the CLI says so in one line and exits 130 (as shells
+    expect of Ctrl-C); Python callers can still catch it as KeyboardInterrupt."""
+
+    label, exit_code = "stopped", 130
+
+
 def _diverged_message(run_dir: Path, failed_steps: int) -> str:
     last = list_checkpoints(run_dir)
     where = f"the last good checkpoint is {last[-1]}" if last else "no checkpoint was written yet"
@@ -186,7 +236,8 @@ def _diverged_message(run_dir: Path, failed_steps: int) -> str:
 
 
 class GracefulStop:
-    """SIGINT / SIGTERM ask the loop to finish its step, save and exit; a second SIGINT stops at once."""
+    """SIGINT / SIGTERM ask the loop to finish its step, save and exit; a second SIGINT stops at once.
+    The first one says so at once (a step may take long, or hang in a reward function)."""
 
     def __init__(self):
         self.requested: str | None = None
@@ -196,6 +247,9 @@ class GracefulStop:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt
         self.requested = signal.Signals(signum).name
+        # os.write, not print: a signal handler may run in the middle of another print
+        os.write(2, f"\n{self.requested}: stopping after the current step, which is then saved; press Ctrl-C "
+                    "again to stop at once (that step is lost, the newest checkpoint stays)\n".encode())
 
     def __enter__(self) -> "GracefulStop":
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there

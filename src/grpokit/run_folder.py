@@ -1,0 +1,261 @@
+"""The run folder (`output.dir`): one run at a time, what it holds, and what a resume may change.
+
+    RUN_DIR/
+      config.toml            the config of the newest segment (a segment: one start or one --resume)
+      config_history.jsonl   a line per segment: the step it started from, when, the command, what changed
+      metrics.jsonl          a line per step; completions.jsonl, tensorboard/ when asked for
+      checkpoint-N/          Hugging Face model folder + trainer_state.pt + grpokit_config.toml
+      .grpokit.lock          who holds the folder (pid, command, since) while a run is alive
+
+A run holds an advisory lock on the folder itself (`flock` on its descriptor) from
+its start-up checks to its end, so a second run or a resume of the same folder is
+refused with the other process named. The OS drops the lock when the process
+dies, even by SIGKILL, so a crash never leaves a folder locked.
+
+What a start does with what it finds:
+- nothing, or an earlier attempt that stopped before its first checkpoint: start
+  (that attempt's logs are moved to `earlier-attempts/<time>/`, never deleted);
+- a run with checkpoints: refuse, unless `--resume` (continue) or
+  `output.overwrite = true` (the earlier run's files are removed, and listed);
+- `--resume`: only the fields in `RESUMABLE_FIELDS` may differ from the config
+  that wrote the newest checkpoint; any other difference is refused with the list.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .checkpoint import CHECKPOINT_CONFIG, checkpoint_step, list_checkpoints
+from .config import Config, to_toml
+from .errors import UserError
+
+# Fields a --resume may change: how long to train, where and how to log, and knobs that change memory
+# or speed but not the math (micro-batches accumulate to the same gradient; the fast paths have tests
+# showing the same loss and gradient). Everything else would make the resumed run a different run.
+RESUMABLE_FIELDS = frozenset({
+    "train.steps", "train.micro_batch_size", "train.logprob_chunk_size", "train.max_consecutive_skips",
+    "train.fused_logprobs", "train.skip_zero_advantage", "train.keep_freed_memory",
+    "model.device", "rollout.vllm",
+    "output.dir", "output.save_every", "output.keep_last", "output.overwrite", "output.completions_every",
+    "output.console", "output.tensorboard", "output.wandb",
+})
+# What grpokit writes into a run folder; `output.overwrite` removes exactly these, nothing else.
+RUN_FILES = ("config.toml", "config_history.jsonl", "metrics.jsonl", "completions.jsonl", "tensorboard",
+             "report.html", "wandb")
+LOCK_FILE = ".grpokit.lock"
+HISTORY = "config_history.jsonl"
+
+
+class RunFolderError(UserError, ValueError):
+    """The run folder cannot be used as asked; the message says why and what to do."""
+
+
+@dataclass
+class RunFolder:
+    """What the start-up checks found in `output.dir` (plain data: it is broadcast under torchrun)."""
+
+    path: Path
+    resume_step: int = 0  # the newest checkpoint's step when resuming, else 0
+    changes: dict = field(default_factory=dict)  # "section.key" -> [before, now] of a resume
+    notes: list[str] = field(default_factory=list)  # what was moved or removed, said once at the start
+
+
+class RunFolderLock:
+    """An exclusive advisory lock on a run folder, held from the start-up checks to the end of the run.
+
+    The lock is `flock` on the folder's own descriptor, so it needs no lock file and the OS drops it
+    when the process ends in any way. `.grpokit.lock` only tells a refused second run who holds it."""
+
+    def __init__(self, path: str | Path, command: str | None = None):
+        self.path, self.command, self.fd = Path(path), command, None
+
+    def acquire(self) -> None:
+        self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(self.fd)
+            self.fd = None
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            raise RunFolderError(f"output.dir {str(self.path)!r} is in use by another grpokit run ({self._holder()}); "
+                                 "wait for it to finish or stop it, or choose another output.dir") from None
+
+    def announce(self) -> None:
+        """Say who holds the folder (written once every check has passed: a refused start adds no file)."""
+        info = {"pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": self.command}
+        (self.path / LOCK_FILE).write_text(json.dumps(info) + "\n", encoding="utf-8")
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        (self.path / LOCK_FILE).unlink(missing_ok=True)  # still holding the lock: no one else reads it now
+        os.close(self.fd)  # closing the descriptor releases the lock
+        self.fd = None
+
+    def _holder(self) -> str:
+        try:
+            info = json.loads((self.path / LOCK_FILE).read_text(encoding="utf-8"))
+            what = f": {info['command']}" if info.get("command") else ""
+            return f"pid {info['pid']}, since {info['since']}{what}"
+        except (OSError, ValueError, KeyError):  # the holder is still starting up
+            return "a process that is starting up"
+
+
+def prepare_run_folder(config: Config, *, resume: bool, lock: RunFolderLock | None = None) -> RunFolder:
+    """Check `output.dir` for this start, lock it, and clear the way (see the module docstring).
+
+    Every refusal happens before anything in the folder changes."""
+    run_dir = Path(config.output.dir)
+    checkpoints = list_checkpoints(run_dir)
+    if resume and not checkpoints:
+        raise RunFolderError(f"--resume: {run_dir} has no checkpoint to resume from; run without --resume to start")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise RunFolderError(f"output.dir {str(run_dir)!r} is not writable ({e.strerror}); choose another folder") \
+            from e
+    if lock is not None:
+        lock.acquire()
+    try:
+        checkpoints = list_checkpoints(run_dir)  # again, now that no other run can change them
+        folder = RunFolder(run_dir)
+        if resume:
+            folder.resume_step = checkpoint_step(checkpoints[-1])
+            folder.changes = _resume_changes(config, checkpoints[-1])
+        elif checkpoints and not config.output.overwrite:
+            raise RunFolderError(f"output.dir {str(run_dir)!r} already holds a run (newest: {checkpoints[-1].name}); "
+                                 "continue it with --resume, choose another output.dir, or set "
+                                 "output.overwrite = true to start over")
+        _check_free_space(run_dir, Path(config.model.path))
+        if not resume and checkpoints:
+            folder.notes.append(_remove_earlier_run(run_dir))
+        elif not resume and any((run_dir / name).exists() for name in RUN_FILES):
+            folder.notes.append(_move_earlier_attempt(run_dir))
+        if lock is not None:
+            lock.announce()
+        return folder
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _resume_changes(config: Config, checkpoint: Path) -> dict:
+    """The fields that differ from the config that wrote `checkpoint`; refuse any outside RESUMABLE_FIELDS."""
+    step = checkpoint_step(checkpoint)
+    if config.train.steps < step:
+        raise RunFolderError(f"train.steps = {config.train.steps} is below the step of the newest checkpoint "
+                             f"({checkpoint}); to continue, set train.steps above {step}, e.g. "
+                             f"--set train.steps={2 * step}")
+    before = _saved_config(checkpoint)
+    if before is None:  # written before checkpoints kept their config: nothing to compare against
+        return {}
+    now = _flat(tomllib.loads(to_toml(config)))
+    changes = {k: [before.get(k), now.get(k)] for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)}
+    refused = {k: v for k, v in changes.items() if k not in RESUMABLE_FIELDS}
+    if refused:
+        listed = "; ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, (a, b) in refused.items())
+        raise RunFolderError(
+            f"--resume: this config differs from the one that wrote {checkpoint} in {listed}. A resumed run must "
+            f"keep these (only train.steps, output.*, and memory/speed knobs may change); restore them, or start "
+            f"a new run from these weights with model.path = {str(checkpoint)!r} and another output.dir")
+    return changes
+
+
+def _saved_config(checkpoint: Path) -> dict | None:
+    for path in (checkpoint / CHECKPOINT_CONFIG, checkpoint.parent / "config.toml"):
+        if path.is_file():
+            try:
+                return _flat(tomllib.loads(path.read_text(encoding="utf-8")))
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+                raise RunFolderError(f"{path} is damaged ({e}); restore it from the config file you started the run "
+                                     "with") from e
+    return None
+
+
+def _flat(raw: dict) -> dict:
+    return {f"{section}.{key}": value for section, values in raw.items() for key, value in values.items()}
+
+
+def _show(value) -> str:
+    return "(unset)" if value is None else json.dumps(value)
+
+
+def _check_free_space(run_dir: Path, model_dir: Path) -> None:
+    """A checkpoint holds the weights and the optimizer's two moments (about 3x the weights); ask for
+    room for one more while the previous one still exists."""
+    weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) or \
+        sum(p.stat().st_size for p in model_dir.glob("*.bin"))
+    needed, free = 4 * weights, shutil.disk_usage(run_dir).free
+    if free < needed:
+        raise RunFolderError(f"output.dir {str(run_dir)!r} has {free / 2**20:.0f} MiB free; checkpoints of this model "
+                             f"need about {needed / 2**20:.0f} MiB (weights + optimizer state); free space or choose "
+                             "another output.dir")
+
+
+def _remove_earlier_run(run_dir: Path) -> str:
+    """`output.overwrite = true`: remove what grpokit wrote (checkpoints, logs), leave anything else."""
+    removed = []
+    for path in sorted(run_dir.iterdir()):
+        if path.name in RUN_FILES or path.name.startswith(("checkpoint-", ".tmp-checkpoint-")):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            removed.append(path.name)
+    return f"output.overwrite: removed the earlier run from {run_dir} ({', '.join(removed)})"
+
+
+def _move_earlier_attempt(run_dir: Path) -> str:
+    """An attempt that stopped before its first checkpoint cannot be resumed; keep its logs aside."""
+    last = _last_logged_step(run_dir / "metrics.jsonl")
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
+    while (aside := run_dir / "earlier-attempts" / (stamp if n == 1 else f"{stamp}-{n}")).exists():
+        n += 1
+    aside.mkdir(parents=True)
+    for name in RUN_FILES:
+        if (run_dir / name).exists():
+            (run_dir / name).rename(aside / name)
+    for stale in run_dir.glob(".tmp-checkpoint-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return (f"{run_dir} held an attempt that stopped before its first checkpoint "
+            f"({f'last logged step {last}' if last else 'no step logged'}); starting over. Its logs are in {aside}")
+
+
+def _last_logged_step(path: Path) -> int:
+    from .tracking import read_jsonl
+
+    rows = read_jsonl(path) if path.is_file() else []
+    return rows[-1].get("step", 0) if rows else 0
+
+
+def record_segment(run_dir: Path, config: Config, folder: RunFolder, start_step: int, command: str | None) -> None:
+    """Write the config of this segment (`config.toml`) and add its line to `config_history.jsonl`."""
+    from .tracking import append_jsonl
+
+    _write_atomically(run_dir / "config.toml", to_toml(config))
+    append_jsonl(run_dir / HISTORY, [{
+        "start_step": start_step, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command,
+        "changes": folder.changes, "config": tomllib.loads(to_toml(config))}])
+
+
+def read_history(run_dir: str | Path) -> list[dict]:
+    from .tracking import read_jsonl
+
+    path = Path(run_dir) / HISTORY
+    return read_jsonl(path) if path.is_file() else []
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
