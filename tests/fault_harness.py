@@ -66,3 +66,65 @@ def snapshot(folder: Path) -> dict[str, str]:
         return {}
     return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+PARITY_REWARD = '''
+import os, time
+from pathlib import Path
+
+def parity(completions, **kwargs):
+    """A reward with signal on a random model; test hooks (environment variables) make it fail on purpose."""
+    step_file = Path(os.environ.get("FAULT_COUNTER", "/nonexistent"))
+    if step_file.parent.is_dir():
+        calls = int(step_file.read_text()) + 1 if step_file.exists() else 1
+        step_file.write_text(str(calls))
+        if os.environ.get("FAULT_RAISE_AT") == str(calls):
+            raise ValueError("boom")
+        if os.environ.get("FAULT_HANG_AT") == str(calls):
+            time.sleep(3600)
+        if os.environ.get("FAULT_FILL_AT") == str(calls):  # fill the disk, leaving FAULT_FILL_LEAVE bytes
+            import shutil
+            target = Path(os.environ["FAULT_FILL_PATH"])
+            free = shutil.disk_usage(target.parent).free - int(os.environ.get("FAULT_FILL_LEAVE", "0"))
+            with open(target, "wb") as f:
+                while free > 0:
+                    n = min(free, 1 << 20)
+                    try:
+                        f.write(b"\\0" * n); f.flush()
+                    except OSError:
+                        break
+                    free -= n
+    return [sum(ord(ch) % 2 == 0 for ch in c) / max(1, len(c)) for c in completions]
+'''
+
+
+def write_train_config(folder: Path, model_dir: Path, run: Path, *, steps: int = 3, extra: str = "") -> Path:
+    """A small valid `grpokit train` config (2 prompts x 4 answers of <= 4 tokens, checkpoint every step)
+    with the `parity` reward above, written to `folder/run.toml`."""
+    import json
+    import textwrap
+
+    (folder / "fault_rewards.py").write_text(PARITY_REWARD)
+    cfg = folder / "run.toml"
+    cfg.write_text(textwrap.dedent(f"""\
+        [model]
+        path = {json.dumps(str(model_dir))}
+        [data]
+        task = "addition"
+        num_prompts = 16
+        [rewards]
+        functions = [{json.dumps(str(folder / "fault_rewards.py") + ":parity")}]
+        [rollout]
+        group_size = 4
+        max_new_tokens = 4
+        [train]
+        steps = {steps}
+        prompts_per_step = 2
+        learning_rate = 1e-3
+        [output]
+        dir = {json.dumps(str(run))}
+        console = false
+        save_every = 1
+        keep_last = 10
+        """) + extra)
+    return cfg

@@ -117,13 +117,15 @@ def test_existing_run_is_not_overwritten(tiny_model_dir, tmp_path):
     ("return [float('nan')] * len(completions)", ["reward function 'bad' at sample 0", "returned nan"]),
 ])
 def test_failing_reward_stops_with_its_name_and_keeps_checkpoints(tiny_model_dir, tmp_path, body, needles):
+    """The reward file breaks between a run and its resume (the config stays the same)."""
+    reward = ["--set", f"rewards.functions=[{json.dumps(str(tmp_path / 'bad.py') + ':bad')}]"]
+    _write(tmp_path / "bad.py", "def bad(completions, **kwargs):\n    return [0.0] * len(completions)\n")
     good = _config(tmp_path, tiny_model_dir, extra="")
-    assert grpokit("train", good, "--set", "output.save_every=1").returncode == 0
+    assert grpokit("train", good, "--set", "output.save_every=1", *reward).returncode == 0
     ckpt = tmp_path / "run" / "checkpoint-1"
     saved = (ckpt / "model.safetensors").read_bytes()
     _write(tmp_path / "bad.py", f"def bad(completions, **kwargs):\n    {body}\n")
-    r = grpokit("train", good, "--resume", "--set", "train.steps=2", "--set",
-                f"rewards.functions=[{json.dumps(str(tmp_path / 'bad.py') + ':bad')}]")
+    r = grpokit("train", good, "--resume", "--set", "train.steps=2", "--set", "output.save_every=1", *reward)
     _fails(r, *needles)
     assert (ckpt / "model.safetensors").read_bytes() == saved
     from transformers import AutoModelForCausalLM

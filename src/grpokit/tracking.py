@@ -15,8 +15,8 @@ import torch
 from .errors import UserError
 
 
-class LogWriteError(UserError, OSError):
-    """A run log could not be written or read back; the message names the file."""
+class DamagedLogError(UserError, ValueError):
+    """A run log has an unreadable line before its last one; the message names the file and the line."""
 
 
 def completion_metrics(completion_mask: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
@@ -97,7 +97,8 @@ def finite_or_none(value):
 
 def append_jsonl(path: Path, rows: list[dict]) -> None:
     """Append rows to a JSONL log in one write; if the write fails (disk full, quota) the file is cut
-    back to where it was, so a log never ends in half a line."""
+    back to where it was, so a log never ends in half a line, and the OSError goes on (the trainer
+    turns it into one error line naming the newest checkpoint)."""
     data = "".join(json.dumps(row) + "\n" for row in rows).encode("utf-8")
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
@@ -108,8 +109,8 @@ def append_jsonl(path: Path, rows: list[dict]) -> None:
                 raise OSError(28, os.strerror(28))
         except OSError as e:
             os.ftruncate(fd, size)
-            raise LogWriteError(f"{path}: could not append step {rows[0].get('step', '?')} "
-                                f"({e.strerror or e}); the file keeps every earlier line") from e
+            e.filename = e.filename or str(path)
+            raise
     finally:
         os.close(fd)
 
@@ -129,7 +130,7 @@ def read_jsonl(path: Path) -> list[dict]:
         except json.JSONDecodeError as e:
             if number == len(lines):  # the last line, without its newline: cut off mid-write
                 break
-            raise LogWriteError(f"{path}: line {number} is not valid JSON ({e.msg}); the file is damaged: "
+            raise DamagedLogError(f"{path}: line {number} is not valid JSON ({e.msg}); the file is damaged: "
                                 "delete that line (or the file) and try again") from None
     return rows
 

@@ -95,7 +95,7 @@ def train(
         if e.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
         last = list_checkpoints(config.output.dir)
-        raise CheckpointError(f"{e.filename or config.output.dir}: {e.strerror}; "
+        raise CheckpointError(f"{e.filename or config.output.dir}: could not write ({e.strerror}); "
                               + (f"the newest checkpoint is {last[-1]}; free space and continue with: {resume_hint}"
                                  if last else "no checkpoint was written yet; free space and start again")) from e
     finally:
