@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 import types
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -99,6 +100,69 @@ def test_chart_handles_gaps_single_points_and_flat_series():
     root = ET.fromstring(svg)
     ns = "{http://www.w3.org/2000/svg}"
     assert len(root.findall(f".//{ns}polyline")) == 2 and len(root.findall(f".//{ns}circle")) == 2
+
+
+def with_history(run: Path) -> Path:
+    """Add config_history.jsonl: a start at step 0, then a resume from step 20 that changed two fields."""
+    config = tomllib.loads((run / "config.toml").read_text())
+    segments = [
+        {"start_step": 0, "time": "2024-05-01 10:00:00", "command": "grpokit train run.toml", "changes": {},
+         "config": config},
+        {"start_step": 20, "time": "2024-05-02 09:30:00",
+         "command": "grpokit train run.toml --resume --set 'output.keep_last=2' <b>x</b>",
+         "changes": {"output.keep_last": [None, 2], "train.steps": [20, 30]}, "config": config},
+    ]
+    (run / "config_history.jsonl").write_text("".join(json.dumps(s) + "\n" for s in segments))
+    return run
+
+
+def test_report_lists_run_segments_and_what_each_resume_changed(tmp_path):
+    run = with_history(synthetic_run(tmp_path / "run"))
+    page = build_report(run).read_text()
+    assert "<h2>Run segments</h2>" in page
+    section = page.split("<h2>Run segments</h2>")[1].split("<h2>")[0]
+    rows = re.findall(r"<tr>(.*?)</tr>", section)
+    assert len(rows) == 3  # the header and one row per segment
+    assert "from scratch" in rows[1] and "2024-05-01 10:00:00" in rows[1] and "grpokit train run.toml" in rows[1]
+    assert "resumed from step 20" in rows[2] and "2024-05-02 09:30:00" in rows[2]
+    assert "<code>train.steps</code>: 20 → 30" in rows[2]
+    assert "<code>output.keep_last</code>: (unset) → 2" in rows[2]
+    assert "&lt;b&gt;x&lt;/b&gt;" in rows[2] and "<b>x</b>" not in page  # the command is escaped
+    assert "--set &#x27;output.keep_last=2&#x27;" in rows[2]
+    svgs = images(page)  # the resume is marked on every chart, at step 20
+    assert all(svg.count('class="resume"') == 1 and "resumed from step 20" in svg for svg in svgs)
+    for svg in svgs:
+        ET.fromstring(svg)  # still well-formed
+
+
+def test_report_of_a_run_without_config_history_has_no_segments_section(tmp_path):
+    run = synthetic_run(tmp_path / "run")  # an older run folder: no config_history.jsonl
+    page = build_report(run).read_text()
+    assert "Run segments" not in page and 'class="segments"' not in page
+    assert not any('class="resume"' in svg for svg in images(page))
+    assert len(images(page)) == 12
+
+
+def test_report_skips_a_metrics_line_cut_mid_write(tmp_path, capsys):
+    run = synthetic_run(tmp_path / "run")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 31, "reward": 0.')  # the process died mid-write: no newline
+    assert main(["report", str(run)]) == 0
+    page = (run / "report.html").read_text()
+    assert "30 (last step 30)" in page  # 30 steps logged: the cut row is not one
+    assert "error" not in capsys.readouterr().err
+
+
+def test_report_on_a_damaged_metrics_line_is_one_error_naming_file_and_line(tmp_path, capsys):
+    run = synthetic_run(tmp_path / "run")
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    lines[4] = '{"step": 5, "reward": \n'  # a bad line in the middle, not a cut last line
+    (run / "metrics.jsonl").write_text("".join(lines))
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:"), err
+    assert str(run / "metrics.jsonl") in err[0] and "line 5" in err[0]
+    assert not (run / "report.html").exists()
 
 
 def find_chromium() -> str | None:

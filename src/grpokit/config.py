@@ -194,9 +194,14 @@ class RewardConfig:
     functions: tuple[str, ...] = ()
     weights: tuple[float, ...] = ()  # one per function; empty = all 1.0
     args: dict[str, dict] = field(default_factory=dict)  # per-function keyword arguments: {name = {...}}
+    # Seconds one call of a reward function of yours (a file, a module or a Python callable) may take
+    # on a batch before the run stops with an error naming it; 0 = no limit. A function's own
+    # `timeout` in `args` overrides it. The built-in rewards bound their own time and are exempt.
+    timeout_s: float = 600.0
 
     def __post_init__(self):
         _check_fields(self, "rewards")
+        _check(self.timeout_s >= 0, "rewards.timeout_s", "must be >= 0 seconds (0 = no limit); 600 is the default")
         _check(
             not self.weights or len(self.weights) == len(self.functions),
             "rewards.weights",

@@ -1,13 +1,17 @@
 """`grpokit report RUN_DIR`: one self-contained HTML page that shows what a run did.
 
-The page reads only the run folder — `metrics.jsonl`, `config.toml` and, when
-the run wrote it (`output.completions_every = K`), `completions.jsonl` — and has:
+The page reads only the run folder — `metrics.jsonl`, `config.toml`, and when
+present `config_history.jsonl` and (`output.completions_every = K`) `completions.jsonl`
+— and has:
 
+- the run's segments (one start, then one per `--resume`): the step each
+  continued from, when, the command, and what the resume changed;
 - the diagnostics (`grpokit.diagnostics`) replayed over the whole run;
 - curves: reward overall and per reward function, reward_std,
   frac_reward_zero_std, kl, entropy, clip ratios, lengths, the share of answers
   cut at the length limit, throughput and time per step, loss, grad norm,
-  learning rate, and any other metric the run logged;
+  learning rate, and any other metric the run logged; a dashed vertical line
+  marks the step each resume continued from;
 - sampled groups laid out like seed 001's table: each answer, its score, minus
   the group mean, divided by the std = the advantage the trainer used.
 
@@ -56,24 +60,19 @@ class ReportError(UserError, ValueError):
 # ---- reading the run folder ---------------------------------------------------------
 
 
-def _jsonl(path: Path) -> list[dict]:
-    lines, rows = path.read_text(encoding="utf-8").splitlines(), []
-    for i, line in enumerate(lines, 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:  # a run killed mid-write may leave a partial last line
-                if i < len(lines):
-                    raise ReportError(f"{path}: line {i} is not JSON: {e}") from e
-    return rows
-
-
 def load_run(run_dir: str | Path) -> dict:
-    """metrics rows, the raw config dict, a Config when it still validates, and completions rows."""
+    """metrics rows, the raw config dict, a Config when it still validates, completions rows, and the
+    segments of config_history.jsonl ([] for a run older than that file).
+
+    The logs are read by `tracking.read_jsonl`: a last line cut mid-write is skipped, any other unreadable
+    line is a `DamagedLogError` (a UserError, like ReportError) naming the file and the line."""
+    from .run_folder import read_history  # imported here: they pull in torch, the page itself does not
+    from .tracking import read_jsonl
+
     run_dir = Path(run_dir)
     if not (run_dir / "metrics.jsonl").is_file():
         raise ReportError(f"{run_dir} has no metrics.jsonl; give the run folder (output.dir) of a grpokit run")
-    metrics = _jsonl(run_dir / "metrics.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
     if not metrics:
         raise ReportError(f"{run_dir / 'metrics.jsonl'} is empty: the run has not finished a step yet")
     raw, config = {}, None
@@ -86,8 +85,15 @@ def load_run(run_dir: str | Path) -> dict:
         except Exception:  # an older or hand-edited config: the page still shows what it can
             config = None
     path = run_dir / "completions.jsonl"
-    completions = _jsonl(path) if path.is_file() else []
-    return {"dir": run_dir, "metrics": metrics, "raw_config": raw, "config": config, "completions": completions}
+    completions = read_jsonl(path) if path.is_file() else []
+    return {"dir": run_dir, "metrics": metrics, "raw_config": raw, "config": config, "completions": completions,
+            "history": [h for h in read_history(run_dir) if isinstance(h, dict)]}
+
+
+def resume_steps(history: list[dict]) -> list[int]:
+    """The step each resume continued from (every segment but the first)."""
+    return [h["start_step"] for h in history[1:]
+            if isinstance(h.get("start_step"), (int, float)) and not isinstance(h.get("start_step"), bool)]
 
 
 # ---- curves as SVG --------------------------------------------------------------------
@@ -122,8 +128,9 @@ def _smooth(values: list[float], span: int) -> list[float]:
 
 
 def svg_chart(title: str, series: dict[str, list[tuple[float, float | None]]], width: int = 520,
-              height: int = 230) -> str:
-    """A line chart of named (step, value) series as a standalone SVG document; None values leave gaps."""
+              height: int = 230, markers: list[float] = ()) -> str:
+    """A line chart of named (step, value) series as a standalone SVG document; None values leave gaps.
+    `markers`: steps marked by a dashed vertical line (the resumes), when inside the plotted steps."""
     left, right, bottom = 62, 14, 32
     legend, x, y = [], left, 33  # (name, x, y) laid out in rows that fit the width
     for name in series:
@@ -162,6 +169,11 @@ def svg_chart(title: str, series: dict[str, list[tuple[float, float | None]]], w
             out.append(f'<text x="{x:.1f}" y="{top + ph + 16}" text-anchor="middle" fill="#555">{int(round(t))}</text>')
     out.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>')
     out.append(f'<text x="{left + pw}" y="{height - 3}" text-anchor="end" fill="#555">step</text>')
+    for m in markers:
+        if x0 <= m <= x1:
+            x = sx(m)
+            out.append(f'<line class="resume" x1="{x:.1f}" x2="{x:.1f}" y1="{top}" y2="{top + ph}" stroke="#888" '
+                       f'stroke-dasharray="4,3"><title>resumed from step {m:g}</title></line>')
     for i, ((name, data), (_, lx, ly)) in enumerate(zip(series.items(), legend)):
         color = COLORS[i % len(COLORS)]
         out.append(f'<rect x="{lx:.0f}" y="{ly - 9}" width="10" height="10" fill="{color}"/>')
@@ -209,8 +221,9 @@ def _match(pattern: str, keys: list[str]) -> list[str]:
     return [k for k in keys if k.startswith(head) and k.endswith(tail) and "/" not in k[len(head):-len(tail)]]
 
 
-def chart_images(metrics: list[dict]) -> list[tuple[str, str | None, str]]:
-    """(title, SVG or None, note) for every chart: the fixed list first, then any metric left over."""
+def chart_images(metrics: list[dict], markers: list[float] = ()) -> list[tuple[str, str | None, str]]:
+    """(title, SVG or None, note) for every chart: the fixed list first, then any metric left over;
+    `markers` (resume steps) are drawn on each."""
     keys = list(dict.fromkeys(k for row in metrics for k in row if k != "step"))
     steps = [row.get("step", i + 1) for i, row in enumerate(metrics)]
     used: set[str] = set()
@@ -223,12 +236,12 @@ def chart_images(metrics: list[dict]) -> list[tuple[str, str | None, str]]:
         names = [k for p in patterns for k in _match(p, keys)]
         used.update(names)
         if names:
-            out.append((title, svg_chart(title, series_of(names)), ""))
+            out.append((title, svg_chart(title, series_of(names), markers=markers), ""))
         else:
             out.append((title, None, WHY_MISSING.get(patterns[0], "not logged by this run")))
     for name in keys:
         if name not in used and any(_value(row.get(name)) is not None for row in metrics):
-            out.append((name, svg_chart(name, series_of([name])), ""))
+            out.append((name, svg_chart(name, series_of([name]), markers=markers), ""))
     return out
 
 
@@ -350,6 +363,9 @@ table.seed td.text { font-family: monospace; text-align: left; max-width: 220px;
 table.seed td.pos { background: #e3f4e3; } table.seed td.neg { background: #fbe4e4; }
 table.seed td.note { border: none; color: #666; text-align: left; }
 table.seed tr.fn th, table.seed tr.fn td { color: #666; }
+table.segments { border-collapse: collapse; font-size: 13px; }
+table.segments th, table.segments td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; vertical-align: top; }
+table.segments th { background: #f6f6f6; } table.segments td.cmd { font-family: monospace; max-width: 420px; }
 """
 
 
@@ -361,6 +377,8 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, *, groups_p
     e = html.escape
     metrics = run["metrics"]
     parts = [f"<h1>grpokit run report: {e(str(run['dir']))}</h1>", _summary(run)]
+    if run["history"]:  # older run folders have no config_history.jsonl: no section
+        parts += ["<h2>Run segments</h2>", _segments_section(run["history"])]
 
     found = replay(metrics, run["config"])
     parts.append("<h2>Diagnostics</h2>")
@@ -371,8 +389,12 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, *, groups_p
         parts.append('<div class="ok">No diagnostic fired: none of the seeds\' common mistakes shows in '
                      'these metrics.</div>')
 
-    parts.append('<h2>Curves</h2><div class="charts">')
-    for title, svg, note in chart_images(metrics):
+    parts.append("<h2>Curves</h2>")
+    markers = resume_steps(run["history"])
+    if markers:
+        parts.append("<p>Dashed vertical lines: the step each resume continued from.</p>")
+    parts.append('<div class="charts">')
+    for title, svg, note in chart_images(metrics, markers):
         if svg is None:
             parts.append(f'<div class="missing"><b>{e(title)}</b><br>{e(note)}</div>')
         else:
@@ -407,6 +429,33 @@ def _summary(run: dict) -> str:
     ]
     return '<table class="kv">' + "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
                                            for k, v in rows) + "</table>"
+
+
+def _show(value) -> str:
+    return "(unset)" if value is None else json.dumps(value, ensure_ascii=False)
+
+
+def _segments_section(history: list[dict]) -> str:
+    """One row per segment: where it started, when, the command, and what it changed from the one before."""
+    e = html.escape
+    rows = ["<tr><th>#</th><th>started</th><th>when</th><th>command</th><th>changed from the previous segment</th></tr>"]
+    for i, seg in enumerate(history):
+        step = seg.get("start_step", "?")
+        started = "from scratch" if i == 0 and not step else f"resumed from step {step}"
+        changes = seg.get("changes") or {}
+        if i == 0:
+            changed = "— (first segment)"
+        elif not isinstance(changes, dict) or not changes:
+            changed = "nothing"
+        else:
+            changed = "<br>".join(
+                f"<code>{e(str(k))}</code>: {e(_show(v[0]))} → {e(_show(v[1]))}"
+                if isinstance(v, (list, tuple)) and len(v) == 2 else f"<code>{e(str(k))}</code>: {e(_show(v))}"
+                for k, v in changes.items())
+        command = seg.get("command")
+        rows.append(f"<tr><td>{i + 1}</td><td>{e(started)}</td><td>{e(str(seg.get('time', '?')))}</td>"
+                    f'<td class="cmd">{e(str(command)) if command else "—"}</td><td>{changed}</td></tr>')
+    return f'<table class="segments">{"".join(rows)}</table>'
 
 
 def _groups_section(run: dict, groups_per_step: int, max_steps: int) -> str:

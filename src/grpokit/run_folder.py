@@ -43,7 +43,7 @@ from .errors import UserError
 RESUMABLE_FIELDS = frozenset({
     "train.steps", "train.micro_batch_size", "train.logprob_chunk_size", "train.max_consecutive_skips",
     "train.fused_logprobs", "train.skip_zero_advantage", "train.keep_freed_memory",
-    "model.device", "rollout.vllm",
+    "model.device", "rollout.vllm", "rewards.timeout_s",
     "output.dir", "output.save_every", "output.keep_last", "output.overwrite", "output.completions_every",
     "output.console", "output.tensorboard", "output.wandb",
 })
