@@ -274,12 +274,12 @@ def test_resume_accepts_steps_and_logging_changes_and_keeps_each_segments_config
     done = run_cli("train", cfg, "--resume")  # train.steps equals the checkpoint's step: nothing to do
     assert_clean_exit(done)
     assert "already complete at step 1" in done.stdout
-    assert_clean_exit(run_cli("train", cfg, "--resume", "--set", "train.steps=3", "--set", "train.micro_batch_size=4",
+    assert_clean_exit(run_cli("train", cfg, "--resume", "--set", "train.steps=3", "--set", "output.keep_last=5",
                               "--set", "output.completions_every=1"))
-    assert_equals_reference(run, reference)  # micro-batches accumulate to the same gradient
+    assert_equals_reference(run, reference)
     history = read_history(run)
     assert [h["start_step"] for h in history] == [0, 1]
-    assert history[1]["changes"] == {"output.completions_every": [0, 1], "train.micro_batch_size": [0, 4],
+    assert history[1]["changes"] == {"output.completions_every": [0, 1], "output.keep_last": [10, 5],
                                      "train.steps": [1, 3]}
     assert "--resume" in history[1]["command"]
     assert (run / "checkpoint-3" / "grpokit_config.toml").is_file()
