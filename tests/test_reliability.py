@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 import grpokit.checkpoint as checkpoint_mod
-import grpokit.run_setup as run_setup_mod
+import grpokit.run_folder as run_folder_mod
 import grpokit.trainer as trainer_mod
 from grpokit.cli import main as cli_main
 from grpokit.config import Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
@@ -401,7 +401,7 @@ def test_too_little_free_disk_is_explained_before_the_model_loads(tiny_model_dir
                                                                   monkeypatch):
     import shutil
 
-    monkeypatch.setattr(run_setup_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12, 0))
+    monkeypatch.setattr(run_folder_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12, 0))
     monkeypatch.setattr(trainer_mod, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     cfg = write_cli_config(tmp_path, tiny_model_dir, previous_run, steps=2)
     before = snapshot(previous_run)

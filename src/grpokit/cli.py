@@ -42,6 +42,21 @@ def _train_command(args) -> str:
 
 
 def cmd_eval(args) -> int:
+    import math
+
+    from .config import ConfigError  # flags are checked before torch is imported
+
+    for flag, value in (("--num-prompts", args.num_prompts), ("--samples", args.samples),
+                        ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise ConfigError(f"--temperature must be a number > 0 (sampling divides the logits by it), got "
+                          f"{args.temperature}; for greedy answers read greedy_accuracy (the greedy pass runs unless "
+                          "--no-greedy)")
+    for item in args.task_arg or []:
+        if "=" not in item or "." in item.split("=", 1)[0]:
+            raise ConfigError(f"--task-arg {item!r}: expected KEY=VALUE, e.g. --task-arg digits=3")
     from .evaluate import evaluate
     from .modeling import load_model_and_tokenizer
     from .run_setup import eval_rows_and_specs
@@ -49,7 +64,7 @@ def cmd_eval(args) -> int:
     rows, specs, prompt_column = eval_rows_and_specs(
         task=args.task, task_args=_key_values(args.task_arg), data=args.data, prompt_column=args.prompt_column,
         rewards=args.reward, num_prompts=args.num_prompts, seed=args.data_seed)
-    model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype, device=args.device, field="--model")
     from .data import render_prompt
 
     ids = [tokenizer(render_prompt(tokenizer, r[prompt_column]), add_special_tokens=False)["input_ids"] for r in rows]
@@ -66,18 +81,51 @@ def cmd_eval(args) -> int:
 
 
 def cmd_sft(args) -> int:
+    import math
+    from pathlib import Path
+
+    from .config import ConfigError  # flags and --out are checked before torch is imported
+
+    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size)):
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ConfigError(f"--lr must be a number > 0, got {args.lr}; e.g. --lr 1e-3")
+    for item in args.task_arg or []:
+        if "=" not in item or "." in item.split("=", 1)[0]:
+            raise ConfigError(f"--task-arg {item!r}: expected KEY=VALUE, e.g. --task-arg digits=3")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {args.out!r} is a file; sft saves a model folder there: give a folder path")
+    model_files = ("config.json", "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                   "tokenizer.json", "tokenizer_config.json")
+    held = next((name for name in model_files if (out / name).exists()), None) if out.is_dir() else None
+    if held and not args.overwrite:
+        raise ConfigError(f"--out {args.out!r} already holds a model ({held}); choose another folder, or pass "
+                          "--overwrite to replace its files")
+    base = next(a for a in (out, *out.absolute().parents) if a.exists())  # the folder mkdir would start from
+    if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {args.out!r} cannot be created: {str(base)!r} is "
+                          f"{'a file' if not base.is_dir() else 'not writable'}; choose another folder")
     from .modeling import load_model_and_tokenizer
     from .run_setup import sft_pair_sampler
     from .sft import sft
 
     sample_pair = sft_pair_sampler(task=args.task, task_args=_key_values(args.task_arg), data=args.data,
                                    prompt_column=args.prompt_column, completion_column=args.completion_column)
-    model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype, device=args.device)
+    model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype, device=args.device, field="--model")
     every = max(1, args.steps // 10)
     sft(model, tokenizer, sample_pair, steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
         seed=args.seed, on_step=lambda s, loss: print(f"sft step {s}/{args.steps} loss {loss:.4f}") if s % every == 0 else None)
-    model.save_pretrained(args.out)
-    tokenizer.save_pretrained(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(args.out)
+        tokenizer.save_pretrained(args.out)
+    except OSError as e:
+        raise ConfigError(f"--out {args.out!r}: saving the model failed ({e.strerror or e}); free space or choose "
+                          "another folder") from e
+    if not (out / "config.json").is_file():  # save_pretrained logs, rather than raises, some failures
+        raise ConfigError(f"--out {args.out!r}: the model was not saved there; choose another folder")
     print(f"saved: {args.out}")
     return 0
 
@@ -108,6 +156,32 @@ def cmd_explain(args) -> int:
 
 
 def cmd_tiny_model(args) -> int:
+    from pathlib import Path
+
+    from .config import ConfigError
+    from .tiny import TINY_ARCHS
+
+    if args.arch not in TINY_ARCHS:
+        import difflib
+
+        close = difflib.get_close_matches(args.arch, TINY_ARCHS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ConfigError(f"--arch {args.arch!r}{hint} is not supported; choose one of {', '.join(TINY_ARCHS)}")
+    if args.hidden_size < 8 or args.hidden_size % 8:
+        raise ConfigError(f"--hidden-size must be a multiple of 8 (4 attention heads of an even size), got "
+                          f"{args.hidden_size}; e.g. --hidden-size 128")
+    if args.layers < 1:
+        raise ConfigError(f"--layers must be >= 1, got {args.layers}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"OUT {args.out!r} is a file; tiny-model writes a model folder: give a new folder path")
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"OUT {args.out!r} is a folder that is not empty; tiny-model does not overwrite: give a "
+                          "new or empty folder")
+    base = next(a for a in (out, *out.absolute().parents) if a.exists())
+    if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
+        raise ConfigError(f"OUT {args.out!r} cannot be created: {str(base)!r} is "
+                          f"{'a file' if not base.is_dir() else 'not writable'}; choose another folder")
     from .tiny import build_tiny_model
 
     build_tiny_model(args.out, arch=args.arch, hidden_size=args.hidden_size, num_layers=args.layers, seed=args.seed)
@@ -144,9 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward", action="append", default=[], help="reward name or file.py:function (with --data)")
     p.add_argument("--num-prompts", type=int, default=200)
     p.add_argument("--data-seed", type=int, default=12345, help="seed of generated task prompts (held out by default)")
-    p.add_argument("--samples", type=int, default=8, help="answers per prompt (k of pass@k)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--samples", type=int, default=8, help="answers per prompt (k of pass@k), >= 1")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0")
+    p.add_argument("--max-new-tokens", type=int, default=32, help=">= 1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-greedy", action="store_true", help="skip the greedy pass")
     p.add_argument("--json", action="store_true")
@@ -156,7 +230,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_data_args(p)
     p.add_argument("--completion-column", default="completion", help="target column (with --data)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="folder the trained model is saved to (a new folder)")
+    p.add_argument("--overwrite", action="store_true", help="replace the model files already in --out")
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
@@ -193,8 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("tiny-model", help="write a tiny random-init model + char tokenizer to a folder")
-    p.add_argument("out")
-    p.add_argument("--arch", default="qwen2")
+    p.add_argument("out", help="a new (or empty) folder")
+    from .tiny import TINY_ARCHS  # no torch import: a tuple of names
+
+    p.add_argument("--arch", default="qwen2", help=f"one of: {', '.join(TINY_ARCHS)}")
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)

@@ -201,9 +201,15 @@ def load_tokenizer(path: str | Path, *, field: str = "model.path"):
         tokenizer = AutoTokenizer.from_pretrained(str(p))
     except _load_errors() as e:
         raise _load_failed(p, field, "tokenizer", e) from e
-    if not tokenizer("1+1=2 a", add_special_tokens=False)["input_ids"]:  # an empty vocabulary
-        raise ModelLoadError(f"{field} {str(p)!r}: the tokenizer turns text into no tokens, so its tokenizer "
-                             "files are incomplete; copy them from the base model")
+    try:
+        vocab = set(tokenizer.get_vocab()) - set(tokenizer.get_added_vocab()) - set(tokenizer.all_special_tokens)
+    except NotImplementedError:  # pragma: no cover - a tokenizer class without get_vocab
+        vocab = None
+    if vocab is not None and len(vocab) <= 1:
+        # From tokenizer_config.json alone (tokenizer.json missing) transformers builds a tokenizer whose
+        # vocabulary is its unknown token plus the special ones: every prompt would encode to nothing.
+        raise ModelLoadError(f"{field} {str(p)!r}: the tokenizer has no vocabulary (only special tokens), so its "
+                             "tokenizer files are incomplete (tokenizer.json?); copy them from the base model")
     if tokenizer.pad_token_id is None:  # many base models ship without one
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

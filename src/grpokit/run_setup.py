@@ -53,11 +53,20 @@ def prepare_data(config: Config, rows: Iterable[dict] | None = None) -> Prepared
 
 
 def resolve_reward_specs(config: Config, task, functions: Sequence[Callable] | None = None) -> list[RewardSpec]:
-    """Python callables given to `train`, else `rewards.functions`, else the task's verifier."""
+    """Python callables given to `train`, else `rewards.functions`, else the task's verifier.
+
+    A callable is named by its `__name__` (`reward_<i>` without one); callables sharing a name are
+    told apart by their module (`mod_a.score`, `mod_b.score`), else numbered (`score`, `score_2`):
+    see `unique_reward_names`."""
+    from .rewards.registry import unique_reward_names
+
     r = config.rewards
     weights = list(r.weights) or [1.0] * len(functions or r.functions)
     if functions:
-        return [RewardSpec(getattr(f, "__name__", f"reward_{i}"), f, w) for i, (f, w) in enumerate(zip(functions, weights))]
+        names = unique_reward_names(
+            [getattr(f, "__name__", None) or f"reward_{i}" for i, f in enumerate(functions)],
+            [m if (m := getattr(f, "__module__", None)) not in (None, "__main__") else None for f in functions])
+        return [RewardSpec(n, f, w) for n, f, w in zip(names, functions, weights)]
     if r.functions:
         return reward_specs(list(r.functions), weights, r.args)
     if task is not None:
@@ -86,12 +95,22 @@ def max_positions_of(model_path: str) -> int | None:
     return cfg.get("max_position_embeddings") or cfg.get("n_positions") or cfg.get("max_sequence_length")
 
 
+def _cli_task(task: str, task_args: dict):
+    """`get_task` for the command line: its errors name the flag (--task or --task-arg)."""
+    from .tasks import TASKS, TaskError
+
+    try:
+        return get_task(task, **task_args)
+    except TaskError as e:
+        raise TaskError(f"{'--task-arg' if task in TASKS else '--task'}: {e}") from e
+
+
 def eval_rows_and_specs(*, task, task_args, data, prompt_column, rewards, num_prompts, seed):
     """Held-out rows and reward specs for `grpokit eval` (a built-in task or a file + rewards)."""
     if bool(task) == bool(data):
         raise SetupError("give exactly one of --task NAME or --data FILE")
     if task:
-        t = get_task(task, **task_args)
+        t = _cli_task(task, task_args)
         specs = reward_specs(rewards) if rewards else t.reward_functions()
         return t.generate(num_prompts, seed=seed, split="eval"), specs, "prompt"
     if not rewards:
@@ -105,7 +124,7 @@ def sft_pair_sampler(*, task, task_args, data, prompt_column, completion_column)
     if bool(task) == bool(data):
         raise SetupError("give exactly one of --task NAME or --data FILE")
     if task:
-        t = get_task(task, **task_args)
+        t = _cli_task(task, task_args)
         rows = t.generate(5000, seed=0, split="train")
         return lambda rng: (lambda row: (row["prompt"], t.sft_target(row, rng)))(rng.choice(rows))
     rows = load_prompts(data, prompt_column=prompt_column)

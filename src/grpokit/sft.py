@@ -47,6 +47,12 @@ def sft(
 ) -> list[float]:
     """Train `model` in place for `steps` AdamW steps (cosine schedule) on pairs drawn by
     `sample_pair(rng)`; returns the loss of every step."""
+    for name, value in (("steps", steps), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"sft: {name} must be an integer >= 1, got {value!r}")
+    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) \
+            or not math.isfinite(learning_rate) or not learning_rate > 0:
+        raise ValueError(f"sft: learning_rate must be a finite number > 0, got {learning_rate!r}")
     rng = random.Random(seed)
     torch.manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=0.01, betas=(0.9, 0.98))

@@ -4,8 +4,8 @@ The demo, the tests and the benchmarks need a real Hugging Face model folder
 (`config.json`, safetensors weights, tokenizer files) that loads through the
 same `from_pretrained(path)` code path a user's model does. This module writes
 one: a character-level tokenizer built with the `tokenizers` library and a
-small randomly initialised decoder (Qwen2 by default; any `transformers`
-causal-LM config class works).
+small randomly initialised decoder (Qwen2 by default; `TINY_ARCHS` lists the
+architectures it is tested with, the ones `grpokit tiny-model --arch` offers).
 """
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ import string
 from pathlib import Path
 
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+
+# The decoder families grpokit is tested on (tests/test_architectures.py): the choices of
+# `grpokit tiny-model --arch`. `build_tiny_model` takes other `model_type`s at the caller's risk.
+TINY_ARCHS = ("gemma", "gpt2", "gpt_neox", "llama", "mistral", "phi3", "qwen2", "qwen3")
 
 # A minimal chat template so that conversational prompts work on the tiny
 # tokenizer exactly as they do on a real chat model.

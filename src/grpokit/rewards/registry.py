@@ -154,24 +154,63 @@ def _timeout_of(ref: str, kwargs: dict) -> float | None:
     return None if timeout is None else float(timeout)
 
 
+def _qualifier(ref: str) -> str | None:
+    """What tells a reference apart from another of the same function name: the file's stem
+    ("rewards/a.py:score" -> "a") or the module ("pkg.mod:score" -> "pkg.mod"); None for a built-in."""
+    where, sep, _ = ref.rpartition(":")
+    if not sep:
+        return None
+    is_file = where.endswith(".py") or "/" in where or "\\" in where
+    return Path(where).stem if is_file else where
+
+
+def unique_reward_names(names: Sequence[str], qualifiers: Sequence[str | None] = ()) -> list[str]:
+    """Distinct metric names for reward functions whose names may collide.
+
+    A name shared by functions of different qualifiers (file stems or modules) is prefixed with
+    each one's qualifier: `a.py:score` and `b.py:score` become `a.score` and `b.score`, logged
+    as `rewards/a.score/mean` and `rewards/b.score/mean`. A name still shared after that (the same
+    reference twice, two files of the same stem, two callables of one script) gets `_2`, `_3`, ...
+    in order: `score`, `score_2`. Names that collide with nothing are kept as they are."""
+    qualifiers = list(qualifiers) or [None] * len(names)
+    groups: dict[str, set] = {}
+    for n, q in zip(names, qualifiers):
+        groups.setdefault(n, set()).add(q)
+    # Qualify only where it tells functions apart (not the same function listed twice).
+    wanted = [f"{q}.{n}" if q and len(groups[n]) > 1 else n for n, q in zip(names, qualifiers)]
+    taken: set[str] = set()
+    out = []
+    for n in wanted:
+        candidate, k = n, 2
+        while candidate in taken:
+            candidate, k = f"{n}_{k}", k + 1
+        taken.add(candidate)
+        out.append(candidate)
+    return out
+
+
 def reward_specs(refs: Sequence[str], weights: Sequence[float] = (),
                  args: dict[str, dict] | None = None) -> list[RewardSpec]:
     """RewardSpecs for names/references, with optional weights and per-reference keyword arguments.
 
     The argument `timeout` (seconds) applies to any reward, references included: it becomes
-    `RewardSpec.timeout` instead of being passed to the factory.
+    `RewardSpec.timeout` instead of being passed to the factory. Each spec's name (its metrics are
+    `rewards/<name>/mean` and `/std`) is the registry name or the function name; references that
+    share a function name are told apart by `unique_reward_names` (`a.py:score`, `b.py:score` ->
+    `a.score`, `b.score`). `args` may be keyed by the reference, the function name or that name.
     """
     if weights and len(weights) != len(refs):
         raise RewardLoadError(f"{len(weights)} reward weights for {len(refs)} reward functions; give one per function")
     args = args or {}
-    unknown = sorted(set(args) - set(refs) - {reward_name(r) for r in refs})
+    names = unique_reward_names([reward_name(r) for r in refs], [_qualifier(r) for r in refs])
+    unknown = sorted(set(args) - set(refs) - {reward_name(r) for r in refs} - set(names))
     if unknown:
         raise RewardLoadError(f"reward arguments given for {unknown}, which are not among the reward functions "
                               f"{list(refs)}")
     weights = list(weights) or [1.0] * len(refs)
     specs = []
-    for r, w in zip(refs, weights):
-        kwargs = dict(args.get(r, args.get(reward_name(r), {})))
+    for r, name, w in zip(refs, names, weights):
+        kwargs = dict(args.get(r, args.get(name, args.get(reward_name(r), {}))))
         timeout = _timeout_of(r, kwargs)
-        specs.append(RewardSpec(reward_name(r), resolve_reward(r, **kwargs), float(w), timeout))
+        specs.append(RewardSpec(name, resolve_reward(r, **kwargs), float(w), timeout))
     return specs

@@ -11,8 +11,10 @@ so `get_reward("addition")` / `get_reward("countdown", format_score=0.1)` work.
 
 from __future__ import annotations
 
+import difflib
 import inspect
 
+from grpokit.errors import UserError
 from grpokit.rewards import register_reward
 
 from .addition import AdditionTask, addition_reward
@@ -34,18 +36,27 @@ def available_tasks() -> list[str]:
     return sorted(TASKS)
 
 
+class TaskError(UserError, ValueError):
+    """An unknown built-in task name, or arguments the task does not accept."""
+
+
 def get_task(name: str, **kwargs) -> Task:
-    """The built-in task `name`, configured with `kwargs` (e.g. digits=3)."""
+    """The built-in task `name`, configured with `kwargs` (e.g. digits=3); `TaskError` otherwise."""
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(available_tasks())}")
+        close = difflib.get_close_matches(str(name), available_tasks(), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise TaskError(f"unknown task {name!r}{hint}; known tasks: {', '.join(available_tasks())}")
     cls = TASKS[name]
     try:
         inspect.signature(cls).bind(**kwargs)
     except TypeError as e:
         params = ", ".join(inspect.signature(cls).parameters)
-        raise ValueError(f"task {name!r} got arguments {sorted(kwargs)}: {e}; it accepts: {params}") from None
-    return cls(**kwargs)
+        raise TaskError(f"task {name!r} got arguments {sorted(kwargs)}: {e}; it accepts: {params}") from None
+    try:
+        return cls(**kwargs)
+    except ValueError as e:  # a bad argument value ("addition: digits must be ...")
+        raise TaskError(str(e)) from e
 
 
-__all__ = ["AdditionTask", "CountdownTask", "TASKS", "Task", "addition_reward", "available_tasks",
+__all__ = ["AdditionTask", "CountdownTask", "TASKS", "Task", "TaskError", "addition_reward", "available_tasks",
            "countdown_reward_fn", "get_task", "in_split", "parse_expression", "score_expression"]
