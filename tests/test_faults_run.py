@@ -360,3 +360,16 @@ def test_sigkill_at_a_random_moment_then_resume_equals_the_uninterrupted_run(tin
     again = run_cli("train", cfg, *(["--resume"] if list_checkpoints(run) else []))
     assert_clean_exit(again)
     assert_equals_reference(run, reference)
+
+
+def test_a_hanging_reward_stops_the_run_at_its_timeout_and_the_run_resumes(tiny_model_dir, tmp_path, reference):
+    """Your own reward functions are bounded by rewards.timeout_s (600 s by default; 2 s here)."""
+    run = tmp_path / "run"
+    cfg = write_train_config(tmp_path, tiny_model_dir, run)
+    t0 = time.monotonic()
+    hung = run_cli("train", cfg, "--set", "rewards.timeout_s=2", env=fault_env(tmp_path, hang_at=2))
+    assert_user_error(hung, "reward function 'parity' took longer than 2.0 s", "rewards.timeout_s")
+    assert time.monotonic() - t0 < 60
+    assert list_checkpoints(run) == [run / "checkpoint-1"]
+    assert_clean_exit(run_cli("train", cfg, "--resume", "--set", "rewards.timeout_s=2"))  # a resumable change
+    assert_equals_reference(run, reference)

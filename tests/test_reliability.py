@@ -366,7 +366,7 @@ START_UP_FAULTS = {
     "unknown reward": (lambda t: ["--set", 'rewards.functions=["numeric_mach"]'], ["unknown reward 'numeric_mach'"]),
     "bad reward timeout": (lambda t: ["--set", 'rewards.functions=["numeric_match"]', "--set",
                                       "rewards.args={numeric_match = {timeout = -1}}"],
-                           ["timeout must be a number of seconds > 0"]),
+                           ["timeout must be a number of seconds >= 0"]),
 }
 
 

@@ -131,5 +131,27 @@ def test_timeout_is_set_from_the_config_args(tmp_path):
     assert [s.timeout for s in specs] == [1.0, 1.0]
     with pytest.raises(RewardTimeoutError, match="took longer than 1.0 s"):
         compute_rewards(specs[:1], ["p"], ["c"], [[1]])
-    with pytest.raises(RewardLoadError, match="timeout must be a number of seconds > 0"):
+    with pytest.raises(RewardLoadError, match="timeout must be a number of seconds >= 0"):
         reward_specs(["numeric_match"], args={"numeric_match": {"timeout": "2s"}})
+
+
+def test_your_own_reward_functions_have_a_default_timeout_and_built_ins_bound_themselves(tmp_path):
+    """rewards.timeout_s (600 s unless set) bounds references and Python callables; a function's own
+    `timeout` overrides it, 0 meaning no limit; built-in rewards keep running in the calling thread
+    (math-verify's own parse timeouts need the main thread)."""
+    from grpokit.config import Config, DataConfig, ModelConfig, RewardConfig
+    from grpokit.run_setup import resolve_reward_specs
+
+    ref = tmp_path / "r.py"
+    ref.write_text("def mine(completions, **kw):\n    return [0.0] * len(completions)\n")
+    specs = reward_specs([f"{ref}:mine", "numeric_match"], default_timeout=600.0)
+    assert [s.timeout for s in specs] == [600.0, None]
+    assert reward_specs([f"{ref}:mine"], args={"mine": {"timeout": 0}}, default_timeout=600.0)[0].timeout is None
+
+    def config(**rewards):
+        return Config(model=ModelConfig(path="m"), data=DataConfig(task="addition"), rewards=RewardConfig(**rewards))
+
+    assert RewardConfig().timeout_s == 600.0
+    assert resolve_reward_specs(config(), None, [lambda completions, **kw: [0.0]])[0].timeout == 600.0
+    assert resolve_reward_specs(config(timeout_s=0), None, [lambda completions, **kw: [0.0]])[0].timeout is None
+    assert [s.timeout for s in resolve_reward_specs(config(functions=(f"{ref}:mine",), timeout_s=2), None)] == [2.0]

@@ -62,13 +62,14 @@ def resolve_reward_specs(config: Config, task, functions: Sequence[Callable] | N
 
     r = config.rewards
     weights = list(r.weights) or [1.0] * len(functions or r.functions)
+    timeout = r.timeout_s or None  # your own functions are bounded (rewards.timeout_s); built-ins bound themselves
     if functions:
         names = unique_reward_names(
             [getattr(f, "__name__", None) or f"reward_{i}" for i, f in enumerate(functions)],
             [m if (m := getattr(f, "__module__", None)) not in (None, "__main__") else None for f in functions])
-        return [RewardSpec(n, f, w) for n, f, w in zip(names, functions, weights)]
+        return [RewardSpec(n, f, w, timeout) for n, f, w in zip(names, functions, weights)]
     if r.functions:
-        return reward_specs(list(r.functions), weights, r.args)
+        return reward_specs(list(r.functions), weights, r.args, default_timeout=timeout)
     if task is not None:
         return task.reward_functions()
     raise SetupError("no reward functions: set rewards.functions (a built-in name such as 'numeric_match', "

@@ -23,7 +23,8 @@ Deviations from TRL, all in the user's favour:
   function raised on the whole batch it is re-run one sample at a time to find
   the first failing index.
 - `async def` functions are awaited (TRL runs them on a daemon event loop).
-- A spec with a `timeout` (seconds) runs its function in a daemon worker thread
+- A spec with a `timeout` (seconds; by default `rewards.timeout_s` = 600 for your own
+  functions, none for the built-ins) runs its function in a daemon worker thread
   and waits at most that long; past it, `RewardTimeoutError` names the function
   and the limit. A Python thread cannot be killed, so the hung call is abandoned
   (it runs on in the background until the process exits) and the run stops with
@@ -171,7 +172,8 @@ def _call(spec: RewardSpec, kwargs: dict, n: int):
         raise RewardTimeoutError(
             f"reward function '{spec.name}' took longer than {float(spec.timeout)} s (its timeout) on a batch of "
             f"{n} samples; the call was abandoned in a background thread and the run stops. Make the function "
-            f"faster, raise its timeout (rewards.args = {{{spec.name} = {{timeout = ...}}}}), or grade untrusted "
+            f"faster, raise its timeout (rewards.timeout_s, or rewards.args = {{{spec.name} = {{timeout = ...}}}}; "
+            f"0 = no limit), or grade untrusted "
             f"code with the sandboxed 'code_execution' reward")
     if "error" in box:
         raise box["error"]

@@ -145,13 +145,18 @@ def reward_name(ref: str) -> str:
     return ref.rpartition(":")[2] if ":" in ref else ref
 
 
-def _timeout_of(ref: str, kwargs: dict) -> float | None:
-    """Pop the `timeout` key (seconds, for any reward) out of a reward's arguments."""
-    timeout = kwargs.pop("timeout", None)
-    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
-                                or not timeout > 0):
-        raise RewardLoadError(f"reward {ref!r}: timeout must be a number of seconds > 0, got {timeout!r}")
-    return None if timeout is None else float(timeout)
+def _timeout_of(ref: str, kwargs: dict, default: float | None) -> float | None:
+    """Pop the `timeout` key (seconds, for any reward; 0 = no limit) out of a reward's arguments;
+    without one, references (your own code) get `default` and built-in rewards none (they bound
+    their own time: math-verify's parse timeouts, the code sandbox's limits)."""
+    if "timeout" not in kwargs:
+        return default if ":" in ref else None
+    timeout = kwargs.pop("timeout")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0 \
+            or timeout == float("inf"):
+        raise RewardLoadError(f"reward {ref!r}: timeout must be a number of seconds >= 0 (0 = no limit), "
+                              f"got {timeout!r}")
+    return float(timeout) or None
 
 
 def _qualifier(ref: str) -> str | None:
@@ -190,11 +195,12 @@ def unique_reward_names(names: Sequence[str], qualifiers: Sequence[str | None] =
 
 
 def reward_specs(refs: Sequence[str], weights: Sequence[float] = (),
-                 args: dict[str, dict] | None = None) -> list[RewardSpec]:
+                 args: dict[str, dict] | None = None, default_timeout: float | None = None) -> list[RewardSpec]:
     """RewardSpecs for names/references, with optional weights and per-reference keyword arguments.
 
-    The argument `timeout` (seconds) applies to any reward, references included: it becomes
-    `RewardSpec.timeout` instead of being passed to the factory. Each spec's name (its metrics are
+    The argument `timeout` (seconds, 0 = no limit) applies to any reward, references included: it
+    becomes `RewardSpec.timeout` instead of being passed to the factory. References without one get
+    `default_timeout` (`rewards.timeout_s`). Each spec's name (its metrics are
     `rewards/<name>/mean` and `/std`) is the registry name or the function name; references that
     share a function name are told apart by `unique_reward_names` (`a.py:score`, `b.py:score` ->
     `a.score`, `b.score`). `args` may be keyed by the reference, the function name or that name.
@@ -211,6 +217,6 @@ def reward_specs(refs: Sequence[str], weights: Sequence[float] = (),
     specs = []
     for r, name, w in zip(refs, names, weights):
         kwargs = dict(args.get(r, args.get(name, args.get(reward_name(r), {}))))
-        timeout = _timeout_of(r, kwargs)
+        timeout = _timeout_of(r, kwargs, default_timeout)
         specs.append(RewardSpec(name, resolve_reward(r, **kwargs), float(w), timeout))
     return specs
