@@ -253,9 +253,11 @@ def test_sigint_finishes_the_step_and_saves_a_second_one_stops_at_once(tiny_mode
 
     def impatient(completions, **kwargs):
         calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGINT)
+        if len(calls) == 2:  # reward functions run in a worker thread (rewards.timeout_s): the main thread
+            os.kill(os.getpid(), signal.SIGINT)  # handles each signal, so give it time between the two
+            time.sleep(0.5)
             os.kill(os.getpid(), signal.SIGINT)  # the second Ctrl-C: stop now, no save
+            time.sleep(5)
         return parity(completions)
 
     with pytest.raises(KeyboardInterrupt):
