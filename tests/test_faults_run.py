@@ -191,7 +191,8 @@ def test_a_second_run_on_a_busy_folder_is_refused_naming_the_first(tiny_model_di
     cfg = write_train_config(tmp_path, tiny_model_dir, run)
     first = start("train", cfg, env=fault_env(tmp_path, hang_at=2))  # holds the folder, hangs in step 2
     try:
-        wait_for(lambda: logged_steps(run) >= 1, first, "step 1")
+        wait_for(lambda: list_checkpoints(run), first, "checkpoint-1")
+        time.sleep(0.5)  # now inside step 2's hanging reward: nothing changes in the folder
         before = snapshot(run)
         for args in (["train", cfg], ["train", cfg, "--resume"], ["train", cfg, "--set", "output.overwrite=true"]):
             line = assert_user_error(run_cli(*args), "output.dir", "in use by another grpokit run",
