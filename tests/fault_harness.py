@@ -98,22 +98,26 @@ def parity(completions, **kwargs):
 '''
 
 
-def write_train_config(folder: Path, model_dir: Path, run: Path, *, steps: int = 3, extra: str = "") -> Path:
+def write_train_config(folder: Path, model_dir: Path, run: Path, *, steps: int = 3, data_path: Path | None = None,
+                       rewards: list[str] | None = None, extra: str = "") -> Path:
     """A small valid `grpokit train` config (2 prompts x 4 answers of <= 4 tokens, checkpoint every step)
-    with the `parity` reward above, written to `folder/run.toml`."""
+    written to `folder/run.toml`: the addition task (or the prompts in `data_path`), graded by `rewards`
+    (default: the `parity` reward above, written next to it)."""
     import json
     import textwrap
 
-    (folder / "fault_rewards.py").write_text(PARITY_REWARD)
+    if rewards is None:
+        (folder / "fault_rewards.py").write_text(PARITY_REWARD)
+        rewards = [str(folder / "fault_rewards.py") + ":parity"]
+    data = f"path = {json.dumps(str(data_path))}" if data_path else 'task = "addition"\nnum_prompts = 16'
     cfg = folder / "run.toml"
     cfg.write_text(textwrap.dedent(f"""\
         [model]
         path = {json.dumps(str(model_dir))}
         [data]
-        task = "addition"
-        num_prompts = 16
+        {{data}}
         [rewards]
-        functions = [{json.dumps(str(folder / "fault_rewards.py") + ":parity")}]
+        functions = {json.dumps(rewards)}
         [rollout]
         group_size = 4
         max_new_tokens = 4
@@ -126,5 +130,5 @@ def write_train_config(folder: Path, model_dir: Path, run: Path, *, steps: int =
         console = false
         save_every = 1
         keep_last = 10
-        """) + extra)
+        """).replace("{data}", data) + extra)
     return cfg

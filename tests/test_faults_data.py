@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fault_harness import assert_clean_exit, assert_user_error, run_cli, snapshot
+from fault_harness import assert_clean_exit, assert_user_error, run_cli, snapshot, write_train_config
 
 pytestmark = pytest.mark.faults
 
@@ -37,24 +37,7 @@ CASES = [
 
 
 def _config(tmp_path: Path, model: Path, data: Path) -> Path:
-    cfg = tmp_path / "train.toml"
-    cfg.write_text(f"""[model]
-path = {json.dumps(str(model))}
-[data]
-path = {json.dumps(str(data))}
-[rewards]
-functions = ["numeric_match"]
-[rollout]
-group_size = 4
-max_new_tokens = 4
-[train]
-steps = 1
-prompts_per_step = 2
-[output]
-dir = {json.dumps(str(tmp_path / "run"))}
-console = false
-""")
-    return cfg
+    return write_train_config(tmp_path, model, tmp_path / "run", steps=1, data_path=data, rewards=["numeric_match"])
 
 
 @pytest.mark.parametrize("name, contents, mentions", CASES, ids=[c[0] for c in CASES])

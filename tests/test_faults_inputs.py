@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from fault_harness import assert_clean_exit, assert_user_error, run_cli, snapshot
+from fault_harness import assert_clean_exit, assert_user_error, run_cli, snapshot, write_train_config
 from grpokit.modeling import ModelLoadError, check_model_folder, load_model, load_tokenizer
 
 pytestmark = pytest.mark.faults
@@ -30,25 +29,8 @@ def model_copy(tiny_model_dir: Path, tmp_path: Path, name: str = "model") -> Pat
 
 
 def write_config(tmp_path: Path, model_dir: Path, run: Path, rewards: list[str] | None = None) -> Path:
-    functions = f"[rewards]\nfunctions = {json.dumps(rewards)}\n" if rewards else ""
-    cfg = tmp_path / "run.toml"
-    cfg.write_text(textwrap.dedent(f"""\
-        [model]
-        path = {json.dumps(str(model_dir))}
-        [data]
-        task = "addition"
-        num_prompts = 16
-        [rollout]
-        group_size = 4
-        max_new_tokens = 4
-        [train]
-        steps = 1
-        prompts_per_step = 2
-        [output]
-        dir = {json.dumps(str(run))}
-        console = false
-        """) + functions)
-    return cfg
+    """One step on the addition task, graded by `rewards` (default: the task's own verifier)."""
+    return write_train_config(tmp_path, model_dir, run, steps=1, rewards=rewards or [])
 
 
 # ---- damaged model folders ------------------------------------------------------------------------------

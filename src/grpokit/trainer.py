@@ -35,7 +35,7 @@ from .modeling import (check_model_folder, completion_logprobs, head_is_linear, 
 from .objectives import policy_loss
 from .grading import Draw, grade, write_completions
 from .rewards import RewardSpec, reward_metrics
-from .rollout import Rollout, sample_groups
+from .rollout import Rollout
 from .diagnostics import Diagnostics
 from .distributed import (CheckpointWeights, DistributedContext, all_ranks, gather_states, global_sum,
                           load_checkpoint_weights, load_device, load_optimizer_state, local_state, optimizer_state,
@@ -88,7 +88,7 @@ def train(
                       engine=engine, command=command)
     except KeyboardInterrupt:  # a second Ctrl-C: stop now, without a traceback; the folder stays resumable
         last = list_checkpoints(config.output.dir)
-        raise StoppedNow(f"a second Ctrl-C stopped the run at once; the step in progress is lost. "
+        raise StoppedNow("a second Ctrl-C stopped the run at once; the step in progress is lost. "
                          + (f"The newest checkpoint is {last[-1]}; continue with: {resume_hint}" if last
                             else "No checkpoint was written yet; start again with the same command")) from None
     except OSError as e:
