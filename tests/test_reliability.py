@@ -181,7 +181,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tiny_model_dir, t
 
     monkeypatch.setattr(checkpoint_mod.torch, "save", save_or_fail)
     message = (f"{run}: could not write checkpoint-2 (No space left on device); the earlier checkpoints are "
-               f"intact (checkpoint-1); free space and continue with --resume")
+               f"intact (checkpoint-1); free space and continue with: train(config, resume=True)")
     with pytest.raises(checkpoint_mod.CheckpointError) as caught:
         train(make_config(tiny_model_dir, run, steps=3, save_every=1), reward_functions=[parity])
     assert str(caught.value) == message

@@ -56,7 +56,7 @@ class CheckpointError(UserError, RuntimeError):
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: dict, keep_last: int,
-                    config_text: str = "") -> Path:
+                    config_text: str = "", resume_hint: str = "--resume") -> Path:
     """Write `checkpoint-<step>` atomically, then drop all but the newest `keep_last`."""
     final = run_dir / f"checkpoint-{step}"
     tmp = run_dir / f".tmp-checkpoint-{step}"
@@ -75,7 +75,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: d
         kept = [c.name for c in list_checkpoints(run_dir)]
         raise CheckpointError(
             f"{run_dir}: could not write checkpoint-{step} ({reason}); "
-            + (f"the earlier checkpoints are intact ({', '.join(kept)}); free space and continue with --resume"
+            + (f"the earlier checkpoints are intact ({', '.join(kept)}); free space and continue with: {resume_hint}"
                if kept else "no earlier checkpoint exists; free space (or choose another output.dir) and start again")
         ) from e
     if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole

@@ -194,7 +194,7 @@ def check_config(config, thresholds: Thresholds = Thresholds()) -> list[tuple[st
     example = ("with 2 answers the advantages are always +1 and -1 whatever the gap: a score difference of 0.01, "
                "grader noise, becomes a full +1 / -1 signal" if G == 2 else
                f"with {G} answers a tiny score difference still becomes a full-size advantage (about +1.41 / -0.71)")
-    return [("group_size", f"rollout.group_size = {G}: {example} (seed 001, common mistakes). "
+    return [("group_size", f"rollout.group_size = {G}: {example}. "
                            f"Fix: use 4-16 answers per prompt (8 is common); lower train.prompts_per_step "
                            f"to keep the batch size.")]
 

@@ -187,10 +187,22 @@ def _load_failed(p: Path, field: str, what: str, e: BaseException) -> ModelLoadE
                           f"check the folder's files or {_REFETCH}")
 
 
-def resolve_device(device: str) -> torch.device:
+def resolve_device(device: str, field: str = "model.device") -> torch.device:
+    """The torch device for `device` ("auto": CUDA when present, else CPU); a device this machine does not
+    have is a user error here, not a torch assertion at the first `.to()`."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        d = torch.device(device)
+    except RuntimeError as e:
+        raise ModelLoadError(f"{field} {device!r} is not a device name ({e}); use auto, cpu, cuda or cuda:N") from None
+    backends = {"cuda": lambda: torch.cuda.is_available() and (d.index or 0) < torch.cuda.device_count(),
+                "mps": lambda: torch.backends.mps.is_available(),
+                "xpu": lambda: hasattr(torch, "xpu") and torch.xpu.is_available()}
+    if d.type in backends and not backends[d.type]():
+        raise ModelLoadError(f"{field} {device!r}: this machine has no such device (torch sees "
+                             f"{torch.cuda.device_count()} CUDA device(s)); use \"auto\" or \"cpu\"")
+    return d
 
 
 def load_tokenizer(path: str | Path, *, field: str = "model.path"):
@@ -219,11 +231,12 @@ def load_model(path: str | Path, *, dtype: str = "float32", device: str = "auto"
     from transformers import AutoModelForCausalLM
 
     p = check_model_folder(path, field=field)
+    target = resolve_device(device, "--device" if field.startswith("--") else "model.device")  # before the load
     try:
         model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype])
     except _load_errors() as e:
         raise _load_failed(p, field, "model", e) from e
-    model.to(resolve_device(device))
+    model.to(target)
     model.config.use_cache = False  # the training forward needs no cache; rollout passes its own
     return model
 

@@ -374,6 +374,8 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, *, groups_p
     """Write the HTML report of `run_dir` (default `RUN_DIR/report.html`); returns its path."""
     run = load_run(run_dir)
     out = Path(out) if out is not None else run["dir"] / "report.html"
+    if out.is_dir():
+        raise ReportError(f"--out {str(out)!r} is a folder; give the HTML file to write, e.g. {out / 'report.html'}")
     e = html.escape
     metrics = run["metrics"]
     parts = [f"<h1>grpokit run report: {e(str(run['dir']))}</h1>", _summary(run)]
@@ -386,7 +388,7 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, *, groups_p
         parts += [f'<div class="diag"><b>{"config" if s == 0 else f"step {s}"}</b>: '
                   f'{e(m.removeprefix("diagnostic: "))}</div>' for s, m in found]
     else:
-        parts.append('<div class="ok">No diagnostic fired: none of the seeds\' common mistakes shows in '
+        parts.append('<div class="ok">No diagnostic fired: none of the common GRPO mistakes shows in '
                      'these metrics.</div>')
 
     parts.append("<h2>Curves</h2>")

@@ -23,8 +23,8 @@ What a start does with what it finds:
 
 from __future__ import annotations
 
+import dataclasses
 import errno
-import fcntl
 import json
 import os
 import shutil
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .checkpoint import CHECKPOINT_CONFIG, checkpoint_step, list_checkpoints
-from .config import Config, to_toml
+from .config import SECTIONS, Config, to_toml
 from .errors import UserError
 
 # Fields a --resume may change: how long to train, where and how to log, and knobs that change memory
@@ -72,34 +72,68 @@ class RunFolderLock:
     """An exclusive advisory lock on a run folder, held from the start-up checks to the end of the run.
 
     The lock is `flock` on the folder's own descriptor, so it needs no lock file and the OS drops it
-    when the process ends in any way. `.grpokit.lock` only tells a refused second run who holds it."""
+    when the process ends in any way. `.grpokit.lock` only tells a refused second run who holds it.
+    Where a file system cannot lock a directory (NFS emulates flock with POSIX locks, which need a file
+    open for writing), the lock is taken on `.grpokit.lock` itself; where it cannot lock at all
+    (Lustre without the flock option, Windows) the run goes on unlocked, with a warning."""
 
     def __init__(self, path: str | Path, command: str | None = None):
-        self.path, self.command, self.fd = Path(path), command, None
+        self.path, self.command, self.fd, self.on_file = Path(path), command, None, False
 
     def acquire(self) -> None:
-        self.fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY)
         try:
+            import fcntl
+        except ImportError:  # Windows
+            return self._unlocked("this platform has no fcntl")
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
         except OSError as e:
-            os.close(self.fd)
-            self.fd = None
-            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise
-            raise RunFolderError(f"output.dir {str(self.path)!r} is in use by another grpokit run ({self._holder()}); "
-                                 "wait for it to finish or stop it, or choose another output.dir") from None
+            self._close()
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise self._busy() from None
+            first = e
+        try:  # no flock on directories here: a POSIX lock on a file opened for writing
+            self.fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.on_file = True
+        except OSError as e:
+            self._close()
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise self._busy() from None
+            self._unlocked(f"{first.strerror}; {e.strerror}")
+
+    def _unlocked(self, why: str) -> None:
+        print(f"warning: output.dir {str(self.path)!r} cannot be locked ({why}); make sure no other run uses it",
+              flush=True)
+
+    def _busy(self) -> "RunFolderError":
+        return RunFolderError(f"output.dir {str(self.path)!r} is in use by another grpokit run ({self._holder()}); "
+                              "wait for it to finish or stop it, or choose another output.dir")
 
     def announce(self) -> None:
         """Say who holds the folder (written once every check has passed: a refused start adds no file)."""
-        info = {"pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": self.command}
-        (self.path / LOCK_FILE).write_text(json.dumps(info) + "\n", encoding="utf-8")
+        if self.fd is None:
+            return
+        info = json.dumps({"pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": self.command})
+        if self.on_file:  # the locked file itself: rewrite it through the locked descriptor
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, (info + "\n").encode(), 0)
+        else:
+            (self.path / LOCK_FILE).write_text(info + "\n", encoding="utf-8")
 
     def release(self) -> None:
         if self.fd is None:
             return
-        (self.path / LOCK_FILE).unlink(missing_ok=True)  # still holding the lock: no one else reads it now
-        os.close(self.fd)  # closing the descriptor releases the lock
-        self.fd = None
+        if not self.on_file:  # still holding the lock: no one else reads the file now
+            (self.path / LOCK_FILE).unlink(missing_ok=True)
+        self._close()  # closing the descriptor releases the lock
+
+    def _close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def _holder(self) -> str:
         try:
@@ -120,7 +154,7 @@ def prepare_run_folder(config: Config, *, resume: bool, lock: RunFolderLock | No
         raise RunFolderError(f"--resume: {run_dir} has no checkpoint to resume from; run without --resume to start")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
+        probe = run_dir / f".write-test-{os.getpid()}"
         probe.write_text("ok")
         probe.unlink()
     except OSError as e:
@@ -139,9 +173,13 @@ def prepare_run_folder(config: Config, *, resume: bool, lock: RunFolderLock | No
                                  "continue it with --resume, choose another output.dir, or set "
                                  "output.overwrite = true to start over")
         _check_free_space(run_dir, Path(config.model.path))
+        ours = (run_dir / "metrics.jsonl").exists() or (run_dir / HISTORY).exists() or bool(checkpoints)
+        if (run_dir / "config.toml").exists() and not ours:
+            raise RunFolderError(f"output.dir {str(run_dir)!r} holds a config.toml that no grpokit run wrote (a run "
+                                 "keeps its own config.toml there); choose another output.dir")
         if not resume and checkpoints:
-            folder.notes.append(_remove_earlier_run(run_dir))
-        elif not resume and any((run_dir / name).exists() for name in RUN_FILES):
+            folder.notes.append(_remove_earlier_run(run_dir, config))
+        elif not resume and ours:
             folder.notes.append(_move_earlier_attempt(run_dir))
         if lock is not None:
             lock.announce()
@@ -162,7 +200,8 @@ def _resume_changes(config: Config, checkpoint: Path) -> dict:
     before = _saved_config(checkpoint)
     if before is None:  # written before checkpoints kept their config: nothing to compare against
         return {}
-    now = _flat(tomllib.loads(to_toml(config)))
+    before = _resolve_paths({**_defaults(), **before})  # a field added by a later release: its default
+    now = _resolve_paths(_flat(tomllib.loads(to_toml(config))))
     changes = {k: [before.get(k), now.get(k)] for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)}
     refused = {k: v for k, v in changes.items() if k not in RESUMABLE_FIELDS}
     if refused:
@@ -185,6 +224,34 @@ def _saved_config(checkpoint: Path) -> dict | None:
     return None
 
 
+PATH_FIELDS = ("model.path", "data.path")  # compared as the folders/files they name, not as typed
+
+
+def with_resolved_paths(config: Config) -> Config:
+    """`config` with model.path and data.path absolute: what a checkpoint records, so that a resume from
+    another working directory, or with the path spelled otherwise, is compared by what it names."""
+    def absolute(value: str) -> str:
+        return str(Path(value).resolve()) if value else value
+
+    return dataclasses.replace(
+        config, model=dataclasses.replace(config.model, path=absolute(config.model.path)),
+        data=dataclasses.replace(config.data, path=absolute(config.data.path)))
+
+
+def _resolve_paths(flat: dict) -> dict:
+    return {k: (str(Path(v).resolve()) if k in PATH_FIELDS and v else v) for k, v in flat.items()}
+
+
+def _defaults() -> dict:
+    """Every field's default, as a config written to TOML and read back holds it."""
+    out = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            out[f"{section}.{f.name}"] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
 def _flat(raw: dict) -> dict:
     return {f"{section}.{key}": value for section, values in raw.items() for key, value in values.items()}
 
@@ -205,14 +272,28 @@ def _check_free_space(run_dir: Path, model_dir: Path) -> None:
                              "another output.dir")
 
 
-def _remove_earlier_run(run_dir: Path) -> str:
-    """`output.overwrite = true`: remove what grpokit wrote (checkpoints, logs), leave anything else."""
-    removed = []
-    for path in sorted(run_dir.iterdir()):
-        if path.name in RUN_FILES or path.name.startswith(("checkpoint-", ".tmp-checkpoint-")):
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-            removed.append(path.name)
-    return f"output.overwrite: removed the earlier run from {run_dir} ({', '.join(removed)})"
+def _remove_earlier_run(run_dir: Path, config: Config) -> str:
+    """`output.overwrite = true`: remove what grpokit wrote (checkpoints, logs), leave anything else;
+    refuse if this run's own inputs (model, data) live in what would be removed."""
+    doomed = [p for p in sorted(run_dir.iterdir())
+              if p.name in RUN_FILES or p.name.startswith(("checkpoint-", ".tmp-checkpoint-"))]
+    for field_name, value in (("model.path", config.model.path), ("data.path", config.data.path)):
+        inside = [p for p in doomed if value and _is_within(Path(value), p)]
+        if inside:
+            raise RunFolderError(f"{field_name} {value!r} is inside {inside[0]}, which output.overwrite = true would "
+                                 "remove; copy it elsewhere first, or choose another output.dir")
+    try:
+        for path in doomed:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    except OSError as e:
+        raise RunFolderError(f"output.overwrite: could not remove {e.filename} ({e.strerror}); fix its permissions "
+                             "or choose another output.dir") from e
+    return f"output.overwrite: removed the earlier run from {run_dir} ({', '.join(p.name for p in doomed)})"
+
+
+def _is_within(path: Path, folder: Path) -> bool:
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
 
 
 def _move_earlier_attempt(run_dir: Path) -> str:
@@ -221,12 +302,17 @@ def _move_earlier_attempt(run_dir: Path) -> str:
     stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
     while (aside := run_dir / "earlier-attempts" / (stamp if n == 1 else f"{stamp}-{n}")).exists():
         n += 1
-    aside.mkdir(parents=True)
-    for name in RUN_FILES:
-        if (run_dir / name).exists():
-            (run_dir / name).rename(aside / name)
-    for stale in run_dir.glob(".tmp-checkpoint-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        aside.mkdir(parents=True)
+        for name in RUN_FILES:
+            if (run_dir / name).exists():
+                (run_dir / name).rename(aside / name)
+        for stale in run_dir.glob(".tmp-checkpoint-*"):
+            shutil.rmtree(stale)
+    except OSError as e:
+        raise RunFolderError(f"{run_dir} holds an attempt that stopped before its first checkpoint, and moving its "
+                             f"logs aside failed on {e.filename} ({e.strerror}); fix its permissions or choose another "
+                             "output.dir") from e
     return (f"{run_dir} held an attempt that stopped before its first checkpoint "
             f"({f'last logged step {last}' if last else 'no step logged'}); starting over. Its logs are in {aside}")
 

@@ -100,9 +100,13 @@ def append_jsonl(path: Path, rows: list[dict]) -> None:
     back to where it was, so a log never ends in half a line, and the OSError goes on (the trainer
     turns it into one error line naming the newest checkpoint)."""
     data = "".join(json.dumps(row) + "\n" for row in rows).encode("utf-8")
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":  # a line cut by a crash (an older version): drop it
+            tail = os.pread(fd, min(size, 1 << 20), max(0, size - (1 << 20)))
+            size = max(0, size - len(tail)) + tail.rfind(b"\n") + 1
+            os.ftruncate(fd, size)
         try:
             written = os.write(fd, data)
             if written != len(data):  # a short write: the disk filled up mid-way

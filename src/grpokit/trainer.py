@@ -42,7 +42,7 @@ from .distributed import (CheckpointWeights, DistributedContext, all_ranks, gath
                           prepare_model, reduce_gradients)
 from .engines import SamplingParams, build_engine, truncated_importance_weights
 from .lora import AdapterDisabled, apply_lora
-from .run_folder import RunFolder, RunFolderLock, prepare_run_folder, record_segment
+from .run_folder import RunFolder, RunFolderLock, prepare_run_folder, record_segment, with_resolved_paths
 from .run_setup import (PreparedData, PromptTable, SetupError, max_positions_of, prepare_data, resolve_reward_specs,
                         tokenize_prompts)
 from .tracking import ConsoleProgress, MetricsWriter, completion_metrics, drop_rows_after, reward_summary
@@ -86,9 +86,9 @@ def train(
     try:
         return _train(config, dist, lock, resume_hint, reward_functions=reward_functions, rows=rows, resume=resume,
                       engine=engine, command=command)
-    except KeyboardInterrupt:  # a second Ctrl-C: stop now, without a traceback; the folder stays resumable
+    except KeyboardInterrupt:  # a second Ctrl-C (or one before the loop): stop now, without a traceback
         last = list_checkpoints(config.output.dir)
-        raise StoppedNow("a second Ctrl-C stopped the run at once; the step in progress is lost. "
+        raise StoppedNow("interrupted (Ctrl-C): the run stopped at once; a step in progress is lost. "
                          + (f"The newest checkpoint is {last[-1]}; continue with: {resume_hint}" if last
                             else "No checkpoint was written yet; start again with the same command")) from None
     except OSError as e:
@@ -108,6 +108,7 @@ def _train(config: Config, dist: DistributedContext, lock, resume_hint: str, *, 
     # ---- checks and setup, all before the model loads -------------------------------
     run = dist.local_config(config)  # this process's share: B / world prompts per step
     check_model_folder(config.model.path)
+    resolve_device(config.model.device)  # a device this machine lacks fails here, not after the folder is prepared
     data: PreparedData = prepare_data(config, rows)
     specs: list[RewardSpec] = resolve_reward_specs(config, data.task, reward_functions)
     tokenizer = load_tokenizer(config.model.path)
@@ -166,9 +167,9 @@ def _train(config: Config, dist: DistributedContext, lock, resume_hint: str, *, 
                  "rng": rng_state(), "sampler": gather_states(sampler.get_state()), "stream": stream.state_dict()}
         weights = CheckpointWeights(model)  # gathered under FSDP; with LoRA the merged model + adapter/
         return dist.run_on_main(save_checkpoint, run_dir, step, weights, tokenizer, state, config.output.keep_last,
-                                config_text)
+                                config_text, resume_hint)
 
-    config_text = to_toml(config)
+    config_text = to_toml(with_resolved_paths(config))  # what each checkpoint records; a resume is checked against it
 
     failed_steps = 0  # consecutive steps whose every update was skipped as non-finite
     try:
@@ -221,7 +222,7 @@ class TrainingDiverged(UserError, RuntimeError):
 
 
 class StoppedNow(UserError, KeyboardInterrupt):
-    """A second Ctrl-C stopped the run mid-step: the CLI says so in one line and exits 130 (as shells
+    """Ctrl-C stopped the run at once (a second one in the loop, or one before the loop started): the CLI says so in one line and exits 130 (as shells
     expect of Ctrl-C); Python callers can still catch it as KeyboardInterrupt."""
 
     label, exit_code = "stopped", 130

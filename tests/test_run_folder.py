@@ -1,0 +1,137 @@
+"""run_folder: what a start does with what it finds in output.dir, checked without training (fast)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from grpokit.checkpoint import CHECKPOINT_CONFIG
+from grpokit.config import Config, DataConfig, ModelConfig, OutputConfig, to_toml
+from grpokit.run_folder import (RunFolderError, RunFolderLock, prepare_run_folder, with_resolved_paths)
+from grpokit.tracking import append_jsonl, read_jsonl
+
+
+def config(model: Path, run: Path, **output) -> Config:
+    return Config(model=ModelConfig(path=str(model)), data=DataConfig(task="addition"),
+                  output=OutputConfig(dir=str(run), console=False, **output))
+
+
+def fake_run(run: Path, cfg: Config, steps=(1, 2)) -> None:
+    """A run folder as a finished run leaves it (checkpoints with their recorded config, logs)."""
+    for step in steps:
+        ckpt = run / f"checkpoint-{step}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "model.safetensors").write_bytes(b"w")
+        (ckpt / CHECKPOINT_CONFIG).write_text(to_toml(with_resolved_paths(cfg)))
+    (run / "config.toml").write_text(to_toml(cfg))
+    append_jsonl(run / "metrics.jsonl", [{"step": s} for s in steps])
+
+
+@pytest.fixture
+def model(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    return folder
+
+
+def test_overwrite_refuses_to_remove_the_model_it_would_train(tmp_path, model):
+    run = tmp_path / "run"
+    fake_run(run, config(model, run))
+    inside = config(run / "checkpoint-2", run, overwrite=True)
+    with pytest.raises(RunFolderError, match=r"model.path .*checkpoint-2.* output.overwrite = true would remove"):
+        prepare_run_folder(inside, resume=False)
+    assert (run / "checkpoint-2" / "model.safetensors").is_file() and (run / "checkpoint-1").is_dir()
+
+
+def test_resume_compares_paths_by_what_they_name(tmp_path, model, monkeypatch):
+    run = tmp_path / "run"
+    fake_run(run, config(model, run))
+    monkeypatch.chdir(tmp_path)
+    for spelling in (str(model) + "/", "model", "./model/../model"):  # the same folder, spelled otherwise
+        assert prepare_run_folder(config(Path(spelling), run, keep_last=3), resume=True).resume_step == 2
+    other = tmp_path / "elsewhere"
+    (other / "model").mkdir(parents=True)
+    monkeypatch.chdir(other)  # the same relative words, another folder
+    with pytest.raises(RunFolderError, match="model.path"):
+        prepare_run_folder(config(Path("model"), run), resume=True)
+
+
+def test_a_field_missing_from_an_older_checkpoint_counts_as_its_default(tmp_path, model):
+    run = tmp_path / "run"
+    cfg = config(model, run)
+    fake_run(run, cfg)
+    recorded = run / "checkpoint-2" / CHECKPOINT_CONFIG
+    recorded.write_text("\n".join(line for line in recorded.read_text().splitlines()
+                                  if not line.startswith(("tis_cap", "timeout_s"))))
+    assert prepare_run_folder(cfg, resume=True).changes == {}
+
+
+def test_a_config_toml_that_no_run_wrote_is_not_taken_for_a_run(tmp_path, model):
+    run = tmp_path / "here"
+    run.mkdir()
+    (run / "config.toml").write_text("# my own config\n")
+    with pytest.raises(RunFolderError, match="holds a config.toml that no grpokit run wrote"):
+        prepare_run_folder(config(model, run), resume=False)
+    assert (run / "config.toml").read_text() == "# my own config\n"
+
+
+def test_overwrite_that_cannot_remove_a_file_is_one_error(tmp_path, model, monkeypatch):
+    run = tmp_path / "run"
+    fake_run(run, config(model, run))
+
+    def denied(path, *a, **k):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr("grpokit.run_folder.shutil.rmtree", denied)
+    with pytest.raises(RunFolderError, match=r"could not remove .*checkpoint-1 \(Permission denied\)"):
+        prepare_run_folder(config(model, run, overwrite=True), resume=False)
+
+
+def test_an_append_after_a_cut_line_drops_the_cut_line_first(tmp_path):
+    log = tmp_path / "config_history.jsonl"
+    append_jsonl(log, [{"step": 1}])
+    with open(log, "a") as f:
+        f.write('{"step": 2, "cha')  # a kill inside a write
+    append_jsonl(log, [{"step": 3}])
+    assert read_jsonl(log) == [{"step": 1}, {"step": 3}]
+
+
+def test_the_lock_falls_back_to_a_file_where_directories_cannot_be_locked(tmp_path, monkeypatch):
+    """NFS emulates flock with POSIX locks, which refuse a read-only directory descriptor (EBADF)."""
+    import fcntl
+
+    def no_dir_flock(fd, op):
+        raise OSError(9, "Bad file descriptor")
+
+    monkeypatch.setattr(fcntl, "flock", no_dir_flock)
+    first, second = RunFolderLock(tmp_path, "first"), RunFolderLock(tmp_path, "second")
+    first.acquire()
+    first.announce()
+    assert first.on_file
+    # POSIX locks belong to the process: a second lock from this same process would succeed, so ask a child
+    pid = os.fork()
+    if pid == 0:
+        try:
+            second.acquire()
+            os._exit(1)
+        except RunFolderError as e:
+            os._exit(0 if "in use by another grpokit run" in str(e) and f"pid {os.getppid()}" in str(e) else 2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    first.release()
+
+
+def test_a_device_this_machine_lacks_is_a_user_error():
+    import torch
+
+    from grpokit.modeling import ModelLoadError, resolve_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(ModelLoadError, match=r"model.device 'cuda:0': this machine has no such device"):
+        resolve_device("cuda:0")
+    with pytest.raises(ModelLoadError, match="is not a device name"):
+        resolve_device("gpu")
+    assert resolve_device("cpu").type == "cpu"
