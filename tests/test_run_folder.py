@@ -135,3 +135,11 @@ def test_a_device_this_machine_lacks_is_a_user_error():
     with pytest.raises(ModelLoadError, match="is not a device name"):
         resolve_device("gpu")
     assert resolve_device("cpu").type == "cpu"
+
+
+def test_resume_with_overwrite_set_continues_and_says_overwrite_is_ignored(tmp_path, model):
+    run = tmp_path / "run"
+    fake_run(run, config(model, run))
+    folder = prepare_run_folder(config(model, run, overwrite=True), resume=True)
+    assert folder.resume_step == 2 and folder.notes == ["--resume: output.overwrite = true is ignored; the run continues"]
+    assert (run / "checkpoint-2").is_dir() and (run / "metrics.jsonl").is_file()

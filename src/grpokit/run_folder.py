@@ -168,6 +168,8 @@ def prepare_run_folder(config: Config, *, resume: bool, lock: RunFolderLock | No
         if resume:
             folder.resume_step = checkpoint_step(checkpoints[-1])
             folder.changes = _resume_changes(config, checkpoints[-1])
+            if config.output.overwrite:  # --resume is the explicit ask; say that the other one is not acted on
+                folder.notes.append("--resume: output.overwrite = true is ignored; the run continues")
         elif checkpoints and not config.output.overwrite:
             raise RunFolderError(f"output.dir {str(run_dir)!r} already holds a run (newest: {checkpoints[-1].name}); "
                                  "continue it with --resume, choose another output.dir, or set "
