@@ -78,7 +78,7 @@ def build_prompts(tok, path: Path) -> list[dict]:
 
 
 def build_all() -> dict[str, str]:
-    from grpokit.tiny import build_tiny_model
+    from grpokit.models.tiny import build_tiny_model
 
     from transformers import AutoTokenizer
 

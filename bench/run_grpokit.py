@@ -17,9 +17,8 @@ from common import MODELS, REWARDS, emit, load_rows, peak_rss_mb, read_spec, set
 
 def main(spec: dict) -> None:
     set_threads(spec.get("threads", 2))
-    from grpokit.config import (AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig,
-                                TrainConfig)
-    from grpokit.trainer import train
+    from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+    from grpokit.training.loop import train
 
     patch = spec.get("patch", {})  # ablations: switch one fast path off
     if patch:

@@ -39,18 +39,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from grpokit.config import config_from_dict  # noqa: E402
+from grpokit.config.loading import config_from_dict  # noqa: E402
 from grpokit.demo import noisy_pair_sampler  # noqa: E402
 from grpokit.evaluate import pass_at_k  # noqa: E402
-from grpokit.modeling import load_model_and_tokenizer  # noqa: E402
-from grpokit.presets import PRESETS  # noqa: E402
-from grpokit.report import svg_chart  # noqa: E402
-from grpokit.rollout import sample_groups  # noqa: E402
+from grpokit.models.loading import load_model_and_tokenizer  # noqa: E402
+from grpokit.config.presets import PRESETS  # noqa: E402
+from grpokit.observe.charts import svg_chart  # noqa: E402
+from grpokit.rollout.decode import sample_groups  # noqa: E402
 from grpokit.sft import sft  # noqa: E402
 from grpokit.tasks import get_task  # noqa: E402
-from grpokit.tiny import build_tiny_model  # noqa: E402
-from grpokit.tracking import read_metrics  # noqa: E402
-from grpokit.trainer import train  # noqa: E402
+from grpokit.models.tiny import build_tiny_model  # noqa: E402
+from grpokit.observe.tracking import read_metrics  # noqa: E402
+from grpokit.training.loop import train  # noqa: E402
 
 TASKS = {
     "addition": dict(task_args={"digits": 2}, model=dict(hidden_size=64, num_layers=2), sft_steps=2000,

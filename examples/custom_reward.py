@@ -37,7 +37,7 @@ def correct_product(completions: list, answer: list, **kwargs) -> list[float | N
 
 if __name__ == "__main__":
     # A quick check without a model: grade three made-up completions of "12*3=".
-    from grpokit.rewards import RewardSpec, compute_rewards
+    from grpokit.rewards.core import RewardSpec, compute_rewards
 
     per_fn, total = compute_rewards(
         [RewardSpec("correct_product", correct_product)],

@@ -38,7 +38,7 @@ GAP_MEAN_MAX = 0.05  # mean |logp_vllm - logp_trainer| per token, bf16 on both s
 
 
 def build_model(path: Path) -> None:
-    from grpokit.tiny import build_tiny_model
+    from grpokit.models.tiny import build_tiny_model
 
     if not (path / "config.json").is_file():
         build_tiny_model(path, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, max_positions=512, seed=0)
@@ -66,8 +66,10 @@ def check(results: list, name: str, ok: bool, **numbers) -> None:
 def phase_engine(model_dir: Path, out: Path) -> list:
     import torch
 
-    from grpokit.engines import SamplingParams, VLLMEngine
-    from grpokit.modeling import completion_logprobs, load_model_and_tokenizer
+    from grpokit.rollout.engines import SamplingParams
+    from grpokit.rollout.vllm import VLLMEngine
+    from grpokit.models.forward import completion_logprobs
+    from grpokit.models.loading import load_model_and_tokenizer
     from grpokit.tasks import get_task
 
     results: list = []
@@ -116,10 +118,9 @@ def phase_engine(model_dir: Path, out: Path) -> list:
 
 
 def phase_train(model_dir: Path, out: Path, *, lora: bool = False, sleep: bool = False) -> list:
-    from grpokit.config import (AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig,
-                                TrainConfig)
-    from grpokit.tracking import read_metrics
-    from grpokit.trainer import train
+    from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+    from grpokit.observe.tracking import read_metrics
+    from grpokit.training.loop import train
 
     results: list = []
     options = {**vllm_options(), **({"enable_sleep_mode": True} if sleep else {})}

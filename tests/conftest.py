@@ -22,7 +22,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A random-init tiny Qwen2 + character tokenizer saved in Hugging Face format."""
-    from grpokit.tiny import build_tiny_model
+    from grpokit.models.tiny import build_tiny_model
 
     path = tmp_path_factory.mktemp("tiny-model")
     build_tiny_model(path, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, seed=0)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from grpokit.advantages import group_advantages
+from grpokit.algorithms.advantages import group_advantages
 
 NAN = float("nan")
 EPS = 1e-4

@@ -42,7 +42,7 @@ def test_freed_blocks_are_reused_without_page_faults():
 
 def test_the_trainer_applies_it_on_cpu_only_when_enabled(monkeypatch, tiny_model_dir, tmp_path):
     from grpokit import trainer
-    from grpokit.config import Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+    from grpokit.config.schema import Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
 
     calls = []
     monkeypatch.setattr(trainer, "keep_freed_memory", lambda: calls.append(1) or True)

@@ -17,9 +17,9 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpokit.rollout import sample_groups
+from grpokit.rollout.decode import sample_groups
 from test_rollout import recomputed_logprobs  # the independent recompute, shared with the rollout tests
-from grpokit.tiny import build_char_tokenizer
+from grpokit.models.tiny import build_char_tokenizer
 
 PROMPTS = ["1+2=", "What is 17 + 25?", "hi"]  # mixed lengths → left padding
 # Sharper than the default init (0.02), so that a wrong position or mask moves
@@ -100,8 +100,8 @@ def test_one_training_step_changes_the_weights(arch_model_dir, tmp_path):
     so the reference and old-logprob passes run too."""
     from safetensors.torch import load_file
 
-    from grpokit.config import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
-    from grpokit.trainer import train
+    from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+    from grpokit.training.loop import train
 
     def even_chars(completions, **kwargs):
         return [sum(ord(ch) % 2 == 0 for ch in c) / max(1, len(c)) for c in completions]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from grpokit.config import (AlgorithmConfig, Config, ConfigError, DataConfig, ModelConfig, OutputConfig, RewardConfig,
-                            RolloutConfig, TrainConfig, config_from_dict, load_config, to_toml)
+from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RewardConfig, RolloutConfig, TrainConfig
+from grpokit.errors import ConfigError
+from grpokit.config.loading import config_from_dict, load_config, to_toml
 
 BASE = {"model": {"path": "m"}, "data": {"task": "addition"}}
 
@@ -195,7 +196,7 @@ def test_data_task_is_checked_with_a_suggestion():
 
 
 def test_task_names_match_the_task_registry():
-    from grpokit.config import _TASK_NAMES
+    from grpokit.config.variants import _TASK_NAMES
     from grpokit.tasks import TASKS
 
     assert list(_TASK_NAMES) == sorted(TASKS)
@@ -219,7 +220,7 @@ def test_set_into_a_section_that_is_not_a_table(tmp_path):
 def test_good_vllm_options_are_kept_and_typed():
     r = RolloutConfig.__new__(RolloutConfig)  # engine = "vllm" needs vLLM installed; check the options alone
     object.__setattr__(r, "vllm", {"gpu_memory_utilization": 1, "enforce_eager": True, "dtype": "bfloat16"})
-    from grpokit.config import _check_vllm
+    from grpokit.config.schema import _check_vllm
 
     _check_vllm(r)
     assert r.vllm == {"gpu_memory_utilization": 1.0, "enforce_eager": True, "dtype": "bfloat16"}

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from grpokit.data import DataError, PromptStream, columns_of, load_prompts, prompt_batches, render_prompt
+from grpokit.errors import DataError
+from grpokit.data.prompts import PromptStream, columns_of, prompt_batches, render_prompt
+from grpokit.data.files import load_prompts
 
 ROWS = [
     {"prompt": "1+1=", "answer": "2", "level": 1},
@@ -319,7 +321,7 @@ def test_unsupported_sources(tmp_path):
 
 
 def test_render_prompt_with_the_tiny_chat_template():
-    from grpokit.tiny import build_char_tokenizer
+    from grpokit.models.tiny import build_char_tokenizer
 
     tok = build_char_tokenizer()
     assert render_prompt(tok, "12+34=") == "12+34="

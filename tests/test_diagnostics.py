@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from grpokit.config import Config, DataConfig, ModelConfig, RolloutConfig, TrainConfig
-from grpokit.diagnostics import Diagnostics, default_window, replay
+from grpokit.config.schema import Config, DataConfig, ModelConfig, RolloutConfig, TrainConfig
+from grpokit.observe.diagnostics import Diagnostics, default_window, replay
 
 STEPS = 60
 

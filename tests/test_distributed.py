@@ -22,10 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpokit.config import (AlgorithmConfig, Config, ConfigError, DataConfig, ModelConfig, OutputConfig, RolloutConfig,
-                            TrainConfig)
-from grpokit.distributed import DistributedContext, ShardedStream, buckets
-from grpokit.engines import HFEngine, concat_rollouts
+from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+from grpokit.errors import ConfigError
+from grpokit.models.parallel import DistributedContext, ShardedStream, buckets
+from grpokit.rollout.engines import HFEngine
+from grpokit.rollout.batch import concat_rollouts
 
 SCENARIOS = {
     # dapo: the global token count normalises; micro-batches of 2 answers (gradient accumulation on each rank)
@@ -75,7 +76,7 @@ def per_prompt_engine(config, model, tokenizer):
 
 
 def run_scenario(name: str, model_dir, out, *, fsdp_off: bool = False) -> Path:
-    from grpokit.trainer import train
+    from grpokit.training.loop import train
 
     config = scenario_config(name, model_dir, out)
     if fsdp_off:
@@ -86,7 +87,7 @@ def run_scenario(name: str, model_dir, out, *, fsdp_off: bool = False) -> Path:
 def run_resume(kind: str, model_dir, out: Path) -> None:
     """2 steps straight, and 1 step + `--resume` for the second, with the built-in engine (each rank's
     own sampling generator must come back from the checkpoint)."""
-    from grpokit.trainer import train
+    from grpokit.training.loop import train
 
     base = scenario_config("fsdp" if kind == "fsdp" else "dapo", model_dir, out)
     for name, steps, resume in (("straight", 2, False), ("resumed", 1, False), ("resumed", 2, True)):

@@ -11,15 +11,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpokit.config import (AlgorithmConfig, Config, ConfigError, DataConfig, ModelConfig, OutputConfig, RolloutConfig,
-                            TrainConfig)
-from grpokit.engines import (HFEngine, SamplingParams, VLLMEngine, concat_rollouts, rollout_from_tokens,
-                             truncated_importance_weights)
-from grpokit.modeling import load_model_and_tokenizer
-from grpokit.objectives import policy_loss
-from grpokit.rollout import sample_groups
-from grpokit.tracking import read_metrics
-from grpokit.trainer import train
+from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+from grpokit.errors import ConfigError
+from grpokit.rollout.engines import HFEngine, SamplingParams
+from grpokit.rollout.vllm import VLLMEngine
+from grpokit.rollout.batch import concat_rollouts, rollout_from_tokens
+from grpokit.algorithms.objectives import truncated_importance_weights
+from grpokit.models.loading import load_model_and_tokenizer
+from grpokit.algorithms.objectives import policy_loss
+from grpokit.rollout.decode import sample_groups
+from grpokit.observe.tracking import read_metrics
+from grpokit.training.loop import train
 
 
 def make_config(model_dir, out, *, algorithm=None, rollout=None, train=None) -> Config:
@@ -229,8 +231,8 @@ def test_vllm_weight_sync_goes_in_buckets_not_one_call_per_parameter(tiny):
 
 def test_vllm_lora_sync_pushes_only_the_adapter(tiny_model_dir, tmp_path):
     pytest.importorskip("peft")
-    from grpokit.lora import apply_lora
-    from grpokit.modeling import load_model
+    from grpokit.models.lora import apply_lora
+    from grpokit.models.loading import load_model
 
     model = apply_lora(load_model(tiny_model_dir, device="cpu"), {"r": 4})
     llm = FakeLLM()

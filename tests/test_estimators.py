@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from grpokit.advantages import ESTIMATORS, group_advantages
-from grpokit.objectives import high_entropy_mask, policy_loss
+from grpokit.algorithms.advantages import ESTIMATORS, group_advantages
+from grpokit.algorithms.objectives import high_entropy_mask, policy_loss
 
 F64 = torch.float64
 

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from grpokit.cli import main
-from grpokit.explain import build_last_token_model, explain_checkpoints
+from grpokit.observe.explain import build_last_token_model, explain_checkpoints
 
 # seed 002: π(token | context) for the contexts P, PA, PAB (each ends in a different token)
 OLD = {"P": {"A": 0.5, "B": 0.3, "C": 0.2}, "A": {"A": 0.2, "B": 0.6, "C": 0.2}, "B": {"A": 0.3, "B": 0.3, "C": 0.4}}

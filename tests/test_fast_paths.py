@@ -15,10 +15,12 @@ import pytest
 import torch
 
 from grpokit import fused_logprobs
-from grpokit.config import AlgorithmConfig, Config, DataConfig, ModelConfig, RolloutConfig, TrainConfig
-from grpokit.modeling import completion_logprobs, load_model, load_tokenizer
-from grpokit.rollout import sample_groups
-from grpokit.trainer import GenerationBatch, _micro_step, optimize, score_old_and_ref
+from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, RolloutConfig, TrainConfig
+from grpokit.models.forward import completion_logprobs
+from grpokit.models.loading import load_model, load_tokenizer
+from grpokit.rollout.decode import sample_groups
+from grpokit.training.generate import GenerationBatch
+from grpokit.training.update import _micro_step, optimize, score_old_and_ref
 
 G = 4
 

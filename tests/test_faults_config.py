@@ -25,7 +25,8 @@ import pytest
 
 from fault_harness import CliResult, assert_user_error, run_cli, snapshot
 from grpokit import cli
-from grpokit.config import SECTIONS, load_config
+from grpokit.config.schema import SECTIONS
+from grpokit.config.loading import load_config
 
 pytestmark = pytest.mark.faults
 

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from fault_harness import assert_clean_exit, assert_user_error, run_cli, snapshot, write_train_config
-from grpokit.modeling import ModelLoadError, check_model_folder, load_model, load_tokenizer
+from grpokit.errors import ModelLoadError
+from grpokit.models.loading import check_model_folder, load_model, load_tokenizer
 
 pytestmark = pytest.mark.faults
 
@@ -162,7 +163,7 @@ def write_score_files(tmp_path: Path) -> tuple[str, str]:
 
 
 def test_reward_names_are_made_distinct(tmp_path):
-    from grpokit.rewards import reward_specs
+    from grpokit.rewards.registry import reward_specs
     from grpokit.rewards.registry import unique_reward_names
 
     a, b = write_score_files(tmp_path)
@@ -184,8 +185,8 @@ def test_train_with_two_reward_files_defining_the_same_name(tiny_model_dir, tmp_
 
 
 def test_train_api_with_two_callables_of_the_same_name(tiny_model_dir, tmp_path):
-    from grpokit.config import load_config
-    from grpokit.trainer import train
+    from grpokit.config.loading import load_config
+    from grpokit.training.loop import train
 
     def make(value):
         def score(completions, **kwargs):
@@ -256,7 +257,7 @@ def test_tiny_model_onto_a_non_empty_folder(tmp_path):
 
 
 def test_tiny_model_arch_typo_lists_the_supported_ones(tmp_path):
-    from grpokit.tiny import TINY_ARCHS
+    from grpokit.models.tiny import TINY_ARCHS
 
     line = assert_user_error(run_cli("tiny-model", tmp_path / "m", "--arch", "qwen"), "--arch", "'qwen'",
                              *TINY_ARCHS)

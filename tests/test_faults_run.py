@@ -22,9 +22,9 @@ import torch
 from safetensors.torch import load_file
 
 from fault_harness import (ROOT, assert_clean_exit, assert_user_error, run_cli, snapshot, write_train_config)
-from grpokit.checkpoint import list_checkpoints
-from grpokit.run_folder import read_history
-from grpokit.tracking import read_metrics
+from grpokit.training.checkpoint import list_checkpoints
+from grpokit.observe.tracking import read_history
+from grpokit.observe.tracking import read_metrics
 
 pytestmark = pytest.mark.faults
 WALL_CLOCK = ("time/", "tokens_per_sec")

@@ -9,12 +9,13 @@ import torch
 peft = pytest.importorskip("peft")
 
 import grpokit.trainer as trainer_mod  # noqa: E402
-from grpokit.config import (AlgorithmConfig, Config, ConfigError, DataConfig, ModelConfig, OutputConfig,  # noqa: E402
-                            RolloutConfig, TrainConfig)
-from grpokit.lora import AdapterDisabled, adapter_of, apply_lora, merged_state_dict, trainable_parameters  # noqa: E402
-from grpokit.modeling import completion_logprobs, load_model  # noqa: E402
-from grpokit.tracking import read_metrics  # noqa: E402
-from grpokit.trainer import train  # noqa: E402
+from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+from grpokit.errors import ConfigError
+from grpokit.models.lora import AdapterDisabled, adapter_of, apply_lora, merged_state_dict, trainable_parameters  # noqa: E402
+from grpokit.models.forward import completion_logprobs
+from grpokit.models.loading import load_model  # noqa: E402
+from grpokit.observe.tracking import read_metrics  # noqa: E402
+from grpokit.training.loop import train  # noqa: E402
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}
 

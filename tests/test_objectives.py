@@ -7,14 +7,9 @@ import math
 import pytest
 import torch
 
-from grpokit.advantages import group_advantages
-from grpokit.objectives import (
-    importance_log_ratio,
-    policy_loss,
-    sequence_ratio,
-    token_logprobs,
-    token_logprobs_from_hidden,
-)
+from grpokit.algorithms.advantages import group_advantages
+from grpokit.algorithms.objectives import importance_log_ratio, policy_loss, sequence_ratio
+from grpokit.algorithms.logprobs import token_logprobs, token_logprobs_from_hidden
 
 LN2 = math.log(2.0)
 F64 = torch.float64

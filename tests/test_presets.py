@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from grpokit.cli import main as cli_main
-from grpokit.config import AlgorithmConfig, ConfigError, config_from_dict, load_config, to_toml
-from grpokit.presets import PRESETS, apply_preset, preset_fields
-from grpokit.rewards import reward_specs
+from grpokit.config.schema import AlgorithmConfig
+from grpokit.errors import ConfigError
+from grpokit.config.loading import config_from_dict, load_config, to_toml
+from grpokit.config.presets import PRESETS, apply_preset, preset_fields
+from grpokit.rewards.registry import reward_specs
 from grpokit.tasks import TASKS, get_task
-from grpokit.tracking import read_metrics
+from grpokit.observe.tracking import read_metrics
 
 BASE = {"model": {"path": "m"}, "data": {"task": "addition"}}
 
@@ -204,8 +206,8 @@ def _weights(run):
 
 
 def _run(tmp_path, model_dir, name, algorithm, train=None, reward=None):
-    from grpokit.config import Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
-    from grpokit.trainer import train as train_fn
+    from grpokit.config.schema import Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+    from grpokit.training.loop import train as train_fn
 
     config = Config(model=ModelConfig(path=str(model_dir)), data=DataConfig(task="addition", num_prompts=64),
                     rollout=RolloutConfig(group_size=4, max_new_tokens=5, ignore_eos=True),
@@ -245,7 +247,7 @@ def test_entropy_bonus_moves_the_weights_even_when_no_group_has_signal(tiny_mode
 def test_options_give_the_same_update_on_the_fused_and_the_plain_path(tiny_model_dir, tmp_path, algorithm):
     tag = "-".join(f"{k}{v}" for k, v in algorithm.items())
     a = _run(tmp_path, tiny_model_dir, f"fused-{tag}", algorithm, reward=_parity_reward)
-    from grpokit.config import TrainConfig
+    from grpokit.config.schema import TrainConfig
 
     fast_paths = {k: False for k in ("fused_logprobs", "skip_zero_advantage") if k in TrainConfig.__dataclass_fields__}
     b = _run(tmp_path, tiny_model_dir, f"plain-{tag}", algorithm, train=fast_paths, reward=_parity_reward)

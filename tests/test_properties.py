@@ -15,9 +15,11 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from grpokit.advantages import group_advantages
-from grpokit.config import SECTIONS, ConfigError, load_config, to_toml
-from grpokit.objectives import policy_loss
+from grpokit.algorithms.advantages import group_advantages
+from grpokit.config.schema import SECTIONS
+from grpokit.errors import ConfigError
+from grpokit.config.loading import load_config, to_toml
+from grpokit.algorithms.objectives import policy_loss
 
 SETTINGS = settings(max_examples=50, deadline=None)
 SCALES = ["group", "batch", "none"]

@@ -24,9 +24,9 @@ import grpokit.checkpoint as checkpoint_mod
 import grpokit.run_folder as run_folder_mod
 import grpokit.trainer as trainer_mod
 from grpokit.cli import main as cli_main
-from grpokit.config import Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
-from grpokit.tracking import read_metrics
-from grpokit.trainer import train
+from grpokit.config.schema import Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+from grpokit.observe.tracking import read_metrics
+from grpokit.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 PARITY = '''

@@ -10,22 +10,11 @@ import threading
 import pytest
 import torch
 
-from grpokit.data import columns_of
-from grpokit.rewards import (
-    RewardError,
-    RewardLoadError,
-    RewardSpec,
-    compute_rewards,
-    format_reward,
-    get_reward,
-    load_reward,
-    math_equivalence,
-    numeric_match,
-    resolve_reward,
-    reward_metrics,
-    reward_specs,
-    soft_overlong_penalty,
-)
+from grpokit.data.prompts import columns_of
+from grpokit.errors import RewardError, RewardLoadError
+from grpokit.rewards.core import RewardSpec, compute_rewards, reward_metrics
+from grpokit.rewards.graders import format_reward, math_equivalence, numeric_match, soft_overlong_penalty
+from grpokit.rewards.registry import get_reward, load_reward, resolve_reward, reward_specs
 
 nan = math.nan
 

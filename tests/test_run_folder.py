@@ -7,10 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from grpokit.checkpoint import CHECKPOINT_CONFIG
-from grpokit.config import Config, DataConfig, ModelConfig, OutputConfig, to_toml
-from grpokit.run_folder import (RunFolderError, RunFolderLock, prepare_run_folder, with_resolved_paths)
-from grpokit.tracking import append_jsonl, read_jsonl
+from grpokit.training.checkpoint import CHECKPOINT_CONFIG
+from grpokit.config.schema import Config, DataConfig, ModelConfig, OutputConfig
+from grpokit.config.loading import to_toml
+from grpokit.errors import RunFolderError
+from grpokit.training.run_folder import RunFolderLock, prepare_run_folder, with_resolved_paths
+from grpokit.observe.tracking import append_jsonl, read_jsonl
 
 
 def config(model: Path, run: Path, **output) -> Config:
@@ -126,7 +128,8 @@ def test_the_lock_falls_back_to_a_file_where_directories_cannot_be_locked(tmp_pa
 def test_a_device_this_machine_lacks_is_a_user_error():
     import torch
 
-    from grpokit.modeling import ModelLoadError, resolve_device
+    from grpokit.errors import ModelLoadError
+    from grpokit.models.loading import resolve_device
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -6,8 +6,10 @@ import time
 
 import pytest
 
-from grpokit.rewards import (RewardError, RewardLoadError, RewardSpec, RewardTimeoutError, compute_rewards,
-                             extract_code, get_reward, reward_specs)
+from grpokit.errors import RewardError, RewardLoadError, RewardTimeoutError
+from grpokit.rewards.core import RewardSpec, compute_rewards
+from grpokit.rewards.sandbox import extract_code
+from grpokit.rewards.registry import get_reward, reward_specs
 from grpokit.rewards.sandbox import code_execution_reward, run_tests
 
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]
@@ -139,8 +141,8 @@ def test_your_own_reward_functions_have_a_default_timeout_and_built_ins_bound_th
     """rewards.timeout_s (600 s unless set) bounds references and Python callables; a function's own
     `timeout` overrides it, 0 meaning no limit; built-in rewards keep running in the calling thread
     (math-verify's own parse timeouts need the main thread)."""
-    from grpokit.config import Config, DataConfig, ModelConfig, RewardConfig
-    from grpokit.run_setup import resolve_reward_specs
+    from grpokit.config.schema import Config, DataConfig, ModelConfig, RewardConfig
+    from grpokit.training.setup import resolve_reward_specs
 
     ref = tmp_path / "r.py"
     ref.write_text("def mine(completions, **kw):\n    return [0.0] * len(completions)\n")

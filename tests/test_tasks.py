@@ -7,9 +7,14 @@ import random
 
 import pytest
 
-from grpokit.data import columns_of, load_prompts
-from grpokit.rewards import compute_rewards
-from grpokit.tasks import AdditionTask, CountdownTask, Task, get_task, parse_expression, score_expression
+from grpokit.data.prompts import columns_of
+from grpokit.data.files import load_prompts
+from grpokit.rewards.core import compute_rewards
+from grpokit.tasks.addition import AdditionTask
+from grpokit.tasks.countdown import CountdownTask
+from grpokit.tasks.base import Task
+from grpokit.tasks import get_task
+from grpokit.rewards.verifiers import parse_expression, score_expression
 
 
 @pytest.mark.parametrize("name", ["addition", "countdown"])

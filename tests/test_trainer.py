@@ -9,9 +9,10 @@ import torch
 from safetensors.torch import load_file
 
 import grpokit.trainer as trainer_mod
-from grpokit.config import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
-from grpokit.tracking import read_metrics
-from grpokit.trainer import lr_lambda, train
+from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+from grpokit.observe.tracking import read_metrics
+from grpokit.training.setup import lr_lambda
+from grpokit.training.loop import train
 
 DESIGN_METRICS = [
     "reward", "reward_std", "frac_reward_zero_std", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",

@@ -30,8 +30,8 @@ pytest.importorskip("trl")
 grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
 trl_utils = pytest.importorskip("trl.trainer.utils")
 
-from grpokit.advantages import group_advantages  # noqa: E402
-from grpokit.objectives import policy_loss  # noqa: E402
+from grpokit.algorithms.advantages import group_advantages  # noqa: E402
+from grpokit.algorithms.objectives import policy_loss  # noqa: E402
 
 F64 = torch.float64
 EPS, EPS_HIGH, MAX_LEN = 0.2, 0.28, 7

@@ -13,20 +13,20 @@ import os
 import shlex
 import sys
 
-from .errors import UserError
+from grpokit.errors import ConfigError, UserError
 
 
 def _key_values(items: list[str]) -> dict:
-    from .config import parse_override
+    from grpokit.config.loading import parse_override
 
     return {path[1]: value for path, value in (parse_override(f"arg.{item}") for item in items or [])}
 
 
 def cmd_train(args) -> int:
-    from .config import load_config
+    from grpokit.config.loading import load_config
 
     config = load_config(args.config, args.set)  # a bad field fails here, before torch is imported
-    from .trainer import train
+    from grpokit.training.loop import train
 
     run_dir = train(config, resume=args.resume, command=_train_command(args))
     if os.environ.get("RANK", "0") == "0":  # under torchrun, once
@@ -44,8 +44,6 @@ def _train_command(args) -> str:
 def cmd_eval(args) -> int:
     import math
 
-    from .config import ConfigError  # flags are checked before torch is imported
-
     for flag, value in (("--num-prompts", args.num_prompts), ("--samples", args.samples),
                         ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
@@ -57,15 +55,14 @@ def cmd_eval(args) -> int:
     for item in args.task_arg or []:
         if "=" not in item or "." in item.split("=", 1)[0]:
             raise ConfigError(f"--task-arg {item!r}: expected KEY=VALUE, e.g. --task-arg digits=3")
-    from .evaluate import evaluate
-    from .modeling import load_model_and_tokenizer
-    from .run_setup import eval_rows_and_specs
+    from grpokit.evaluate import eval_rows_and_specs, evaluate
+    from grpokit.models.loading import load_model_and_tokenizer
 
     rows, specs, prompt_column = eval_rows_and_specs(
         task=args.task, task_args=_key_values(args.task_arg), data=args.data, prompt_column=args.prompt_column,
         rewards=args.reward, num_prompts=args.num_prompts, seed=args.data_seed)
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype, device=args.device, field="--model")
-    from .data import render_prompt
+    from grpokit.data.prompts import render_prompt
 
     ids = [tokenizer(render_prompt(tokenizer, r[prompt_column]), add_special_tokens=False)["input_ids"] for r in rows]
     result = evaluate(model, tokenizer, rows, ids, specs, samples_per_prompt=args.samples, temperature=args.temperature,
@@ -83,8 +80,6 @@ def cmd_eval(args) -> int:
 def cmd_sft(args) -> int:
     import math
     from pathlib import Path
-
-    from .config import ConfigError  # flags and --out are checked before torch is imported
 
     for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size)):
         if value < 1:
@@ -107,9 +102,8 @@ def cmd_sft(args) -> int:
     if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
         raise ConfigError(f"--out {args.out!r} cannot be created: {str(base)!r} is "
                           f"{'a file' if not base.is_dir() else 'not writable'}; choose another folder")
-    from .modeling import load_model_and_tokenizer
-    from .run_setup import sft_pair_sampler
-    from .sft import sft
+    from grpokit.models.loading import load_model_and_tokenizer
+    from grpokit.sft import sft, sft_pair_sampler
 
     sample_pair = sft_pair_sampler(task=args.task, task_args=_key_values(args.task_arg), data=args.data,
                                    prompt_column=args.prompt_column, completion_column=args.completion_column)
@@ -131,14 +125,14 @@ def cmd_sft(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import run_demo
+    from grpokit.demo import run_demo
 
     run_demo(args.out, quick=args.quick, seed=args.seed)
     return 0
 
 
 def cmd_report(args) -> int:
-    from .report import build_report
+    from grpokit.observe.report import build_report
 
     out = build_report(args.run_dir, args.out, groups_per_step=args.groups, max_steps=args.steps)
     print(f"report: {out}")
@@ -146,7 +140,7 @@ def cmd_report(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from .explain import explain_checkpoints, format_explanation
+    from grpokit.observe.explain import explain_checkpoints, format_explanation
 
     result = explain_checkpoints(args.old, args.new, args.prompt, args.answer, dtype=args.dtype, device=args.device,
                                  chat=args.chat, temperature=args.temperature, top_k=args.top_k,
@@ -158,8 +152,7 @@ def cmd_explain(args) -> int:
 def cmd_tiny_model(args) -> int:
     from pathlib import Path
 
-    from .config import ConfigError
-    from .tiny import TINY_ARCHS
+    from grpokit.models.tiny import TINY_ARCHS
 
     if args.arch not in TINY_ARCHS:
         import difflib
@@ -182,7 +175,7 @@ def cmd_tiny_model(args) -> int:
     if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
         raise ConfigError(f"OUT {args.out!r} cannot be created: {str(base)!r} is "
                           f"{'a file' if not base.is_dir() else 'not writable'}; choose another folder")
-    from .tiny import build_tiny_model
+    from grpokit.models.tiny import build_tiny_model
 
     build_tiny_model(args.out, arch=args.arch, hidden_size=args.hidden_size, num_layers=args.layers, seed=args.seed)
     print(f"saved: {args.out}")
@@ -269,7 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tiny-model", help="write a tiny random-init model + char tokenizer to a folder")
     p.add_argument("out", help="a new (or empty) folder")
-    from .tiny import TINY_ARCHS  # no torch import: a tuple of names
+    from grpokit.models.tiny import TINY_ARCHS
 
     p.add_argument("--arch", default="qwen2", help=f"one of: {', '.join(TINY_ARCHS)}")
     p.add_argument("--hidden-size", type=int, default=128)

@@ -21,10 +21,20 @@ from pathlib import Path
 
 # Demo settings, chosen on a 2-core CPU (see README "The demo" for the measured run).
 MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2)
+
+
 TASK = dict(name="addition", digits=2)
+
+
 SFT = dict(steps=3000, batch_size=64, learning_rate=3e-3, wrong_fraction=0.7)
+
+
 GRPO = dict(steps=1000, prompts_per_step=16, group_size=8, learning_rate=3e-4, max_new_tokens=6)
+
+
 EVAL = dict(num_prompts=200, samples_per_prompt=8, temperature=1.0)
+
+
 QUICK = dict(sft_steps=60, grpo_steps=4, eval_prompts=16)
 
 
@@ -56,14 +66,22 @@ def run_demo(out: str | Path = "demo_run", *, quick: bool = False, seed: int = 0
     from rich.console import Console
     from rich.table import Table
 
-    from .config import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
-    from .evaluate import evaluate
-    from .modeling import load_model_and_tokenizer
-    from .sft import sft
-    from .tasks import get_task
-    from .tiny import build_tiny_model
-    from .tracking import read_metrics
-    from .trainer import train
+    from grpokit.config.schema import (
+        AlgorithmConfig,
+        Config,
+        DataConfig,
+        ModelConfig,
+        OutputConfig,
+        RolloutConfig,
+        TrainConfig,
+    )
+    from grpokit.evaluate import evaluate
+    from grpokit.models.loading import load_model_and_tokenizer
+    from grpokit.models.tiny import build_tiny_model
+    from grpokit.observe.tracking import read_metrics
+    from grpokit.sft import sft
+    from grpokit.tasks import get_task
+    from grpokit.training.loop import train
 
     console = Console()
     out = Path(out)

@@ -15,3 +15,70 @@ class UserError(Exception):
 
     label = "error"  # the CLI prints `{label}: {message}` and exits with `exit_code`
     exit_code = 2
+
+
+class ConfigError(UserError, ValueError):
+    """A config field has a bad value; the message names the field and the fix."""
+
+
+class DataError(UserError, ValueError):
+    """A prompt source that cannot be used as it is; the message says where and how to fix it."""
+
+
+class ModelLoadError(UserError, ValueError):
+    """The model folder is missing or is not a Hugging Face causal-LM folder."""
+
+
+class SetupError(UserError, ValueError):
+    """The run cannot start as configured; the message says why and what to change."""
+
+
+class RewardLoadError(UserError, ValueError):
+    """A reward name or "file.py:function" reference that cannot be resolved."""
+
+
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint could not be written; the message says which ones are intact and how to go on."""
+
+
+class TrainingDiverged(UserError, RuntimeError):
+    """Too many updates in a row had a non-finite loss or gradient."""
+
+
+class StoppedNow(UserError, KeyboardInterrupt):
+    """Ctrl-C stopped the run at once (a second one in the loop, or one before the loop started): the CLI says so in one line and exits 130 (as shells
+    expect of Ctrl-C); Python callers can still catch it as KeyboardInterrupt."""
+
+    label, exit_code = "stopped", 130
+
+
+class ReportError(UserError, ValueError):
+    """The run folder cannot be reported on; the message says why."""
+
+
+class ExplainError(UserError, ValueError):
+    """The prompt, answer or checkpoints cannot be explained; the message says why."""
+
+
+class PresetError(UserError, ValueError):
+    """A preset cannot be applied to this config (the message says what to set)."""
+
+
+class TaskError(UserError, ValueError):
+    """An unknown built-in task name, or arguments the task does not accept."""
+
+
+class RunFolderError(UserError, ValueError):
+    """The run folder cannot be used as asked; the message says why and what to do."""
+
+
+class DamagedLogError(UserError, ValueError):
+    """A run log has an unreadable line before its last one; the message names the file and the line."""
+
+
+class RewardError(UserError, RuntimeError):
+    """A reward function failed or returned something that is not one number (or None) per sample."""
+
+
+class RewardTimeoutError(RewardError):
+    """A reward function ran past its `RewardSpec.timeout`."""

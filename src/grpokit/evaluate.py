@@ -13,9 +13,13 @@ from typing import Sequence
 
 import torch
 
-from .data import columns_of
-from .rewards import RewardSpec, as_trl_completions, compute_rewards
-from .rollout import sample_groups
+from grpokit.data.files import load_prompts
+from grpokit.data.prompts import columns_of
+from grpokit.errors import SetupError
+from grpokit.rewards.core import RewardSpec, as_trl_completions, compute_rewards
+from grpokit.rewards.registry import reward_specs
+from grpokit.rollout.decode import sample_groups
+from grpokit.tasks import cli_task
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -86,3 +90,17 @@ def evaluate(
                       **common)
         result["greedy_accuracy"] = (torch.nan_to_num(best, nan=0.0) >= correct_threshold).float().mean().item()
     return result
+
+
+def eval_rows_and_specs(*, task, task_args, data, prompt_column, rewards, num_prompts, seed):
+    """Held-out rows and reward specs for `grpokit eval` (a built-in task or a file + rewards)."""
+    if bool(task) == bool(data):
+        raise SetupError("give exactly one of --task NAME or --data FILE")
+    if task:
+        t = cli_task(task, task_args)
+        specs = reward_specs(rewards) if rewards else t.reward_functions()
+        return t.generate(num_prompts, seed=seed, split="eval"), specs, "prompt"
+    if not rewards:
+        raise SetupError("--data needs at least one --reward NAME or --reward file.py:function")
+    rows = load_prompts(data, prompt_column=prompt_column)[:num_prompts]
+    return rows, reward_specs(rewards), "prompt"

@@ -15,6 +15,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from grpokit.data.files import load_prompts
+from grpokit.errors import DataError, SetupError
+from grpokit.tasks import cli_task
+
 
 def collate(tokenizer, pairs: Sequence[tuple[str, str]]) -> dict[str, torch.Tensor]:
     """Right-padded `input_ids`, `attention_mask` and `labels` (-100 on prompt and padding)."""
@@ -78,3 +82,21 @@ def sft(
             on_step(step + 1, losses[-1])
     model.eval()
     return losses
+
+
+def sft_pair_sampler(*, task, task_args, data, prompt_column, completion_column):
+    """A `rng -> (prompt, target)` sampler for `grpokit sft` from a task or a file."""
+    if bool(task) == bool(data):
+        raise SetupError("give exactly one of --task NAME or --data FILE")
+    if task:
+        t = cli_task(task, task_args)
+        rows = t.generate(5000, seed=0, split="train")
+        return lambda rng: (lambda row: (row["prompt"], t.sft_target(row, rng)))(rng.choice(rows))
+    rows = load_prompts(data, prompt_column=prompt_column)
+    missing = [i + 1 for i, r in enumerate(rows) if not isinstance(r.get(completion_column), str)]
+    if missing:
+        raise DataError(f"{data}: row {missing[0]} has no string {completion_column!r} column (the SFT target); "
+                        "add it or pass --completion-column")
+    if any(not isinstance(r["prompt"], str) for r in rows):
+        raise DataError(f"{data}: sft takes plain-string prompts")
+    return lambda rng: (lambda row: (row["prompt"], row[completion_column]))(rng.choice(rows))

@@ -5,16 +5,11 @@
     per_fn, total = compute_rewards(specs, prompts, completions, completion_ids, {"answer": answers})
 """
 
-from .core import (
-    RewardError,
-    RewardSpec,
-    RewardTimeoutError,
-    as_trl_completions,
-    compute_rewards,
-    is_conversational,
-    reward_metrics,
-)
-from .graders import (
+from __future__ import annotations
+
+from grpokit.errors import RewardError, RewardLoadError, RewardTimeoutError
+from grpokit.rewards.core import RewardSpec, as_trl_completions, compute_rewards, is_conversational, reward_metrics
+from grpokit.rewards.graders import (
     DEFAULT_FORMAT,
     answer_span,
     completion_text,
@@ -25,8 +20,7 @@ from .graders import (
     overlong_penalty_value,
     soft_overlong_penalty,
 )
-from .registry import (
-    RewardLoadError,
+from grpokit.rewards.registry import (
     available_rewards,
     get_reward,
     load_reward,
@@ -35,7 +29,7 @@ from .registry import (
     reward_name,
     reward_specs,
 )
-from .sandbox import code_execution, code_execution_reward, extract_code
+from grpokit.rewards.sandbox import code_execution, code_execution_reward, extract_code
 
 __all__ = [
     "DEFAULT_FORMAT", "RewardError", "RewardLoadError", "RewardSpec", "RewardTimeoutError", "answer_span",

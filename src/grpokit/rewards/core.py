@@ -45,21 +45,18 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-from ..errors import UserError
+
+from grpokit.errors import RewardError, RewardTimeoutError
 
 # Keys TRL passes to every reward function besides the dataset columns.
 EXTRA_KWARGS = ("trainer_state", "log_extra", "log_metric")
+
+
 # Dataset columns TRL never forwards (they would collide with the call's own arguments).
 RESERVED_COLUMNS = ("prompt", "completion", "completion_ids", "prompts", "completions")
+
+
 _RERUN_LIMIT = 256  # samples re-run one at a time to locate a raise
-
-
-class RewardError(UserError, RuntimeError):
-    """A reward function failed or returned something that is not one number (or None) per sample."""
-
-
-class RewardTimeoutError(RewardError):
-    """A reward function ran past its `RewardSpec.timeout`."""
 
 
 @dataclass(frozen=True)

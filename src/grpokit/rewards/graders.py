@@ -19,9 +19,13 @@ from fractions import Fraction
 from typing import Any
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+
+
 # A number: an optional minus (not a binary minus right after a digit or ")"),
 # digits with optional thousands commas, an optional decimal part.
 _NUMBER = re.compile(r"(?<![\d)\]])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?<![\d)\]])-?\.\d+")
+
+
 DEFAULT_FORMAT = r"^<think>.*?</think>\s*<answer>.*?</answer>$"
 
 

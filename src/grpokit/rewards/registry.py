@@ -1,9 +1,9 @@
 """Reward functions by name ("numeric_match", "countdown", ...) or by reference ("file.py:fn").
 
 The registry maps a name to a factory: `get_reward(name, **kwargs)` calls
-`factory(**kwargs)` and returns the reward function. Built-in tasks register
-their verifiers when `grpokit.tasks` is imported, which `get_reward` does on
-first miss, so `get_reward("addition")` works without importing tasks first.
+`factory(**kwargs)` and returns the reward function. The built-in tasks'
+verifiers (`verifiers.py`) are built-in rewards like any other; the tasks
+themselves sit above this package and only name them.
 """
 
 from __future__ import annotations
@@ -16,14 +16,11 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from ..errors import UserError
-from .core import RewardSpec
-from .graders import format_reward, math_equivalence, numeric_match, soft_overlong_penalty
-from .sandbox import code_execution_reward
-
-
-class RewardLoadError(UserError, ValueError):
-    """A reward name or "file.py:function" reference that cannot be resolved."""
+from grpokit.errors import RewardLoadError
+from grpokit.rewards.core import RewardSpec
+from grpokit.rewards.graders import format_reward, math_equivalence, numeric_match, soft_overlong_penalty
+from grpokit.rewards.sandbox import code_execution_reward
+from grpokit.rewards.verifiers import addition_reward, countdown_reward_fn
 
 
 def _constant(fn: Callable) -> Callable[[], Callable]:
@@ -39,6 +36,8 @@ _REGISTRY: dict[str, Callable[..., Callable]] = {
     "format": format_reward,
     "soft_overlong_penalty": soft_overlong_penalty,
     "code_execution": code_execution_reward,
+    "addition": _constant(addition_reward),  # the built-in tasks' verifiers (tasks/)
+    "countdown": countdown_reward_fn,
 }
 
 
@@ -51,14 +50,11 @@ def register_reward(name: str, factory: Callable[..., Callable], *, overwrite: b
 
 def available_rewards() -> list[str]:
     """Names `get_reward` knows, built-in tasks' verifiers included."""
-    import grpokit.tasks  # noqa: F401  (registers the task verifiers)
     return sorted(_REGISTRY)
 
 
 def get_reward(name: str, **kwargs) -> Callable:
     """The reward function registered under `name`, built with `kwargs`."""
-    if name not in _REGISTRY:
-        import grpokit.tasks  # noqa: F401
     if name not in _REGISTRY:
         hint = " (a file reference needs ':function', e.g. my_rewards.py:score)" if name.endswith(".py") else ""
         raise RewardLoadError(f"unknown reward {name!r}{hint}; known rewards: {', '.join(available_rewards())}, "

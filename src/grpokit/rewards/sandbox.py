@@ -61,16 +61,25 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
-from .graders import completion_text
+from grpokit.rewards.graders import completion_text
 
 __all__ = ["code_execution", "code_execution_reward", "extract_code", "run_tests"]
 
+
 _STARTUP_GRACE = 1.0  # seconds of wall clock for the interpreter to start, on top of time_limit
+
+
 _FILE_LIMIT = 16 * 2**20  # bytes per file the answer (and the harness's result file) may write
+
+
 _RESULT_FILE = ".grpokit-result"
 
+
 _FENCED = re.compile(r"```(?:python|py|python3)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+
+
 _ANY_FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
+
 
 # Runs in the child. Reads the job from stdin, opens the result file, puts stdin/stdout/stderr
 # on /dev/null, sets the limits, then runs the answer and the tests in one namespace. Every
@@ -209,4 +218,6 @@ def code_execution_reward(time_limit: float = 5.0, memory_mb: int = 512, workers
 
 
 code_execution = code_execution_reward()
+
+
 code_execution.__doc__ = __doc__.split("\n\n", 1)[0]

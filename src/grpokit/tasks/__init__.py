@@ -1,12 +1,12 @@
-"""Built-in synthetic tasks: a prompt generator plus an exact verifier.
+"""Built-in synthetic tasks: a prompt generator plus the name of its exact verifier.
 
     task = get_task("addition", digits=2)
     train = task.generate(5000, seed=0, split="train")
     held_out = task.generate(200, seed=1, split="eval")     # disjoint from train
     specs = task.reward_functions()
 
-Importing this package registers each task's verifier in the reward registry,
-so `get_reward("addition")` / `get_reward("countdown", format_score=0.1)` work.
+The verifiers are reward functions (`rewards/verifiers.py`), so `get_reward("addition")` /
+`get_reward("countdown", format_score=0.1)` work without this package.
 """
 
 from __future__ import annotations
@@ -14,30 +14,17 @@ from __future__ import annotations
 import difflib
 import inspect
 
-from grpokit.errors import UserError
-from grpokit.rewards import register_reward
-
-from .addition import AdditionTask, addition_reward
-from .base import Task, in_split
-from .countdown import CountdownTask, countdown_reward_fn, parse_expression, score_expression
+from grpokit.errors import TaskError
+from grpokit.rewards.verifiers import addition_reward, countdown_reward_fn, parse_expression, score_expression
+from grpokit.tasks.addition import AdditionTask
+from grpokit.tasks.base import Task, in_split
+from grpokit.tasks.countdown import CountdownTask
 
 TASKS: dict[str, type] = {"addition": AdditionTask, "countdown": CountdownTask}
 
 
-def _addition_factory():
-    return addition_reward
-
-
-register_reward("addition", _addition_factory, overwrite=True)
-register_reward("countdown", countdown_reward_fn, overwrite=True)
-
-
 def available_tasks() -> list[str]:
     return sorted(TASKS)
-
-
-class TaskError(UserError, ValueError):
-    """An unknown built-in task name, or arguments the task does not accept."""
 
 
 def get_task(name: str, **kwargs) -> Task:
@@ -58,5 +45,13 @@ def get_task(name: str, **kwargs) -> Task:
         raise TaskError(str(e)) from e
 
 
+def cli_task(task: str, task_args: dict):
+    """`get_task` for the command line: its errors name the flag (--task or --task-arg)."""
+    try:
+        return get_task(task, **task_args)
+    except TaskError as e:
+        raise TaskError(f"{'--task-arg' if task in TASKS else '--task'}: {e}") from e
+
+
 __all__ = ["AdditionTask", "CountdownTask", "TASKS", "Task", "TaskError", "addition_reward", "available_tasks",
-           "countdown_reward_fn", "get_task", "in_split", "parse_expression", "score_expression"]
+           "cli_task", "countdown_reward_fn", "get_task", "in_split", "parse_expression", "score_expression"]

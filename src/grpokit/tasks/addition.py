@@ -12,15 +12,9 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar, Collection
 
-from grpokit.rewards import RewardSpec, completion_text
-
-from .base import check_split, sample_rows
-
-
-def addition_reward(completions: list, answer: list, **kwargs) -> list[float]:
-    """1.0 when the completion, stripped of surrounding whitespace, equals the answer exactly."""
-    return [1.0 if completion_text(c).strip() == str(a).strip() else 0.0
-            for c, a in zip(completions, answer, strict=True)]
+from grpokit.rewards.core import RewardSpec
+from grpokit.rewards.verifiers import addition_reward
+from grpokit.tasks.base import check_split, sample_rows
 
 
 @dataclass(frozen=True)

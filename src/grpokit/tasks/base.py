@@ -16,7 +16,7 @@ import random
 import zlib
 from typing import Callable, Collection, Protocol, runtime_checkable
 
-from grpokit.rewards import RewardSpec
+from grpokit.rewards.core import RewardSpec
 
 SPLITS = (None, "train", "eval")
 

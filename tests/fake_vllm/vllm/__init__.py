@@ -61,7 +61,7 @@ class LLM:
         return self._adapter[1]
 
     def generate(self, prompts, sampling_params, use_tqdm=False, lora_request=None):
-        from grpokit.rollout import sample_groups
+        from grpokit.rollout.decode import sample_groups
 
         p, model = sampling_params, self._model(lora_request)
         g = torch.Generator().manual_seed(p.seed or 0)

@@ -1,0 +1,347 @@
+"""Run configuration: frozen dataclasses, TOML loading, validation.
+
+Every field a researcher may want to vary is one visible field here, and every
+check runs when the config is built, before a model or a dataset is loaded, so a
+typo costs a second, not a GPU hour. A config is built the same way from Python
+(`Config(model=ModelConfig(path=...), ...)`) and from a TOML file with
+`--set section.key=value` overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+
+from grpokit.config.checks import _check, _check_fields, _checked, _did_you_mean, _installed, _one_of, _show
+from grpokit.config.variants import (
+    ADVANTAGE_ESTIMATORS,
+    ENGINES,
+    GLOBAL_TOKEN_LOSSES,
+    IMPORTANCE_SAMPLING_LEVELS,
+    LOSS_TYPES,
+    OLD_LOGPROBS,
+    PRESET_NAMES,
+    SAMPLERS,
+    SCALE_REWARDS,
+    STD_KINDS,
+    TASK_NAMES,
+)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = ""
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    lora: dict = field(default_factory=dict)  # LoRA adapters (lora.py): {r = 8, alpha = 16, target_modules = [...]}
+    fsdp: bool = False  # shard parameters, gradients, optimizer state over torchrun processes (FSDP2)
+
+    def __post_init__(self):
+        _check_fields(self, "model")
+        _check(bool(self.path), "model.path", "set it to a local Hugging Face model folder")
+        _one_of(self.dtype, ("float32", "bfloat16", "float16"), "model.dtype")
+        _check(re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", self.device) is not None, "model.device",
+               f"got {self.device!r}; use auto, cpu, cuda, cuda:N (N = the GPU index), mps or xpu")
+        _check_lora(self.lora)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    task: str = ""  # a built-in task name (addition, countdown) ...
+    path: str = ""  # ... or a JSONL / CSV / Parquet file or a saved datasets folder
+    prompt_column: str = "prompt"
+    task_args: dict = field(default_factory=dict)  # e.g. {digits = 2}
+    num_prompts: int = 5000  # prompts generated for a built-in task
+    seed: int = 0
+
+    def __post_init__(self):
+        _check_fields(self, "data")
+        _check(bool(self.task) != bool(self.path), "data", "set exactly one of data.task or data.path")
+        _check(not self.task or self.task in TASK_NAMES, "data.task",
+               f"unknown task {self.task!r}{_did_you_mean(self.task, TASK_NAMES)}; built-in tasks: "
+               f"{', '.join(TASK_NAMES)} (or set data.path to a file of prompts)")
+        _check(self.num_prompts >= 1, "data.num_prompts", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    # Names of built-in rewards ("addition", "numeric_match", "math_equivalence",
+    # "format", "soft_overlong_penalty", ...) or "file.py:function" references.
+    # Empty: the task's own verifier.
+    functions: tuple[str, ...] = ()
+    weights: tuple[float, ...] = ()  # one per function; empty = all 1.0
+    args: dict[str, dict] = field(default_factory=dict)  # per-function keyword arguments: {name = {...}}
+    # Seconds one call of a reward function of yours (a file, a module or a Python callable) may take
+    # on a batch before the run stops with an error naming it; 0 = no limit. A function's own
+    # `timeout` in `args` overrides it. The built-in rewards bound their own time and are exempt.
+    timeout_s: float = 600.0
+
+    def __post_init__(self):
+        _check_fields(self, "rewards")
+        _check(self.timeout_s >= 0, "rewards.timeout_s", "must be >= 0 seconds (0 = no limit); 600 is the default")
+        _check(
+            not self.weights or len(self.weights) == len(self.functions),
+            "rewards.weights",
+            f"has {len(self.weights)} values for {len(self.functions)} functions; give one weight per function or none",
+        )
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    group_size: int = 8  # G answers per prompt
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False  # benchmarks only: every answer runs to max_new_tokens
+    engine: str = "hf"  # hf (built-in sampler on the training model) | vllm (colocated vLLM; engines.py)
+    # vLLM options: gpu_memory_utilization, enable_sleep_mode, sync_bucket_mb, max_model_len, enforce_eager, dtype
+    vllm: dict = field(default_factory=dict)
+    # Speed options of the built-in sampler (rollout.engine = "hf"); the samples' distribution is the
+    # same either way, so they exist for benchmark ablations: the token sampler (inverse_cdf | gumbel),
+    # a KV cache preallocated for the whole answer, and one prefill per prompt shared by its G answers.
+    sampler: str = "inverse_cdf"
+    preallocated_kv_cache: bool = True
+    shared_prefill: bool = True
+
+    def __post_init__(self):
+        _check_fields(self, "rollout")
+        _one_of(self.engine, ENGINES, "rollout.engine")
+        _one_of(self.sampler, SAMPLERS, "rollout.sampler")
+        _check_vllm(self)
+        _check(self.engine == "vllm" or not self.vllm, "rollout.vllm", "set only with rollout.engine = \"vllm\"")
+        _check(self.engine != "vllm" or _installed("vllm"), "rollout.engine",
+               "\"vllm\" needs vLLM on a CUDA machine: pip install 'grpokit[vllm]' (or use \"hf\")")
+        _check(self.group_size >= 2, "rollout.group_size", "must be >= 2 (GRPO compares answers within a group); 8-16 is common")
+        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+        _check(self.temperature > 0, "rollout.temperature", "must be > 0 for sampling (GRPO needs diverse answers)")
+        _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+        _check(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")
+
+
+# rollout.vllm options (engines.VLLMEngine's keyword arguments): type, example
+_VLLM_OPTIONS = {"gpu_memory_utilization": (float, "0.3"), "enable_sleep_mode": (bool, "true"),
+                 "sync_bucket_mb": (float, "512"), "max_model_len": (int, "4096"), "enforce_eager": (bool, "true"),
+                 "dtype": (str, '"bfloat16"')}
+
+
+def _check_vllm(rollout: RolloutConfig) -> None:
+    unknown = set(rollout.vllm) - set(_VLLM_OPTIONS)
+    _check(not unknown, "rollout.vllm",
+           f"unknown option(s) {', '.join(sorted(map(str, unknown)))}; known: {', '.join(_VLLM_OPTIONS)}")
+    options = {k: _checked(f"rollout.vllm.{k}", _VLLM_OPTIONS[k][0], v, _VLLM_OPTIONS[k][1])
+               for k, v in rollout.vllm.items()}
+    object.__setattr__(rollout, "vllm", options)
+    _check(0 < options.get("gpu_memory_utilization", 0.3) <= 1, "rollout.vllm.gpu_memory_utilization",
+           "must be in (0, 1]: the share of the GPU's memory vLLM may take")
+    _check(options.get("sync_bucket_mb", 512) > 0, "rollout.vllm.sync_bucket_mb", "must be > 0")
+    _check(options.get("max_model_len", 1) >= 1, "rollout.vllm.max_model_len", "must be >= 1")
+    _one_of(options.get("dtype", "auto"), ("auto", "float32", "bfloat16", "float16"), "rollout.vllm.dtype")
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo | cispo
+    beta: float = 0.0  # KL coefficient; 0 = no reference model is loaded
+    epsilon: float = 0.2
+    epsilon_high: float = 0.0  # 0 = same as epsilon (DAPO uses 0.28)
+    scale_rewards: str = "group"  # group | batch | none (Dr. GRPO)
+    std: str = "population"  # population | sample (TRL)
+    importance_sampling_level: str = "token"  # token | sequence (GSPO)
+    num_iterations: int = 1  # mu: passes over one generation batch
+    mask_truncated_completions: bool = False
+    dynamic_sampling: bool = False  # DAPO: drop zero-std groups, draw more prompts
+    max_resample_rounds: int = 4  # extra prompt batches drawn per step at most
+    # Old log-probs when μ > 1 (or several minibatches): "recompute" (a no-grad pass, as TRL),
+    # "first_pass" (kept from the first pass's forward: exact, no extra pass; needs one minibatch),
+    # "sampler" (the rollout's log-probs: no extra pass, differs from a recompute by float noise).
+    old_logprobs: str = "recompute"
+    # Variants (docs/VARIANTS.md): a named preset (grpo | dr_grpo | dapo | gspo | cispo; see presets.py),
+    # resolved when the config is built from TOML/dict, under the fields you set yourself.
+    preset: str = ""
+    advantage_estimator: str = "grpo"  # grpo (group mean/std) | rloo (leave-one-out) | reinforce_pp
+    entropy_coef: float = 0.0  # entropy bonus: loss -= coef * H_t, aggregated like the loss
+    top_entropy_quantile: float = 1.0  # < 1: policy term only on this top share of tokens by entropy
+    kl_bias_correction: bool = False  # KL_t * ratio_t (DeepSeek-V3.2; TRL's use_bias_correction_kl)
+    # Truncated importance sampling for a sampler that is not the trainer (vLLM): each token's loss is
+    # weighted by min(exp(trainer_logp - sampler_logp), tis_cap); 0 = off (engines.py). 2.0 is usual.
+    tis_cap: float = 0.0
+
+    def __post_init__(self):
+        _check_fields(self, "algorithm")
+        _check_preset(self.preset)
+        _one_of(self.advantage_estimator, ADVANTAGE_ESTIMATORS, "algorithm.advantage_estimator")
+        _check(self.advantage_estimator == "grpo" or self.scale_rewards == "group", "algorithm.scale_rewards",
+               f"{self.scale_rewards!r} applies to advantage_estimator = 'grpo' only; "
+               f"{self.advantage_estimator!r} sets its own scale (leave scale_rewards at 'group')")
+        _check(self.entropy_coef >= 0, "algorithm.entropy_coef", "must be >= 0 (0 = no entropy bonus)")
+        _check(0 <= self.top_entropy_quantile <= 1, "algorithm.top_entropy_quantile",
+               "must be in [0, 1] (1 = every token; 0.2 = the 20% highest-entropy tokens)")
+        _one_of(self.loss_type, LOSS_TYPES, "algorithm.loss_type")
+        _one_of(self.scale_rewards, SCALE_REWARDS, "algorithm.scale_rewards")
+        _one_of(self.std, STD_KINDS, "algorithm.std")
+        _one_of(self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS, "algorithm.importance_sampling_level")
+        _check(self.beta >= 0, "algorithm.beta", "must be >= 0 (0 disables the KL term)")
+        _check(0 < self.epsilon < 1, "algorithm.epsilon", "must be in (0, 1); 0.2 is usual")
+        _check(self.epsilon_high >= 0, "algorithm.epsilon_high", "must be >= 0 (0 = same as epsilon)")
+        _check(self.num_iterations >= 1, "algorithm.num_iterations", "must be >= 1")
+        _check(self.max_resample_rounds >= 0, "algorithm.max_resample_rounds", "must be >= 0")
+        _one_of(self.old_logprobs, OLD_LOGPROBS, "algorithm.old_logprobs")
+        _check(self.tis_cap >= 0, "algorithm.tis_cap", "must be >= 0 (0 = off; 2.0 is usual with rollout.engine = vllm)")
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon_high or self.epsilon
+
+    @property
+    def sums_over_global_tokens(self) -> bool:
+        """The loss divides by the token count of the whole minibatch over all processes (dapo, cispo):
+        micro-batch losses and the processes' gradients add up, with no 1/n or 1/W scaling."""
+        return self.loss_type in GLOBAL_TOKEN_LOSSES
+
+    @property
+    def uses_entropy(self) -> bool:
+        """The loss reads per-token entropies (bonus or top-entropy mask)."""
+        return self.entropy_coef > 0 or self.top_entropy_quantile < 1
+
+
+def _check_lora(lora) -> None:
+    _check(isinstance(lora, dict), "model.lora", "must be a table, e.g. {r = 8, alpha = 16}")
+    unknown = set(lora) - {"r", "alpha", "target_modules"}
+    _check(not unknown, "model.lora", f"unknown key(s) {', '.join(sorted(unknown))}; known: r, alpha, target_modules")
+    _check(_checked("model.lora.r", int, lora.get("r", 8), "8") >= 1, "model.lora.r", "must be an integer >= 1")
+    _check(_checked("model.lora.alpha", float, lora.get("alpha", 16), "16") > 0, "model.lora.alpha", "must be > 0")
+    targets = lora.get("target_modules", "all-linear")
+    if not isinstance(targets, str):
+        _checked("model.lora.target_modules", tuple[str, ...], targets, '["q_proj", "v_proj"] or "all-linear"')
+    _check(not lora or _installed("peft"), "model.lora", "needs the peft package: pip install 'grpokit[peft]'")
+
+
+def _check_preset(name) -> None:
+    _check(name == "" or (isinstance(name, str) and name in PRESET_NAMES), "algorithm.preset",
+           f"unknown preset {name!r}{_did_you_mean(str(name), PRESET_NAMES)}; choose one of {', '.join(PRESET_NAMES)} "
+           "(or leave it empty)")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    prompts_per_step: int = 8  # B; one generation batch has B * G answers
+    minibatch_size: int = 0  # answers per optimizer step; 0 = the whole generation batch
+    micro_batch_size: int = 0  # answers per forward/backward; 0 = the minibatch
+    learning_rate: float = 1e-6
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | cosine
+    max_grad_norm: float = 1.0  # 0 = no clipping
+    seed: int = 0
+    logprob_chunk_size: int = 256  # rows per chunk of the selective log-softmax (~32 MB of logits at V = 32k)
+    max_consecutive_skips: int = 5  # stop after this many steps in a row with NaN/inf updates; 0 = never
+    # Fast paths (same loss and gradients; off only for ablations): the fused log-softmax head with
+    # its one-pass backward, (β = 0) no forward/backward for answers whose advantage is 0, and one
+    # prompt forward shared by the answers to the same prompt.
+    fused_logprobs: bool = True
+    skip_zero_advantage: bool = True
+    shared_prompt_forward: bool = True
+    keep_freed_memory: bool = True  # CPU, glibc: reuse freed pages instead of faulting them in again (allocator.py)
+
+    def __post_init__(self):
+        _check_fields(self, "train")
+        _check(self.steps >= 1, "train.steps", "must be >= 1")
+        _check(self.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
+        _check(self.minibatch_size >= 0, "train.minibatch_size", "must be >= 0 (0 = whole batch)")
+        _check(self.micro_batch_size >= 0, "train.micro_batch_size", "must be >= 0 (0 = whole minibatch)")
+        _check(self.learning_rate > 0, "train.learning_rate", "must be > 0")
+        _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0 (0 = off)")
+        _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        _one_of(self.lr_schedule, ("constant", "cosine"), "train.lr_schedule")
+        _check(self.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0 (0 = off)")
+        _check(all(0 <= b < 1 for b in self.adam_betas), "train.adam_betas",
+               f"each must be in [0, 1), got {list(self.adam_betas)}; e.g. train.adam_betas = [0.9, 0.99]")
+        _check(0 <= self.seed < 2**63, "train.seed", "must be in [0, 2**63)")
+        _check(self.logprob_chunk_size >= 1, "train.logprob_chunk_size", "must be >= 1; 256 is usual")
+        _check(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", "must be >= 0 (0 = never stop)")
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    dir: str = "runs/grpo"
+    save_every: int = 0  # checkpoint every K steps; 0 = only at the end
+    keep_last: int = 2  # checkpoints kept on disk (the final one always stays)
+    overwrite: bool = False  # allow writing into a run folder that already has results
+    completions_every: int = 0  # write sampled answers every K steps; 0 = off
+    console: bool = True  # live progress bar
+    tensorboard: bool = False  # TensorBoard scalars in RUN_DIR/tensorboard (needs the tensorboard extra)
+    wandb: bool = False  # log every metric to Weights & Biases too (needs `pip install wandb`)
+
+    def __post_init__(self):
+        _check_fields(self, "output")
+        _check(self.save_every >= 0, "output.save_every", "must be >= 0 (0 = only at the end)")
+        _check(self.keep_last >= 1, "output.keep_last", "must be >= 1")
+        _check(self.completions_every >= 0, "output.completions_every", "must be >= 0 (0 = off)")
+        _check(not self.tensorboard or _installed("tensorboard"), "output.tensorboard",
+               "needs the tensorboard package: pip install 'grpokit[tensorboard]', or set it to false")
+        _check(not self.wandb or _installed("wandb"), "output.wandb",
+               "needs the wandb package: pip install wandb, or set it to false")
+
+
+SECTIONS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "rewards": RewardConfig,
+    "rollout": RolloutConfig,
+    "algorithm": AlgorithmConfig,
+    "train": TrainConfig,
+    "output": OutputConfig,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig
+    data: DataConfig
+    rewards: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def __post_init__(self):
+        for name, cls in SECTIONS.items():
+            _check(isinstance(getattr(self, name), cls), name,
+                   f"must be a {cls.__name__}, got {_show(getattr(self, name))}")
+        n = self.generation_batch_size
+        mb = self.minibatch_size
+        _check(mb <= n and n % mb == 0, "train.minibatch_size",
+               f"{mb} must divide the generation batch of {n} answers (prompts_per_step * group_size)")
+        _check(mb % self.micro_batch_size == 0, "train.micro_batch_size",
+               f"{self.micro_batch_size} must divide train.minibatch_size ({mb})")
+
+    @property
+    def generation_batch_size(self) -> int:
+        return self.train.prompts_per_step * self.rollout.group_size
+
+    @property
+    def minibatch_size(self) -> int:
+        return self.train.minibatch_size or self.generation_batch_size
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.train.micro_batch_size or self.minibatch_size
+
+    @property
+    def skips_zero_advantage(self) -> bool:
+        """Answers whose advantage is 0 may be left out of the training forward: with β = 0 and no
+        entropy term they add exactly 0 to the loss and to its gradient (`train.skip_zero_advantage`)."""
+        return self.train.skip_zero_advantage and self.algorithm.beta == 0 and not self.algorithm.uses_entropy
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Old logprobs differ from the current ones only after a first update."""
+        return self.algorithm.num_iterations > 1 or self.minibatch_size < self.generation_batch_size
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,0 +1,27 @@
+"""The names of every variant, and the facts about them that more than one stage needs.
+
+One home for each fact: the config validates against these names, the math
+(`algorithms/`) dispatches on them, and the training loop and the multi-process
+reduction ask the config's properties (`AlgorithmConfig.sums_over_global_tokens`,
+`Config.skips_zero_advantage`) instead of repeating a condition. Plain tuples, no
+torch: the CLI reads them before torch is imported.
+"""
+
+from __future__ import annotations
+
+# algorithm.loss_type: how per-token losses become one number (algorithms/objectives.py)
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+# These divide by the token count of the whole minibatch (all processes together), not of a
+# micro-batch or an answer: the trainer all-reduces that count before the loss, gradient
+# accumulation does not rescale them, and the processes' gradients simply add up.
+GLOBAL_TOKEN_LOSSES = ("dapo", "cispo")
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")  # algorithms/advantages.py
+SCALE_REWARDS = ("group", "batch", "none")
+STD_KINDS = ("population", "sample")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # sequence = GSPO
+OLD_LOGPROBS = ("recompute", "first_pass", "sampler")
+PRESET_NAMES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")  # config/presets.py; a test keeps them equal
+ENGINES = ("hf", "vllm")  # rollout/engines.py
+SAMPLERS = ("inverse_cdf", "gumbel")  # rollout/sampling.py
+# The built-in task names (tasks.TASKS; not imported here: that imports torch). A test keeps them equal.
+TASK_NAMES = ("addition", "countdown")

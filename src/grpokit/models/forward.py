@@ -1,0 +1,128 @@
+"""The training forward: log-probs of sampled completions under a Hugging Face causal LM.
+
+With a linear head (logits == lm_head(last hidden state), checked once by `head_is_linear`)
+the model body runs once and the head is applied chunk by chunk (`algorithms/logprobs.py`),
+so the [N, T, V] logits never exist; answers of the same prompt share one prompt forward.
+Models whose output head is more than a linear map of the final hidden state (Gemma-2's
+logit soft-capping, for instance) are scored through the model's own logits instead.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from grpokit.algorithms.logprobs import token_logprobs, token_logprobs_from_hidden
+
+
+def position_ids_from_mask(mask: Tensor) -> Tensor:
+    """Positions that count only real tokens, so left padding does not shift them."""
+    return (mask.long().cumsum(-1) - 1).clamp_(min=0)  # [N, L]
+
+
+def head_is_linear(model) -> bool:
+    """Whether logits == lm_head(last hidden state) for this model (checked once, on 4 tokens)."""
+    base, head = model.base_model, model.get_output_embeddings()
+    if head is None or base is model:
+        return False
+    ids = torch.arange(4, device=model.device).unsqueeze(0) % model.config.vocab_size
+    with torch.no_grad():
+        full = model(input_ids=ids).logits.float()
+        hidden = base(input_ids=ids).last_hidden_state
+        mine = head(hidden).float()
+    return torch.allclose(full, mine, atol=1e-4, rtol=1e-3)
+
+
+def _full_attention_cache(model):
+    """An empty DynamicCache for `model` and the keyword it goes under, or None when some layer is
+    not plain full attention (sliding windows, linear attention: their caches have other semantics)."""
+    import inspect
+
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    try:
+        cache = DynamicCache(config=model.config)
+    except Exception:  # noqa: BLE001 - a config this transformers cannot build a cache from
+        return None
+    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
+        return None
+    params = inspect.signature(model.base_model.forward).parameters
+    return cache, ("cache" if "cache" in params else "past_key_values")
+
+
+def _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+    """The hidden states [N, T, H] that predict each completion token, running each distinct prompt
+    once: a [U, P] forward fills a KV cache, whose rows are then repeated (index_select, so the
+    gradient of every answer flows back into its prompt) for an [N, T-1] forward over the
+    completions. None when no prompt repeats or the model's cache is not plain full attention."""
+    N, P = prompt_ids.shape
+    T = completion_ids.shape[1]
+    if N < 2 or P < 1 or T < 1:
+        return None
+    key = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)  # [N, 2P]
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)  # [N] prompt group of each row
+    U = int(inverse.max()) + 1
+    if U == N:
+        return None
+    found = _full_attention_cache(model)
+    if found is None:
+        return None
+    cache, cache_kwarg = found
+    first = torch.zeros(U, dtype=torch.long, device=inverse.device).scatter_(
+        0, inverse, torch.arange(N, device=inverse.device))  # [U] one row per distinct prompt
+    p_mask = prompt_mask[first]
+    out = model.base_model(input_ids=prompt_ids[first], attention_mask=p_mask,
+                           position_ids=position_ids_from_mask(p_mask), use_cache=True, **{cache_kwarg: cache})
+    last = out.last_hidden_state[:, -1].index_select(0, inverse)  # [N, H] (left padding: the last real token)
+    if T == 1:
+        return last[:, None]
+    for layer in cache.layers:  # [U, h, P, d] -> [N, h, P, d]
+        layer.keys, layer.values = layer.keys.index_select(0, inverse), layer.values.index_select(0, inverse)
+    mask = torch.cat([prompt_mask, completion_mask[:, : T - 1]], dim=1)  # [N, P+T-1]
+    out = model.base_model(input_ids=completion_ids[:, : T - 1], attention_mask=mask,
+                           position_ids=position_ids_from_mask(mask)[:, P:], use_cache=True, **{cache_kwarg: cache})
+    return torch.cat([last[:, None], out.last_hidden_state], dim=1)  # [N, T, H]
+
+
+def completion_logprobs(
+    model,
+    prompt_ids: torch.Tensor,  # [N, P] left-padded
+    prompt_mask: torch.Tensor,  # [N, P]
+    completion_ids: torch.Tensor,  # [N, T] right-padded
+    completion_mask: torch.Tensor,  # [N, T]
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+    linear_head: bool = True,
+    fused: bool = True,
+    grad_fn=None,
+    share_prompts: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs `[N, T]` (and entropies) of the completion tokens under `model`.
+
+    `fused` (linear heads): the fused selective log-softmax of `fused_logprobs`, one-pass backward
+    with `grad_fn` (dLoss/dlogp of a chunk of the flattened `[N*T]` log-probs); `fused=False` is
+    the plain checkpointed path, kept for ablations and tests. `share_prompts` (linear heads): run
+    each distinct prompt once and repeat its KV cache over its answers (`train.shared_prompt_forward`;
+    False runs every row's prompt, for ablations)."""
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P+T]
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P+T]
+    positions = position_ids_from_mask(attention_mask)
+    P, T = prompt_ids.shape[1], completion_ids.shape[1]
+    if linear_head:
+        hidden = _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask) \
+            if share_prompts else None
+        if hidden is None:
+            hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                                      use_cache=False).last_hidden_state  # [N, P+T, H]
+            hidden = hidden[:, P - 1 : P + T - 1]  # [N, T, H]: the state that predicts each completion token
+        return token_logprobs_from_hidden(hidden, model.get_output_embeddings(), completion_ids,
+                                          temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+                                          grad_fn=grad_fn if fused else None, fused=fused)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+                   use_cache=False, logits_to_keep=T + 1).logits[:, :-1]  # [N, T, V]
+    out = token_logprobs(logits, completion_ids, temperature=temperature, chunk_size=chunk_size,
+                         with_entropy=with_entropy)
+    return out if with_entropy else (out, None)

@@ -1,0 +1,306 @@
+"""Data parallel over `torchrun` processes: the process group, collectives, gradient all-reduce.
+
+Launch with the engine users already have: `torchrun --nproc_per_node W -m grpokit.cli train run.toml`
+(gloo on CPU, NCCL on GPU; `RANK`, `WORLD_SIZE`, `LOCAL_RANK` and the rendezvous come from torchrun).
+Every process runs the same `train()`; this module makes them one run. With one process (no
+`WORLD_SIZE`, or 1) every function here is a no-op and `train()` is exactly the single-process loop.
+
+What rank r of W does, and why the result equals one process on the same global batch:
+
+- **Prompts.** Every rank draws the same global batch of B prompts from an identically seeded stream
+  and keeps prompts [r*B/W, (r+1)*B/W): whole groups, so group statistics (advantages, the dynamic
+  sampling filter) never cross a rank and no reward is gathered before normalising. B % W == 0 is
+  checked before any model loads. Dynamic sampling draws the same number of extra batches on every
+  rank (the loop continues while any rank still lacks groups), so the streams stay in step.
+- **Sampling.** The rank's generator is seeded `train.seed + r`: ranks draw different answers.
+- **Update.** Gradients are all-reduced (SUM, in flat buckets) once per optimizer step, after the
+  micro-batches' backward passes and before clipping, so every rank applies the same clipped update.
+  `dapo`/`cispo` divide by the *global* token count of the minibatch (all-reduced before the loss), so
+  the sum of the ranks' gradients is exactly one process's. `grpo` and `dr_grpo` average over answers,
+  and every rank holds the same number of answers, so the SUM is scaled by 1/W: exactly one process.
+  `bnpo` averages each micro-batch's tokens (as TRL, under DDP too): W ranks equal one process whose
+  minibatch is split into W× more micro-batches (equal to it when the token counts are equal).
+  Manual all-reduce rather than DDP: one all-reduce per optimizer step whatever the gradient
+  accumulation, ranks may skip the forward of zero-advantage answers (no backward at all on a rank is
+  fine), and the custom normalisers stay visible here instead of inside DDP's averaging.
+- **FSDP2** (`model.fsdp = true`, fsdp.py): gradients are reduce-scattered as sums and scaled as
+  above, and every rank runs the forward of every answer (the zero-advantage skip is turned off).
+- **Metrics** are reduced across ranks by what they mean: reward and completion statistics are
+  recomputed from the gathered per-answer values, token means (kl, clip ratios, entropy) are weighted
+  by each rank's token counts, times are maxima, `tokens_per_sec` a sum (`observe/metrics.py`).
+- **Files.** Only rank 0 writes checkpoints, metrics, completions and the console; the checkpoint holds
+  every rank's sampling-generator state, so `--resume` with the same W continues exactly.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as tdist
+
+from grpokit.errors import ConfigError, SetupError
+
+BUCKET_BYTES = 32 * 2**20
+
+
+def _destroy() -> None:
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
+def _active() -> bool:
+    return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
+
+
+def world_size() -> int:
+    return tdist.get_world_size() if _active() else 1
+
+
+def rank() -> int:
+    return tdist.get_rank() if _active() else 0
+
+
+@dataclasses.dataclass
+class DistributedContext:
+    """This process's place in the run; `from_env()` joins torchrun's process group."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    owns_group: bool = False  # created by from_env(), so close() destroys it
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @classmethod
+    def from_env(cls) -> "DistributedContext":
+        """Read torchrun's environment; with WORLD_SIZE > 1 join (or reuse) the default process group."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1 and not _active():
+            return cls()
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        owns = False
+        if not tdist.is_initialized():
+            cuda = torch.cuda.is_available()
+            if cuda:
+                torch.cuda.set_device(local_rank)  # "cuda" now means this rank's GPU
+            tdist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
+            # Kept for the process's life: a second train() in the same process joins it again (destroying
+            # and re-creating a group under torchrun's store can hang).
+            atexit.register(_destroy)
+            owns = True
+        return cls(tdist.get_rank(), tdist.get_world_size(), local_rank, owns)
+
+    def close(self) -> None:
+        """Wait for every process (the group itself lives until the process exits)."""
+        if _active():
+            tdist.barrier()
+
+    # ---- configuration ---------------------------------------------------------------------
+
+    def local_config(self, config):
+        """This rank's share of the run: B/W prompts per step, minibatch/W answers per optimizer step.
+        Raises ConfigError (before any model loads) when the global batch does not split evenly."""
+        W, t, algo = self.world_size, config.train, config.algorithm
+        fsdp = config.model.fsdp
+        if W == 1:
+            if fsdp:
+                raise ConfigError("model.fsdp: sharding needs several processes; launch with torchrun --nproc_per_node N "
+                                  "(or set model.fsdp = false)")
+            return config
+        if t.prompts_per_step % W:
+            raise ConfigError(f"train.prompts_per_step: {t.prompts_per_step} prompts cannot be split over {W} processes "
+                              f"(whole groups per rank); use a multiple of {W}, e.g. {W * (t.prompts_per_step // W + 1)}")
+        if config.minibatch_size % W:
+            raise ConfigError(f"train.minibatch_size: {config.minibatch_size} answers cannot be split over {W} "
+                              f"processes; use a multiple of {W}")
+        local_mb = config.minibatch_size // W
+        if t.micro_batch_size and local_mb % t.micro_batch_size:
+            raise ConfigError(f"train.micro_batch_size: {t.micro_batch_size} (answers per forward on one process) must "
+                              f"divide the per-process minibatch of {local_mb} answers (minibatch / {W} processes)")
+        if fsdp and config.model.lora:
+            raise ConfigError("model.fsdp with model.lora is not supported yet: the adapters are small, so plain data "
+                              "parallel (model.fsdp = false) replicates them cheaply")
+        several = config.minibatch_size < config.generation_batch_size
+        if algo.dynamic_sampling and W > 1 and (several or fsdp):
+            raise ConfigError("algorithm.dynamic_sampling with several processes needs one minibatch per step "
+                              "(train.minibatch_size = 0) and no model.fsdp: a rank may end a step with fewer groups, "
+                              "and every rank must take the same number of optimizer steps")
+        every_answer = {"skip_zero_advantage": False} if fsdp else {}
+        train = dataclasses.replace(t, prompts_per_step=t.prompts_per_step // W,
+                                    minibatch_size=local_mb if t.minibatch_size else 0, **every_answer)
+        return dataclasses.replace(config, train=train)
+
+    def shard_stream(self, stream) -> "ShardedStream":
+        return stream if self.world_size == 1 else ShardedStream(stream, self.rank, self.world_size)
+
+    # ---- running something once ---------------------------------------------------------------
+
+    def main_only(self, factory: Callable[[], Any]) -> Any:
+        """`factory()` on rank 0; elsewhere an object whose every method does nothing."""
+        return factory() if self.is_main else _Null()
+
+    def run_on_main(self, fn: Callable, *args, **kwargs) -> Any:
+        """`fn` on rank 0 only; every rank gets its result, or raises its exception (no rank hangs)."""
+        if self.world_size == 1:
+            return fn(*args, **kwargs)
+        box: list = [None]
+        if self.is_main:
+            try:
+                box[0] = ("ok", fn(*args, **kwargs))
+            except Exception as e:  # re-raised on every rank below
+                box[0] = ("error", e)
+        tdist.broadcast_object_list(box, src=0)
+        status, value = box[0]
+        if status == "error":
+            raise value
+        return value
+
+    def any(self, flag: bool) -> bool:
+        return any_rank(flag)
+
+    # ---- gathering for rank 0's files ---------------------------------------------------------
+
+    def gather_draw(self, draw, advantages):
+        """The whole batch's answers (prompts, texts, rewards, advantages) for completions.jsonl."""
+        if self.world_size == 1:
+            return draw, advantages
+        from types import SimpleNamespace
+
+        parts: list = [None] * self.world_size
+        tdist.all_gather_object(parts, (draw.prompts, draw.texts, draw.per_fn.cpu(), draw.total.cpu(), advantages.cpu()))
+        prompts = [p for part in parts for p in part[0]]
+        joined = SimpleNamespace(prompts=prompts, texts=[t for part in parts for t in part[1]],
+                                 per_fn=torch.cat([p[2] for p in parts]), total=torch.cat([p[3] for p in parts]),
+                                 size=len(prompts))
+        return joined, torch.cat([p[4] for p in parts])
+
+
+
+class ShardedStream:
+    """This rank's contiguous share of every global batch of a prompt stream (state: the global stream's)."""
+
+    def __init__(self, stream, rank: int, world: int):
+        self.stream, self.rank, self.world = stream, rank, world
+
+    def next_batch(self) -> list:
+        batch = self.stream.next_batch()
+        share = len(batch) // self.world
+        return batch[self.rank * share:(self.rank + 1) * share]
+
+    def state_dict(self) -> dict:
+        return self.stream.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state)
+
+
+class _Null:
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+def gather_states(state):
+    """Every rank's `state` (its sampling generator's) as a list for the checkpoint; on one process the state."""
+    if not _active():
+        return state
+    out: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(out, state)
+    return out
+
+
+def local_state(saved):
+    """This rank's entry of a `gather_states` list (resume); a plain state is a one-process run's."""
+    n, W = (len(saved) if isinstance(saved, list) else 1), world_size()
+    if n != W:
+        raise SetupError(f"--resume: the checkpoint was written by {n} process(es), this run has {W}; resume with "
+                           f"the same number of processes (torchrun --nproc_per_node {n})")
+    return saved[rank()] if isinstance(saved, list) else saved
+
+
+def any_rank(flag: bool) -> bool:
+    if not _active():
+        return bool(flag)
+    t = torch.tensor([1 if flag else 0], device=_comm_device())
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def all_ranks(flag: bool) -> bool:
+    return not any_rank(not flag)
+
+
+def global_sum(value: torch.Tensor) -> torch.Tensor:
+    """A count summed over ranks (e.g. dapo's token count of the minibatch)."""
+    if not _active():
+        return value
+    out = value.detach().clone().to(_comm_device())
+    tdist.all_reduce(out)
+    return out.to(value.device)
+
+
+def _comm_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if tdist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def reduce_gradients(model, sums_over_global_tokens: bool, bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Make every rank's gradients the whole batch's: SUM over ranks, scaled by 1/W for the loss types
+    that average over answers (module docstring; `AlgorithmConfig.sums_over_global_tokens`). Call after
+    backward, before clipping."""
+    if not _active():
+        return
+    W = tdist.get_world_size()
+    scale = 1.0 if sums_over_global_tokens else 1.0 / W
+    params = [p for p in model.parameters() if p.requires_grad]
+    if is_fsdp(model):  # FSDP2 already reduce-scattered the sums during backward
+        for p in params:
+            if p.grad is not None and scale != 1.0:
+                p.grad.mul_(scale)
+        return
+    device = params[0].device if params else _comm_device()
+    has = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=device)
+    tdist.all_reduce(has)  # a parameter with a gradient on any rank gets one everywhere (zeros where missing)
+    live = [p for p, h in zip(params, has.tolist()) if h]
+    for p in live:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for bucket in buckets([(None, p) for p in live], bucket_bytes, key=lambda p: p.grad):
+        grads = [p.grad for _, p in bucket]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        tdist.all_reduce(flat)
+        if scale != 1.0:
+            flat.mul_(scale)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def buckets(named, bucket_bytes: int, key: Callable = lambda t: t):
+    """Group (name, tensor) pairs into lists of about `bucket_bytes` each, one dtype per list, in order."""
+    bucket, size, dtype = [], 0, None
+    for name, item in named:
+        t = key(item)
+        nbytes = t.numel() * t.element_size()
+        if bucket and (size + nbytes > bucket_bytes or t.dtype != dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, item))
+        size, dtype = size + nbytes, t.dtype
+    if bucket:
+        yield bucket
+
+
+def is_fsdp(model) -> bool:
+    """Whether `model` is sharded by FSDP2 (fsdp.py)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - torch without FSDP2
+        return False
+    return isinstance(model, FSDPModule)

@@ -1,0 +1,110 @@
+"""What a step's numbers mean: completion and reward statistics, and their reduction over processes.
+
+`reduce_metrics` makes one process's metrics the whole run's under torchrun: reward and
+completion statistics recomputed from the gathered per-answer values, token means weighted by
+token counts, times the slowest rank's (a no-op on one process).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as tdist
+
+from grpokit.models.parallel import _active
+
+
+def completion_metrics(completion_mask: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
+    """`completions/*` length statistics of one generation batch."""
+    lengths = completion_mask.sum(-1).float()  # [N]
+    terminated = lengths[~truncated]
+    return {
+        "completions/mean_length": lengths.mean().item(),
+        "completions/min_length": lengths.min().item(),
+        "completions/max_length": lengths.max().item(),
+        "completions/clipped_ratio": truncated.float().mean().item(),
+        "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else 0.0,
+    }
+
+
+def reward_summary(total: torch.Tensor, group_size: int) -> dict[str, float]:
+    """`reward`, `reward_std` (mean of per-group stds, as TRL) and `frac_reward_zero_std`."""
+    grouped = total.view(-1, group_size)  # [B, G]
+    valid = ~torch.isnan(grouped)
+    counts = valid.sum(-1).clamp(min=1)
+    filled = torch.where(valid, grouped, torch.zeros_like(grouped))
+    mean = filled.sum(-1) / counts  # [B]
+    var = (torch.where(valid, grouped - mean[:, None], torch.zeros_like(grouped)) ** 2).sum(-1) / counts
+    std = var.sqrt()
+    return {
+        "reward": torch.nanmean(total).item(),
+        "reward_std": std.mean().item(),
+        "frac_reward_zero_std": (std < 1e-8).float().mean().item(),
+    }
+
+
+_MAX = ("completions/max_length", "sampling/logprob_gap_max")
+_MIN = ("completions/min_length",)
+_SUM = ("tokens_per_sec", "dynamic_sampling/groups_kept")
+
+
+def _token_weighted(key: str) -> bool:
+    return key == "kl" or key.startswith(("clip_ratio/", "cispo/", "sampling/"))
+
+
+def reduce_metrics(metrics: dict, batch, specs, config) -> dict:
+    """One step's metrics over all ranks (identical on every rank afterwards).
+
+    Reward and completion statistics are recomputed from the gathered per-answer values (exact);
+    token means are weighted by each rank's loss tokens (entropy: tokens that went through the
+    model); `loss` adds up when the loss sums over global tokens (dapo/cispo) (each rank's share of one global normaliser) and is
+    averaged otherwise; times are the slowest rank's; anything else is averaged (equal on every rank
+    for grad_norm, learning_rate)."""
+    from grpokit.observe.metrics import completion_metrics, reward_summary
+    from grpokit.rewards.core import reward_metrics
+
+    r, algo = batch.rollout, config.algorithm
+    mask = batch.loss_mask
+    if not _active():
+        return metrics
+    skip = config.skips_zero_advantage
+    entropy_rows = (batch.advantages != 0) if skip else torch.ones_like(batch.advantages, dtype=torch.bool)
+    weights = {"tokens": float(mask.sum()), "entropy": float(mask[entropy_rows.to(mask.device)].sum())}
+    rows = (r.completion_mask.sum(-1).cpu(), r.truncated.cpu(), batch.draw.total.cpu(), batch.draw.per_fn.cpu())
+    parts: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(parts, (metrics, weights, rows))
+    out = {}
+    for key in metrics:
+        values = [p[0][key] for p in parts]
+        if key.startswith("time/") or key in _MAX:
+            out[key] = max(values)
+        elif key in _MIN:
+            out[key] = min(values)
+        elif key in _SUM or (key == "loss" and algo.sums_over_global_tokens):
+            out[key] = sum(values)
+        elif _token_weighted(key) or key == "entropy":
+            w = [p[1]["entropy" if key == "entropy" else "tokens"] for p in parts]
+            out[key] = _weighted_mean(values, w)
+        else:
+            finite = [v for v in values if v is not None and math.isfinite(v)]
+            out[key] = sum(finite) / len(finite) if len(finite) == len(values) else float("nan")
+    lengths = torch.cat([p[2][0] for p in parts])
+    truncated = torch.cat([p[2][1] for p in parts])
+    total, per_fn = torch.cat([p[2][2] for p in parts]), torch.cat([p[2][3] for p in parts])
+    width = int(lengths.max()) if len(lengths) else 0
+    fake_mask = (torch.arange(max(width, 1))[None, :] < lengths[:, None]).long()
+    out.update(completion_metrics(fake_mask, truncated))
+    summary = reward_summary(total, config.rollout.group_size)
+    out["reward"], out["reward_std"] = summary["reward"], summary["reward_std"]
+    if not algo.dynamic_sampling:  # with it, the metric describes the groups seen before filtering (a mean)
+        out["frac_reward_zero_std"] = summary["frac_reward_zero_std"]
+    out.update(reward_metrics(specs, per_fn))
+    return out
+
+
+def _weighted_mean(values, weights) -> float:
+    total = sum(weights)
+    if not total:
+        return sum(values) / len(values)
+    return sum(v * w for v, w in zip(values, weights) if w) / total

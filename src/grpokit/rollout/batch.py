@@ -1,0 +1,87 @@
+"""A `Rollout`: the tensors of one batch of sampled answers, whatever engine drew them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """G sampled completions per prompt; rows group by group (prompt b → rows b*G .. b*G+G-1)."""
+
+    prompt_ids: Tensor  # [N, P] left-padded with pad_token_id
+    prompt_mask: Tensor  # [N, P] 1 on real prompt tokens
+    completion_ids: Tensor  # [N, T] right-padded with pad_token_id
+    completion_mask: Tensor  # [N, T] 1 up to and including the EOS / stop token
+    logprobs: Tensor  # [N, T] float32 log-probs under softmax(logits / T), 0 on padding
+    truncated: Tensor  # [N] bool: no EOS / stop string within max_new_tokens
+
+    @property
+    def num_sequences(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def completion_lengths(self) -> Tensor:
+        return self.completion_mask.sum(-1)  # [N]
+
+    @property
+    def sequence_ids(self) -> Tensor:
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)  # [N, P+T]
+
+    @property
+    def sequence_mask(self) -> Tensor:
+        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)  # [N, P+T]
+
+
+def left_pad(prompts: list[list[int]], pad_token_id: int, device) -> tuple[Tensor, Tensor]:
+    """Left-pad token lists into ids [B, P] and mask [B, P]."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)  # [B, P]
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)  # [B, P]
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[row, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def rollout_from_tokens(prompt_ids: list[list[int]], completions: list[list[int]], logprobs: list[list[float]],
+                        truncated: list[bool], *, group_size: int, pad_token_id: int,
+                        device: torch.device | str = "cpu") -> Rollout:
+    """A `Rollout` from B prompts and their N = B*G completions (lists of token ids, group by group)."""
+    if len(completions) != len(prompt_ids) * group_size:
+        raise ValueError(f"{len(prompt_ids)} prompts x {group_size} answers need {len(prompt_ids) * group_size} "
+                         f"completions, got {len(completions)}")
+    ids, mask = left_pad(prompt_ids, pad_token_id, device)  # [B, P]
+    width = max(1, max(len(c) for c in completions))
+    n = len(completions)
+    comp = torch.full((n, width), pad_token_id, dtype=torch.long)  # [N, T]
+    comp_mask = torch.zeros((n, width), dtype=torch.long)  # [N, T]
+    logp = torch.zeros((n, width), dtype=torch.float32)  # [N, T]
+    for i, (c, lp) in enumerate(zip(completions, logprobs)):
+        comp[i, :len(c)] = torch.tensor(c, dtype=torch.long)
+        comp_mask[i, :len(c)] = 1
+        logp[i, :len(lp)] = torch.tensor(lp, dtype=torch.float32)
+    return Rollout(prompt_ids=ids.repeat_interleave(group_size, 0), prompt_mask=mask.repeat_interleave(group_size, 0),
+                   completion_ids=comp.to(device), completion_mask=comp_mask.to(device), logprobs=logp.to(device),
+                   truncated=torch.tensor(truncated, dtype=torch.bool, device=device))
+
+
+def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
+    """Rows of several rollouts in order: prompts re-left-padded, completions re-right-padded."""
+    P = max(r.prompt_ids.shape[1] for r in rollouts)
+    T = max(r.completion_ids.shape[1] for r in rollouts)
+    pad = torch.nn.functional.pad
+
+    def cat(name: str, left: bool, width: int, fill) -> Tensor:
+        parts = [getattr(r, name) for r in rollouts]
+        return torch.cat([pad(p, (width - p.shape[1], 0) if left else (0, width - p.shape[1]), value=fill)
+                          for p in parts])
+
+    return Rollout(prompt_ids=cat("prompt_ids", True, P, pad_token_id), prompt_mask=cat("prompt_mask", True, P, 0),
+                   completion_ids=cat("completion_ids", False, T, pad_token_id),
+                   completion_mask=cat("completion_mask", False, T, 0), logprobs=cat("logprobs", False, T, 0.0),
+                   truncated=torch.cat([r.truncated for r in rollouts]))

@@ -1,0 +1,97 @@
+"""Rollout engines: what samples the answers, behind one interface.
+
+    rollout = engine.generate(prompt_ids, group_size=G, sampling=SamplingParams(...), generator=g)
+    engine.sync_weights(model)        # after every optimizer step: the sampler now holds the trainer's weights
+
+`generate` returns a `Rollout` (N = B*G rows, group by group, with the sampler's own log-probs of the
+tokens it drew); the trainer never looks behind it.
+
+- `HFEngine` [`rollout.engine = "hf"`]: the built-in sampler (`rollout.sample_groups`) on the training
+  model itself. Nothing to sync, and its log-probs are the trainer's (ratio exactly 1 on-policy).
+- `VLLMEngine` [`rollout.engine = "vllm"`, extra `grpokit[vllm]`, one GPU per process]: a `vllm.LLM`
+  colocated in the training process, on the same GPU (`rollout.vllm.gpu_memory_utilization` of it;
+  `enable_sleep_mode` frees its memory while the trainer runs). Under torchrun every rank owns one
+  engine (`distributed_executor_backend="external_launcher"`) and samples its own prompts. After each
+  update the weights are pushed in buckets of about `sync_bucket_mb` (one `load_weights` call per
+  bucket, not per parameter; FSDP shards are gathered one bucket at a time); with LoRA only the
+  adapter moves (saved to a temporary folder, loaded as a new `LoRARequest`). Each `generate` passes
+  a seed drawn from the trainer's generator, so `--resume` replays the same sampling seeds.
+- The sampler and the trainer compute log-probs with different kernels (and vLLM often in bf16), so
+  even on-policy their ratio is not exactly 1. `algorithm.tis_cap = C > 0` applies truncated
+  importance sampling (TIS, Yao et al. 2025): each token's loss is multiplied by
+  `w_t = min(exp(logp_trainer_t - logp_sampler_t), C)`, with `logp_trainer` the trainer's log-probs of
+  the sampled tokens before the update (a no-grad pass, as TRL). vLLM runs with
+  `logprobs_mode="processed_logprobs"` so that its log-probs include the temperature; with top-k/top-p
+  they are those of the filtered distribution while the trainer's are unfiltered (as in TRL).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from grpokit.models.fsdp import full_params_for_generation
+from grpokit.models.parallel import rank
+from grpokit.rollout.batch import Rollout
+from grpokit.rollout.decode import sample_groups
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    eos_token_ids: tuple = ()
+    pad_token_id: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop_strings: tuple = ()
+    ignore_eos: bool = False
+
+    @classmethod
+    def from_config(cls, config, eos_token_ids: Sequence[int], pad_token_id: int) -> "SamplingParams":
+        r = config.rollout
+        return cls(r.max_new_tokens, tuple(eos_token_ids), pad_token_id, r.temperature, r.top_p, r.top_k,
+                   tuple(r.stop_strings), r.ignore_eos)
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompt_ids: list[list[int]], *, group_size: int, sampling: SamplingParams,
+                 generator: torch.Generator | None = None) -> Rollout: ...
+
+    def sync_weights(self, model) -> None: ...
+
+
+class HFEngine:
+    """The built-in sampler on the training model (shared prefill, KV cache, exact sampling).
+
+    `speed` holds `sample_groups`' speed options (the sampler, the preallocated KV cache, the
+    shared prefill; `rollout.*` in the config): they change the cost, not the distribution."""
+
+    def __init__(self, model, tokenizer=None, **speed):
+        self.model, self.tokenizer, self.speed = model, tokenizer, speed
+
+    def generate(self, prompt_ids, *, group_size, sampling, generator=None) -> Rollout:
+        s = sampling
+        with full_params_for_generation(self.model):  # FSDP: gathered once for the whole decode loop
+            return sample_groups(
+                self.model, prompt_ids, group_size=group_size, max_new_tokens=s.max_new_tokens,
+                eos_token_ids=list(s.eos_token_ids), pad_token_id=s.pad_token_id, temperature=s.temperature,
+                top_p=s.top_p, top_k=s.top_k, stop_strings=s.stop_strings, tokenizer=self.tokenizer,
+                generator=generator, ignore_eos=s.ignore_eos, **self.speed)
+
+    def sync_weights(self, model) -> None:
+        """Nothing to do: the sampler is the training model."""
+
+
+def build_engine(config, model, tokenizer) -> RolloutEngine:
+    """The engine `rollout.engine` names, for this process."""
+    r = config.rollout
+    if r.engine == "hf":
+        return HFEngine(model, tokenizer, sampler=r.sampler, preallocate_kv_cache=r.preallocated_kv_cache,
+                        share_prefill=r.shared_prefill)
+    from grpokit.rollout.vllm import VLLMEngine  # imports vllm only when asked for
+
+    options = {"dtype": config.model.dtype, **r.vllm}
+    return VLLMEngine(config.model.path, seed=config.train.seed + rank(), lora=config.model.lora or None, **options)

@@ -1,0 +1,62 @@
+"""Grading a batch of sampled answers, and keeping only the groups that carry signal.
+
+A `Draw` is one batch of rollouts with everything the rewards said about them;
+dynamic sampling (DAPO) filters draws to the groups whose rewards are not all
+equal and joins several draws into one generation batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from grpokit.data.prompts import columns_of
+from grpokit.rewards.core import as_trl_completions, compute_rewards
+from grpokit.rollout.batch import Rollout, concat_rollouts
+
+
+@dataclass
+class Draw:
+    """One batch of sampled answers with their grades; rows group by group."""
+
+    rollout: Rollout
+    per_fn: torch.Tensor  # [N, F]
+    total: torch.Tensor  # [N]
+    prompts: list  # [N] the prompt of each answer (string or messages)
+    texts: list[str]  # [N] decoded answers
+
+    @property
+    def size(self) -> int:
+        return len(self.total)
+
+    def select(self, keep: torch.Tensor) -> "Draw":  # keep: [N] bool
+        idx = keep.nonzero().flatten().tolist()
+        rollout = Rollout(**{f.name: getattr(self.rollout, f.name)[keep.to(self.rollout.completion_ids.device)]
+                             for f in fields(Rollout)})
+        return Draw(rollout, self.per_fn[keep], self.total[keep], [self.prompts[i] for i in idx],
+                    [self.texts[i] for i in idx])
+
+    def with_signal(self, G: int) -> "Draw":
+        """Only the groups whose rewards are not all equal (DAPO's dynamic sampling filter)."""
+        grouped = torch.nan_to_num(self.total.view(-1, G), nan=0.0)  # [B, G]
+        return self.select(((grouped.amax(-1) - grouped.amin(-1)) > 0).repeat_interleave(G))
+
+    @staticmethod
+    def join(draws: list["Draw"], n: int, pad_id: int, fallback: "Draw") -> "Draw":
+        """The first `n` rows of several draws, padded to a common width; `fallback` if all are empty."""
+        draws = [d for d in draws if d.size] or [fallback]
+        both = concat_rollouts([d.rollout for d in draws], pad_id)
+        joined = Draw(both, torch.cat([d.per_fn for d in draws]), torch.cat([d.total for d in draws]),
+                      [p for d in draws for p in d.prompts], [t for d in draws for t in d.texts])
+        return joined.select(torch.arange(joined.size) < n)
+
+
+def grade(rollout: Rollout, rows: list[dict], tokenizer, specs, G: int) -> Draw:
+    """Decode the answers and run every reward function on them (TRL's calling convention)."""
+    ids = [row[m.bool()].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    prompt_values = [r["prompt"] for r in rows for _ in range(G)]
+    completions = as_trl_completions(prompt_values, texts)
+    per_fn, total = compute_rewards(specs, prompt_values, completions, ids, columns_of(rows, repeat=G))
+    return Draw(rollout, per_fn, total, prompt_values, texts)

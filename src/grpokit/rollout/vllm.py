@@ -1,0 +1,203 @@
+"""The vLLM rollout engine (`rollout.engine = "vllm"`): a `vllm.LLM` colocated in the training process.
+
+See `engines.py` for the interface, weight sync and truncated importance sampling; vLLM is
+imported only when this engine is built.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+from grpokit.models.lora import adapter_of
+from grpokit.models.parallel import buckets, rank, world_size
+from grpokit.rollout.batch import Rollout, rollout_from_tokens
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("rollout.engine = \"vllm\" needs vLLM on a CUDA machine: pip install 'grpokit[vllm]'") from e
+    return vllm
+
+
+def named_weights_for_sync(model) -> Iterable[tuple[str, Tensor]]:
+    """(Hugging Face name, full tensor) of every parameter and buffer the sampler needs, one at a time
+    (FSDP shards are gathered here, one tensor at a time: every rank must iterate in step)."""
+    seen = set()
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if id(t) in seen or "rotary_emb" in name:  # tied weights once; rotary tables are rebuilt by vLLM
+            continue
+        seen.add(id(t))
+        full = t.full_tensor() if hasattr(t, "full_tensor") else t
+        yield name, full.detach()
+
+
+class VLLMEngine:
+    """A colocated `vllm.LLM` behind the RolloutEngine interface (see the module docstring).
+
+    `llm` and `vllm_module` may be given (tests pass fakes); otherwise vLLM is imported and the LLM
+    built from `model_path`."""
+
+    def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0, lora: dict | None = None,
+                 gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False, sync_bucket_mb: float = 512,
+                 max_model_len: int | None = None, enforce_eager: bool = False, llm=None, vllm_module=None):
+        self.vllm = vllm_module or _import_vllm()
+        self.bucket_bytes = int(sync_bucket_mb * 2**20)
+        self.sleep_mode, self.lora = enable_sleep_mode, lora
+        self.lora_request, self._lora_dir, self._lora_version = None, None, 0
+        self.sync_calls: list[int] = []  # tensors per load_weights call of the last sync (for tests and logs)
+        if llm is None:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: its model is reachable
+            kwargs = dict(model=str(model_path), dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
+                          enable_sleep_mode=enable_sleep_mode, logprobs_mode="processed_logprobs",
+                          enforce_eager=enforce_eager, max_model_len=max_model_len)
+            if world_size() > 1:  # one engine per rank, inside torchrun's process group
+                kwargs["distributed_executor_backend"] = "external_launcher"
+            if lora:  # vLLM accepts only some ranks as its maximum: the smallest one that holds r
+                rank = int(lora.get("r", 8))
+                kwargs.update(enable_lora=True, max_loras=1,
+                              max_lora_rank=next((k for k in VLLM_LORA_RANKS if k >= rank), rank))
+            llm = self.vllm.LLM(**{k: v for k, v in kwargs.items() if v is not None})
+        self.llm = llm
+        self.asleep = self.weights_awake = False  # sleeps after each generate (enable_sleep_mode)
+
+    # ---- sampling --------------------------------------------------------------------------
+
+    def generate(self, prompt_ids, *, group_size, sampling, generator=None) -> Rollout:
+        s = sampling
+        self._wake()
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device).item()) \
+            if generator is not None else None
+        params = self.vllm.SamplingParams(
+            n=group_size, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_new_tokens,
+            stop=list(s.stop_strings) or None, include_stop_str_in_output=True, ignore_eos=s.ignore_eos,
+            stop_token_ids=None if s.ignore_eos else list(s.eos_token_ids), logprobs=0, seed=seed,
+            skip_special_tokens=False)
+        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], sampling_params=params,
+                                    use_tqdm=False, lora_request=self.lora_request)
+        completions, logprobs, truncated = [], [], []
+        for request in outputs:
+            if len(request.outputs) != group_size:
+                raise RuntimeError(f"vLLM returned {len(request.outputs)} answers for a prompt, expected {group_size}")
+            for out in request.outputs:
+                ids = list(out.token_ids)[:s.max_new_tokens]
+                completions.append(ids)
+                logprobs.append(_sampled_logprobs(out.logprobs, ids))
+                truncated.append(out.finish_reason == "length")
+        if self.sleep_mode:
+            self._sleep()
+        device = generator.device if generator is not None else "cpu"
+        return rollout_from_tokens(prompt_ids, completions, logprobs, truncated, group_size=group_size,
+                                   pad_token_id=s.pad_token_id, device=device)
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def sync_weights(self, model) -> None:
+        """Push the trainer's weights: the adapter alone with LoRA, else every tensor in buckets."""
+        self._wake(weights_only=True)
+        adapter = adapter_of(model)
+        if adapter is not None:
+            self._sync_adapter(adapter)
+        else:
+            self.sync_calls = []
+            for bucket in buckets(named_weights_for_sync(model), self.bucket_bytes):
+                self._load_weights(bucket)
+                self.sync_calls.append(len(bucket))
+        self.llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
+
+    def _load_weights(self, bucket: list[tuple[str, Tensor]]) -> None:
+        target = _vllm_model(self.llm)
+        if target is not None:
+            target.load_weights(weights=bucket)
+        else:  # the engine runs its workers elsewhere: send the bucket over its RPC
+            self.llm.collective_rpc(_load_weights_on_worker, args=(bucket,))
+
+    def _sync_adapter(self, adapter) -> None:
+        if self._lora_dir is None:
+            self._lora_dir = tempfile.mkdtemp(prefix=f"grpokit-lora-rank{rank()}-")
+        previous = self.lora_request
+        self._lora_version += 1
+        folder = Path(self._lora_dir) / f"v{self._lora_version}"
+        adapter.save_pretrained(str(folder))
+        self.lora_request = _lora_request_class(self.vllm)(f"policy-v{self._lora_version}", self._lora_version,
+                                                           str(folder))
+        self.sync_calls = [0]
+        if previous is not None:
+            try:
+                self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            except Exception:  # an engine without remove_lora keeps at most max_loras adapters (LRU)
+                pass
+            old = Path(self._lora_dir) / f"v{self._lora_version - 1}"
+            import shutil
+
+            shutil.rmtree(old, ignore_errors=True)
+
+    # ---- sleep mode: the engine's GPU memory is free while the trainer runs --------------------
+    # After each generate the engine sleeps: level 2 drops its weights (the trainer pushes new ones
+    # after the update anyway); with LoRA the base weights are never pushed, so level 1 keeps them
+    # in host memory. sync_weights wakes the weights only; generate wakes the KV cache.
+
+    def _sleep(self) -> None:
+        self.llm.sleep(level=1 if self.lora else 2)
+        self.asleep, self.weights_awake = True, False
+
+    def _wake(self, weights_only: bool = False) -> None:
+        if not self.asleep:
+            return
+        if weights_only:
+            if not self.weights_awake:
+                self.llm.wake_up(tags=["weights"])
+                self.weights_awake = True
+            return
+        self.llm.wake_up(tags=["kv_cache"]) if self.weights_awake else self.llm.wake_up()
+        self.asleep = self.weights_awake = False
+
+
+def _lora_request_class(vllm):
+    if hasattr(vllm, "LoRARequest"):
+        return vllm.LoRARequest
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest
+
+
+def _vllm_model(llm):
+    """The nn.Module inside an in-process vLLM engine (V1 with VLLM_ENABLE_V1_MULTIPROCESSING=0), or None."""
+    try:
+        worker = llm.llm_engine.model_executor.driver_worker
+    except AttributeError:
+        return None
+    for path in ("model_runner.model", "worker.model_runner.model"):
+        obj = worker
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if obj is not None and hasattr(obj, "load_weights"):
+            return obj
+    return None
+
+
+def _load_weights_on_worker(worker, bucket):  # runs inside a vLLM worker (collective_rpc)
+    worker.model_runner.model.load_weights(weights=bucket)
+
+
+def _sampled_logprobs(per_position, token_ids: list[int]) -> list[float]:
+    """The sampled token's log-prob at each position, from vLLM's per-position {token_id: Logprob}."""
+    if per_position is None:
+        raise RuntimeError("vLLM returned no log-probs; the engine needs SamplingParams(logprobs=0)")
+    out = []
+    for tok, entry in zip(token_ids, per_position):
+        item = entry.get(tok) if hasattr(entry, "get") else None
+        if item is None:  # the sampled token is always present with logprobs=0; be lenient with formats
+            item = next(iter(entry.values()))
+        value = getattr(item, "logprob", item)
+        out.append(float(value))
+    return out

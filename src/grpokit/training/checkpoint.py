@@ -1,0 +1,176 @@
+"""Checkpoints: a Hugging Face model folder plus the trainer state, written atomically.
+
+`RUN_DIR/checkpoint-<step>/` holds `config.json`, safetensors weights and the
+tokenizer (loadable by `AutoModelForCausalLM.from_pretrained`) and
+`trainer_state.pt` (optimizer, scheduler, RNG states, step, data position) and
+`grpokit_config.toml` (the config that wrote it: a resume is checked against it).
+Each checkpoint is written into a hidden temporary folder and renamed into
+place, so a crash mid-save leaves the previous checkpoint untouched.
+
+The whole layout lives here: a plain model is saved as it is; under FSDP the full weights
+and optimizer state are gathered first (every rank takes part, rank 0 writes); with LoRA the
+folder holds the merged model (loadable as a plain one) plus `adapter/`, and a resume loads
+the adapter alone into the frozen base.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from grpokit.errors import CheckpointError, SetupError
+from grpokit.models.fsdp import full_state_dict, is_fsdp, load_optimizer_state, optimizer_state
+from grpokit.models.parallel import gather_states, local_state
+
+_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+CHECKPOINT_CONFIG = "grpokit_config.toml"
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints in `run_dir`, oldest first."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _NAME.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    return int(_NAME.match(checkpoint.name).group(1))
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: dict, keep_last: int,
+                    config_text: str = "", resume_hint: str = "--resume") -> Path:
+    """Write `checkpoint-<step>` atomically, then drop all but the newest `keep_last`."""
+    final = run_dir / f"checkpoint-{step}"
+    tmp = run_dir / f".tmp-checkpoint-{step}"
+    for stale in run_dir.glob(".tmp-checkpoint-*"):  # left by a crash mid-save
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        torch.save(trainer_state, tmp / "trainer_state.pt")
+        (tmp / CHECKPOINT_CONFIG).write_text(config_text, encoding="utf-8")
+    except Exception as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # the partial copy would only take more space
+        reason = _write_failure(e, run_dir)
+        if reason is None:  # not a failed write: a bug, keep its traceback
+            raise
+        kept = [c.name for c in list_checkpoints(run_dir)]
+        raise CheckpointError(
+            f"{run_dir}: could not write checkpoint-{step} ({reason}); "
+            + (f"the earlier checkpoints are intact ({', '.join(kept)}); free space and continue with: {resume_hint}"
+               if kept else "no earlier checkpoint exists; free space (or choose another output.dir) and start again")
+        ) from e
+    if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
+        shutil.rmtree(final)
+    tmp.rename(final)
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write_failure(error: Exception, run_dir: Path) -> str | None:
+    """Why a save failed, if it failed to write: an OSError (disk full, quota, permissions), or the
+    writers' own wrappers of one (torch.save's `[enforce fail at inline_container.cc]`, safetensors'
+    `I/O error`), which hide the errno; then say how much room is left."""
+    if isinstance(error, OSError):
+        return error.strerror or str(error)
+    text = str(error)
+    if not any(s in text for s in ("inline_container", "I/O error", "file write failed", "No space left")):
+        return None
+    free = shutil.disk_usage(run_dir).free / 2**20
+    return f"the write failed with {free:.0f} MiB free on that disk{'; it is full' if free < 64 else ''}"
+
+
+def load_trainer_state(checkpoint: Path) -> dict:
+    return torch.load(checkpoint / "trainer_state.pt", weights_only=False)
+
+
+class CheckpointWeights:
+    """What `save_checkpoint` writes as the model: a Hugging Face folder (full weights gathered under
+    FSDP; with LoRA the merged model plus `adapter/`). Build it on every rank (a collective under
+    FSDP); only rank 0 calls `save_pretrained`."""
+
+    def __init__(self, model):
+        from grpokit.models.lora import adapter_of
+
+        self.model, self.adapter = model, adapter_of(model)
+        self.state_dict = full_state_dict(model) if self.adapter is None else None
+
+    def save_pretrained(self, path: str) -> None:
+        if self.adapter is not None:
+            from grpokit.models.lora import save_adapter_and_merged
+
+            save_adapter_and_merged(self.adapter, Path(path))
+        elif self.state_dict is not None:
+            self.model.save_pretrained(path, state_dict=self.state_dict)
+        else:
+            self.model.save_pretrained(path)
+
+
+def load_checkpoint_weights(checkpoint: Path, model) -> None:
+    """Restore a checkpoint's weights into `model` (plain, FSDP-sharded, or LoRA adapters only)."""
+    from safetensors.torch import load_file
+
+    from grpokit.models.lora import adapter_of, load_adapter
+
+    if adapter_of(model) is not None:
+        load_adapter(adapter_of(model), checkpoint)
+        return
+    weights = {}
+    for shard in sorted(checkpoint.glob("*.safetensors")):
+        weights.update(load_file(str(shard), device="cpu" if is_fsdp(model) else str(model.device)))
+    if is_fsdp(model):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        full = model.state_dict().keys()
+        weights = {k: v for k, v in weights.items() if k in full}
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        return
+    model.load_state_dict(weights, strict=False)  # tied weights may be stored once
+
+
+def trainer_state(step: int, policy, sampler: torch.Generator, stream) -> dict:
+    """What a checkpoint holds beside the weights: optimizer (gathered under FSDP), schedule, every RNG,
+    every process's sampling generator, the prompt stream's position. A collective under torchrun."""
+    return {"step": step, "optimizer": optimizer_state(policy.model, policy.optimizer),
+            "scheduler": policy.scheduler.state_dict(), "rng": rng_state(),
+            "sampler": gather_states(sampler.get_state()), "stream": stream.state_dict()}
+
+
+def restore_checkpoint(checkpoint: Path, policy, sampler: torch.Generator, stream) -> int:
+    """Put a checkpoint back into the policy, optimizer, schedule, RNGs, sampler and stream; its step."""
+    load_checkpoint_weights(checkpoint, policy.model)  # plain, FSDP-sharded, or the LoRA adapter alone
+    state = load_trainer_state(checkpoint)
+    load_optimizer_state(policy.model, policy.optimizer, state["optimizer"])
+    policy.scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    sampler.set_state(local_state(state["sampler"]))  # this process's generator
+    try:
+        stream.load_state_dict(state["stream"])
+    except ValueError as e:  # a different dataset or seed than the run being resumed
+        raise SetupError(f"--resume from {checkpoint}: {e}") from e
+    return int(state["step"])

@@ -1,0 +1,78 @@
+"""One step's data: rollout -> grade -> (dynamic sampling) -> group-relative advantages.
+
+The result is a `GenerationBatch`: the graded answers, their advantages and the loss mask;
+the update (update.py) adds the old / reference log-probs it needs as a new record.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from grpokit.algorithms.advantages import group_advantages
+from grpokit.config.schema import Config
+from grpokit.models.parallel import (
+    all_ranks,
+)
+from grpokit.observe.metrics import completion_metrics, reward_summary
+from grpokit.rewards.core import RewardSpec, reward_metrics
+from grpokit.rollout.batch import Rollout
+from grpokit.rollout.engines import RolloutEngine, SamplingParams
+from grpokit.rollout.grading import Draw, grade
+from grpokit.training.setup import PromptTable
+
+
+@dataclass(frozen=True)
+class GenerationBatch:
+    """One step's sampled, graded answers; N = B * G rows, group by group."""
+
+    draw: Draw  # rollout (ids, masks, sampling logprobs, truncation), rewards [N] and [N, F], texts
+    advantages: torch.Tensor  # [N]
+    loss_mask: torch.Tensor  # [N, T] completion mask, truncated answers zeroed if asked
+    old_logp: torch.Tensor | None = None  # [N, T] only when μ > 1 or several minibatches
+    ref_logp: torch.Tensor | None = None  # [N, T] only when β > 0
+    tis_weight: torch.Tensor | None = None  # [N, T] only with algorithm.tis_cap (a sampler other than the trainer)
+
+    @property
+    def rollout(self) -> Rollout:
+        return self.draw.rollout
+
+
+def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts: PromptTable, stream,
+                       specs: list[RewardSpec], sampler: torch.Generator) -> tuple[GenerationBatch, dict]:
+    """Sample G answers for B prompts and grade them; with dynamic sampling, keep drawing
+    prompt batches (up to `max_resample_rounds` more) until B groups carry signal."""
+    sampling = SamplingParams.from_config(config, prompts.eos_token_ids, tokenizer.pad_token_id)
+    G, B, algo = config.rollout.group_size, config.train.prompts_per_step, config.algorithm
+    draws: list[Draw] = []
+    t_rollout = t_reward = 0.0
+    for _ in range(1 + (algo.max_resample_rounds if algo.dynamic_sampling else 0)):
+        indices = stream.next_batch()  # B row indices
+        t0 = time.perf_counter()
+        rollout = engine.generate([prompts.ids[i] for i in indices], group_size=G, sampling=sampling,
+                                  generator=sampler)
+        t1 = time.perf_counter()
+        draws.append(grade(rollout, [prompts.rows[i] for i in indices], tokenizer, specs, G))
+        t_rollout, t_reward = t_rollout + t1 - t0, t_reward + time.perf_counter() - t1
+        # several processes: every one draws as often as the one that needs most (streams stay in step)
+        if not algo.dynamic_sampling or all_ranks(sum(d.with_signal(G).size for d in draws) >= B * G):
+            break
+    seen = reward_summary(torch.cat([d.total for d in draws]), G)  # before any filtering
+    draw = draws[0] if not algo.dynamic_sampling else Draw.join([d.with_signal(G) for d in draws], B * G,
+                                                                 tokenizer.pad_token_id, fallback=draws[-1])
+    rollout = draw.rollout
+    advantages = group_advantages(draw.total, G, scale_rewards=algo.scale_rewards, std=algo.std,
+                                  estimator=algo.advantage_estimator)
+    loss_mask = rollout.completion_mask.clone()
+    if algo.mask_truncated_completions:  # truncated answers carry no gradient
+        loss_mask[rollout.truncated] = 0
+    metrics = {**reward_summary(draw.total, G), **reward_metrics(specs, draw.per_fn),
+               **completion_metrics(rollout.completion_mask, rollout.truncated),
+               "time/rollout": t_rollout, "time/reward": t_reward}
+    if algo.dynamic_sampling:  # what the filter saw before it dropped groups
+        metrics["frac_reward_zero_std"] = seen["frac_reward_zero_std"]
+        metrics["dynamic_sampling/groups_kept"] = draw.size / G
+        metrics["dynamic_sampling/draws"] = len(draws)
+    return GenerationBatch(draw, advantages, loss_mask), metrics

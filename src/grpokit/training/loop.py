@@ -1,0 +1,140 @@
+"""The GRPO training loop, readable top to bottom.
+
+    prompts ─► rollout: G answers per prompt ─► rewards r[B, G] ─► advantages A[B, G]
+            ─► [dynamic sampling] ─► old / ref logprobs (only when needed)
+            ─► μ passes × minibatches × micro-batches: clipped surrogate + β·KL
+            ─► metrics, checkpoint
+
+`train(config)` is the whole product: everything that can be checked is checked
+before the model loads (setup.py), then each step is rollout -> grade ->
+advantages (generate.py) -> update (update.py) -> log -> save. The math lives in
+`algorithms/`; this module only says in which order things happen.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+from grpokit.config.loading import to_toml
+from grpokit.config.schema import Config
+from grpokit.errors import TrainingDiverged
+from grpokit.models.parallel import DistributedContext
+from grpokit.observe.diagnostics import Diagnostics
+from grpokit.observe.metrics import reduce_metrics
+from grpokit.observe.tracking import ConsoleProgress, MetricsWriter, drop_rows_after, write_completions
+from grpokit.training.checkpoint import CheckpointWeights, save_checkpoint, trainer_state
+from grpokit.training.generate import generate_and_grade
+from grpokit.training.run_folder import RunFolderLock, record_segment, with_resolved_paths
+from grpokit.training.setup import Run, build_run, check_inputs
+from grpokit.training.stopping import GracefulStop, continue_command, diverged_message, stop_messages
+from grpokit.training.update import optimize, score_old_and_ref, with_tis_weights
+
+
+def train(
+    config: Config,
+    *,
+    reward_functions: Sequence[Callable] | None = None,
+    rows: Iterable[dict] | None = None,
+    resume: bool = False,
+    engine: Callable | None = None,
+    command: str | None = None,
+) -> Path:
+    """Run GRPO as `config` says; returns the run folder. Python-side callables and
+    rows may replace the config's `rewards.functions` and data source, and `engine(config,
+    model, tokenizer)` the rollout engine (rollout/engines.py). Under torchrun every process runs
+    this together (models/parallel.py): each takes its share of every batch, rank 0 writes the
+    files. `command` is how the run was started (the CLI's own words); stop messages build the
+    exact command that continues the run from it."""
+    dist = DistributedContext.from_env()  # alone: rank 0 of 1, and every collective is a no-op
+    lock = RunFolderLock(config.output.dir, command) if dist.is_main else None  # rank 0 holds the folder
+    hint = continue_command(command)
+    try:
+        with stop_messages(config.output.dir, hint):  # Ctrl-C, a full disk: one line saying how to continue
+            inputs = check_inputs(config, dist, lock, rows=rows, reward_functions=reward_functions, resume=resume)
+            if dist.is_main:
+                for note in inputs.folder.notes:
+                    print(note, flush=True)
+            if inputs.complete:
+                if dist.is_main:
+                    print(f"{inputs.folder.path} is already complete at step {config.train.steps}; raise "
+                          "train.steps to continue it", flush=True)
+                return inputs.folder.path
+            run = build_run(config, inputs, dist, engine)
+            return _loop(config, run, dist, hint, command)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command: str | None) -> Path:
+    local, inputs, policy = run.inputs.local, run.inputs, run.policy  # local: this process's share
+    run_dir = inputs.folder.path
+    if dist.is_main:
+        for log in ("metrics.jsonl", "completions.jsonl") if run.start_step else ():  # steps after it are redone
+            drop_rows_after(run_dir / log, run.start_step)
+        record_segment(run_dir, config, inputs.folder, run.start_step, command)
+    writer = dist.main_only(lambda: MetricsWriter(run_dir, append=run.start_step > 0,
+                                                  tensorboard=config.output.tensorboard, wandb=config.output.wandb))
+    console = dist.main_only(lambda: ConsoleProgress(config.train.steps, run.start_step, enabled=config.output.console))
+    diagnostics = Diagnostics.from_config(config)  # common mistakes, each said once
+    for message in diagnostics.check_config(config):
+        console.print(message)
+    config_text = to_toml(with_resolved_paths(config))  # what each checkpoint records; a resume is checked against it
+
+    def save(step: int) -> Path:
+        state = trainer_state(step, policy, run.sampler, run.stream)
+        weights = CheckpointWeights(policy.model)  # gathered under FSDP; with LoRA the merged model + adapter/
+        return dist.run_on_main(save_checkpoint, run_dir, step, weights, inputs.tokenizer, state,
+                                config.output.keep_last, config_text, hint)
+
+    failed_steps = 0  # consecutive steps whose every update was skipped as non-finite
+    try:
+        with GracefulStop() as stop:
+            for step in range(run.start_step + 1, config.train.steps + 1):
+                t0 = time.perf_counter()
+                # rollout -> grade -> advantages
+                batch, gen_metrics = generate_and_grade(local, run.engine, inputs.tokenizer, inputs.prompts,
+                                                        run.stream, inputs.specs, run.sampler)
+                t1 = time.perf_counter()
+                # update: old / reference log-probs, then μ passes of clipped-surrogate steps
+                batch = score_old_and_ref(local, policy, batch)
+                if local.algorithm.tis_cap:  # the sampler is not the trainer (vLLM): weight tokens by their gap
+                    batch, tis_metrics = with_tis_weights(local, policy, batch)
+                    gen_metrics.update(tis_metrics)
+                train_metrics = optimize(local, policy, batch)
+                run.engine.sync_weights(policy.model)  # vLLM: push the new weights; HF: the sampler is the model
+                t2 = time.perf_counter()
+                # log
+                n_tokens = batch.rollout.completion_mask.sum().item()
+                metrics = {**gen_metrics, **train_metrics, "learning_rate": policy.scheduler.get_last_lr()[0],
+                           "time/rollout": gen_metrics.pop("time/rollout"), "time/train": t2 - t1,
+                           "time/step": t2 - t0, "tokens_per_sec": n_tokens / (t2 - t0)}
+                metrics = reduce_metrics(metrics, batch, inputs.specs, local)  # over all processes
+                writer.write(step, metrics)
+                for message in diagnostics.update(step, metrics):
+                    console.print(message)
+                if config.output.completions_every and step % config.output.completions_every == 0:
+                    draw, advantages = dist.gather_draw(batch.draw, batch.advantages)
+                    if dist.is_main:
+                        write_completions(run_dir, step, draw, advantages, inputs.specs)
+                console.update(step, metrics)
+                failed_steps = failed_steps + 1 if math.isnan(metrics["grad_norm"]) else 0
+                if config.train.max_consecutive_skips and failed_steps >= config.train.max_consecutive_skips:
+                    raise TrainingDiverged(diverged_message(run_dir, failed_steps))
+                # save
+                due = step == config.train.steps or (config.output.save_every and step % config.output.save_every == 0)
+                stopping = dist.any(bool(stop.requested))  # a signal to any process stops them all
+                if due or stopping:
+                    path = save(step)
+                if stopping:
+                    console.print(f"{stop.requested or 'a stop on another process'}: stopped after step {step}; "
+                                  f"saved {path}. Continue with: {hint}")
+                    break
+    finally:
+        console.close()
+        writer.close()
+        dist.close()
+    return run_dir

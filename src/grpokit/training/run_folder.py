@@ -1,0 +1,343 @@
+"""The run folder (`output.dir`): one run at a time, what it holds, and what a resume may change.
+
+    RUN_DIR/
+      config.toml            the config of the newest segment (a segment: one start or one --resume)
+      config_history.jsonl   a line per segment: the step it started from, when, the command, what changed
+      metrics.jsonl          a line per step; completions.jsonl, tensorboard/ when asked for
+      checkpoint-N/          Hugging Face model folder + trainer_state.pt + grpokit_config.toml
+      .grpokit.lock          who holds the folder (pid, command, since) while a run is alive
+
+A run holds an advisory lock on the folder itself (`flock` on its descriptor) from
+its start-up checks to its end, so a second run or a resume of the same folder is
+refused with the other process named. The OS drops the lock when the process
+dies, even by SIGKILL, so a crash never leaves a folder locked.
+
+What a start does with what it finds:
+- nothing, or an earlier attempt that stopped before its first checkpoint: start
+  (that attempt's logs are moved to `earlier-attempts/<time>/`, never deleted);
+- a run with checkpoints: refuse, unless `--resume` (continue) or
+  `output.overwrite = true` (the earlier run's files are removed, and listed);
+- `--resume`: only the fields in `RESUMABLE_FIELDS` may differ from the config
+  that wrote the newest checkpoint; any other difference is refused with the list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import os
+import shutil
+import time
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grpokit.config.loading import to_toml
+from grpokit.config.schema import SECTIONS, Config
+from grpokit.errors import RunFolderError
+from grpokit.observe.tracking import HISTORY
+from grpokit.training.checkpoint import CHECKPOINT_CONFIG, checkpoint_step, list_checkpoints
+
+# Fields a --resume may change: how long to train, where and how to log, and knobs that change memory
+# or speed but not the math (micro-batches accumulate to the same gradient; the fast paths have tests
+# showing the same loss and gradient). Everything else would make the resumed run a different run.
+RESUMABLE_FIELDS = frozenset({
+    "train.steps", "train.micro_batch_size", "train.logprob_chunk_size", "train.max_consecutive_skips",
+    "train.fused_logprobs", "train.skip_zero_advantage", "train.keep_freed_memory",
+    "model.device", "rollout.vllm", "rewards.timeout_s",
+    "output.dir", "output.save_every", "output.keep_last", "output.overwrite", "output.completions_every",
+    "output.console", "output.tensorboard", "output.wandb",
+})
+
+
+# What grpokit writes into a run folder; `output.overwrite` removes exactly these, nothing else.
+RUN_FILES = ("config.toml", "config_history.jsonl", "metrics.jsonl", "completions.jsonl", "tensorboard",
+             "report.html", "wandb")
+
+
+LOCK_FILE = ".grpokit.lock"
+
+
+@dataclass
+class RunFolder:
+    """What the start-up checks found in `output.dir` (plain data: it is broadcast under torchrun)."""
+
+    path: Path
+    resume_step: int = 0  # the newest checkpoint's step when resuming, else 0
+    changes: dict = field(default_factory=dict)  # "section.key" -> [before, now] of a resume
+    notes: list[str] = field(default_factory=list)  # what was moved or removed, said once at the start
+
+
+class RunFolderLock:
+    """An exclusive advisory lock on a run folder, held from the start-up checks to the end of the run.
+
+    The lock is `flock` on the folder's own descriptor, so it needs no lock file and the OS drops it
+    when the process ends in any way. `.grpokit.lock` only tells a refused second run who holds it.
+    Where a file system cannot lock a directory (NFS emulates flock with POSIX locks, which need a file
+    open for writing), the lock is taken on `.grpokit.lock` itself; where it cannot lock at all
+    (Lustre without the flock option, Windows) the run goes on unlocked, with a warning."""
+
+    def __init__(self, path: str | Path, command: str | None = None):
+        self.path, self.command, self.fd, self.on_file = Path(path), command, None, False
+
+    def acquire(self) -> None:
+        try:
+            import fcntl
+        except ImportError:  # Windows
+            return self._unlocked("this platform has no fcntl")
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except OSError as e:
+            self._close()
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise self._busy() from None
+            first = e
+        try:  # no flock on directories here: a POSIX lock on a file opened for writing
+            self.fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.on_file = True
+        except OSError as e:
+            self._close()
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise self._busy() from None
+            self._unlocked(f"{first.strerror}; {e.strerror}")
+
+    def _unlocked(self, why: str) -> None:
+        print(f"warning: output.dir {str(self.path)!r} cannot be locked ({why}); make sure no other run uses it",
+              flush=True)
+
+    def _busy(self) -> "RunFolderError":
+        return RunFolderError(f"output.dir {str(self.path)!r} is in use by another grpokit run ({self._holder()}); "
+                              "wait for it to finish or stop it, or choose another output.dir")
+
+    def announce(self) -> None:
+        """Say who holds the folder (written once every check has passed: a refused start adds no file)."""
+        if self.fd is None:
+            return
+        info = json.dumps({"pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": self.command})
+        if self.on_file:  # the locked file itself: rewrite it through the locked descriptor
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, (info + "\n").encode(), 0)
+        else:
+            (self.path / LOCK_FILE).write_text(info + "\n", encoding="utf-8")
+
+    def release(self) -> None:
+        if self.fd is None:
+            return
+        if not self.on_file:  # still holding the lock: no one else reads the file now
+            (self.path / LOCK_FILE).unlink(missing_ok=True)
+        self._close()  # closing the descriptor releases the lock
+
+    def _close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def _holder(self) -> str:
+        try:
+            info = json.loads((self.path / LOCK_FILE).read_text(encoding="utf-8"))
+            what = f": {info['command']}" if info.get("command") else ""
+            return f"pid {info['pid']}, since {info['since']}{what}"
+        except (OSError, ValueError, KeyError):  # the holder is still starting up
+            return "a process that is starting up"
+
+
+def prepare_run_folder(config: Config, *, resume: bool, lock: RunFolderLock | None = None) -> RunFolder:
+    """Check `output.dir` for this start, lock it, and clear the way (see the module docstring).
+
+    Every refusal happens before anything in the folder changes."""
+    run_dir = Path(config.output.dir)
+    checkpoints = list_checkpoints(run_dir)
+    if resume and not checkpoints:
+        raise RunFolderError(f"--resume: {run_dir} has no checkpoint to resume from; run without --resume to start")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as e:
+        raise RunFolderError(f"output.dir {str(run_dir)!r} is not writable ({e.strerror}); choose another folder") \
+            from e
+    if lock is not None:
+        lock.acquire()
+    try:
+        checkpoints = list_checkpoints(run_dir)  # again, now that no other run can change them
+        folder = RunFolder(run_dir)
+        if resume:
+            folder.resume_step = checkpoint_step(checkpoints[-1])
+            folder.changes = _resume_changes(config, checkpoints[-1])
+            if config.output.overwrite:  # --resume is the explicit ask; say that the other one is not acted on
+                folder.notes.append("--resume: output.overwrite = true is ignored; the run continues")
+        elif checkpoints and not config.output.overwrite:
+            raise RunFolderError(f"output.dir {str(run_dir)!r} already holds a run (newest: {checkpoints[-1].name}); "
+                                 "continue it with --resume, choose another output.dir, or set "
+                                 "output.overwrite = true to start over")
+        _check_free_space(run_dir, Path(config.model.path))
+        ours = (run_dir / "metrics.jsonl").exists() or (run_dir / HISTORY).exists() or bool(checkpoints)
+        if (run_dir / "config.toml").exists() and not ours:
+            raise RunFolderError(f"output.dir {str(run_dir)!r} holds a config.toml that no grpokit run wrote (a run "
+                                 "keeps its own config.toml there); choose another output.dir")
+        if not resume and checkpoints:
+            folder.notes.append(_remove_earlier_run(run_dir, config))
+        elif not resume and ours:
+            folder.notes.append(_move_earlier_attempt(run_dir))
+        if lock is not None:
+            lock.announce()
+        return folder
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+
+
+def _resume_changes(config: Config, checkpoint: Path) -> dict:
+    """The fields that differ from the config that wrote `checkpoint`; refuse any outside RESUMABLE_FIELDS."""
+    step = checkpoint_step(checkpoint)
+    if config.train.steps < step:
+        raise RunFolderError(f"train.steps = {config.train.steps} is below the step of the newest checkpoint "
+                             f"({checkpoint}); to continue, set train.steps above {step}, e.g. "
+                             f"--set train.steps={2 * step}")
+    before = _saved_config(checkpoint)
+    if before is None:  # written before checkpoints kept their config: nothing to compare against
+        return {}
+    before = _resolve_paths({**_defaults(), **before})  # a field added by a later release: its default
+    now = _resolve_paths(_flat(tomllib.loads(to_toml(config))))
+    changes = {k: [before.get(k), now.get(k)] for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)}
+    refused = {k: v for k, v in changes.items() if k not in RESUMABLE_FIELDS}
+    if refused:
+        listed = "; ".join(f"{k}: {_show(a)} -> {_show(b)}" for k, (a, b) in refused.items())
+        raise RunFolderError(
+            f"--resume: this config differs from the one that wrote {checkpoint} in {listed}. A resumed run must "
+            f"keep these (only train.steps, output.*, and memory/speed knobs may change); restore them, or start "
+            f"a new run from these weights with model.path = {str(checkpoint)!r} and another output.dir")
+    return changes
+
+
+def _saved_config(checkpoint: Path) -> dict | None:
+    for path in (checkpoint / CHECKPOINT_CONFIG, checkpoint.parent / "config.toml"):
+        if path.is_file():
+            try:
+                return _flat(tomllib.loads(path.read_text(encoding="utf-8")))
+            except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+                raise RunFolderError(f"{path} is damaged ({e}); restore it from the config file you started the run "
+                                     "with") from e
+    return None
+
+
+PATH_FIELDS = ("model.path", "data.path")  # compared as the folders/files they name, not as typed
+
+
+def with_resolved_paths(config: Config) -> Config:
+    """`config` with model.path and data.path absolute: what a checkpoint records, so that a resume from
+    another working directory, or with the path spelled otherwise, is compared by what it names."""
+    def absolute(value: str) -> str:
+        return str(Path(value).resolve()) if value else value
+
+    return dataclasses.replace(
+        config, model=dataclasses.replace(config.model, path=absolute(config.model.path)),
+        data=dataclasses.replace(config.data, path=absolute(config.data.path)))
+
+
+def _resolve_paths(flat: dict) -> dict:
+    return {k: (str(Path(v).resolve()) if k in PATH_FIELDS and v else v) for k, v in flat.items()}
+
+
+def _defaults() -> dict:
+    """Every field's default, as a config written to TOML and read back holds it."""
+    out = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            out[f"{section}.{f.name}"] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _flat(raw: dict) -> dict:
+    return {f"{section}.{key}": value for section, values in raw.items() for key, value in values.items()}
+
+
+def _show(value) -> str:
+    return "(unset)" if value is None else json.dumps(value)
+
+
+def _check_free_space(run_dir: Path, model_dir: Path) -> None:
+    """A checkpoint holds the weights and the optimizer's two moments (about 3x the weights); ask for
+    room for one more while the previous one still exists."""
+    weights = sum(p.stat().st_size for p in model_dir.glob("*.safetensors")) or \
+        sum(p.stat().st_size for p in model_dir.glob("*.bin"))
+    needed, free = 4 * weights, shutil.disk_usage(run_dir).free
+    if free < needed:
+        raise RunFolderError(f"output.dir {str(run_dir)!r} has {free / 2**20:.0f} MiB free; checkpoints of this model "
+                             f"need about {needed / 2**20:.0f} MiB (weights + optimizer state); free space or choose "
+                             "another output.dir")
+
+
+def _remove_earlier_run(run_dir: Path, config: Config) -> str:
+    """`output.overwrite = true`: remove what grpokit wrote (checkpoints, logs), leave anything else;
+    refuse if this run's own inputs (model, data) live in what would be removed."""
+    doomed = [p for p in sorted(run_dir.iterdir())
+              if p.name in RUN_FILES or p.name.startswith(("checkpoint-", ".tmp-checkpoint-"))]
+    for field_name, value in (("model.path", config.model.path), ("data.path", config.data.path)):
+        inside = [p for p in doomed if value and _is_within(Path(value), p)]
+        if inside:
+            raise RunFolderError(f"{field_name} {value!r} is inside {inside[0]}, which output.overwrite = true would "
+                                 "remove; copy it elsewhere first, or choose another output.dir")
+    try:
+        for path in doomed:
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    except OSError as e:
+        raise RunFolderError(f"output.overwrite: could not remove {e.filename} ({e.strerror}); fix its permissions "
+                             "or choose another output.dir") from e
+    return f"output.overwrite: removed the earlier run from {run_dir} ({', '.join(p.name for p in doomed)})"
+
+
+def _is_within(path: Path, folder: Path) -> bool:
+    path, folder = path.resolve(), folder.resolve()
+    return path == folder or folder in path.parents
+
+
+def _move_earlier_attempt(run_dir: Path) -> str:
+    """An attempt that stopped before its first checkpoint cannot be resumed; keep its logs aside."""
+    last = _last_logged_step(run_dir / "metrics.jsonl")
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
+    while (aside := run_dir / "earlier-attempts" / (stamp if n == 1 else f"{stamp}-{n}")).exists():
+        n += 1
+    try:
+        aside.mkdir(parents=True)
+        for name in RUN_FILES:
+            if (run_dir / name).exists():
+                (run_dir / name).rename(aside / name)
+        for stale in run_dir.glob(".tmp-checkpoint-*"):
+            shutil.rmtree(stale)
+    except OSError as e:
+        raise RunFolderError(f"{run_dir} holds an attempt that stopped before its first checkpoint, and moving its "
+                             f"logs aside failed on {e.filename} ({e.strerror}); fix its permissions or choose another "
+                             "output.dir") from e
+    return (f"{run_dir} held an attempt that stopped before its first checkpoint "
+            f"({f'last logged step {last}' if last else 'no step logged'}); starting over. Its logs are in {aside}")
+
+
+def _last_logged_step(path: Path) -> int:
+    from grpokit.observe.tracking import read_jsonl
+
+    rows = read_jsonl(path) if path.is_file() else []
+    return rows[-1].get("step", 0) if rows else 0
+
+
+def record_segment(run_dir: Path, config: Config, folder: RunFolder, start_step: int, command: str | None) -> None:
+    """Write the config of this segment (`config.toml`) and add its line to `config_history.jsonl`."""
+    from grpokit.observe.tracking import append_jsonl
+
+    _write_atomically(run_dir / "config.toml", to_toml(config))
+    append_jsonl(run_dir / HISTORY, [{
+        "start_step": start_step, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command,
+        "changes": folder.changes, "config": tomllib.loads(to_toml(config))}])
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)

@@ -1,0 +1,208 @@
+"""Setting a run up: everything checked before the model loads, then the model and its optimizer.
+
+    inputs = check_inputs(config, dist, lock, ...)   # seconds: config, model folder, data, rewards, folder
+    run = build_run(config, inputs, dist, engine)     # the model, reference, optimizer, engine; resumed state
+
+A run that will fail should fail in the first second, with a message naming the
+field or row and the fix, and without touching what is already on disk: the
+config (validated at construction), the model folder, the data, the reward
+functions, the output folder, and prompts too long for the model's context.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from grpokit.config.schema import Config
+from grpokit.data.files import load_prompts
+from grpokit.data.prompts import PromptStream, render_prompt
+from grpokit.errors import DataError, SetupError
+from grpokit.models.allocator import keep_freed_memory
+from grpokit.models.forward import head_is_linear
+from grpokit.models.fsdp import load_device, prepare_model
+from grpokit.models.loading import check_model_folder, load_model, load_tokenizer, max_positions_of, resolve_device
+from grpokit.models.lora import AdapterDisabled, apply_lora
+from grpokit.models.parallel import DistributedContext
+from grpokit.rewards.core import RewardSpec
+from grpokit.rewards.registry import reward_specs
+from grpokit.rollout.engines import RolloutEngine, build_engine
+from grpokit.tasks import get_task
+from grpokit.training.checkpoint import list_checkpoints, restore_checkpoint
+from grpokit.training.run_folder import RunFolder, prepare_run_folder
+
+
+@dataclass
+class PreparedData:
+    rows: list[dict]  # "prompt" plus the columns reward functions receive
+    task: object | None  # the built-in task when data.task is set
+
+    def stream(self, batch_size: int, seed: int) -> PromptStream:
+        """Batches of row indices, reshuffled every epoch, resumable."""
+        return PromptStream(list(range(len(self.rows))), batch_size, seed=seed)
+
+
+@dataclass
+class PromptTable:
+    rows: list[dict]
+    ids: list[list[int]]  # the tokenized prompt of each row
+    eos_token_ids: list[int]
+
+
+def prepare_data(config: Config, rows: Iterable[dict] | None = None) -> PreparedData:
+    """Rows from Python, a built-in task (its train split) or a file, validated."""
+    d = config.data
+    task = get_task(d.task, **d.task_args) if d.task else None
+    if rows is not None:
+        return PreparedData(load_prompts(rows), task)
+    if task is not None:
+        return PreparedData(task.generate(d.num_prompts, seed=d.seed, split="train"), task)
+    return PreparedData(load_prompts(d.path, prompt_column=d.prompt_column), None)
+
+
+def resolve_reward_specs(config: Config, task, functions: Sequence[Callable] | None = None) -> list[RewardSpec]:
+    """Python callables given to `train`, else `rewards.functions`, else the task's verifier.
+
+    A callable is named by its `__name__` (`reward_<i>` without one); callables sharing a name are
+    told apart by their module (`mod_a.score`, `mod_b.score`), else numbered (`score`, `score_2`):
+    see `unique_reward_names`."""
+    from grpokit.rewards.registry import unique_reward_names
+
+    r = config.rewards
+    weights = list(r.weights) or [1.0] * len(functions or r.functions)
+    timeout = r.timeout_s or None  # your own functions are bounded (rewards.timeout_s); built-ins bound themselves
+    if functions:
+        names = unique_reward_names(
+            [getattr(f, "__name__", None) or f"reward_{i}" for i, f in enumerate(functions)],
+            [m if (m := getattr(f, "__module__", None)) not in (None, "__main__") else None for f in functions])
+        return [RewardSpec(n, f, w, timeout) for n, f, w in zip(names, functions, weights)]
+    if r.functions:
+        return reward_specs(list(r.functions), weights, r.args, default_timeout=timeout)
+    if task is not None:
+        return task.reward_functions()
+    raise SetupError("no reward functions: set rewards.functions (a built-in name such as 'numeric_match', "
+                     "or 'file.py:function'), or use a built-in data.task")
+
+
+def tokenize_prompts(config: Config, data: PreparedData, tokenizer, max_positions: int | None) -> PromptTable:
+    """Render (chat template) and tokenize every prompt; reject any too long for the context."""
+    ids = [tokenizer(render_prompt(tokenizer, r["prompt"]), add_special_tokens=False)["input_ids"] for r in data.rows]
+    budget = config.rollout.max_new_tokens
+    for i, prompt_ids in enumerate(ids):
+        if not prompt_ids:
+            raise DataError(f"prompt row {i + 1} tokenizes to nothing; remove it or fix its text")
+        if max_positions and len(prompt_ids) + budget > max_positions:
+            raise DataError(f"prompt row {i + 1} has {len(prompt_ids)} tokens; with rollout.max_new_tokens = {budget} "
+                            f"it exceeds the model's context of {max_positions}; shorten it or lower max_new_tokens")
+    eos = tokenizer.eos_token_id
+    return PromptTable(data.rows, ids, [eos] if isinstance(eos, int) else list(eos or []))
+
+
+def lr_lambda(config: Config) -> Callable[[int], float]:
+    """Linear warmup, then constant or cosine decay to 0 at the last step."""
+    warmup, total, cosine = config.train.warmup_steps, config.train.steps, config.train.lr_schedule == "cosine"
+
+    def factor(step: int) -> float:  # `step` counts optimizer steps taken so far
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if not cosine:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+@dataclass
+class Inputs:
+    """What `check_inputs` found usable; nothing heavy is loaded yet."""
+
+    local: Config  # this process's share of the run (B / world prompts per step)
+    data: PreparedData
+    specs: list[RewardSpec]
+    tokenizer: object
+    prompts: PromptTable
+    folder: RunFolder  # the prepared output folder (resume point, notes)
+    resume: bool
+
+    @property
+    def complete(self) -> bool:
+        """A resumed run whose newest checkpoint is already its last step."""
+        return self.resume and self.folder.resume_step == self.local.train.steps
+
+
+@dataclass
+class Policy:
+    """The model being trained, its frozen reference, and what updates it."""
+
+    model: torch.nn.Module
+    ref_model: torch.nn.Module | None  # None when β = 0; with LoRA the base model (adapters off)
+    linear_head: bool  # logits == lm_head(hidden): the fused log-prob head applies
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+
+
+@dataclass
+class Run:
+    """Everything the loop reads, built once by `build_run`."""
+
+    inputs: Inputs
+    policy: Policy
+    engine: RolloutEngine
+    sampler: torch.Generator  # this process's sampling noise
+    stream: object  # resumable prompt stream (this process's share of each batch)
+    start_step: int  # 0, or the step of the checkpoint resumed from
+
+
+def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward_functions, resume: bool) -> Inputs:
+    """Every check that can run before the model loads, in the order a user would fix them."""
+    local = dist.local_config(config)  # B % world, minibatch splits: ConfigError before anything loads
+    check_model_folder(config.model.path)
+    resolve_device(config.model.device)  # a device this machine lacks fails here, not after the folder is prepared
+    data = prepare_data(config, rows)
+    specs = resolve_reward_specs(config, data.task, reward_functions)
+    tokenizer = load_tokenizer(config.model.path)
+    prompts = tokenize_prompts(config, data, tokenizer, max_positions_of(config.model.path))
+    folder = dist.run_on_main(prepare_run_folder, config, resume=resume, lock=lock)
+    return Inputs(local, data, specs, tokenizer, prompts, folder, resume)
+
+
+def build_policy(config: Config) -> Policy:
+    """The policy (LoRA adapters if asked), the KL reference only when β > 0, AdamW and the schedule;
+    sharded (FSDP2) or replicated across processes."""
+    if config.train.keep_freed_memory and resolve_device(config.model.device).type == "cpu":
+        keep_freed_memory()  # glibc: freed buffers stay mapped for the next step (allocator.py)
+    model = load_model(config.model.path, dtype=config.model.dtype, device=load_device(config))
+    ref_model = None
+    if config.algorithm.beta > 0 and not config.model.lora:  # with β = 0 no reference model is loaded at all
+        ref_model = load_model(config.model.path, dtype=config.model.dtype, device=load_device(config))
+        ref_model.eval().requires_grad_(False)
+    model.eval()  # dropout stays off throughout: ratio is exactly 1 before the first update
+    linear_head = head_is_linear(model)
+    if config.model.lora:  # adapters only; the KL reference is the same weights with the adapters off
+        model = apply_lora(model, config.model.lora)
+        ref_model = AdapterDisabled(model) if config.algorithm.beta > 0 else None
+    model, ref_model, linear_head = prepare_model(model, ref_model, linear_head, fsdp=config.model.fsdp)
+    t = config.train
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.learning_rate,
+                                  betas=t.adam_betas, weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
+    return Policy(model, ref_model, linear_head, optimizer, scheduler)
+
+
+def build_run(config: Config, inputs: Inputs, dist: DistributedContext, engine=None) -> Run:
+    """Load the model and build the optimizer, sampler, prompt stream and rollout engine; on --resume,
+    restore all of them from the newest checkpoint."""
+    torch.manual_seed(config.train.seed)
+    policy = build_policy(config)
+    sampler = torch.Generator(device=policy.model.device).manual_seed(config.train.seed + dist.rank)
+    stream = dist.shard_stream(inputs.data.stream(config.train.prompts_per_step, seed=config.data.seed))
+    rollout_engine = (engine or build_engine)(inputs.local, policy.model, inputs.tokenizer)
+    start_step = 0
+    if inputs.resume and (checkpoints := list_checkpoints(inputs.folder.path)):
+        start_step = restore_checkpoint(checkpoints[-1], policy, sampler, stream)
+    rollout_engine.sync_weights(policy.model)  # vLLM starts from the trainer's (resumed) weights; HF: nothing to do
+    return Run(inputs, policy, rollout_engine, sampler, stream, start_step)

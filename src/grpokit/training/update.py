@@ -1,0 +1,196 @@
+"""The policy update of one step: old / reference log-probs, then μ passes of clipped-surrogate steps.
+
+    batch = score_old_and_ref(config, policy, batch)      # old_logp only when needed, ref_logp when β > 0
+    batch, stats = with_tis_weights(config, policy, batch)  # only for a sampler other than the trainer
+    metrics = optimize(config, policy, batch)              # μ × minibatches × micro-batches
+
+Each function returns what it computed (a new `GenerationBatch`, metrics); none changes its inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from grpokit.algorithms.objectives import policy_loss, truncated_importance_weights
+from grpokit.config.schema import Config
+from grpokit.models.forward import completion_logprobs
+from grpokit.models.parallel import global_sum, reduce_gradients
+from grpokit.training.generate import GenerationBatch
+from grpokit.training.setup import Policy
+
+
+@torch.no_grad()
+def score_old_and_ref(config: Config, policy: Policy, batch: GenerationBatch) -> GenerationBatch:
+    """The batch with the log-probs the loss needs before any update: the old policy's (only when an
+    update precedes some minibatch: μ > 1 or several minibatches) and the reference model's (β > 0)."""
+    old = ref = None
+    if config.needs_old_logprobs:
+        mode = config.algorithm.old_logprobs
+        if mode == "sampler":  # the rollout's own log-probs: the same policy, no extra pass
+            old = batch.rollout.logprobs
+        elif mode == "recompute" or config.minibatch_size < len(batch.advantages):
+            old = _score(config, policy.model, batch, policy.linear_head)
+        # "first_pass" with one minibatch: optimize() keeps the first pass's log-probs (no update precedes them)
+    if policy.ref_model is not None:
+        ref = _score(config, policy.ref_model, batch, policy.linear_head)
+    return dataclasses.replace(batch, old_logp=old, ref_logp=ref)
+
+
+def _score(config: Config, model, batch: GenerationBatch, linear_head: bool) -> torch.Tensor:
+    r, out = batch.rollout, []
+    for rows in torch.arange(len(batch.advantages)).split(config.micro_batch_size):
+        logp, _ = completion_logprobs(model, r.prompt_ids[rows], r.prompt_mask[rows], r.completion_ids[rows],
+                                      r.completion_mask[rows], temperature=config.rollout.temperature,
+                                      chunk_size=config.train.logprob_chunk_size, linear_head=linear_head,
+                                      fused=config.train.fused_logprobs,
+                                      share_prompts=config.train.shared_prompt_forward)
+        out.append(logp)
+    return torch.cat(out)  # [N, T]
+
+
+def with_tis_weights(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[GenerationBatch, dict]:
+    """Truncated importance sampling (rollout/engines.py): per-token weights min(exp(trainer - sampler), cap),
+    with the trainer's log-probs before the update (the old ones when the trainer computed them, else a
+    no-grad pass; never the sampler's own, which algorithm.old_logprobs = "sampler" would reuse)."""
+    own = batch.old_logp is not None and batch.old_logp is not batch.rollout.logprobs
+    with torch.no_grad():
+        trainer_logp = batch.old_logp if own else _score(config, policy.model, batch, policy.linear_head)
+    weights, stats = truncated_importance_weights(trainer_logp, batch.rollout.logprobs, batch.loss_mask,
+                                                  config.algorithm.tis_cap)
+    return dataclasses.replace(batch, tis_weight=weights), stats
+
+
+def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> dict:
+    """μ passes over the batch; each pass is split into minibatches (one optimizer step
+    each), each minibatch into micro-batches (gradient accumulation). Returns the metrics."""
+    algo, model = config.algorithm, policy.model
+    N = len(batch.advantages)
+    sums: dict[str, float] = {}
+    grad_norms, losses, skipped = [], [], 0
+    old = batch.old_logp
+    # old_logprobs = "first_pass": the first pass runs on-policy (ratio 1) and its log-probs become the old ones
+    first_logp = torch.zeros(batch.loss_mask.shape, device=batch.loss_mask.device) \
+        if config.needs_old_logprobs and old is None else None
+    for iteration in range(algo.num_iterations):
+        order = torch.randperm(N) if config.minibatch_size < N else torch.arange(N)
+        for minibatch in order.split(config.minibatch_size):
+            policy.optimizer.zero_grad(set_to_none=True)
+            micro_batches = minibatch.split(config.micro_batch_size)
+            n_items = global_sum(batch.loss_mask[minibatch].sum()).clamp(min=1)  # dapo: minibatch tokens, all ranks
+            loss = 0.0
+            for rows in micro_batches:
+                micro_loss, stats, logp = _micro_step(config, policy, batch, old, rows, n_items, len(micro_batches))
+                if first_logp is not None and iteration == 0:
+                    first_logp[rows, :logp.shape[1]] = logp
+                loss += micro_loss
+                for k, v in stats.items():
+                    sums[k] = sums.get(k, 0.0) + v
+            losses.append(loss)
+            reduce_gradients(model, algo.sums_over_global_tokens)  # several processes: the whole batch's gradient
+            norm = _clip_grad(model, config.train.max_grad_norm)
+            if math.isfinite(norm):
+                policy.optimizer.step()
+                grad_norms.append(norm)
+            else:  # a NaN/inf gradient must never reach the weights
+                skipped += 1
+            policy.scheduler.step()
+        if first_logp is not None and iteration == 0:
+            old = first_logp
+    tokens, entropy_tokens = sums.pop("_tokens"), sums.pop("_entropy_tokens")
+    metrics = {k: v / max(tokens, 1) for k, v in sums.items()}  # all-masked batches report 0
+    # entropy: over the answers that went through the model (all of them unless zero-advantage ones were skipped)
+    metrics["entropy"] = sums["entropy"] / entropy_tokens if entropy_tokens else 0.0 if not tokens else float("nan")
+    metrics["loss"] = sum(losses) / len(losses)
+    metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+    metrics["skipped_updates"] = skipped
+    return metrics
+
+
+def _micro_step(config: Config, policy: Policy, batch: GenerationBatch, old_logp, rows, n_items, n_micro):
+    """Forward + backward on one micro-batch; returns its share of the minibatch loss, token-weighted
+    sums of its stats, and its log-probs [n, T] (detached).
+
+    With β = 0 an answer whose advantage is 0 adds exactly 0 to the loss and to its gradient, so it
+    is left out of the forward (`Config.skips_zero_advantage`); the loss is still evaluated on the full
+    [n, T] layout (0 log-probs in those rows), so every normaliser stays what it was."""
+    algo, r, train, model, linear_head = config.algorithm, batch.rollout, config.train, policy.model, policy.linear_head
+    T = int(r.completion_mask[rows].sum(-1).max().clamp(min=1))  # trim padding columns of this micro-batch
+    mask, adv = batch.loss_mask[rows, :T], batch.advantages[rows]
+    old = None if old_logp is None else old_logp[rows, :T]
+    ref = None if batch.ref_logp is None else batch.ref_logp[rows, :T]
+    tis = None if batch.tis_weight is None else batch.tis_weight[rows, :T]
+
+    def loss_of(logp, entropy=None):  # [n, T] -> this micro-batch's share of the minibatch loss, stats
+        loss, stats = policy_loss(
+            logp, old, adv, mask, ref_logp=ref, beta=algo.beta, epsilon=algo.epsilon, epsilon_high=algo.clip_high,
+            loss_type=algo.loss_type, importance_sampling_level=algo.importance_sampling_level,
+            max_completion_length=config.rollout.max_new_tokens, num_items_in_batch=n_items,
+            kl_bias_correction=algo.kl_bias_correction, entropy=entropy, entropy_coef=algo.entropy_coef,
+            top_entropy_quantile=algo.top_entropy_quantile, token_weights=tis)
+        # a global-token normaliser already spans the minibatch; the others average the micro-batches
+        return (loss if algo.sums_over_global_tokens else loss / n_micro), stats
+
+    n = len(rows)
+    # entropy options: a zero-advantage answer still has an entropy gradient, and its tokens count in the quantile
+    keep = (adv != 0).nonzero()[:, 0] if config.skips_zero_advantage else torch.arange(n)
+    keep = keep.to(mask.device)
+    constant = old is None and algo.beta == 0  # on-policy, no KL: dLoss/dlogp does not depend on logp
+    grad_fn = None
+    if len(keep) and linear_head and train.fused_logprobs and not algo.uses_entropy and \
+            (constant or algo.importance_sampling_level == "token"):  # one-pass: the loss must depend on logp only
+        grad_fn = _logp_grad_fn(loss_of, n, T, keep, constant)
+    if len(keep):
+        sel = rows if len(keep) == n else rows[keep.to(rows.device)]
+        logp_kept, entropy = completion_logprobs(
+            model, r.prompt_ids[sel], r.prompt_mask[sel], r.completion_ids[sel, :T], r.completion_mask[sel, :T],
+            temperature=config.rollout.temperature, chunk_size=train.logprob_chunk_size, with_entropy=True,
+            linear_head=linear_head, fused=train.fused_logprobs, grad_fn=grad_fn,
+            share_prompts=train.shared_prompt_forward)  # [k, T]
+        logp = logp_kept if len(keep) == n else logp_kept.new_zeros(n, T).index_copy(0, keep, logp_kept)
+    else:  # nothing carries a gradient: no model call at all
+        logp = torch.zeros(n, T, device=mask.device)
+    loss, stats = loss_of(logp, entropy if algo.uses_entropy else None)
+    if logp.requires_grad:
+        loss.backward()
+    tokens = mask.sum().item()
+    out = {k: float(v) * tokens for k, v in stats.items()}
+    kept_mask = mask[keep]
+    out["entropy"] = (entropy.detach() * kept_mask).sum().item() if len(keep) else 0.0
+    out["_entropy_tokens"] = kept_mask.sum().item()
+    out["_tokens"] = tokens
+    return loss.item(), out, logp.detach()
+
+
+def _logp_grad_fn(loss_of, n: int, T: int, keep: torch.Tensor, constant: bool):
+    """dLoss/dlogp for a chunk of the kept rows' flattened [k*T] log-probs: the input of the fused
+    head's one-pass backward. Valid because each loss here is a sum of per-token terms (or, when
+    `constant`, has a gradient independent of logp); fused_logprobs checks it against autograd's."""
+    k = len(keep)
+
+    def grad_at(flat: torch.Tensor) -> torch.Tensor:  # [k*T] -> [k*T]
+        with torch.enable_grad():
+            logp = flat.new_zeros(n, T).index_copy(0, keep, flat.view(k, T)).requires_grad_()
+            (g,) = torch.autograd.grad(loss_of(logp)[0], logp)
+        return g.index_select(0, keep).reshape(-1)
+
+    if constant:
+        g = grad_at(torch.zeros(k * T, device=keep.device))
+        return lambda lp, start: g[start:start + len(lp)]
+    buf = torch.zeros(k * T, device=keep.device)
+
+    def per_chunk(lp: torch.Tensor, start: int) -> torch.Tensor:
+        buf[start:start + len(lp)] = lp
+        return grad_at(buf)[start:start + len(lp)]
+
+    return per_chunk
+
+
+def _clip_grad(model, max_norm: float) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    limit = max_norm if max_norm > 0 else float("inf")
+    return float(torch.nn.utils.clip_grad_norm_(params, limit))
