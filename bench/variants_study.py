@@ -4,10 +4,10 @@
     .venv/bin/python bench/variants_study.py --out /tmp/v --quick        # a smoke run (~30 s)
 
 For each task (2-digit addition; countdown with 3 numbers) it builds ONE warm start: a tiny
-Qwen2-architecture model from `grpokit.tiny`, SFT on the task where a share of the targets is
+Qwen2-architecture model from `grpokit.models.tiny`, SFT on the task where a share of the targets is
 deliberately wrong by a little (addition: off by 1, 2 or 10, as `grpokit demo`; countdown: one
 operator or number swapped), so the right answer is often among the samples but a single sample
-is right much less often. Then every preset (`algorithm.preset`, see `grpokit.presets`) trains
+is right much less often. Then every preset (`algorithm.preset`, see `grpokit.config.presets`) trains
 from that same warm start, with the same budget of steps, for each seed, and every
 `--eval-every` steps the policy is scored on the same held-out prompts (answers sampled at the
 training temperature): sampled accuracy, pass@k, the length of all, right and wrong answers.

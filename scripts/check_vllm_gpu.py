@@ -4,7 +4,7 @@
     pip install -e '.[vllm,peft]'        # on a CUDA machine
     python scripts/check_vllm_gpu.py [--out DIR] [--budget-s 540]
 
-Builds a small Qwen2 model locally (no hub access: grpokit.tiny, hidden 256, 4 layers, head dim 64,
+Builds a small Qwen2 model locally (no hub access: grpokit.models.tiny, hidden 256, 4 layers, head dim 64,
 character tokenizer), then runs each phase in its own process (a fresh vLLM engine each):
 
   engine  VLLMEngine colocated with the trainer's model: vLLM's log-probs of its own samples against

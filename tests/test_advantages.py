@@ -1,4 +1,4 @@
-"""Golden and property tests for grpokit.advantages.group_advantages."""
+"""Golden and property tests for grpokit.algorithms.advantages.group_advantages."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ import pytest
 PROBE = """
 import resource, sys, torch
 if sys.argv[1] == "keep":
-    from grpokit.allocator import keep_freed_memory
+    from grpokit.models.allocator import keep_freed_memory
     assert keep_freed_memory()
 faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(4):  # warm-up: the heap grows to hold the block (40 MB: above glibc's mmap threshold)
@@ -41,16 +41,17 @@ def test_freed_blocks_are_reused_without_page_faults():
 
 
 def test_the_trainer_applies_it_on_cpu_only_when_enabled(monkeypatch, tiny_model_dir, tmp_path):
-    from grpokit import trainer
+    import grpokit.training.setup as setup
+    from grpokit.training.loop import train
     from grpokit.config.schema import Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
 
     calls = []
-    monkeypatch.setattr(trainer, "keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr(setup, "keep_freed_memory", lambda: calls.append(1) or True)
     for keep in (True, False):
         config = Config(model=ModelConfig(path=str(tiny_model_dir), device="cpu"), data=DataConfig(path="x.jsonl"),
                         rollout=RolloutConfig(group_size=2, max_new_tokens=2),
                         train=TrainConfig(steps=1, prompts_per_step=1, keep_freed_memory=keep),
                         output=OutputConfig(dir=str(tmp_path / f"run-{keep}"), console=False))
-        trainer.train(config, reward_functions=[lambda completions, **kw: [0.0] * len(completions)],
+        train(config, reward_functions=[lambda completions, **kw: [0.0] * len(completions)],
                       rows=[{"prompt": "1+1="}])
     assert calls == [1]

@@ -196,10 +196,10 @@ def test_data_task_is_checked_with_a_suggestion():
 
 
 def test_task_names_match_the_task_registry():
-    from grpokit.config.variants import _TASK_NAMES
+    from grpokit.config.variants import TASK_NAMES
     from grpokit.tasks import TASKS
 
-    assert list(_TASK_NAMES) == sorted(TASKS)
+    assert list(TASK_NAMES) == sorted(TASKS)
 
 
 def test_a_preset_does_not_see_badly_typed_values_first():

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import dataclasses
+
 import pytest
 import torch
 
-from grpokit import fused_logprobs
+from grpokit.algorithms import fused_logprobs
 from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, RolloutConfig, TrainConfig
 from grpokit.models.forward import completion_logprobs
 from grpokit.models.loading import load_model, load_tokenizer
 from grpokit.rollout.decode import sample_groups
 from grpokit.training.generate import GenerationBatch
+from grpokit.training.setup import Policy
 from grpokit.training.update import _micro_step, optimize, score_old_and_ref
 
 G = 4
@@ -53,20 +56,23 @@ def _batch(rollout, *, zero_groups=True, off_policy=False, ref=False, seed=1) ->
     adv = torch.randn(N, generator=gen)
     if zero_groups:  # the first group ties (advantage 0 for all its answers), as many real groups do
         adv[:G] = 0.0
-    batch = GenerationBatch(SimpleNamespace(rollout=rollout), adv, rollout.completion_mask.clone())
     noise = lambda: 0.3 * torch.randn(rollout.logprobs.shape, generator=gen)  # noqa: E731
-    if off_policy:  # ratios away from 1, so that both clip sides bind somewhere
-        batch.old_logp = rollout.logprobs + noise()
-    if ref:
-        batch.ref_logp = rollout.logprobs + noise()
-    return batch
+    old = rollout.logprobs + noise() if off_policy else None  # ratios away from 1: both clip sides bind somewhere
+    ref = rollout.logprobs + noise() if ref else None
+    return GenerationBatch(SimpleNamespace(rollout=rollout), adv, rollout.completion_mask.clone(), old, ref)
+
+
+def _policy(model, lr: float = 1e-2) -> Policy:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    return Policy(model, None, True, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
 
 
 def _loss_and_grads(config, model, batch):
     model.zero_grad(set_to_none=True)
     N = len(batch.advantages)
     n_items = batch.loss_mask.sum().clamp(min=1)
-    loss, stats, _ = _micro_step(config, model, batch, torch.arange(N), n_items, 1, True)
+    loss, stats, _ = _micro_step(config, Policy(model, None, True, None, None), batch, batch.old_logp,
+                                 torch.arange(N), n_items, 1)
     grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     return loss, stats, grads
 
@@ -118,7 +124,7 @@ def test_skipping_zero_advantage_answers_runs_the_model_on_the_others_only(tiny,
         seen.append(prompt_ids.shape[0])
         return real(model, prompt_ids, *a, **k)
 
-    monkeypatch.setattr("grpokit.trainer.completion_logprobs", spy)
+    monkeypatch.setattr("grpokit.training.update.completion_logprobs", spy)
     _loss_and_grads(_config(tiny_model_dir), model, batch)
     assert seen == [len(batch.advantages) - G]
     batch.advantages.zero_()  # no answer carries a gradient: no model call at all, and no update
@@ -142,11 +148,10 @@ def _one_step(tiny_model_dir, rollout, **algo):
     model = load_model(tiny_model_dir, device="cpu").eval()
     config = _config(tiny_model_dir, num_iterations=2, **algo)
     batch = _batch(rollout, zero_groups=False)
-    score_old_and_ref(config, model, None, batch, True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    metrics = optimize(config, model, optimizer, scheduler, batch, True)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, metrics, batch
+    policy = _policy(model)
+    batch = score_old_and_ref(config, policy, batch)
+    metrics, old = optimize(config, policy, batch)  # old: the recomputed ones, or the first pass's
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, metrics, dataclasses.replace(batch, old_logp=old)
 
 
 def test_old_logprobs_from_the_first_pass_equal_the_recomputed_ones(tiny, tiny_model_dir):
@@ -178,10 +183,6 @@ def test_sampler_logprobs_as_old_logprobs_differ_from_a_recompute_by_float_noise
 def test_shared_prompt_forward_matches_one_forward_per_row(tiny, tiny_model_dir, monkeypatch, with_grad):
     """Each distinct prompt runs once, its KV cache repeated over its answers (prompts of different
     lengths, so left padding; EOS-terminated answers, so right padding): same log-probs and gradients."""
-    import grpokit.modeling as modeling
-
-    import dataclasses
-
     model, tok = tiny
     r = _rollout(tiny, max_new_tokens=8)
     cut = torch.zeros_like(r.completion_mask, dtype=torch.bool)
@@ -193,14 +194,14 @@ def test_shared_prompt_forward_matches_one_forward_per_row(tiny, tiny_model_dir,
     calls = []
 
     def run(share: bool):
-        monkeypatch.setattr(modeling, "SHARE_PROMPTS", share)
         model.zero_grad(set_to_none=True)
         spy = model.base_model.register_forward_pre_hook(
             lambda mod, args, kwargs: calls.append((share, kwargs["input_ids"].shape)), with_kwargs=True)
         try:
             with torch.set_grad_enabled(with_grad):
                 logp, ent = completion_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids,
-                                                r.completion_mask, temperature=0.9, chunk_size=7, with_entropy=True)
+                                                r.completion_mask, temperature=0.9, chunk_size=7, with_entropy=True,
+                                                share_prompts=share)
                 if with_grad:
                     (logp * w * r.completion_mask).sum().backward()
         finally:

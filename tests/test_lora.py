@@ -8,7 +8,7 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-import grpokit.trainer as trainer_mod  # noqa: E402
+import grpokit.training.setup as setup_mod  # noqa: E402
 from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
 from grpokit.errors import ConfigError
 from grpokit.models.lora import AdapterDisabled, adapter_of, apply_lora, merged_state_dict, trainable_parameters  # noqa: E402
@@ -48,8 +48,8 @@ def _logprobs(model, seq=(5, 6, 7, 8), completion=(9, 10, 11)):
 
 def test_adapters_train_the_reference_is_the_base_without_a_second_copy(tiny_model_dir, tmp_path, monkeypatch):
     loads = []
-    real_load = trainer_mod.load_model
-    monkeypatch.setattr(trainer_mod, "load_model", lambda *a, **k: loads.append(1) or real_load(*a, **k))
+    real_load = setup_mod.load_model
+    monkeypatch.setattr(setup_mod, "load_model", lambda *a, **k: loads.append(1) or real_load(*a, **k))
     run = train(make_config(tiny_model_dir, tmp_path / "r"), reward_functions=[parity])
     assert len(loads) == 1  # β > 0 and no reference model loaded: the adapters are switched off instead
     rows = read_metrics(run)

@@ -1,4 +1,4 @@
-"""Golden, gradient and memory tests for grpokit.objectives."""
+"""Golden, gradient and memory tests for grpokit.algorithms.objectives."""
 
 from __future__ import annotations
 

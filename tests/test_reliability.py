@@ -20,9 +20,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import grpokit.checkpoint as checkpoint_mod
-import grpokit.run_folder as run_folder_mod
-import grpokit.trainer as trainer_mod
+import grpokit.training.checkpoint as checkpoint_mod
+import grpokit.training.run_folder as run_folder_mod
+import grpokit.training.setup as setup_mod
+import grpokit.training.update as update_mod
+from grpokit.errors import CheckpointError, TrainingDiverged
 from grpokit.cli import main as cli_main
 from grpokit.config.schema import Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
 from grpokit.observe.tracking import read_metrics
@@ -110,9 +112,9 @@ def test_cli_resume_in_a_fresh_process_reproduces_the_uninterrupted_run(tiny_mod
 
 KILLER = '''
 import os, signal, sys
-import grpokit.checkpoint as ck
+import grpokit.training.checkpoint as ck
 from grpokit.config import Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
-from grpokit.trainer import train
+from grpokit.training.loop import train
 {parity}
 real_save, saves = ck.torch.save, []
 
@@ -182,7 +184,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tiny_model_dir, t
     monkeypatch.setattr(checkpoint_mod.torch, "save", save_or_fail)
     message = (f"{run}: could not write checkpoint-2 (No space left on device); the earlier checkpoints are "
                f"intact (checkpoint-1); free space and continue with: train(config, resume=True)")
-    with pytest.raises(checkpoint_mod.CheckpointError) as caught:
+    with pytest.raises(CheckpointError) as caught:
         train(make_config(tiny_model_dir, run, steps=3, save_every=1), reward_functions=[parity])
     assert str(caught.value) == message
     assert checkpoint_mod.list_checkpoints(run) == [run / "checkpoint-1"]
@@ -272,14 +274,14 @@ def nan_on_calls(monkeypatch, bad_calls):
     """Make `policy_loss` return a NaN loss on the given calls (1-based). The runs below use the plain
     autograd path (`fused_logprobs = false`), which calls policy_loss once per step and takes the
     gradient from that loss; the fused path derives it from a separate call."""
-    real, calls = trainer_mod.policy_loss, []
+    real, calls = update_mod.policy_loss, []
 
     def policy_loss(*args, **kwargs):
         loss, stats = real(*args, **kwargs)
         calls.append(1)
         return (loss * float("nan"), stats) if bad_calls(len(calls)) else (loss, stats)
 
-    monkeypatch.setattr(trainer_mod, "policy_loss", policy_loss)
+    monkeypatch.setattr(update_mod, "policy_loss", policy_loss)
 
 
 def test_a_nan_update_is_skipped_and_counted_and_leaves_the_weights(tiny_model_dir, tmp_path, monkeypatch):
@@ -299,7 +301,7 @@ def test_consecutive_nan_updates_stop_the_run_naming_the_count_and_the_last_chec
                                                                                        monkeypatch):
     nan_on_calls(monkeypatch, lambda call: call >= 2)
     run = tmp_path / "run"
-    with pytest.raises(trainer_mod.TrainingDiverged) as e:
+    with pytest.raises(TrainingDiverged) as e:
         train(make_config(tiny_model_dir, run, steps=10, save_every=1, keep_last=5, max_consecutive_skips=2,
                                fused_logprobs=False),
               reward_functions=[parity])
@@ -404,7 +406,7 @@ def test_too_little_free_disk_is_explained_before_the_model_loads(tiny_model_dir
     import shutil
 
     monkeypatch.setattr(run_folder_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12, 0))
-    monkeypatch.setattr(trainer_mod, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(setup_mod, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     cfg = write_cli_config(tmp_path, tiny_model_dir, previous_run, steps=2)
     before = snapshot(previous_run)
     assert cli_main(["train", str(cfg), "--resume"]) == 2

@@ -19,11 +19,13 @@ from pathlib import Path
 import pytest
 
 from grpokit.cli import main
-from grpokit.config import (AlgorithmConfig, Config, ConfigError, DataConfig, ModelConfig, OutputConfig,
-                            RolloutConfig, TrainConfig, to_toml)
-from grpokit.report import build_report, svg_chart
-from grpokit.tracking import MetricsWriter, read_metrics
-from grpokit.trainer import train
+from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+from grpokit.errors import ConfigError
+from grpokit.config.loading import to_toml
+from grpokit.observe.report import build_report
+from grpokit.observe.charts import svg_chart
+from grpokit.observe.tracking import MetricsWriter, read_metrics
+from grpokit.training.loop import train
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
 SEED_001 = [0.8, 0.3, 0.6, 0.3]  # seed 001's group: mean 0.5, std ≈ 0.212, A = +1.41 −0.94 +0.47 −0.94

@@ -86,7 +86,7 @@ def test_overwrite_that_cannot_remove_a_file_is_one_error(tmp_path, model, monke
     def denied(path, *a, **k):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr("grpokit.run_folder.shutil.rmtree", denied)
+    monkeypatch.setattr("grpokit.training.run_folder.shutil.rmtree", denied)
     with pytest.raises(RunFolderError, match=r"could not remove .*checkpoint-1 \(Permission denied\)"):
         prepare_run_folder(config(model, run, overwrite=True), resume=False)
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import grpokit.trainer as trainer_mod
+import grpokit.training.setup as setup_mod
+import grpokit.training.update as update_mod
 from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
 from grpokit.observe.tracking import read_metrics
 from grpokit.training.setup import lr_lambda
@@ -77,9 +78,9 @@ def test_gradient_accumulation_gives_the_same_update(tiny_model_dir, tmp_path, l
 
 def test_no_reference_model_when_beta_is_zero_and_no_old_pass_when_mu_is_one(tiny_model_dir, tmp_path, monkeypatch):
     loads, scores = [], []
-    real_load, real_score = trainer_mod.load_model, trainer_mod._score
-    monkeypatch.setattr(trainer_mod, "load_model", lambda *a, **k: loads.append(1) or real_load(*a, **k))
-    monkeypatch.setattr(trainer_mod, "_score", lambda *a, **k: scores.append(1) or real_score(*a, **k))
+    real_load, real_score = setup_mod.load_model, update_mod._score
+    monkeypatch.setattr(setup_mod, "load_model", lambda *a, **k: loads.append(1) or real_load(*a, **k))
+    monkeypatch.setattr(update_mod, "_score", lambda *a, **k: scores.append(1) or real_score(*a, **k))
     train(make_config(tiny_model_dir, tmp_path / "a", train={"steps": 1}))
     assert (len(loads), len(scores)) == (1, 0)
     loads.clear()

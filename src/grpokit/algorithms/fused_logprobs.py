@@ -35,7 +35,6 @@ from torch import Tensor
 PATH_COUNTS = {"one_pass": 0, "recompute": 0}
 
 
-ONE_PASS = True  # ablation switch (bench/run.py --ablations): False ignores grad_fn
 
 
 def _acc(weight: Tensor) -> torch.dtype:
@@ -129,7 +128,7 @@ class _LinearLogprobs(torch.autograd.Function):
         f32 = dict(dtype=_acc(weight), device=hidden.device)
         logp, lse = torch.empty(R, **f32), torch.empty(R, **f32)
         ent = torch.empty(R, **f32) if with_entropy else None
-        one_pass = ONE_PASS and grad_fn is not None and any(ctx.needs_input_grad[:3])
+        one_pass = grad_fn is not None and any(ctx.needs_input_grad[:3])
         if one_pass:
             g_all = torch.empty(R, **f32)
             gh, gw, gb = _grad_buffers(ctx, hidden, weight, bias)

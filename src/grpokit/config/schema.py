@@ -240,10 +240,11 @@ class TrainConfig:
     seed: int = 0
     logprob_chunk_size: int = 256  # rows per chunk of the selective log-softmax (~32 MB of logits at V = 32k)
     max_consecutive_skips: int = 5  # stop after this many steps in a row with NaN/inf updates; 0 = never
-    # Fast paths (same loss and gradients; off only for ablations): the fused log-softmax head with
+    # Fast paths (same loss and gradients; off only for ablations): the fused log-softmax head and
     # its one-pass backward, (β = 0) no forward/backward for answers whose advantage is 0, and one
     # prompt forward shared by the answers to the same prompt.
     fused_logprobs: bool = True
+    fused_backward: bool = True
     skip_zero_advantage: bool = True
     shared_prompt_forward: bool = True
     keep_freed_memory: bool = True  # CPU, glibc: reuse freed pages instead of faulting them in again (allocator.py)

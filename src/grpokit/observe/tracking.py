@@ -13,7 +13,6 @@ from pathlib import Path
 import torch
 
 from grpokit.errors import DamagedLogError
-from grpokit.rollout.grading import Draw
 
 
 class MetricsWriter:
@@ -156,7 +155,7 @@ class ConsoleProgress:
             self.progress.stop()
 
 
-def write_completions(run_dir: Path, step: int, draw: Draw, advantages: torch.Tensor, specs) -> None:
+def write_completions(run_dir: Path, step: int, draw, advantages: torch.Tensor, specs) -> None:
     """Append this step's answers to `completions.jsonl`: prompt, completion, each reward, advantage."""
     d = draw
     append_jsonl(run_dir / "completions.jsonl", [

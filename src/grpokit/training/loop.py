@@ -104,7 +104,7 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
                 if local.algorithm.tis_cap:  # the sampler is not the trainer (vLLM): weight tokens by their gap
                     batch, tis_metrics = with_tis_weights(local, policy, batch)
                     gen_metrics.update(tis_metrics)
-                train_metrics = optimize(local, policy, batch)
+                train_metrics, _ = optimize(local, policy, batch)
                 run.engine.sync_weights(policy.model)  # vLLM: push the new weights; HF: the sampler is the model
                 t2 = time.perf_counter()
                 # log

@@ -2,7 +2,7 @@
 
     batch = score_old_and_ref(config, policy, batch)      # old_logp only when needed, ref_logp when β > 0
     batch, stats = with_tis_weights(config, policy, batch)  # only for a sampler other than the trainer
-    metrics = optimize(config, policy, batch)              # μ × minibatches × micro-batches
+    metrics, old_logp = optimize(config, policy, batch)    # μ × minibatches × micro-batches
 
 Each function returns what it computed (a new `GenerationBatch`, metrics); none changes its inputs.
 """
@@ -63,9 +63,11 @@ def with_tis_weights(config: Config, policy: Policy, batch: GenerationBatch) -> 
     return dataclasses.replace(batch, tis_weight=weights), stats
 
 
-def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> dict:
+def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[dict, torch.Tensor | None]:
     """μ passes over the batch; each pass is split into minibatches (one optimizer step
-    each), each minibatch into micro-batches (gradient accumulation). Returns the metrics."""
+    each), each minibatch into micro-batches (gradient accumulation). Returns the metrics and the
+    old log-probs [N, T] the passes after the first used (with `old_logprobs = "first_pass"`, the
+    first pass's own; None when no update preceded another)."""
     algo, model = config.algorithm, policy.model
     N = len(batch.advantages)
     sums: dict[str, float] = {}
@@ -106,7 +108,7 @@ def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> dict:
     metrics["loss"] = sum(losses) / len(losses)
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     metrics["skipped_updates"] = skipped
-    return metrics
+    return metrics, old
 
 
 def _micro_step(config: Config, policy: Policy, batch: GenerationBatch, old_logp, rows, n_items, n_micro):
@@ -139,7 +141,7 @@ def _micro_step(config: Config, policy: Policy, batch: GenerationBatch, old_logp
     keep = keep.to(mask.device)
     constant = old is None and algo.beta == 0  # on-policy, no KL: dLoss/dlogp does not depend on logp
     grad_fn = None
-    if len(keep) and linear_head and train.fused_logprobs and not algo.uses_entropy and \
+    if len(keep) and linear_head and train.fused_logprobs and train.fused_backward and not algo.uses_entropy and \
             (constant or algo.importance_sampling_level == "token"):  # one-pass: the loss must depend on logp only
         grad_fn = _logp_grad_fn(loss_of, n, T, keep, constant)
     if len(keep):
