@@ -110,7 +110,8 @@ def cmd_sft(args) -> int:
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype, device=args.device, field="--model")
     every = max(1, args.steps // 10)
     sft(model, tokenizer, sample_pair, steps=args.steps, batch_size=args.batch_size, learning_rate=args.lr,
-        seed=args.seed, on_step=lambda s, loss: print(f"sft step {s}/{args.steps} loss {loss:.4f}") if s % every == 0 else None)
+        seed=args.seed,
+        on_step=lambda s, loss: print(f"sft step {s}/{args.steps} loss {loss:.4f}") if s % every == 0 else None)
     try:
         out.mkdir(parents=True, exist_ok=True)
         model.save_pretrained(args.out)
@@ -237,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("report", help="write a self-contained HTML report of a run folder (curves, groups, diagnostics)")
+    p = sub.add_parser("report",
+                       help="write a self-contained HTML report of a run folder (curves, groups, diagnostics)")
     p.add_argument("run_dir", help="a run folder (output.dir) with metrics.jsonl")
     p.add_argument("--out", help="HTML file to write (default RUN_DIR/report.html)")
     p.add_argument("--groups", type=int, default=4, help="sampled groups shown per step")

@@ -59,7 +59,8 @@ def sparkline(values: list[float]) -> str:
     lo, hi = min(values), max(values)
     step = max(1, -(-len(values) // 40))  # at most 40 bars: fits an 80-column terminal
     picked = [sum(values[i:i + step]) / len(values[i:i + step]) for i in range(0, len(values), step)]
-    return "".join(bars[int((v - lo) / (hi - lo + 1e-12) * (len(bars) - 1))] for v in picked) + f"  ({lo:.3f} → {hi:.3f})"
+    line = "".join(bars[int((v - lo) / (hi - lo + 1e-12) * (len(bars) - 1))] for v in picked)
+    return line + f"  ({lo:.3f} → {hi:.3f})"
 
 
 def run_demo(out: str | Path = "demo_run", *, quick: bool = False, seed: int = 0) -> dict:
@@ -101,7 +102,8 @@ def run_demo(out: str | Path = "demo_run", *, quick: bool = False, seed: int = 0
     steps = QUICK["sft_steps"] if quick else SFT["steps"]
     sft(model, tokenizer, noisy_pair_sampler(task, train_rows, SFT["wrong_fraction"]), steps=steps,
         batch_size=SFT["batch_size"], learning_rate=SFT["learning_rate"], seed=seed,
-        on_step=lambda s, loss: console.print(f"  sft step {s}/{steps}  loss {loss:.3f}") if s % max(1, steps // 6) == 0 else None)
+        on_step=lambda s, loss: console.print(f"  sft step {s}/{steps}  loss {loss:.3f}")
+        if s % max(1, steps // 6) == 0 else None)
     model.save_pretrained(out / "sft")
     tokenizer.save_pretrained(out / "sft")
 
@@ -118,7 +120,8 @@ def run_demo(out: str | Path = "demo_run", *, quick: bool = False, seed: int = 0
         data=DataConfig(task=TASK["name"], task_args={"digits": TASK["digits"]}, seed=seed),
         rollout=RolloutConfig(group_size=GRPO["group_size"], max_new_tokens=GRPO["max_new_tokens"], temperature=1.0),
         algorithm=AlgorithmConfig(loss_type="dapo", beta=0.0),
-        train=TrainConfig(steps=QUICK["grpo_steps"] if quick else GRPO["steps"], prompts_per_step=GRPO["prompts_per_step"],
+        train=TrainConfig(steps=QUICK["grpo_steps"] if quick else GRPO["steps"],
+                          prompts_per_step=GRPO["prompts_per_step"],
                           learning_rate=GRPO["learning_rate"], warmup_steps=10, seed=seed),
         output=OutputConfig(dir=str(out / "grpo"), overwrite=True, completions_every=50),
     )
@@ -138,7 +141,8 @@ def run_demo(out: str | Path = "demo_run", *, quick: bool = False, seed: int = 0
     table.add_column("before GRPO", justify="right")
     table.add_column("after GRPO", justify="right")
     for key in ("accuracy", f"pass@{EVAL['samples_per_prompt']}", "greedy_accuracy", "mean_reward"):
-        table.add_row(key if key != "accuracy" else "sampled accuracy (pass@1)", f"{before[key]:.3f}", f"{after[key]:.3f}")
+        name = key if key != "accuracy" else "sampled accuracy (pass@1)"
+        table.add_row(name, f"{before[key]:.3f}", f"{after[key]:.3f}")
     console.print(table)
     console.print(f"reward  per step: {sparkline([m['reward'] for m in metrics])}")
     console.print(f"entropy per step: {sparkline([m['entropy'] for m in metrics])}")

@@ -46,7 +46,8 @@ class TrainingDiverged(UserError, RuntimeError):
 
 
 class StoppedNow(UserError, KeyboardInterrupt):
-    """Ctrl-C stopped the run at once (a second one in the loop, or one before the loop started): the CLI says so in one line and exits 130 (as shells
+    """Ctrl-C stopped the run at once (a second one in the loop, or one before the loop started): the
+    CLI says so in one line and exits 130 (as shells
     expect of Ctrl-C); Python callers can still catch it as KeyboardInterrupt."""
 
     label, exit_code = "stopped", 130

@@ -70,7 +70,8 @@ def sft(
     model.train()
     losses = []
     for step in range(steps):
-        batch = {k: v.to(model.device) for k, v in collate(tokenizer, [sample_pair(rng) for _ in range(batch_size)]).items()}
+        pairs = [sample_pair(rng) for _ in range(batch_size)]
+        batch = {k: v.to(model.device) for k, v in collate(tokenizer, pairs).items()}
         loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

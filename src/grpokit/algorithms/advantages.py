@@ -12,7 +12,7 @@ Choices, each one argument (defaults in brackets):
   (DeepSeekMath); ``"batch"`` keeps the per-group mean but divides by the std of
   all rewards in the batch (more robust for small G); ``"none"`` does not divide
   at all (Dr. GRPO, which argues the division biases towards easy/hard prompts).
-- ``std``: ``"population"`` [default] (ddof=0), as in seed 001's worked table
+- ``std``: ``"population"`` [default] (ddof=0), as in the usual worked table
   (0.8 0.3 0.6 0.3 -> +1.41 -0.94 +0.47 -0.94); ``"sample"`` (Bessel, ddof=1), as
   TRL's ``nanstd``.
 

@@ -94,7 +94,7 @@ def importance_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, *, level:
 
 
 def sequence_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
-    """pi_theta(y|x) / pi_old(y|x) ``[N]``: the product of the masked token ratios (seed 002)."""
+    """pi_theta(y|x) / pi_old(y|x) ``[N]``: the product of the masked token ratios."""
     log_ratio = torch.where(mask != 0, logp - old_logp, 0.0)  # [N, T]
     return log_ratio.sum(-1).exp()  # [N]
 

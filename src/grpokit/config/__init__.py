@@ -23,4 +23,5 @@ from grpokit.config.schema import (
 from grpokit.errors import ConfigError
 
 __all__ = ["SECTIONS", "AlgorithmConfig", "Config", "ConfigError", "DataConfig", "ModelConfig", "OutputConfig",
-           "RewardConfig", "RolloutConfig", "TrainConfig", "config_from_dict", "load_config", "parse_override", "to_toml"]
+           "RewardConfig", "RolloutConfig", "TrainConfig", "config_from_dict", "load_config", "parse_override",
+           "to_toml"]

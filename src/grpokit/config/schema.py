@@ -114,7 +114,8 @@ class RolloutConfig:
         _check(self.engine == "vllm" or not self.vllm, "rollout.vllm", "set only with rollout.engine = \"vllm\"")
         _check(self.engine != "vllm" or _installed("vllm"), "rollout.engine",
                "\"vllm\" needs vLLM on a CUDA machine: pip install 'grpokit[vllm]' (or use \"hf\")")
-        _check(self.group_size >= 2, "rollout.group_size", "must be >= 2 (GRPO compares answers within a group); 8-16 is common")
+        _check(self.group_size >= 2, "rollout.group_size",
+               "must be >= 2 (GRPO compares answers within a group); 8-16 is common")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
         _check(self.temperature > 0, "rollout.temperature", "must be > 0 for sampling (GRPO needs diverse answers)")
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
@@ -189,7 +190,8 @@ class AlgorithmConfig:
         _check(self.num_iterations >= 1, "algorithm.num_iterations", "must be >= 1")
         _check(self.max_resample_rounds >= 0, "algorithm.max_resample_rounds", "must be >= 0")
         _one_of(self.old_logprobs, OLD_LOGPROBS, "algorithm.old_logprobs")
-        _check(self.tis_cap >= 0, "algorithm.tis_cap", "must be >= 0 (0 = off; 2.0 is usual with rollout.engine = vllm)")
+        _check(self.tis_cap >= 0, "algorithm.tis_cap",
+               "must be >= 0 (0 = off; 2.0 is usual with rollout.engine = vllm)")
 
     @property
     def clip_high(self) -> float:

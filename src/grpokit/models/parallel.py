@@ -111,12 +111,14 @@ class DistributedContext:
         fsdp = config.model.fsdp
         if W == 1:
             if fsdp:
-                raise ConfigError("model.fsdp: sharding needs several processes; launch with torchrun --nproc_per_node N "
+                raise ConfigError("model.fsdp: sharding needs several processes; launch with torchrun "
+                                  "--nproc_per_node N "
                                   "(or set model.fsdp = false)")
             return config
         if t.prompts_per_step % W:
-            raise ConfigError(f"train.prompts_per_step: {t.prompts_per_step} prompts cannot be split over {W} processes "
-                              f"(whole groups per rank); use a multiple of {W}, e.g. {W * (t.prompts_per_step // W + 1)}")
+            raise ConfigError(f"train.prompts_per_step: {t.prompts_per_step} prompts cannot be split over {W} "
+                              f"processes (whole groups per rank); use a multiple of {W}, e.g. "
+                              f"{W * (t.prompts_per_step // W + 1)}")
         if config.minibatch_size % W:
             raise ConfigError(f"train.minibatch_size: {config.minibatch_size} answers cannot be split over {W} "
                               f"processes; use a multiple of {W}")
@@ -174,7 +176,8 @@ class DistributedContext:
         from types import SimpleNamespace
 
         parts: list = [None] * self.world_size
-        tdist.all_gather_object(parts, (draw.prompts, draw.texts, draw.per_fn.cpu(), draw.total.cpu(), advantages.cpu()))
+        mine = (draw.prompts, draw.texts, draw.per_fn.cpu(), draw.total.cpu(), advantages.cpu())
+        tdist.all_gather_object(parts, mine)
         prompts = [p for part in parts for p in part[0]]
         joined = SimpleNamespace(prompts=prompts, texts=[t for part in parts for t in part[1]],
                                  per_fn=torch.cat([p[2] for p in parts]), total=torch.cat([p[3] for p in parts]),

@@ -1,4 +1,4 @@
-"""TODO."""
+"""Line charts as self-contained SVG (no plotting library): ticks, smoothing, gaps, resume markers."""
 
 from __future__ import annotations
 

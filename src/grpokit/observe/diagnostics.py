@@ -1,7 +1,7 @@
-"""The seeds' common mistakes, noticed from a run's own numbers.
+"""Common GRPO mistakes, noticed from a run's own numbers.
 
-Seed 001 lists the ways a GRPO run goes quietly wrong; each one leaves a mark in
-the metrics (DESIGN.md, "Seeds' common mistakes become diagnostics"). This module
+A GRPO run can go quietly wrong in a few well-known ways; each one leaves a mark in
+the metrics (docs/OBSERVABILITY.md lists them). This module
 turns those marks into one plain message each — the figure that shows it and the
 fix — printed at most once per run:
 

@@ -1,4 +1,4 @@
-"""`grpokit explain`: seed 002 by machine — one answer's per-token probabilities and ratios.
+"""`grpokit explain`: the per-token ratio worked example by machine — one answer's per-token probabilities and ratios.
 
 For a prompt x and an answer y = (y_1 … y_T) scored by two checkpoints (old =
 the policy that sampled, new = after the update), print for every step t
@@ -10,7 +10,7 @@ the policy that sampled, new = after the update), print for every step t
   the clipped objective stops the gradient there);
 
 and for the whole answer the sequence ratio Π r_t = π_new(y | x) / π_old(y | x)
-(seed 002: 1.2 × 1.1667 × 1.5 = 2.1 = 0.252 / 0.12) and GSPO's length-normalised
+(worked example: 1.2 × 1.1667 × 1.5 = 2.1 = 0.252 / 0.12) and GSPO's length-normalised
 ratio exp(mean_t log r_t). Probabilities are taken at `temperature`, as training
 scores them. The prompt and the answer are tokenized separately, as the trainer
 sees [prompt ‖ completion]; `--chat` renders the prompt as one user message
@@ -18,7 +18,7 @@ through the tokenizer's chat template.
 
 `build_last_token_model` writes a Hugging Face folder whose next-token
 distribution is any table you give it (depending on the last token only): the
-way to reproduce seed 002's hand calculation from the command line, and the
+way to reproduce the worked example's hand calculation from the command line, and the
 fixture of its test.
 """
 
@@ -96,7 +96,7 @@ def _clipped(ratio: float, advantage: float | None, low: float, high: float) -> 
 
 
 def format_explanation(result: dict) -> str:
-    """The tables as seed 002 writes them, as plain text."""
+    """The tables as the per-token ratio worked example writes them, as plain text."""
     steps, seq = result["steps"], result["sequence"]
     q = lambda s: repr(s)  # noqa: E731  (quotes make spaces and newlines visible)
     out = [f"prompt {q(result['prompt'])} ({len(result['prompt_tokens'])} tokens) → answer {q(result['answer'])} "

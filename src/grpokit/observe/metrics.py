@@ -58,7 +58,8 @@ def reduce_metrics(metrics: dict, batch, specs, config) -> dict:
 
     Reward and completion statistics are recomputed from the gathered per-answer values (exact);
     token means are weighted by each rank's loss tokens (entropy: tokens that went through the
-    model); `loss` adds up when the loss sums over global tokens (dapo/cispo) (each rank's share of one global normaliser) and is
+    model); `loss` adds up when the loss sums over global tokens (dapo/cispo: each rank's share of one
+    global normaliser) and is
     averaged otherwise; times are the slowest rank's; anything else is averaged (equal on every rank
     for grad_norm, learning_rate)."""
     from grpokit.observe.metrics import completion_metrics, reward_summary

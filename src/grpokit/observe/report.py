@@ -12,7 +12,7 @@ present `config_history.jsonl` and (`output.completions_every = K`) `completions
   cut at the length limit, throughput and time per step, loss, grad norm,
   learning rate, and any other metric the run logged; a dashed vertical line
   marks the step each resume continued from;
-- sampled groups laid out like seed 001's table: each answer, its score, minus
+- sampled groups laid out like the group-relative advantage worked example: each answer, its score, minus
   the group mean, divided by the std = the advantage the trainer used.
 
 Curves are drawn as SVG by this module (no plotting dependency) and embedded as
@@ -146,7 +146,8 @@ def _signed(v: float | None, digits: int = 2) -> str:
 
 
 def group_table(group: list[dict], *, std_kind: str = "population", scale: str = "group") -> str:
-    """One group as seed 001 lays it out: answers as columns; score, − mean, ÷ std = advantage as rows."""
+    """One group as the group-relative advantage worked example lays it out: answers as columns;
+    score, − mean, ÷ std = advantage as rows."""
     e = html.escape
     scores = [_value(r.get("reward")) for r in group]
     valid = [s for s in scores if s is not None]
@@ -160,7 +161,8 @@ def group_table(group: list[dict], *, std_kind: str = "population", scale: str =
     head = "".join(f"<th>{i + 1}</th>" for i in range(len(group)))
     rows = [f"<tr><th>answer</th>{head}{BLANK}</tr>",
             "<tr><th>completion</th>" + "".join(
-                f'<td class="text" title="{e(str(r.get("completion", "")))}">{e(_clip(str(r.get("completion", ""))))}</td>'
+                f'<td class="text" title="{e(str(r.get("completion", "")))}">'
+                f'{e(_clip(str(r.get("completion", ""))))}</td>'
                 for r in group) + BLANK + "</tr>"]
     if len(fn_names) > 1:  # the score is their weighted sum; show each
         for name in fn_names:
@@ -205,7 +207,8 @@ body { font-family: Helvetica, Arial, sans-serif; margin: 24px; color: #222; max
 h1 { font-size: 22px; } h2 { font-size: 17px; margin-top: 28px; border-bottom: 1px solid #ddd; }
 .charts { display: flex; flex-wrap: wrap; gap: 10px; }
 .charts figure { margin: 0; } .charts img { border: 1px solid #eee; }
-.missing { width: 520px; min-height: 60px; align-self: flex-start; border: 1px dashed #ccc; color: #777; padding: 8px; font-size: 13px; box-sizing: border-box; }
+.missing { width: 520px; min-height: 60px; align-self: flex-start; border: 1px dashed #ccc; color: #777;
+           padding: 8px; font-size: 13px; box-sizing: border-box; }
 table.kv td, table.kv th { padding: 2px 10px 2px 0; text-align: left; font-size: 13px; }
 .diag { background: #fff6e0; border-left: 4px solid #e0a000; padding: 8px 12px; margin: 6px 0; font-size: 13px; }
 .ok { background: #eef8ee; border-left: 4px solid #3a3; padding: 8px 12px; font-size: 13px; }
@@ -219,7 +222,8 @@ table.seed td.pos { background: #e3f4e3; } table.seed td.neg { background: #fbe4
 table.seed td.note { border: none; color: #666; text-align: left; }
 table.seed tr.fn th, table.seed tr.fn td { color: #666; }
 table.segments { border-collapse: collapse; font-size: 13px; }
-table.segments th, table.segments td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; vertical-align: top; }
+table.segments th, table.segments td { border: 1px solid #ddd; padding: 3px 8px; text-align: left;
+                                       vertical-align: top; }
 table.segments th { background: #f6f6f6; } table.segments td.cmd { font-family: monospace; max-width: 420px; }
 """
 
@@ -295,7 +299,8 @@ def _show(value) -> str:
 def _segments_section(history: list[dict]) -> str:
     """One row per segment: where it started, when, the command, and what it changed from the one before."""
     e = html.escape
-    rows = ["<tr><th>#</th><th>started</th><th>when</th><th>command</th><th>changed from the previous segment</th></tr>"]
+    rows = ["<tr><th>#</th><th>started</th><th>when</th><th>command</th>"
+            "<th>changed from the previous segment</th></tr>"]
     for i, seg in enumerate(history):
         step = seg.get("start_step", "?")
         started = "from scratch" if i == 0 and not step else f"resumed from step {step}"
@@ -322,8 +327,8 @@ def _groups_section(run: dict, groups_per_step: int, max_steps: int) -> str:
     algo = run["raw_config"].get("algorithm", {})
     G = run["raw_config"].get("rollout", {}).get("group_size")
     by_step = split_groups(run["completions"], G)
-    parts = ["<p>Seed 001's table for sampled groups: a score means something only next to the other answers "
-             "to the same prompt. Each answer's advantage is its score minus the group mean, divided by the "
+    parts = ["<p>Sampled groups, laid out like the group-relative advantage worked example: a score means "
+             "something only next to the other answers to the same prompt. Each answer's advantage is its score minus the group mean, divided by the "
              "group std; every token of the answer gets it. Green: pushed up; red: pushed down.</p>"]
     for step in pick_steps(sorted(by_step), max_steps):
         groups = by_step[step]

@@ -1,6 +1,6 @@
 """Where a run's numbers go: `metrics.jsonl`, TensorBoard (optional), the console.
 
-Metric names follow TRL where the meaning is the same (DESIGN.md, "Metrics").
+Metric names follow TRL where the meaning is the same (docs/OBSERVABILITY.md lists them).
 """
 
 from __future__ import annotations

@@ -164,7 +164,8 @@ def run_tests(code: str, tests: Sequence[str], *, time_limit: float = 5.0, memor
     nonce = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="grpokit-sandbox-") as work:
         result = os.path.join(work, _RESULT_FILE)
-        job = {"nonce": nonce, "code": code, "tests": list(tests), "result": result, "cpu": max(1, math.ceil(time_limit)),
+        job = {"nonce": nonce, "code": code, "tests": list(tests), "result": result,
+               "cpu": max(1, math.ceil(time_limit)),
                "fsize": _FILE_LIMIT, "memory": int(memory_mb * 2**20) if memory_mb else 0}
         env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8"}
         proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", _HARNESS], cwd=work, env=env,
