@@ -328,8 +328,9 @@ def _groups_section(run: dict, groups_per_step: int, max_steps: int) -> str:
     G = run["raw_config"].get("rollout", {}).get("group_size")
     by_step = split_groups(run["completions"], G)
     parts = ["<p>Sampled groups, laid out like the group-relative advantage worked example: a score means "
-             "something only next to the other answers to the same prompt. Each answer's advantage is its score minus the group mean, divided by the "
-             "group std; every token of the answer gets it. Green: pushed up; red: pushed down.</p>"]
+             "something only next to the other answers to the same prompt. Each answer's advantage is its "
+             "score minus the group mean, divided by the group std; every token of the answer gets it. "
+             "Green: pushed up; red: pushed down.</p>"]
     for step in pick_steps(sorted(by_step), max_steps):
         groups = by_step[step]
         flat = [len({r.get("reward") for r in g}) <= 1 for g in groups]  # every answer scored the same
