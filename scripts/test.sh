@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The whole test suite on a fresh machine: set up, then run pytest.
+# The whole test suite on a fresh machine: set up, lint (ruff, pyproject.toml), then run pytest.
 # Slow tests run only with GRPOKIT_SLOW=1.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh test
 # chromium for the HTML-report browser test; once it is there, that test may not skip
 if bash scripts/ensure_chromium.sh; then export GRPOKIT_REQUIRE_BROWSER="${GRPOKIT_REQUIRE_BROWSER:-1}"; fi
+.venv/bin/ruff check src tests bench scripts
 exec .venv/bin/python -m pytest -q "$@"

@@ -14,11 +14,11 @@ from typing import Sequence
 import torch
 
 from grpokit.data.files import load_prompts
-from grpokit.data.prompts import columns_of
 from grpokit.errors import SetupError
-from grpokit.rewards.core import RewardSpec, as_trl_completions, compute_rewards
+from grpokit.rewards.core import RewardSpec
 from grpokit.rewards.registry import reward_specs
 from grpokit.rollout.decode import sample_groups
+from grpokit.rollout.grading import grade
 from grpokit.tasks import cli_task
 
 
@@ -29,22 +29,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def _grade(model, tokenizer, prompt_ids, rows, prompt_values, specs, *, group_size, temperature, max_new_tokens,
-           generator, batch_prompts, stop_strings):
+def _grade(model, tokenizer, prompt_ids, rows, specs, *, group_size, temperature, max_new_tokens, generator,
+           batch_prompts, stop_strings, prompt_column):
+    """Total rewards [num_prompts, group_size] of `group_size` sampled answers per prompt."""
     totals = []
     for start in range(0, len(prompt_ids), batch_prompts):
-        ids = prompt_ids[start:start + batch_prompts]
-        rollout = sample_groups(model, ids, group_size=group_size, max_new_tokens=max_new_tokens,
-                                eos_token_ids=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                temperature=temperature, stop_strings=stop_strings, tokenizer=tokenizer,
-                                generator=generator)
-        completion_ids = [r[m.bool()].tolist() for r, m in zip(rollout.completion_ids, rollout.completion_mask)]
-        texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-        chunk_rows = rows[start:start + batch_prompts]
-        prompts = [p for p in prompt_values[start:start + batch_prompts] for _ in range(group_size)]
-        _, total = compute_rewards(specs, prompts, as_trl_completions(prompts, texts), completion_ids,
-                                   columns_of(chunk_rows, repeat=group_size))
-        totals.append(total.view(-1, group_size))
+        rollout = sample_groups(model, prompt_ids[start:start + batch_prompts], group_size=group_size,
+                                max_new_tokens=max_new_tokens, eos_token_ids=tokenizer.eos_token_id,
+                                pad_token_id=tokenizer.pad_token_id, temperature=temperature,
+                                stop_strings=stop_strings, tokenizer=tokenizer, generator=generator)
+        draw = grade(rollout, rows[start:start + batch_prompts], tokenizer, specs, group_size,
+                     prompt_column=prompt_column)
+        totals.append(draw.total.view(-1, group_size))
     return torch.cat(totals)  # [num_prompts, group_size]
 
 
@@ -70,10 +66,9 @@ def evaluate(
     total reward reaches `correct_threshold`."""
     model.eval()
     generator = torch.Generator(device=model.device).manual_seed(seed)
-    prompt_values = [r[prompt_column] for r in rows]
     common = dict(max_new_tokens=max_new_tokens, generator=generator, batch_prompts=batch_prompts,
-                  stop_strings=stop_strings)
-    sampled = _grade(model, tokenizer, prompt_ids, rows, prompt_values, specs, group_size=samples_per_prompt,
+                  stop_strings=stop_strings, prompt_column=prompt_column)
+    sampled = _grade(model, tokenizer, prompt_ids, rows, specs, group_size=samples_per_prompt,
                      temperature=temperature, **common)  # [P, k]
     correct = torch.nan_to_num(sampled, nan=0.0) >= correct_threshold
     k = samples_per_prompt
@@ -86,7 +81,7 @@ def evaluate(
         "mean_reward": torch.nanmean(sampled).item(),
     }
     if greedy:
-        best = _grade(model, tokenizer, prompt_ids, rows, prompt_values, specs, group_size=1, temperature=0.0,
+        best = _grade(model, tokenizer, prompt_ids, rows, specs, group_size=1, temperature=0.0,
                       **common)
         result["greedy_accuracy"] = (torch.nan_to_num(best, nan=0.0) >= correct_threshold).float().mean().item()
     return result

@@ -16,26 +16,22 @@ Needs the `peft` extra (`pip install 'grpokit[peft]'`), imported only when `mode
 - Checkpoints: `checkpoint-N/` holds the merged model (base + scale·B·A per adapted layer, a plain
   Hugging Face folder for `AutoModelForCausalLM.from_pretrained` or vLLM) and `checkpoint-N/adapter/`
   (`PeftModel.from_pretrained(base, "checkpoint-N/adapter")`). The merge is computed on the side: the
-  training weights are never merged and unmerged, so resuming stays exact. `--resume` loads the adapter.
+  training weights are never merged and unmerged, so resuming stays exact. `--resume` loads the adapter
+  (the layout is written and read by `training/checkpoint.py`; `merged_state_dict` computes the merge).
 - LoRA dropout is not offered: the trainer keeps the model in eval mode (dropout off) so that the
   policy ratio is exactly 1 before the first update.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
-from grpokit.errors import SetupError
-
 LORA_KEYS = ("r", "alpha", "target_modules")
-
 
 _ATTR = "_grpokit_adapter"  # the PeftModel wrapping a model, kept in its __dict__ (not a submodule)
 
 
-def _import_peft():
+def import_peft():
     try:
         import peft
     except ImportError as e:  # pragma: no cover - depends on the environment
@@ -45,7 +41,7 @@ def _import_peft():
 
 def apply_lora(model, options: dict):
     """Inject LoRA adapters into `model` (in place); returns the same model, adapters trainable only."""
-    peft = _import_peft()
+    peft = import_peft()
     target = options.get("target_modules") or "all-linear"
     config = peft.LoraConfig(r=int(options.get("r", 8)), lora_alpha=float(options.get("alpha", 16)),
                              lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
@@ -127,29 +123,3 @@ def merged_state_dict(wrapper) -> dict[str, torch.Tensor]:
                 value = value + deltas[owner].to(value.dtype)
             out[clean] = value.detach()
     return out
-
-
-def save_adapter_and_merged(wrapper, path: Path) -> None:
-    """`path/` the merged model (Hugging Face folder), `path/adapter/` the adapter alone."""
-    path = Path(path)
-    wrapper.save_pretrained(str(path / "adapter"))
-    wrapper.get_base_model().save_pretrained(str(path), state_dict=merged_state_dict(wrapper))
-
-
-def load_adapter(wrapper, checkpoint: Path) -> None:
-    """Load `checkpoint/adapter/` into the model's adapters (resume)."""
-    from safetensors.torch import load_file
-
-    peft = _import_peft()
-    folder = Path(checkpoint) / "adapter"
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise SetupError(f"--resume: {folder} holds no adapter weights; was this run trained without model.lora?")
-    device = str(next(wrapper.parameters()).device)
-    weights = {}
-    for f in files:
-        weights.update(load_file(str(f), device=device))
-    result = peft.set_peft_model_state_dict(wrapper, weights)
-    missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
-    if missing:
-        raise SetupError(f"--resume: the adapter in {folder} does not match model.lora (e.g. {missing[0]})")

@@ -52,11 +52,12 @@ class Draw:
         return joined.select(torch.arange(joined.size) < n)
 
 
-def grade(rollout: Rollout, rows: list[dict], tokenizer, specs, G: int) -> Draw:
-    """Decode the answers and run every reward function on them (TRL's calling convention)."""
+def grade(rollout: Rollout, rows: list[dict], tokenizer, specs, G: int, *, prompt_column: str = "prompt") -> Draw:
+    """Decode the answers and run every reward function on them (TRL's calling convention); the
+    prompt is the rows' `prompt_column`, every other column goes to the reward functions."""
     ids = [row[m.bool()].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-    prompt_values = [r["prompt"] for r in rows for _ in range(G)]
+    prompt_values = [r[prompt_column] for r in rows for _ in range(G)]
     completions = as_trl_completions(prompt_values, texts)
     per_fn, total = compute_rewards(specs, prompt_values, completions, ids, columns_of(rows, repeat=G))
     return Draw(rollout, per_fn, total, prompt_values, texts)

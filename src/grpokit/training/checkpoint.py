@@ -25,12 +25,14 @@ import torch
 
 from grpokit.errors import CheckpointError, SetupError
 from grpokit.models.fsdp import full_state_dict, is_fsdp, load_optimizer_state, optimizer_state
+from grpokit.models.lora import adapter_of, import_peft, merged_state_dict
 from grpokit.models.parallel import gather_states, local_state
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
 CHECKPOINT_CONFIG = "grpokit_config.toml"
+ADAPTER_DIR = "adapter"  # with LoRA: the adapter alone, beside the merged model
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -115,16 +117,13 @@ class CheckpointWeights:
     FSDP); only rank 0 calls `save_pretrained`."""
 
     def __init__(self, model):
-        from grpokit.models.lora import adapter_of
-
         self.model, self.adapter = model, adapter_of(model)
         self.state_dict = full_state_dict(model) if self.adapter is None else None
 
     def save_pretrained(self, path: str) -> None:
-        if self.adapter is not None:
-            from grpokit.models.lora import save_adapter_and_merged
-
-            save_adapter_and_merged(self.adapter, Path(path))
+        if self.adapter is not None:  # `path/` the merged model, `path/adapter/` the adapter alone
+            self.adapter.save_pretrained(str(Path(path) / ADAPTER_DIR))
+            self.adapter.get_base_model().save_pretrained(path, state_dict=merged_state_dict(self.adapter))
         elif self.state_dict is not None:
             self.model.save_pretrained(path, state_dict=self.state_dict)
         else:
@@ -135,10 +134,8 @@ def load_checkpoint_weights(checkpoint: Path, model) -> None:
     """Restore a checkpoint's weights into `model` (plain, FSDP-sharded, or LoRA adapters only)."""
     from safetensors.torch import load_file
 
-    from grpokit.models.lora import adapter_of, load_adapter
-
     if adapter_of(model) is not None:
-        load_adapter(adapter_of(model), checkpoint)
+        _load_adapter(adapter_of(model), checkpoint)
         return
     weights = {}
     for shard in sorted(checkpoint.glob("*.safetensors")):
@@ -174,3 +171,22 @@ def restore_checkpoint(checkpoint: Path, policy, sampler: torch.Generator, strea
     except ValueError as e:  # a different dataset or seed than the run being resumed
         raise SetupError(f"--resume from {checkpoint}: {e}") from e
     return int(state["step"])
+
+
+def _load_adapter(wrapper, checkpoint: Path) -> None:
+    """Load `checkpoint/adapter/` into the model's adapters (resume)."""
+    from safetensors.torch import load_file
+
+    peft = import_peft()
+    folder = Path(checkpoint) / ADAPTER_DIR
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise SetupError(f"--resume: {folder} holds no adapter weights; was this run trained without model.lora?")
+    device = str(next(wrapper.parameters()).device)
+    weights = {}
+    for f in files:
+        weights.update(load_file(str(f), device=device))
+    result = peft.set_peft_model_state_dict(wrapper, weights)
+    missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
+    if missing:
+        raise SetupError(f"--resume: the adapter in {folder} does not match model.lora (e.g. {missing[0]})")
