@@ -228,7 +228,7 @@ def policy_loss(
     means on-policy (``logp.detach()``: ratio 1, gradient still flows). ``entropy`` (with its
     gradient, for the bonus) is needed only when ``entropy_coef > 0`` or ``top_entropy_quantile < 1``.
     ``token_weights`` ``[N, T]`` (no gradient) multiply each token's policy term: truncated importance
-    sampling for a sampler other than the trainer (``engines.truncated_importance_weights``).
+    sampling for a sampler other than the trainer (``truncated_importance_weights`` below).
     """
     _check_policy_args(logp, old_logp, advantages, mask, ref_logp, beta, loss_type)
     _check_entropy_args(logp, entropy, entropy_coef, top_entropy_quantile)

@@ -34,7 +34,7 @@ class ModelConfig:
     path: str = ""
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    lora: dict = field(default_factory=dict)  # LoRA adapters (lora.py): {r = 8, alpha = 16, target_modules = [...]}
+    lora: dict = field(default_factory=dict)  # LoRA (models/lora.py): {r = 8, alpha = 16, target_modules = [...]}
     fsdp: bool = False  # shard parameters, gradients, optimizer state over torchrun processes (FSDP2)
 
     def __post_init__(self):
@@ -96,7 +96,7 @@ class RolloutConfig:
     top_k: int = 0
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks only: every answer runs to max_new_tokens
-    engine: str = "hf"  # hf (built-in sampler on the training model) | vllm (colocated vLLM; engines.py)
+    engine: str = "hf"  # hf (built-in sampler on the training model) | vllm (colocated vLLM; rollout/vllm.py)
     # vLLM options: gpu_memory_utilization, enable_sleep_mode, sync_bucket_mb, max_model_len, enforce_eager, dtype
     vllm: dict = field(default_factory=dict)
     # Speed options of the built-in sampler (rollout.engine = "hf"); the samples' distribution is the
@@ -167,7 +167,7 @@ class AlgorithmConfig:
     top_entropy_quantile: float = 1.0  # < 1: policy term only on this top share of tokens by entropy
     kl_bias_correction: bool = False  # KL_t * ratio_t (DeepSeek-V3.2; TRL's use_bias_correction_kl)
     # Truncated importance sampling for a sampler that is not the trainer (vLLM): each token's loss is
-    # weighted by min(exp(trainer_logp - sampler_logp), tis_cap); 0 = off (engines.py). 2.0 is usual.
+    # weighted by min(exp(trainer_logp - sampler_logp), tis_cap); 0 = off (rollout/engines.py). 2.0 is usual.
     tis_cap: float = 0.0
 
     def __post_init__(self):
@@ -249,7 +249,7 @@ class TrainConfig:
     fused_backward: bool = True
     skip_zero_advantage: bool = True
     shared_prompt_forward: bool = True
-    keep_freed_memory: bool = True  # CPU, glibc: reuse freed pages instead of faulting them in again (allocator.py)
+    keep_freed_memory: bool = True  # CPU, glibc: reuse freed pages, do not fault them in again (models/allocator.py)
 
     def __post_init__(self):
         _check_fields(self, "train")

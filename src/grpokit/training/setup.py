@@ -174,7 +174,7 @@ def build_policy(config: Config) -> Policy:
     """The policy (LoRA adapters if asked), the KL reference only when β > 0, AdamW and the schedule;
     sharded (FSDP2) or replicated across processes."""
     if config.train.keep_freed_memory and resolve_device(config.model.device).type == "cpu":
-        keep_freed_memory()  # glibc: freed buffers stay mapped for the next step (allocator.py)
+        keep_freed_memory()  # glibc: freed buffers stay mapped for the next step (models/allocator.py)
     model = load_model(config.model.path, dtype=config.model.dtype, device=load_device(config))
     ref_model = None
     if config.algorithm.beta > 0 and not config.model.lora:  # with β = 0 no reference model is loaded at all
