@@ -9,6 +9,7 @@ sampler and the forward; code written against the flat layout still imports.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import subprocess
 import sys
 
@@ -24,6 +25,7 @@ from grpokit.models.forward import completion_logprobs
 from grpokit.models.loading import load_model, load_tokenizer
 from grpokit.rollout.decode import sample_groups
 from grpokit.rollout.engines import HFEngine, build_engine
+from grpokit.rollout.sampling import SAMPLERS
 from grpokit.tasks import TASKS
 
 
@@ -34,6 +36,7 @@ def test_the_configs_variant_names_are_the_ones_the_math_implements():
     assert tuple(PRESETS) == variants.PRESET_NAMES
     assert set(variants.TASK_NAMES) == set(TASKS)
     assert set(variants.GLOBAL_TOKEN_LOSSES) <= set(variants.LOSS_TYPES)
+    assert set(variants.SAMPLERS) == set(SAMPLERS)
 
 
 @pytest.mark.parametrize("loss_type", variants.LOSS_TYPES)
@@ -93,15 +96,40 @@ def test_the_gumbel_sampler_draws_exact_samples_with_the_same_log_probs(tiny):
 
 @pytest.mark.parametrize("old, new, name", [
     ("grpokit.trainer", "grpokit.training.loop", "train"),
+    ("grpokit.trainer", "grpokit.training.setup", "lr_lambda"),
+    ("grpokit.trainer", "grpokit.errors", "StoppedNow"),
     ("grpokit.objectives", "grpokit.algorithms.objectives", "policy_loss"),
+    ("grpokit.objectives", "grpokit.algorithms.logprobs", "token_logprobs"),
     ("grpokit.advantages", "grpokit.algorithms.advantages", "group_advantages"),
     ("grpokit.modeling", "grpokit.models.loading", "load_model"),
+    ("grpokit.modeling", "grpokit.models.forward", "completion_logprobs"),
+    ("grpokit.engines", "grpokit.rollout.vllm", "VLLMEngine"),
+    ("grpokit.engines", "grpokit.algorithms.objectives", "truncated_importance_weights"),
+    ("grpokit.distributed", "grpokit.observe.metrics", "reduce_metrics"),
     ("grpokit.tiny", "grpokit.models.tiny", "build_tiny_model"),
-    ("grpokit.tracking", "grpokit.observe.tracking", "read_metrics"),
+    ("grpokit.tracking", "grpokit.observe.metrics", "reward_summary"),
     ("grpokit.presets", "grpokit.config.presets", "PRESETS"),
+    ("grpokit.run_setup", "grpokit.evaluate", "eval_rows_and_specs"),
 ])
-def test_modules_of_the_flat_layout_still_import(old, new, name):
-    assert getattr(importlib.import_module(old), name) is getattr(importlib.import_module(new), name)
+def test_modules_of_the_flat_layout_still_import_and_say_where_they_moved(old, new, name):
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} moved to"):
+        module = importlib.import_module(old)
+    assert getattr(module, name) is getattr(importlib.import_module(new), name)
+
+
+def test_every_old_module_path_imports_and_leaves_the_new_modules_untouched():
+    import grpokit
+
+    for old, homes in grpokit._MOVED.items():
+        with pytest.warns(DeprecationWarning):
+            sys.modules.pop(old, None)
+            importlib.import_module(old)
+        for home in homes:  # the new module keeps its own name and spec (reload, find_spec work)
+            module = importlib.import_module(home)
+            assert module.__spec__.name == home and importlib.util.find_spec(home).origin == module.__file__
+    with pytest.raises(AttributeError, match="it moved"):
+        importlib.import_module("grpokit.distributed").SUMMED_LOSSES
 
 
 def test_the_public_names_and_packages_are_unchanged():
@@ -126,7 +154,6 @@ def test_every_speed_option_off_trains_the_same_run(tiny_model_dir, tmp_path):
     """The former module-level ablation switches, now config options, off together: the same rewards
     (same samples), losses and updates within float noise; and the one-pass backward really is off."""
     from conftest import comparable, make_config, parity
-
     from grpokit.algorithms import fused_logprobs
     from grpokit.observe.tracking import read_metrics
     from grpokit.training.loop import train

@@ -21,6 +21,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 
 __version__ = "0.1.0"
 
@@ -38,42 +39,62 @@ def __getattr__(name):  # nothing imports torch until it is used: `grpokit train
     raise AttributeError(f"module 'grpokit' has no attribute {name!r}")
 
 
-# Modules of the flat layout before the subpackages, for code that imported them: each old name is
-# the module that now holds most of it (`grpokit.config`, `grpokit.rewards`, `grpokit.data`,
-# `grpokit.tasks` are still packages with the same names in them).
+# Modules of the flat layout before the subpackages, for code that imported them: importing one gives a
+# small module that finds each old name in its new home (first listed first) and warns once that it
+# moved. Functions whose signature changed with the move (the loop's internals) are found but take
+# their new arguments. `grpokit.config`, `grpokit.rewards`, `grpokit.data`, `grpokit.tasks` and
+# `grpokit.rollout` are still packages with their old names in them.
 _MOVED = {
-    "grpokit.advantages": "grpokit.algorithms.advantages",
-    "grpokit.objectives": "grpokit.algorithms.objectives",
-    "grpokit.fused_logprobs": "grpokit.algorithms.fused_logprobs",
-    "grpokit.presets": "grpokit.config.presets",
-    "grpokit.modeling": "grpokit.models.loading",
-    "grpokit.lora": "grpokit.models.lora",
-    "grpokit.tiny": "grpokit.models.tiny",
-    "grpokit.distributed": "grpokit.models.parallel",
-    "grpokit.engines": "grpokit.rollout.engines",
-    "grpokit.grading": "grpokit.rollout.grading",
-    "grpokit.tracking": "grpokit.observe.tracking",
-    "grpokit.diagnostics": "grpokit.observe.diagnostics",
-    "grpokit.report": "grpokit.observe.report",
-    "grpokit.explain": "grpokit.observe.explain",
-    "grpokit.checkpoint": "grpokit.training.checkpoint",
-    "grpokit.run_folder": "grpokit.training.run_folder",
-    "grpokit.run_setup": "grpokit.training.setup",
-    "grpokit.trainer": "grpokit.training.loop",
+    "grpokit.advantages": ("grpokit.algorithms.advantages",),
+    "grpokit.objectives": ("grpokit.algorithms.objectives", "grpokit.algorithms.logprobs"),
+    "grpokit.fused_logprobs": ("grpokit.algorithms.fused_logprobs",),
+    "grpokit.presets": ("grpokit.config.presets", "grpokit.errors"),
+    "grpokit.modeling": ("grpokit.models.loading", "grpokit.models.forward", "grpokit.errors"),
+    "grpokit.lora": ("grpokit.models.lora",),
+    "grpokit.tiny": ("grpokit.models.tiny",),
+    "grpokit.allocator": ("grpokit.models.allocator",),
+    "grpokit.distributed": ("grpokit.models.parallel", "grpokit.models.fsdp", "grpokit.observe.metrics",
+                            "grpokit.training.checkpoint"),
+    "grpokit.engines": ("grpokit.rollout.engines", "grpokit.rollout.vllm", "grpokit.rollout.batch",
+                        "grpokit.algorithms.objectives"),
+    "grpokit.grading": ("grpokit.rollout.grading", "grpokit.observe.tracking"),
+    "grpokit.tracking": ("grpokit.observe.tracking", "grpokit.observe.metrics", "grpokit.errors"),
+    "grpokit.diagnostics": ("grpokit.observe.diagnostics",),
+    "grpokit.report": ("grpokit.observe.report", "grpokit.observe.charts", "grpokit.errors"),
+    "grpokit.explain": ("grpokit.observe.explain", "grpokit.errors"),
+    "grpokit.checkpoint": ("grpokit.training.checkpoint", "grpokit.errors"),
+    "grpokit.run_folder": ("grpokit.training.run_folder", "grpokit.observe.tracking", "grpokit.errors"),
+    "grpokit.run_setup": ("grpokit.training.setup", "grpokit.models.loading", "grpokit.evaluate", "grpokit.sft",
+                          "grpokit.errors"),
+    "grpokit.trainer": ("grpokit.training.loop", "grpokit.training.setup", "grpokit.training.generate",
+                        "grpokit.training.update", "grpokit.training.stopping", "grpokit.errors"),
 }
+_RENAMED = {"positions_from_mask": "position_ids_from_mask"}  # two copies of one function became one
 
 
-class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """`import grpokit.trainer` gives the module now at `grpokit.training.loop` (the same object)."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        return importlib.util.spec_from_loader(fullname, self) if fullname in _MOVED else None
+class _MovedModule(importlib.abc.Loader):
+    """Builds the stand-in module of an old path: `__getattr__` looks each name up in the new modules."""
 
     def create_module(self, spec):
-        return importlib.import_module(_MOVED[spec.name])
+        return None  # a plain new module object
 
-    def exec_module(self, module):  # already executed under its new name
-        pass
+    def exec_module(self, module):
+        homes = _MOVED[module.__name__]
+        warnings.warn(f"{module.__name__} moved to {homes[0]}; import from there", DeprecationWarning, stacklevel=2)
+
+        def __getattr__(name):
+            for home in homes:
+                found = importlib.import_module(home)
+                if hasattr(found, _RENAMED.get(name, name)):
+                    return getattr(found, _RENAMED.get(name, name))
+            raise AttributeError(f"{name!r} is not in {module.__name__} any more (it moved: see {', '.join(homes)})")
+
+        module.__getattr__ = __getattr__
 
 
-sys.meta_path.append(_MovedModules())
+class _MovedFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        return importlib.util.spec_from_loader(fullname, _MovedModule()) if fullname in _MOVED else None
+
+
+sys.meta_path.append(_MovedFinder())

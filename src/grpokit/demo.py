@@ -82,6 +82,7 @@ def run_demo(out: str | Path = "demo_run", *, quick: bool = False, seed: int = 0
     from grpokit.observe.tracking import read_metrics
     from grpokit.sft import sft
     from grpokit.tasks import get_task
+    from grpokit.training.checkpoint import list_checkpoints
     from grpokit.training.loop import train
 
     console = Console()
@@ -126,7 +127,7 @@ def run_demo(out: str | Path = "demo_run", *, quick: bool = False, seed: int = 0
         output=OutputConfig(dir=str(out / "grpo"), overwrite=True, completions_every=50),
     )
     run_dir = train(config, rows=train_rows)
-    final = sorted(run_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
+    final = list_checkpoints(run_dir)[-1]
     model, tokenizer = load_model_and_tokenizer(final)
 
     console.rule("[bold]5. held-out evaluation after GRPO (same sampling settings)")

@@ -1,8 +1,8 @@
 """The one base class of every error a user can fix.
 
-Each module raises its own subclass (ConfigError, DataError, ...) with a message
-that names the field, file or row and the fix; `cli.main` catches `UserError`
-alone and prints that message as one `error:` line with exit code 2. Anything
+Every user-facing error class lives here (ConfigError, DataError, ...); each is
+raised with a message that names the field, file or row and the fix; `cli.main`
+catches `UserError` alone and prints that message as one `error:` line with exit code 2. Anything
 else is a bug and keeps its traceback. This module imports nothing, so the CLI
 can catch errors without importing torch.
 """
@@ -47,8 +47,8 @@ class TrainingDiverged(UserError, RuntimeError):
 
 class StoppedNow(UserError, KeyboardInterrupt):
     """Ctrl-C stopped the run at once (a second one in the loop, or one before the loop started): the
-    CLI says so in one line and exits 130 (as shells
-    expect of Ctrl-C); Python callers can still catch it as KeyboardInterrupt."""
+    CLI says so in one line and exits 130 (as shells expect of Ctrl-C); Python callers can still catch
+    it as KeyboardInterrupt."""
 
     label, exit_code = "stopped", 130
 

@@ -110,6 +110,10 @@ class RolloutConfig:
         _check_fields(self, "rollout")
         _one_of(self.engine, ENGINES, "rollout.engine")
         _one_of(self.sampler, SAMPLERS, "rollout.sampler")
+        builtin = (self.sampler, self.preallocated_kv_cache, self.shared_prefill) == ("inverse_cdf", True, True)
+        _check(self.engine == "hf" or builtin, "rollout.engine",
+               "rollout.sampler, rollout.preallocated_kv_cache and rollout.shared_prefill are options of the built-in "
+               "sampler (engine = \"hf\"); vLLM samples its own way: leave them at their defaults")
         _check_vllm(self)
         _check(self.engine == "vllm" or not self.vllm, "rollout.vllm", "set only with rollout.engine = \"vllm\"")
         _check(self.engine != "vllm" or _installed("vllm"), "rollout.engine",
@@ -122,7 +126,7 @@ class RolloutConfig:
         _check(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")
 
 
-# rollout.vllm options (engines.VLLMEngine's keyword arguments): type, example
+# rollout.vllm options (rollout/vllm.VLLMEngine's keyword arguments): type, example
 _VLLM_OPTIONS = {"gpu_memory_utilization": (float, "0.3"), "enable_sleep_mode": (bool, "true"),
                  "sync_bucket_mb": (float, "512"), "max_model_len": (int, "4096"), "enforce_eager": (bool, "true"),
                  "dtype": (str, '"bfloat16"')}

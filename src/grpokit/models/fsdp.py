@@ -15,7 +15,7 @@ import torch
 import torch.distributed as tdist
 
 from grpokit.errors import SetupError
-from grpokit.models.parallel import _active, is_fsdp
+from grpokit.models.parallel import is_distributed, is_fsdp
 
 
 def prepare_model(model, ref_model, linear_head: bool, *, fsdp: bool):
@@ -24,7 +24,7 @@ def prepare_model(model, ref_model, linear_head: bool, *, fsdp: bool):
     Plain DP broadcasts rank 0's trainable parameters, so the replicas start identical even when an
     initialisation (a LoRA adapter's, say) was not. Under FSDP the fused log-prob head is off: it
     reads the head's weight directly, outside the root module's forward that gathers it."""
-    if not _active():
+    if not is_distributed():
         if fsdp:
             raise SetupError("model.fsdp = true needs several processes: launch with torchrun --nproc_per_node N")
         return model, ref_model, linear_head
@@ -71,7 +71,7 @@ def load_device(config) -> str:
     if config.model.fsdp:
         return "cpu"
     device = config.model.device
-    return "cuda" if _active() and device.startswith("cuda") else device
+    return "cuda" if is_distributed() and device.startswith("cuda") else device
 
 
 @contextmanager

@@ -88,7 +88,7 @@ class AdapterDisabled(_Disabled):
     def __init__(self, model):
         wrapper = adapter_of(model)
         if wrapper is None:
-            raise ValueError("AdapterDisabled needs a model with LoRA adapters (grpokit.lora.apply_lora)")
+            raise ValueError("AdapterDisabled needs a model with LoRA adapters (grpokit.models.lora.apply_lora)")
         super().__init__(model, wrapper)
 
     @property

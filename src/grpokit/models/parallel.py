@@ -53,16 +53,17 @@ def _destroy() -> None:
         tdist.destroy_process_group()
 
 
-def _active() -> bool:
+def is_distributed() -> bool:
+    """Several torchrun processes share this run (a process group of more than one)."""
     return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
 
 
 def world_size() -> int:
-    return tdist.get_world_size() if _active() else 1
+    return tdist.get_world_size() if is_distributed() else 1
 
 
 def rank() -> int:
-    return tdist.get_rank() if _active() else 0
+    return tdist.get_rank() if is_distributed() else 0
 
 
 @dataclasses.dataclass
@@ -82,7 +83,7 @@ class DistributedContext:
     def from_env(cls) -> "DistributedContext":
         """Read torchrun's environment; with WORLD_SIZE > 1 join (or reuse) the default process group."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world <= 1 and not _active():
+        if world <= 1 and not is_distributed():
             return cls()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         owns = False
@@ -99,7 +100,7 @@ class DistributedContext:
 
     def close(self) -> None:
         """Wait for every process (the group itself lives until the process exits)."""
-        if _active():
+        if is_distributed():
             tdist.barrier()
 
     # ---- configuration ---------------------------------------------------------------------
@@ -211,7 +212,7 @@ class _Null:
 
 def gather_states(state):
     """Every rank's `state` (its sampling generator's) as a list for the checkpoint; on one process the state."""
-    if not _active():
+    if not is_distributed():
         return state
     out: list = [None] * tdist.get_world_size()
     tdist.all_gather_object(out, state)
@@ -228,7 +229,7 @@ def local_state(saved):
 
 
 def any_rank(flag: bool) -> bool:
-    if not _active():
+    if not is_distributed():
         return bool(flag)
     t = torch.tensor([1 if flag else 0], device=_comm_device())
     tdist.all_reduce(t, op=tdist.ReduceOp.MAX)
@@ -241,7 +242,7 @@ def all_ranks(flag: bool) -> bool:
 
 def global_sum(value: torch.Tensor) -> torch.Tensor:
     """A count summed over ranks (e.g. dapo's token count of the minibatch)."""
-    if not _active():
+    if not is_distributed():
         return value
     out = value.detach().clone().to(_comm_device())
     tdist.all_reduce(out)
@@ -256,7 +257,7 @@ def reduce_gradients(model, sums_over_global_tokens: bool, bucket_bytes: int = B
     """Make every rank's gradients the whole batch's: SUM over ranks, scaled by 1/W for the loss types
     that average over answers (module docstring; `AlgorithmConfig.sums_over_global_tokens`). Call after
     backward, before clipping."""
-    if not _active():
+    if not is_distributed():
         return
     W = tdist.get_world_size()
     scale = 1.0 if sums_over_global_tokens else 1.0 / W

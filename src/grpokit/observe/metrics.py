@@ -12,7 +12,8 @@ import math
 import torch
 import torch.distributed as tdist
 
-from grpokit.models.parallel import _active
+from grpokit.models.parallel import is_distributed
+from grpokit.rewards.core import reward_metrics
 
 
 def completion_metrics(completion_mask: torch.Tensor, truncated: torch.Tensor) -> dict[str, float]:
@@ -58,17 +59,13 @@ def reduce_metrics(metrics: dict, batch, specs, config) -> dict:
 
     Reward and completion statistics are recomputed from the gathered per-answer values (exact);
     token means are weighted by each rank's loss tokens (entropy: tokens that went through the
-    model); `loss` adds up when the loss sums over global tokens (dapo/cispo: each rank's share of one
-    global normaliser) and is
-    averaged otherwise; times are the slowest rank's; anything else is averaged (equal on every rank
-    for grad_norm, learning_rate)."""
-    from grpokit.observe.metrics import completion_metrics, reward_summary
-    from grpokit.rewards.core import reward_metrics
-
+    model); `loss` adds up when the loss sums over global tokens (dapo/cispo: each rank's share of
+    one global normaliser) and is averaged otherwise; times are the slowest rank's; anything else is
+    averaged (equal on every rank for grad_norm, learning_rate). One process: `metrics` unchanged."""
+    if not is_distributed():
+        return metrics
     r, algo = batch.rollout, config.algorithm
     mask = batch.loss_mask
-    if not _active():
-        return metrics
     skip = config.skips_zero_advantage
     entropy_rows = (batch.advantages != 0) if skip else torch.ones_like(batch.advantages, dtype=torch.bool)
     weights = {"tokens": float(mask.sum()), "entropy": float(mask[entropy_rows.to(mask.device)].sum())}

@@ -6,7 +6,7 @@ present `config_history.jsonl` and (`output.completions_every = K`) `completions
 
 - the run's segments (one start, then one per `--resume`): the step each
   continued from, when, the command, and what the resume changed;
-- the diagnostics (`grpokit.diagnostics`) replayed over the whole run;
+- the diagnostics (`grpokit.observe.diagnostics`) replayed over the whole run;
 - curves: reward overall and per reward function, reward_std,
   frac_reward_zero_std, kl, entropy, clip ratios, lengths, the share of answers
   cut at the length limit, throughput and time per step, loss, grad norm,

@@ -1,6 +1,6 @@
 """Where a run's numbers go: `metrics.jsonl`, TensorBoard (optional), the console.
 
-Metric names follow TRL where the meaning is the same (docs/OBSERVABILITY.md lists them).
+Metric names follow TRL where the meaning is the same.
 """
 
 from __future__ import annotations
@@ -169,7 +169,5 @@ HISTORY = "config_history.jsonl"
 
 
 def read_history(run_dir: str | Path) -> list[dict]:
-    from grpokit.observe.tracking import read_jsonl
-
     path = Path(run_dir) / HISTORY
     return read_jsonl(path) if path.is_file() else []

@@ -73,6 +73,10 @@ def inverse_cdf_sample(weights: Tensor, generator: torch.Generator | None) -> Te
     return block * _BLOCK + _first_above(inner.cumsum(-1), (target - before).clamp_(min=0.0), inner)
 
 
+# rollout.sampler: exact draws from unnormalised weights [n, V] (config/variants.py lists the names)
+SAMPLERS = {"inverse_cdf": inverse_cdf_sample, "gumbel": exponential_race}
+
+
 def sample_tokens(
     logits: Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
     generator: torch.Generator | None = None, sampler: str = "inverse_cdf",
@@ -95,7 +99,7 @@ def sample_tokens(
         top = z.amax(-1, keepdim=True)  # [n, 1]
         weights = (z - top).exp_()  # [n, V] unnormalised probabilities
         log_norm = top[:, 0] + weights.sum(-1).log()  # [n]
-        tokens = (inverse_cdf_sample if sampler == "inverse_cdf" else exponential_race)(weights, generator)  # [n]
+        tokens = SAMPLERS[sampler](weights, generator)  # [n]
     else:
         vals, idx = filter_candidates(z, top_k, top_p)  # [n, C]
         pick = exponential_race((vals - vals[:, :1]).exp_(), generator)  # [n]

@@ -32,6 +32,7 @@ _NAME = re.compile(r"^checkpoint-(\d+)$")
 
 
 CHECKPOINT_CONFIG = "grpokit_config.toml"
+PREFIX, TMP_PREFIX = "checkpoint-", ".tmp-checkpoint-"  # a finished checkpoint; one being written
 ADAPTER_DIR = "adapter"  # with LoRA: the adapter alone, beside the merged model
 
 
@@ -66,9 +67,9 @@ def set_rng_state(state: dict) -> None:
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: dict, keep_last: int,
                     config_text: str = "", resume_hint: str = "--resume") -> Path:
     """Write `checkpoint-<step>` atomically, then drop all but the newest `keep_last`."""
-    final = run_dir / f"checkpoint-{step}"
-    tmp = run_dir / f".tmp-checkpoint-{step}"
-    for stale in run_dir.glob(".tmp-checkpoint-*"):  # left by a crash mid-save
+    final = run_dir / f"{PREFIX}{step}"
+    tmp = run_dir / f"{TMP_PREFIX}{step}"
+    for stale in run_dir.glob(f"{TMP_PREFIX}*"):  # left by a crash mid-save
         shutil.rmtree(stale, ignore_errors=True)
     try:
         model.save_pretrained(str(tmp))

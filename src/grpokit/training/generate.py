@@ -13,9 +13,7 @@ import torch
 
 from grpokit.algorithms.advantages import group_advantages
 from grpokit.config.schema import Config
-from grpokit.models.parallel import (
-    all_ranks,
-)
+from grpokit.models.parallel import all_ranks
 from grpokit.observe.metrics import completion_metrics, reward_summary
 from grpokit.rewards.core import RewardSpec, reward_metrics
 from grpokit.rollout.batch import Rollout

@@ -59,8 +59,8 @@ def train(
                     print(note, flush=True)
             if inputs.complete:
                 if dist.is_main:
-                    print(f"{inputs.folder.path} is already complete at step {config.train.steps}; raise "
-                          "train.steps to continue it", flush=True)
+                    print(f"{inputs.folder.path} is already complete at step {config.train.steps} (train.steps = "
+                          f"{config.train.steps}); raise train.steps to continue it", flush=True)
                 return inputs.folder.path
             run = build_run(config, inputs, dist, engine)
             return _loop(config, run, dist, hint, command)

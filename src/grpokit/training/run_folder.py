@@ -36,15 +36,16 @@ from pathlib import Path
 from grpokit.config.loading import to_toml
 from grpokit.config.schema import SECTIONS, Config
 from grpokit.errors import RunFolderError
-from grpokit.observe.tracking import HISTORY
-from grpokit.training.checkpoint import CHECKPOINT_CONFIG, checkpoint_step, list_checkpoints
+from grpokit.observe.tracking import HISTORY, append_jsonl, read_jsonl
+from grpokit.training.checkpoint import CHECKPOINT_CONFIG, PREFIX, TMP_PREFIX, checkpoint_step, list_checkpoints
 
 # Fields a --resume may change: how long to train, where and how to log, and knobs that change memory
 # or speed but not the math (micro-batches accumulate to the same gradient; the fast paths have tests
 # showing the same loss and gradient). Everything else would make the resumed run a different run.
 RESUMABLE_FIELDS = frozenset({
     "train.steps", "train.micro_batch_size", "train.logprob_chunk_size", "train.max_consecutive_skips",
-    "train.fused_logprobs", "train.skip_zero_advantage", "train.keep_freed_memory",
+    "train.fused_logprobs", "train.fused_backward", "train.skip_zero_advantage", "train.shared_prompt_forward",
+    "train.keep_freed_memory", "rollout.preallocated_kv_cache", "rollout.shared_prefill",
     "model.device", "rollout.vllm", "rewards.timeout_s",
     "output.dir", "output.save_every", "output.keep_last", "output.overwrite", "output.completions_every",
     "output.console", "output.tensorboard", "output.wandb",
@@ -279,7 +280,7 @@ def _remove_earlier_run(run_dir: Path, config: Config) -> str:
     """`output.overwrite = true`: remove what grpokit wrote (checkpoints, logs), leave anything else;
     refuse if this run's own inputs (model, data) live in what would be removed."""
     doomed = [p for p in sorted(run_dir.iterdir())
-              if p.name in RUN_FILES or p.name.startswith(("checkpoint-", ".tmp-checkpoint-"))]
+              if p.name in RUN_FILES or p.name.startswith((PREFIX, TMP_PREFIX))]
     for field_name, value in (("model.path", config.model.path), ("data.path", config.data.path)):
         inside = [p for p in doomed if value and _is_within(Path(value), p)]
         if inside:
@@ -310,7 +311,7 @@ def _move_earlier_attempt(run_dir: Path) -> str:
         for name in RUN_FILES:
             if (run_dir / name).exists():
                 (run_dir / name).rename(aside / name)
-        for stale in run_dir.glob(".tmp-checkpoint-*"):
+        for stale in run_dir.glob(f"{TMP_PREFIX}*"):
             shutil.rmtree(stale)
     except OSError as e:
         raise RunFolderError(f"{run_dir} holds an attempt that stopped before its first checkpoint, and moving its "
@@ -321,16 +322,12 @@ def _move_earlier_attempt(run_dir: Path) -> str:
 
 
 def _last_logged_step(path: Path) -> int:
-    from grpokit.observe.tracking import read_jsonl
-
     rows = read_jsonl(path) if path.is_file() else []
     return rows[-1].get("step", 0) if rows else 0
 
 
 def record_segment(run_dir: Path, config: Config, folder: RunFolder, start_step: int, command: str | None) -> None:
     """Write the config of this segment (`config.toml`) and add its line to `config_history.jsonl`."""
-    from grpokit.observe.tracking import append_jsonl
-
     _write_atomically(run_dir / "config.toml", to_toml(config))
     append_jsonl(run_dir / HISTORY, [{
         "start_step": start_step, "time": time.strftime("%Y-%m-%d %H:%M:%S"), "command": command,

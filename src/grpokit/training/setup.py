@@ -28,7 +28,7 @@ from grpokit.models.loading import check_model_folder, load_model, load_tokenize
 from grpokit.models.lora import AdapterDisabled, apply_lora
 from grpokit.models.parallel import DistributedContext
 from grpokit.rewards.core import RewardSpec
-from grpokit.rewards.registry import reward_specs
+from grpokit.rewards.registry import reward_specs, unique_reward_names
 from grpokit.rollout.engines import RolloutEngine, build_engine
 from grpokit.tasks import get_task
 from grpokit.training.checkpoint import list_checkpoints, restore_checkpoint
@@ -69,8 +69,6 @@ def resolve_reward_specs(config: Config, task, functions: Sequence[Callable] | N
     A callable is named by its `__name__` (`reward_<i>` without one); callables sharing a name are
     told apart by their module (`mod_a.score`, `mod_b.score`), else numbered (`score`, `score_2`):
     see `unique_reward_names`."""
-    from grpokit.rewards.registry import unique_reward_names
-
     r = config.rewards
     weights = list(r.weights) or [1.0] * len(functions or r.functions)
     timeout = r.timeout_s or None  # your own functions are bounded (rewards.timeout_s); built-ins bound themselves

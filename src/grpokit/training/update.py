@@ -4,7 +4,8 @@
     batch, stats = with_tis_weights(config, policy, batch)  # only for a sampler other than the trainer
     metrics, old_logp = optimize(config, policy, batch)    # μ × minibatches × micro-batches
 
-Each function returns what it computed (a new `GenerationBatch`, metrics); none changes its inputs.
+Each function returns what it computed (a new `GenerationBatch`, metrics) instead of filling in the
+batch; only `optimize` changes state, the policy's weights and optimizer.
 """
 
 from __future__ import annotations
