@@ -74,8 +74,8 @@ from pathlib import Path
 
 def parity(completions, **kwargs):
     """A reward with signal on a random model; test hooks (environment variables) make it fail on purpose."""
-    step_file = Path(os.environ.get("FAULT_COUNTER", "/nonexistent"))
-    if step_file.parent.is_dir():
+    step_file = Path(os.environ["FAULT_COUNTER"]) if "FAULT_COUNTER" in os.environ else None
+    if step_file is not None and step_file.parent.is_dir():
         calls = int(step_file.read_text()) + 1 if step_file.exists() else 1
         step_file.write_text(str(calls))
         if os.environ.get("FAULT_RAISE_AT") == str(calls):
@@ -99,17 +99,21 @@ def parity(completions, **kwargs):
 
 
 def write_train_config(folder: Path, model_dir: Path, run: Path, *, steps: int = 3, data_path: Path | None = None,
-                       rewards: list[str] | None = None, extra: str = "") -> Path:
-    """A small valid `grpokit train` config (2 prompts x 4 answers of <= 4 tokens, checkpoint every step)
-    written to `folder/run.toml`: the addition task (or the prompts in `data_path`), graded by `rewards`
-    (default: the `parity` reward above, written next to it)."""
+                       rewards: list[str] | None = None, reward_source: str = PARITY_REWARD,
+                       save_every: int | None = 1, keep_last: int | None = 10, extra: str = "") -> Path:
+    """A small valid `grpokit train` config (2 prompts x 4 answers of <= 4 tokens, by default a checkpoint
+    every step, 10 kept; None leaves `save_every`/`keep_last` to the config's defaults) written to
+    `folder/run.toml`: the addition task (or the prompts in `data_path`), graded by `rewards` (default:
+    the `parity` function in `reward_source`, the one above unless told, written next to it)."""
     import json
     import textwrap
 
     if rewards is None:
-        (folder / "fault_rewards.py").write_text(PARITY_REWARD)
+        (folder / "fault_rewards.py").write_text(reward_source)
         rewards = [str(folder / "fault_rewards.py") + ":parity"]
     data = f"path = {json.dumps(str(data_path))}" if data_path else 'task = "addition"\nnum_prompts = 16'
+    checkpoints = "".join(f"{key} = {value}\n" for key, value in (("save_every", save_every), ("keep_last", keep_last))
+                          if value is not None)
     cfg = folder / "run.toml"
     cfg.write_text(textwrap.dedent(f"""\
         [model]
@@ -128,7 +132,5 @@ def write_train_config(folder: Path, model_dir: Path, run: Path, *, steps: int =
         [output]
         dir = {json.dumps(str(run))}
         console = false
-        save_every = 1
-        keep_last = 10
-        """).replace("{data}", data) + extra)
+        """).replace("{data}", data) + checkpoints + extra)
     return cfg

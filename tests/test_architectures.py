@@ -9,17 +9,18 @@ takes it runs once per architecture.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-import json
 import pytest
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import make_config, parity
+from grpokit.models.tiny import build_char_tokenizer
 from grpokit.rollout.decode import sample_groups
 from test_rollout import recomputed_logprobs  # the independent recompute, shared with the rollout tests
-from grpokit.models.tiny import build_char_tokenizer
 
 PROMPTS = ["1+2=", "What is 17 + 25?", "hi"]  # mixed lengths → left padding
 # Sharper than the default init (0.02), so that a wrong position or mask moves
@@ -100,18 +101,11 @@ def test_one_training_step_changes_the_weights(arch_model_dir, tmp_path):
     so the reference and old-logprob passes run too."""
     from safetensors.torch import load_file
 
-    from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
     from grpokit.training.loop import train
 
-    def even_chars(completions, **kwargs):
-        return [sum(ord(ch) % 2 == 0 for ch in c) / max(1, len(c)) for c in completions]
-
-    config = Config(model=ModelConfig(path=str(arch_model_dir)), data=DataConfig(task="addition", num_prompts=16),
-                    rollout=RolloutConfig(group_size=4, max_new_tokens=4),
-                    algorithm=AlgorithmConfig(beta=0.04, num_iterations=2),
-                    train=TrainConfig(steps=1, prompts_per_step=2, learning_rate=1e-3),
-                    output=OutputConfig(dir=str(tmp_path / "run"), console=False))
-    run = train(config, reward_functions=[even_chars])
+    config = make_config(arch_model_dir, tmp_path / "run", steps=1, num_prompts=16, prompts_per_step=2,
+                         max_new_tokens=4, algorithm={"beta": 0.04, "num_iterations": 2})
+    run = train(config, reward_functions=[parity])
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
     assert row["grad_norm"] > 0 and row["kl"] >= 0
     before = {k: v for k, v in load_file(str(next(arch_model_dir.glob("*.safetensors")))).items()}

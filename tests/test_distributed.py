@@ -22,11 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+from conftest import comparable, make_config, parity
+from grpokit.config.schema import Config, DataConfig, ModelConfig, RolloutConfig, TrainConfig
 from grpokit.errors import ConfigError
 from grpokit.models.parallel import DistributedContext, ShardedStream, buckets
-from grpokit.rollout.engines import HFEngine
 from grpokit.rollout.batch import concat_rollouts
+from grpokit.rollout.engines import HFEngine
 
 SCENARIOS = {
     # dapo: the global token count normalises; micro-batches of 2 answers (gradient accumulation on each rank)
@@ -42,18 +43,8 @@ SCENARIOS = {
 
 def scenario_config(name: str, model_dir, out) -> Config:
     s = SCENARIOS[name]
-    return Config(
-        model=ModelConfig(path=str(model_dir), device="cpu", **s.get("model", {})),
-        data=DataConfig(task="addition", num_prompts=64),
-        rollout=RolloutConfig(group_size=4, max_new_tokens=6),
-        algorithm=AlgorithmConfig(**s.get("algorithm", {})),
-        train=TrainConfig(**{"steps": 2, "prompts_per_step": 4, "learning_rate": 1e-3, **s.get("train", {})}),
-        output=OutputConfig(dir=str(out), console=False, completions_every=1),
-    )
-
-
-def parity(completions, **kwargs):
-    return [sum(ord(ch) % 2 == 0 for ch in c) / max(1, len(c)) for c in completions]
+    return make_config(model_dir, out, max_new_tokens=6, model={"device": "cpu", **s.get("model", {})},
+                       algorithm=s.get("algorithm"), train=s.get("train"), output={"completions_every": 1})
 
 
 class PerPromptEngine(HFEngine):
@@ -170,10 +161,9 @@ def test_two_processes_resume_exactly(runs, kind):
     """Per-rank generators, the sharded stream, optimizer state (gathered from FSDP shards and sharded
     again) all come back: 1 step + resume = 2 steps straight."""
     root = runs[1] / f"resume-{kind}"
-    drop = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "tokens_per_sec"))}
     straight, resumed = _metrics(root / "straight"), _metrics(root / "resumed")
     assert [r["step"] for r in resumed] == [1, 2]
-    assert [drop(m) for m in resumed] == [drop(m) for m in straight]
+    assert comparable(resumed) == comparable(straight)
     a, b = _weights(root / "straight"), _weights(root / "resumed")
     for k in a:
         torch.testing.assert_close(b[k], a[k], atol=0, rtol=0, msg=lambda m: f"{kind} {k}: {m}")
@@ -218,13 +208,14 @@ def test_sharded_stream_gives_each_rank_its_contiguous_share():
 
 
 def test_buckets_group_by_size_and_dtype():
-    ts = [("a", torch.zeros(10)), ("b", torch.zeros(10)), ("c", torch.zeros(30)), ("d", torch.zeros(2, dtype=torch.int64)),
-          ("e", torch.zeros(1))]
+    ts = [("a", torch.zeros(10)), ("b", torch.zeros(10)), ("c", torch.zeros(30)),
+          ("d", torch.zeros(2, dtype=torch.int64)), ("e", torch.zeros(1))]
     groups = [[n for n, _ in b] for b in buckets(ts, bucket_bytes=100)]
     assert groups == [["a", "b"], ["c"], ["d"], ["e"]]
 
 
-if __name__ == "__main__":  # one torchrun process: python -m torch.distributed.run ... test_distributed.py MODEL OUT NAMES
+# One torchrun process: python -m torch.distributed.run ... test_distributed.py MODEL OUT NAMES
+if __name__ == "__main__":
     import torch.distributed as tdist
 
     torch.set_num_threads(1)

@@ -6,34 +6,27 @@ from __future__ import annotations
 import json
 import math
 import os
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+from conftest import make_config, parity
+from grpokit.algorithms.objectives import policy_loss, truncated_importance_weights
+from grpokit.config.schema import AlgorithmConfig, RolloutConfig
 from grpokit.errors import ConfigError
+from grpokit.models.loading import load_model_and_tokenizer
+from grpokit.observe.tracking import read_metrics
+from grpokit.rollout.batch import concat_rollouts, rollout_from_tokens
+from grpokit.rollout.decode import sample_groups
 from grpokit.rollout.engines import HFEngine, SamplingParams
 from grpokit.rollout.vllm import VLLMEngine
-from grpokit.rollout.batch import concat_rollouts, rollout_from_tokens
-from grpokit.algorithms.objectives import truncated_importance_weights
-from grpokit.models.loading import load_model_and_tokenizer
-from grpokit.algorithms.objectives import policy_loss
-from grpokit.rollout.decode import sample_groups
-from grpokit.observe.tracking import read_metrics
 from grpokit.training.loop import train
 
-
-def make_config(model_dir, out, *, algorithm=None, rollout=None, train=None) -> Config:
-    return Config(model=ModelConfig(path=str(model_dir), device="cpu"), data=DataConfig(task="addition", num_prompts=32),
-                  rollout=RolloutConfig(**{"group_size": 4, "max_new_tokens": 5, **(rollout or {})}),
-                  algorithm=AlgorithmConfig(**(algorithm or {})),
-                  train=TrainConfig(**{"steps": 2, "prompts_per_step": 2, "learning_rate": 1e-3, **(train or {})}),
-                  output=OutputConfig(dir=str(out), console=False, completions_every=1))
-
-
-def parity(completions, **kwargs):
-    return [sum(ord(ch) % 2 == 0 for ch in c) / max(1, len(c)) for c in completions]
+# This file's runs: on the CPU, 32 prompts taken 2 a step, every step's completions logged.
+run_config = partial(make_config, num_prompts=32, prompts_per_step=2, model={"device": "cpu"},
+                     output={"completions_every": 1})
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +55,8 @@ def test_rollout_from_tokens_and_concat_pad_like_the_built_in_engine():
     assert r.prompt_mask.tolist() == [[1, 1], [1, 1], [0, 1], [0, 1]]
     assert r.completion_ids.tolist() == [[1, 2, 3], [4, 0, 0], [8, 9, 0], [0, 0, 0]]
     assert r.completion_mask.sum(-1).tolist() == [3, 1, 2, 0]
-    assert r.logprobs[0].tolist() == pytest.approx([-.1, -.2, -.3]) and r.truncated.tolist() == [True, False, False, False]
+    assert r.logprobs[0].tolist() == pytest.approx([-.1, -.2, -.3])
+    assert r.truncated.tolist() == [True, False, False, False]
     both = concat_rollouts([r, rollout_from_tokens([[1, 2, 3]], [[4], [5]], [[-1.], [-2.]], [False, True],
                                                    group_size=2, pad_token_id=0)], 0)
     assert both.prompt_ids.shape == (6, 3) and both.prompt_ids[0].tolist() == [0, 5, 6]
@@ -88,7 +82,7 @@ class FakeEngine:
 
 def test_the_trainer_samples_through_the_engine_and_syncs_after_every_update(tiny_model_dir, tmp_path):
     engines = []
-    run = train(make_config(tiny_model_dir, tmp_path / "r"), reward_functions=[lambda completions, **k: [
+    run = train(run_config(tiny_model_dir, tmp_path / "r"), reward_functions=[lambda completions, **k: [
         len(c) for c in completions]], engine=lambda *a: engines.append(FakeEngine(*a)) or engines[-1])
     rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
     assert {r["completion"] for r in rows} == {"7", "77", "777"}
@@ -130,12 +124,12 @@ def test_tis_weights_multiply_each_tokens_policy_term_not_the_kl():
 
 
 def test_tis_through_the_trainer_weights_every_token_by_the_gap(tiny_model_dir, tmp_path):
-    run = train(make_config(tiny_model_dir, tmp_path / "t", algorithm={"tis_cap": 2.0}, train={"steps": 1}),
+    run = train(run_config(tiny_model_dir, tmp_path / "t", algorithm={"tis_cap": 2.0}, train={"steps": 1}),
                 reward_functions=[parity], engine=lambda *a: FakeEngine(*a, logprob=-30.0))
     row = read_metrics(run)[0]
     assert row["sampling/tis_clipped_ratio"] == 1.0 and row["sampling/tis_weight_mean"] == pytest.approx(2.0)
     # the built-in engine is the trainer: the gap is float noise and TIS changes nothing
-    run = train(make_config(tiny_model_dir, tmp_path / "h", algorithm={"tis_cap": 2.0}, train={"steps": 1}),
+    run = train(run_config(tiny_model_dir, tmp_path / "h", algorithm={"tis_cap": 2.0}, train={"steps": 1}),
                 reward_functions=[parity])
     row = read_metrics(run)[0]
     assert row["sampling/logprob_gap_max"] < 1e-4 and row["sampling/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
@@ -231,8 +225,8 @@ def test_vllm_weight_sync_goes_in_buckets_not_one_call_per_parameter(tiny):
 
 def test_vllm_lora_sync_pushes_only_the_adapter(tiny_model_dir, tmp_path):
     pytest.importorskip("peft")
-    from grpokit.models.lora import apply_lora
     from grpokit.models.loading import load_model
+    from grpokit.models.lora import apply_lora
 
     model = apply_lora(load_model(tiny_model_dir, device="cpu"), {"r": 4})
     llm = FakeLLM()
@@ -299,10 +293,12 @@ def test_the_trainer_through_the_vllm_engine_keeps_the_sampler_in_sync(tiny_mode
             pass
 
     def runs(cls, out):
-        engine = lambda config, model, tok: cls(config.model.path, llm=HFBackedLLM(tiny_model_dir),
-                                                vllm_module=FAKE_VLLM, sync_bucket_mb=0.1)
-        cfg = make_config(tiny_model_dir, out, algorithm={"tis_cap": 2.0}, train={"steps": 3, "learning_rate": 1e-2})
-        return [r["sampling/logprob_gap_max"] for r in read_metrics(train(cfg, reward_functions=[parity], engine=engine))]
+        def engine(config, model, tok):
+            return cls(config.model.path, llm=HFBackedLLM(tiny_model_dir), vllm_module=FAKE_VLLM, sync_bucket_mb=0.1)
+
+        cfg = run_config(tiny_model_dir, out, algorithm={"tis_cap": 2.0}, train={"steps": 3, "learning_rate": 1e-2})
+        run = train(cfg, reward_functions=[parity], engine=engine)
+        return [r["sampling/logprob_gap_max"] for r in read_metrics(run)]
 
     assert max(runs(VLLMEngine, tmp_path / "synced")) < 1e-4  # the sampler holds the trainer's weights every step
     stale = runs(NoSync, tmp_path / "stale")

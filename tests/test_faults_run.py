@@ -21,17 +21,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fault_harness import (ROOT, assert_clean_exit, assert_user_error, run_cli, snapshot, write_train_config)
+from conftest import comparable
+from fault_harness import ROOT, assert_clean_exit, assert_user_error, run_cli, snapshot, write_train_config
+from grpokit.observe.tracking import read_history, read_metrics
 from grpokit.training.checkpoint import list_checkpoints
-from grpokit.observe.tracking import read_history
-from grpokit.observe.tracking import read_metrics
 
 pytestmark = pytest.mark.faults
-WALL_CLOCK = ("time/", "tokens_per_sec")
-
-
-def comparable(run: Path) -> list[dict]:
-    return [{k: v for k, v in row.items() if not k.startswith(WALL_CLOCK)} for row in read_metrics(run)]
 
 
 def same_weights(a: Path, b: Path) -> bool:
@@ -109,7 +104,7 @@ def reference(tiny_model_dir, tmp_path_factory):
 
 
 def assert_equals_reference(run: Path, reference: Path) -> None:
-    assert comparable(run) == comparable(reference)
+    assert comparable(read_metrics(run)) == comparable(read_metrics(reference))
     assert same_weights(run / "checkpoint-3", reference / "checkpoint-3")
 
 

@@ -3,33 +3,29 @@ no second copy), checkpoints hold the adapter and a merged model, resume is exac
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 peft = pytest.importorskip("peft")
 
 import grpokit.training.setup as setup_mod  # noqa: E402
-from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
-from grpokit.errors import ConfigError
-from grpokit.models.lora import AdapterDisabled, adapter_of, apply_lora, merged_state_dict, trainable_parameters  # noqa: E402
-from grpokit.models.forward import completion_logprobs
+from conftest import comparable, make_config, parity  # noqa: E402
+from grpokit.config.schema import ModelConfig  # noqa: E402
+from grpokit.errors import ConfigError  # noqa: E402
+from grpokit.models.forward import completion_logprobs  # noqa: E402
 from grpokit.models.loading import load_model  # noqa: E402
+from grpokit.models.lora import AdapterDisabled, adapter_of, apply_lora, merged_state_dict, trainable_parameters  # noqa: E402
 from grpokit.observe.tracking import read_metrics  # noqa: E402
 from grpokit.training.loop import train  # noqa: E402
 
 LORA = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}
 
 
-def make_config(model_dir, out, *, steps=2, beta=0.04, output=None) -> Config:
-    return Config(model=ModelConfig(path=str(model_dir), device="cpu", lora=LORA),
-                  data=DataConfig(task="addition", num_prompts=32), rollout=RolloutConfig(group_size=4, max_new_tokens=5),
-                  algorithm=AlgorithmConfig(beta=beta),
-                  train=TrainConfig(steps=steps, prompts_per_step=2, learning_rate=1e-2),
-                  output=OutputConfig(**{"dir": str(out), "console": False, **(output or {})}))
-
-
-def parity(completions, **kwargs):
-    return [sum(ord(ch) % 2 == 0 for ch in c) / max(1, len(c)) for c in completions]
+# This file's runs: LoRA on the CPU with a reference (beta > 0), 32 prompts taken 2 a step.
+lora_config = partial(make_config, num_prompts=32, prompts_per_step=2, learning_rate=1e-2,
+                      model={"device": "cpu", "lora": LORA}, algorithm={"beta": 0.04})
 
 
 def _randomise_adapters(model):
@@ -50,7 +46,7 @@ def test_adapters_train_the_reference_is_the_base_without_a_second_copy(tiny_mod
     loads = []
     real_load = setup_mod.load_model
     monkeypatch.setattr(setup_mod, "load_model", lambda *a, **k: loads.append(1) or real_load(*a, **k))
-    run = train(make_config(tiny_model_dir, tmp_path / "r"), reward_functions=[parity])
+    run = train(lora_config(tiny_model_dir, tmp_path / "r"), reward_functions=[parity])
     assert len(loads) == 1  # β > 0 and no reference model loaded: the adapters are switched off instead
     rows = read_metrics(run)
     assert rows[0]["kl"] == pytest.approx(0.0, abs=1e-9) and rows[1]["kl"] > 0  # adapters start at zero (B = 0)
@@ -89,12 +85,11 @@ def test_adapter_disabled_view_scores_with_the_base_weights(tiny_model_dir):
 
 
 def test_lora_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
-    straight = train(make_config(tiny_model_dir, tmp_path / "s", steps=2), reward_functions=[parity])
-    train(make_config(tiny_model_dir, tmp_path / "r", steps=1, output={"save_every": 1}), reward_functions=[parity])
-    resumed = train(make_config(tiny_model_dir, tmp_path / "r", steps=2, output={"save_every": 1}),
+    straight = train(lora_config(tiny_model_dir, tmp_path / "s", steps=2), reward_functions=[parity])
+    train(lora_config(tiny_model_dir, tmp_path / "r", steps=1, output={"save_every": 1}), reward_functions=[parity])
+    resumed = train(lora_config(tiny_model_dir, tmp_path / "r", steps=2, output={"save_every": 1}),
                     reward_functions=[parity], resume=True)
-    drop = lambda m: {k: v for k, v in m.items() if not k.startswith(("time/", "tokens_per_sec"))}
-    assert [drop(m) for m in read_metrics(straight)] == [drop(m) for m in read_metrics(resumed)]
+    assert comparable(read_metrics(straight)) == comparable(read_metrics(resumed))
     from safetensors.torch import load_file
 
     a = load_file(str(straight / "checkpoint-2" / "adapter" / "adapter_model.safetensors"))

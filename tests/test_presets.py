@@ -9,14 +9,15 @@ import random
 import pytest
 import torch
 
+from conftest import make_config, parity
 from grpokit.cli import main as cli_main
-from grpokit.config.schema import AlgorithmConfig
-from grpokit.errors import ConfigError
 from grpokit.config.loading import config_from_dict, load_config, to_toml
 from grpokit.config.presets import PRESETS, apply_preset, preset_fields
+from grpokit.config.schema import AlgorithmConfig
+from grpokit.errors import ConfigError
+from grpokit.observe.tracking import read_metrics
 from grpokit.rewards.registry import reward_specs
 from grpokit.tasks import TASKS, get_task
-from grpokit.observe.tracking import read_metrics
 
 BASE = {"model": {"path": "m"}, "data": {"task": "addition"}}
 
@@ -206,19 +207,11 @@ def _weights(run):
 
 
 def _run(tmp_path, model_dir, name, algorithm, train=None, reward=None):
-    from grpokit.config.schema import Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
     from grpokit.training.loop import train as train_fn
 
-    config = Config(model=ModelConfig(path=str(model_dir)), data=DataConfig(task="addition", num_prompts=64),
-                    rollout=RolloutConfig(group_size=4, max_new_tokens=5, ignore_eos=True),
-                    algorithm=AlgorithmConfig(**algorithm),
-                    train=TrainConfig(**{"steps": 1, "prompts_per_step": 4, "learning_rate": 1e-3, **(train or {})}),
-                    output=OutputConfig(dir=str(tmp_path / name), console=False))
+    config = make_config(model_dir, tmp_path / name, steps=1, rollout={"ignore_eos": True}, algorithm=algorithm,
+                         train=train)
     return train_fn(config, reward_functions=[reward] if reward else None)
-
-
-def _parity_reward(completions, **kwargs):
-    return [sum(ord(ch) % 2 == 0 for ch in c) / max(1, len(c)) for c in completions]
 
 
 def _constant_reward(completions, **kwargs):
@@ -246,11 +239,11 @@ def test_entropy_bonus_moves_the_weights_even_when_no_group_has_signal(tiny_mode
 ])
 def test_options_give_the_same_update_on_the_fused_and_the_plain_path(tiny_model_dir, tmp_path, algorithm):
     tag = "-".join(f"{k}{v}" for k, v in algorithm.items())
-    a = _run(tmp_path, tiny_model_dir, f"fused-{tag}", algorithm, reward=_parity_reward)
+    a = _run(tmp_path, tiny_model_dir, f"fused-{tag}", algorithm, reward=parity)
     from grpokit.config.schema import TrainConfig
 
     fast_paths = {k: False for k in ("fused_logprobs", "skip_zero_advantage") if k in TrainConfig.__dataclass_fields__}
-    b = _run(tmp_path, tiny_model_dir, f"plain-{tag}", algorithm, train=fast_paths, reward=_parity_reward)
+    b = _run(tmp_path, tiny_model_dir, f"plain-{tag}", algorithm, train=fast_paths, reward=parity)
     assert read_metrics(a)[0]["reward_std"] > 0
     wa, wb = _weights(a), _weights(b)
     for k in wa:

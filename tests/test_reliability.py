@@ -12,8 +12,8 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -24,60 +24,24 @@ import grpokit.training.checkpoint as checkpoint_mod
 import grpokit.training.run_folder as run_folder_mod
 import grpokit.training.setup as setup_mod
 import grpokit.training.update as update_mod
-from grpokit.errors import CheckpointError, TrainingDiverged
+from conftest import PARITY_SOURCE, comparable, make_config, parity
+from fault_harness import snapshot, write_train_config
 from grpokit.cli import main as cli_main
-from grpokit.config.schema import Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+from grpokit.errors import CheckpointError, TrainingDiverged
 from grpokit.observe.tracking import read_metrics
 from grpokit.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
-PARITY = '''
-def parity(completions, **kwargs):
-    """A reward with signal on a random model: the share of even-valued characters in the answer."""
-    return [sum(ord(ch) % 2 == 0 for ch in c) / max(1, len(c)) for c in completions]
-'''
-exec(PARITY)  # defines parity() here too, for in-process runs
-DROP = ("time/", "tokens_per_sec")  # wall-clock metrics differ between runs by nature
-
-
-def comparable(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(DROP)} for r in rows]
 
 
 def weights(ckpt: Path) -> dict:
     return load_file(str(ckpt / "model.safetensors"))
 
 
-def make_config(model_dir, out, *, steps=2, save_every=0, keep_last=2, **train) -> Config:
-    return Config(model=ModelConfig(path=str(model_dir)), data=DataConfig(task="addition", num_prompts=16),
-                  rollout=RolloutConfig(group_size=4, max_new_tokens=4),
-                  train=TrainConfig(steps=steps, prompts_per_step=2, learning_rate=1e-3, **train),
-                  output=OutputConfig(dir=str(out), console=False, save_every=save_every, keep_last=keep_last))
-
-
-def write_cli_config(tmp_path, model_dir, run, *, steps, extra="") -> Path:
-    (tmp_path / "rewards.py").write_text(PARITY)
-    cfg = tmp_path / "run.toml"
-    cfg.write_text(textwrap.dedent(f"""\
-        [model]
-        path = {json.dumps(str(model_dir))}
-        [data]
-        task = "addition"
-        num_prompts = 16
-        [rewards]
-        functions = [{json.dumps(str(tmp_path / "rewards.py") + ":parity")}]
-        [rollout]
-        group_size = 4
-        max_new_tokens = 4
-        [train]
-        steps = {steps}
-        prompts_per_step = 2
-        learning_rate = 1e-3
-        [output]
-        dir = {json.dumps(str(run))}
-        console = false
-        """) + extra)
-    return cfg
+# This file's runs: 16 prompts taken 2 a step, answers of at most 4 tokens (as `cli_config` writes them).
+run_config = partial(make_config, num_prompts=16, prompts_per_step=2, max_new_tokens=4)
+# `grpokit train` configs for the same runs, graded by the plain `parity`, checkpoints left to the defaults.
+cli_config = partial(write_train_config, reward_source=PARITY_SOURCE, save_every=None, keep_last=None)
 
 
 def grpokit_process(*args, **popen) -> subprocess.Popen:
@@ -86,14 +50,14 @@ def grpokit_process(*args, **popen) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
 
 
-# ------------------------------------------------------------------ 1. exact resume through the CLI
+# ---------------------------------------------------- 1. exact resume through the CLI
 
 
 def test_cli_resume_in_a_fresh_process_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
     """6 steps straight == 3 steps, then `grpokit train CFG --resume --set train.steps=6` in a new process:
     the same metrics (wall-clock ones aside) and bit-identical final weights."""
     straight, split = tmp_path / "straight", tmp_path / "split"
-    cfg = write_cli_config(tmp_path, tiny_model_dir, straight, steps=6)
+    cfg = cli_config(tmp_path, tiny_model_dir, straight, steps=6)
     assert cli_main(["train", str(cfg)]) == 0
     assert cli_main(["train", str(cfg), "--set", f"output.dir={json.dumps(str(split))}", "--set", "train.steps=3"]) == 0
     assert [c.name for c in checkpoint_mod.list_checkpoints(split)] == ["checkpoint-3"]
@@ -108,7 +72,7 @@ def test_cli_resume_in_a_fresh_process_reproduces_the_uninterrupted_run(tiny_mod
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-# ------------------------------------------------------------------ 2. SIGKILL in the middle of a save
+# ---------------------------------------------------- 2. SIGKILL in the middle of a save
 
 KILLER = '''
 import os, signal, sys
@@ -137,7 +101,7 @@ train(config, reward_functions=[parity])
 def test_sigkill_during_a_save_keeps_the_previous_checkpoint_and_resume_completes(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     script = tmp_path / "killer.py"
-    script.write_text(KILLER.format(parity=PARITY))
+    script.write_text(KILLER.format(parity=PARITY_SOURCE))
     r = subprocess.run([sys.executable, str(script), str(tiny_model_dir), str(run)], cwd=ROOT, capture_output=True,
                        text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert r.returncode == -signal.SIGKILL, r.stderr
@@ -151,7 +115,8 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint_and_resume_complete
     AutoModelForCausalLM.from_pretrained(run / "checkpoint-1")  # the previous checkpoint loads
     assert checkpoint_mod.load_trainer_state(run / "checkpoint-1")["step"] == 1
 
-    train(make_config(tiny_model_dir, run, steps=3, save_every=1, keep_last=5), reward_functions=[parity], resume=True)
+    train(run_config(tiny_model_dir, run, steps=3, output={"save_every": 1, "keep_last": 5}), reward_functions=[parity],
+          resume=True)
     assert [c.name for c in checkpoint_mod.list_checkpoints(run)] == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     assert checkpoint_mod.load_trainer_state(run / "checkpoint-3")["step"] == 3
     assert not tmp.exists()  # the stale temp folder was replaced by the completed save
@@ -161,12 +126,12 @@ def test_sigkill_during_a_save_keeps_the_previous_checkpoint_and_resume_complete
 
 def test_resume_after_a_crash_does_not_duplicate_metrics_rows(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    train(make_config(tiny_model_dir, run, steps=2, save_every=1), reward_functions=[parity])
+    train(run_config(tiny_model_dir, run, steps=2, output={"save_every": 1}), reward_functions=[parity])
     # A crash after step 2's metrics row but before its checkpoint: drop checkpoint-2 as if never written.
     import shutil
 
     shutil.rmtree(run / "checkpoint-2")
-    train(make_config(tiny_model_dir, run, steps=3, save_every=1), reward_functions=[parity], resume=True)
+    train(run_config(tiny_model_dir, run, steps=3, output={"save_every": 1}), reward_functions=[parity], resume=True)
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
 
 
@@ -185,7 +150,7 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tiny_model_dir, t
     message = (f"{run}: could not write checkpoint-2 (No space left on device); the earlier checkpoints are "
                f"intact (checkpoint-1); free space and continue with: train(config, resume=True)")
     with pytest.raises(CheckpointError) as caught:
-        train(make_config(tiny_model_dir, run, steps=3, save_every=1), reward_functions=[parity])
+        train(run_config(tiny_model_dir, run, steps=3, output={"save_every": 1}), reward_functions=[parity])
     assert str(caught.value) == message
     assert checkpoint_mod.list_checkpoints(run) == [run / "checkpoint-1"]
     assert checkpoint_mod.load_trainer_state(run / "checkpoint-1")["step"] == 1
@@ -199,19 +164,19 @@ def test_a_failed_first_save_is_an_error_line_saying_no_checkpoint_exists(tiny_m
 
     monkeypatch.setattr(checkpoint_mod.torch, "save", no_space)
     run = tmp_path / "run"
-    assert cli_main(["train", str(write_cli_config(tmp_path, tiny_model_dir, run, steps=1))]) == 2
+    assert cli_main(["train", str(cli_config(tmp_path, tiny_model_dir, run, steps=1))]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {run}: could not write checkpoint-1 (No space left on device); no earlier "
                           "checkpoint exists; free space (or choose another output.dir) and start again"), err
     assert "Traceback" not in err and not list(run.glob("*checkpoint-*"))
 
 
-# ------------------------------------------------------------------ 3. SIGTERM / SIGINT: finish the step, save, say how to resume
+# ---------------------------------------------------- 3. SIGTERM / SIGINT: finish the step, save, say how to resume
 
 
 def test_sigterm_saves_a_checkpoint_at_the_step_reached_and_says_how_to_resume(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    cfg = write_cli_config(tmp_path, tiny_model_dir, run, steps=10_000)
+    cfg = cli_config(tmp_path, tiny_model_dir, run, steps=10_000)
     proc = grpokit_process("train", cfg)
     try:
         deadline = time.monotonic() + 240
@@ -245,7 +210,7 @@ def test_sigint_finishes_the_step_and_saves_a_second_one_stops_at_once(tiny_mode
         return parity(completions)
 
     before = signal.getsignal(signal.SIGINT)
-    run = train(make_config(tiny_model_dir, tmp_path / "run", steps=50), reward_functions=[interrupting])
+    run = train(run_config(tiny_model_dir, tmp_path / "run", steps=50), reward_functions=[interrupting])
     assert signal.getsignal(signal.SIGINT) is before  # the handler is restored
     assert [r["step"] for r in read_metrics(run)] == [1, 2]
     assert checkpoint_mod.list_checkpoints(run) == [run / "checkpoint-2"]
@@ -263,11 +228,12 @@ def test_sigint_finishes_the_step_and_saves_a_second_one_stops_at_once(tiny_mode
         return parity(completions)
 
     with pytest.raises(KeyboardInterrupt):
-        train(make_config(tiny_model_dir, tmp_path / "run2", steps=50, save_every=1), reward_functions=[impatient])
+        train(run_config(tiny_model_dir, tmp_path / "run2", steps=50, output={"save_every": 1}),
+              reward_functions=[impatient])
     assert checkpoint_mod.list_checkpoints(tmp_path / "run2") == [tmp_path / "run2" / "checkpoint-1"]
 
 
-# ------------------------------------------------------------------ 4. numerical guard: NaN updates
+# ---------------------------------------------------- 4. numerical guard: NaN updates
 
 
 def nan_on_calls(monkeypatch, bad_calls):
@@ -286,8 +252,8 @@ def nan_on_calls(monkeypatch, bad_calls):
 
 def test_a_nan_update_is_skipped_and_counted_and_leaves_the_weights(tiny_model_dir, tmp_path, monkeypatch):
     nan_on_calls(monkeypatch, lambda call: call == 2)
-    run = train(make_config(tiny_model_dir, tmp_path / "run", steps=3, save_every=1, keep_last=3,
-                            max_consecutive_skips=2, fused_logprobs=False), reward_functions=[parity])
+    run = train(run_config(tiny_model_dir, tmp_path / "run", steps=3, output={"save_every": 1, "keep_last": 3},
+                           train={"max_consecutive_skips": 2, "fused_logprobs": False}), reward_functions=[parity])
     rows = read_metrics(run)
     assert [r["skipped_updates"] for r in rows] == [0, 1, 0]
     assert rows[1]["grad_norm"] is None and rows[1]["loss"] is None  # NaN is written as null
@@ -302,8 +268,8 @@ def test_consecutive_nan_updates_stop_the_run_naming_the_count_and_the_last_chec
     nan_on_calls(monkeypatch, lambda call: call >= 2)
     run = tmp_path / "run"
     with pytest.raises(TrainingDiverged) as e:
-        train(make_config(tiny_model_dir, run, steps=10, save_every=1, keep_last=5, max_consecutive_skips=2,
-                               fused_logprobs=False),
+        train(run_config(tiny_model_dir, run, steps=10, output={"save_every": 1, "keep_last": 5},
+                         train={"max_consecutive_skips": 2, "fused_logprobs": False}),
               reward_functions=[parity])
     message = str(e.value)
     assert "2 steps in a row had a NaN/inf loss or gradient" in message
@@ -314,11 +280,7 @@ def test_consecutive_nan_updates_stop_the_run_naming_the_count_and_the_last_chec
     assert all(torch.equal(w1[k], w2[k]) for k in w1)  # the skipped step saved the last good weights unchanged
 
 
-# ------------------------------------------------------------------ 5. start-up checks: message, and nothing on disk touched
-
-
-def snapshot(root: Path) -> dict:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+# ---------------------------------------------------- 5. start-up checks: message, and nothing on disk touched
 
 
 @pytest.fixture
@@ -377,7 +339,7 @@ START_UP_FAULTS = {
 @pytest.mark.parametrize("fault", list(START_UP_FAULTS))
 def test_start_up_faults_are_explained_and_touch_nothing(tiny_model_dir, tmp_path, previous_run, capsys, fault):
     make_args, needles = START_UP_FAULTS[fault]
-    cfg = write_cli_config(tmp_path, tiny_model_dir, previous_run, steps=2)
+    cfg = cli_config(tmp_path, tiny_model_dir, previous_run, steps=2)
     before, files_before = snapshot(previous_run), set(os.listdir(tmp_path))
     (tmp_path / "empty-model").mkdir()
     rc = cli_main(["train", str(cfg), "--resume", *make_args(tmp_path / "empty-model" if "config.json" in fault
@@ -394,7 +356,7 @@ def test_unwritable_output_folder_is_explained(tiny_model_dir, tmp_path, capsys)
     # A path under a regular file cannot be created even by root (who ignores permission bits).
     blocker = tmp_path / "afile"
     blocker.write_text("keep me")
-    cfg = write_cli_config(tmp_path, tiny_model_dir, blocker / "run", steps=2)
+    cfg = cli_config(tmp_path, tiny_model_dir, blocker / "run", steps=2)
     assert cli_main(["train", str(cfg)]) == 2
     err = capsys.readouterr().err
     assert "is not writable (Not a directory); choose another folder" in err, err
@@ -407,7 +369,7 @@ def test_too_little_free_disk_is_explained_before_the_model_loads(tiny_model_dir
 
     monkeypatch.setattr(run_folder_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12, 0))
     monkeypatch.setattr(setup_mod, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
-    cfg = write_cli_config(tmp_path, tiny_model_dir, previous_run, steps=2)
+    cfg = cli_config(tmp_path, tiny_model_dir, previous_run, steps=2)
     before = snapshot(previous_run)
     assert cli_main(["train", str(cfg), "--resume"]) == 2
     err = capsys.readouterr().err
