@@ -78,9 +78,9 @@ def build_prompts(tok, path: Path) -> list[dict]:
 
 
 def build_all() -> dict[str, str]:
-    from grpokit.models.tiny import build_tiny_model
-
     from transformers import AutoTokenizer
+
+    from grpokit.models.tiny import build_tiny_model
 
     tok = build_tokenizer(OUT / "tokenizer")
     paths = {}

@@ -248,13 +248,15 @@ def run_ablations(peak: float, runs: int) -> list[dict]:
         s = median_of(runs_i, "s_per_opt_step")
         rows.append({"label": label, "config": name, "s_per_opt_step": s, "rollout_s": median_of(runs_i, "rollout_s"),
                      "train_s": median_of(runs_i, "train_s"), "peak_rss_mb": max(r["peak_rss_mb"] for r in runs_i),
-                     "others_cores": max(r["others_cores"] for r in runs_i), "mfu": fl["per_opt_step"] / s / (peak * 1e9),
+                     "others_cores": max(r["others_cores"] for r in runs_i),
+                     "mfu": fl["per_opt_step"] / s / (peak * 1e9),
                      "all_s": [round(r["s_per_opt_step"], 3) for r in runs_i]})
     return rows
 
 
 def ablation_table(rows: list[dict]) -> str:
-    lines = ["| config | grpokit variant | s / opt. step (runs) | rollout s | train s | MFU | peak RSS MB | others' load |",
+    lines = ["| config | grpokit variant | s / opt. step (runs) | rollout s | train s | MFU | peak RSS MB "
+             "| others' load |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['config']} | {r['label']} | {r['s_per_opt_step']:.3f} ({', '.join(map(str, r['all_s']))}) "
@@ -281,7 +283,8 @@ def malloc_table(rows: list[dict]) -> str:
              "|---|---|---|---|---|---|"]
     for r in rows:
         g, t = r["grpokit"], r["trl"]
-        lines.append(f"| {r['config']} (glibc malloc tuned, both) | {g['s_per_opt_step']:.3f} | {t['s_per_opt_step']:.3f} "
+        lines.append(f"| {r['config']} (glibc malloc tuned, both) | {g['s_per_opt_step']:.3f} "
+                     f"| {t['s_per_opt_step']:.3f} "
                      f"| {t['s_per_opt_step'] / g['s_per_opt_step']:.2f}x | {g['peak_rss_mb']:.0f} "
                      f"| {t['peak_rss_mb']:.0f} |")
     return "\n".join(lines)
@@ -332,12 +335,13 @@ def main() -> None:
     rows = [summarize(n, r, peak) for n, r in zip(names, results)]
     abl = run_ablations(peak, args.ablation_runs) if args.ablations or args.ablations_only else []
     mal = malloc_study(rows) if args.malloc_study else []
-    report = {"trl_env": TRL_ENV, "machine": machine(), "load_start": start_load, "load_end": load(), "peak_gflops": peak,
-              "peak_start": peak_start, "peak_end": peak_end, "rows": rows, "ablations": abl, "malloc": mal, "runs": runs,
-              "configs": CONFIGS, "common": COMMON}
+    report = {"trl_env": TRL_ENV, "machine": machine(), "load_start": start_load, "load_end": load(),
+              "peak_gflops": peak, "peak_start": peak_start, "peak_end": peak_end, "rows": rows, "ablations": abl,
+              "malloc": mal, "runs": runs, "configs": CONFIGS, "common": COMMON}
     out = HERE / "out"
     (out / f"results-{stamp}.json").write_text(json.dumps(report, indent=1))
-    md = [f"TRL environment: {TRL_ENV or 'default'}", f"machine: {report['machine']}", f"load average (1/5/15 min) at start: {start_load}; at end: {load()}",
+    md = [f"TRL environment: {TRL_ENV or 'default'}", f"machine: {report['machine']}",
+          f"load average (1/5/15 min) at start: {start_load}; at end: {load()}",
           f"fp32 matmul peak: {peak_start:.1f} GFLOP/s at start, {peak_end:.1f} at end", ""]
     if rows:
         md.append(table(rows))

@@ -17,13 +17,23 @@ from common import MODELS, REWARDS, emit, load_rows, peak_rss_mb, read_spec, set
 
 def main(spec: dict) -> None:
     set_threads(spec.get("threads", 2))
-    from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+    from grpokit.config.schema import (
+        AlgorithmConfig,
+        Config,
+        DataConfig,
+        ModelConfig,
+        OutputConfig,
+        RolloutConfig,
+        TrainConfig,
+    )
     from grpokit.training.loop import train
 
     patch = spec.get("patch", {})  # ablations: switch one fast path off (each is a config option)
-    speed_rollout = {"preallocated_kv_cache": patch.get("preallocate", True), "sampler": patch.get("sampler", "inverse_cdf"),
+    speed_rollout = {"preallocated_kv_cache": patch.get("preallocate", True),
+                     "sampler": patch.get("sampler", "inverse_cdf"),
                      "shared_prefill": patch.get("share_prefill", True)}
-    speed_train = {"fused_backward": patch.get("one_pass", True), "shared_prompt_forward": patch.get("share_prompts", True)}
+    speed_train = {"fused_backward": patch.get("one_pass", True),
+                   "shared_prompt_forward": patch.get("share_prompts", True)}
 
     steps = spec["warmup"] + spec["steps"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -54,7 +64,8 @@ def main(spec: dict) -> None:
         "s_per_generation": per("time/step"),
         "rollout_s": per("time/rollout") / mu,  # generation (sampling) only, per optimizer step
         "train_s": (per("time/step") - per("time/rollout")) / mu,  # rewards, old/ref logprobs, update
-        "completion_tokens": sum(m["completions/mean_length"] for m in measured) / len(measured) * spec["B"] * spec["G"],
+        "completion_tokens": (sum(m["completions/mean_length"] for m in measured) / len(measured)
+                              * spec["B"] * spec["G"]),
         "frac_reward_zero_std": per("frac_reward_zero_std"),
         "loss": measured[-1].get("loss"),
         "peak_rss_mb": peak_rss_mb(), "wall_s": wall, "per_step": [m["time/step"] for m in measured],

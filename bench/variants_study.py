@@ -40,16 +40,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from grpokit.config.loading import config_from_dict  # noqa: E402
+from grpokit.config.presets import PRESETS  # noqa: E402
 from grpokit.demo import noisy_pair_sampler  # noqa: E402
 from grpokit.evaluate import pass_at_k  # noqa: E402
 from grpokit.models.loading import load_model_and_tokenizer  # noqa: E402
-from grpokit.config.presets import PRESETS  # noqa: E402
+from grpokit.models.tiny import build_tiny_model  # noqa: E402
 from grpokit.observe.charts import svg_chart  # noqa: E402
+from grpokit.observe.tracking import read_metrics  # noqa: E402
 from grpokit.rollout.decode import sample_groups  # noqa: E402
 from grpokit.sft import sft  # noqa: E402
 from grpokit.tasks import get_task  # noqa: E402
-from grpokit.models.tiny import build_tiny_model  # noqa: E402
-from grpokit.observe.tracking import read_metrics  # noqa: E402
 from grpokit.training.loop import train  # noqa: E402
 
 TASKS = {
@@ -221,7 +221,8 @@ def charts(results: dict, base: dict, out: Path) -> list[str]:
                                       series, width=620, height=260))
             files.append(path.name)
         # the same held-out accuracy against the answers each preset sampled (DAPO samples more per step)
-        series = {preset: [(0, base[name]["accuracy"])] + _accuracy_by_samples(runs) for preset, runs in by_preset.items()}
+        series = {preset: [(0, base[name]["accuracy"])] + _accuracy_by_samples(runs)
+                  for preset, runs in by_preset.items()}
         svg = svg_chart(f"{name}: held-out accuracy against answers sampled (thousands)", series, width=620, height=260)
         path = out / f"{name}_accuracy_vs_samples.svg"
         path.write_text(svg.replace(">step</text>", ">answers sampled (thousands)</text>"))

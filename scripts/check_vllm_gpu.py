@@ -66,10 +66,10 @@ def check(results: list, name: str, ok: bool, **numbers) -> None:
 def phase_engine(model_dir: Path, out: Path) -> list:
     import torch
 
-    from grpokit.rollout.engines import SamplingParams
-    from grpokit.rollout.vllm import VLLMEngine
     from grpokit.models.forward import completion_logprobs
     from grpokit.models.loading import load_model_and_tokenizer
+    from grpokit.rollout.engines import SamplingParams
+    from grpokit.rollout.vllm import VLLMEngine
     from grpokit.tasks import get_task
 
     results: list = []
@@ -112,13 +112,22 @@ def phase_engine(model_dir: Path, out: Path) -> list:
     old_model, _ = load_model_and_tokenizer(model_dir, dtype="bfloat16", device=DEVICE)
     old_model.load_state_dict(old)
     stale_mean, _ = gap(old_model, r2)
-    check(results, "after sync vLLM samples from the new weights", new_mean < GAP_MEAN_MAX and stale_mean > 3 * new_mean,
+    check(results, "after sync vLLM samples from the new weights",
+          new_mean < GAP_MEAN_MAX and stale_mean > 3 * new_mean,
           mean_gap_new=new_mean, max_gap_new=new_max, mean_gap_old_weights=stale_mean)
     return results
 
 
 def phase_train(model_dir: Path, out: Path, *, lora: bool = False, sleep: bool = False) -> list:
-    from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+    from grpokit.config.schema import (
+        AlgorithmConfig,
+        Config,
+        DataConfig,
+        ModelConfig,
+        OutputConfig,
+        RolloutConfig,
+        TrainConfig,
+    )
     from grpokit.observe.tracking import read_metrics
     from grpokit.training.loop import train
 

@@ -42,8 +42,8 @@ def test_freed_blocks_are_reused_without_page_faults():
 
 def test_the_trainer_applies_it_on_cpu_only_when_enabled(monkeypatch, tiny_model_dir, tmp_path):
     import grpokit.training.setup as setup
-    from grpokit.training.loop import train
     from grpokit.config.schema import Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
+    from grpokit.training.loop import train
 
     calls = []
     monkeypatch.setattr(setup, "keep_freed_memory", lambda: calls.append(1) or True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ def test_train_example_config_end_to_end(tiny_model_dir, tmp_path):
     r = grpokit("train", "examples/addition.toml", "--set", f"model.path={json.dumps(str(tiny_model_dir))}",
                 "--set", f"output.dir={json.dumps(str(run))}", *FAST)
     assert r.returncode == 0, r.stderr
-    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2] and "reward" in rows[0]
     assert (run / "checkpoint-2" / "model.safetensors").is_file()
     assert (run / "checkpoint-2" / "tokenizer.json").is_file()
@@ -44,7 +43,8 @@ def test_train_on_user_jsonl_with_custom_reward(tiny_model_dir, tmp_path):
 
 def test_sft_then_eval_json(tiny_model_dir, tmp_path):
     out = tmp_path / "sft"
-    r = grpokit("sft", "--model", tiny_model_dir, "--task", "addition", "--out", out, "--steps", "3", "--batch-size", "8")
+    r = grpokit("sft", "--model", tiny_model_dir, "--task", "addition", "--out", out, "--steps", "3",
+                "--batch-size", "8")
     assert r.returncode == 0, r.stderr
     r = grpokit("eval", "--model", out, "--task", "addition", "--num-prompts", "4", "--samples", "2",
                 "--max-new-tokens", "4", "--json")
@@ -97,7 +97,8 @@ def test_missing_prompt_column(tiny_model_dir, tmp_path):
 
 
 def test_prompt_longer_than_the_context(tiny_model_dir, tmp_path):
-    data = _write(tmp_path / "d.jsonl", '{"prompt": "1+1=", "answer": "2"}\n' + json.dumps({"prompt": "9" * 600, "answer": "1"}) + "\n")
+    data = _write(tmp_path / "d.jsonl",
+                  '{"prompt": "1+1=", "answer": "2"}\n' + json.dumps({"prompt": "9" * 600, "answer": "1"}) + "\n")
     cfg = _config(tmp_path, tiny_model_dir, data=f'path = {json.dumps(str(data))}\n'
                   '[rewards]\nfunctions = ["numeric_match"]')
     _fails(grpokit("train", cfg), "prompt row 2 has 600 tokens", "context of 512")

@@ -4,9 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RewardConfig, RolloutConfig, TrainConfig
-from grpokit.errors import ConfigError
 from grpokit.config.loading import config_from_dict, load_config, to_toml
+from grpokit.config.schema import (
+    AlgorithmConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OutputConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainConfig,
+)
+from grpokit.errors import ConfigError
 
 BASE = {"model": {"path": "m"}, "data": {"task": "addition"}}
 
@@ -46,7 +55,8 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     ({**BASE, "algorithm": {"scale_rewards": "std"}}, "algorithm.scale_rewards"),
     ({**BASE, "train": {"minibatch_size": 48}}, "train.minibatch_size: 48 must divide the generation batch of 64"),
     ({**BASE, "train": {"micro_batch_size": 5}}, "train.micro_batch_size: 5 must divide"),
-    ({"model": {"path": "m"}, "data": {"task": "addition", "path": "x.jsonl"}}, "set exactly one of data.task or data.path"),
+    ({"model": {"path": "m"}, "data": {"task": "addition", "path": "x.jsonl"}},
+     "set exactly one of data.task or data.path"),
     ({"model": {"path": ""}, "data": {"task": "addition"}}, "model.path"),
     ({**BASE, "rewards": {"functions": ["a", "b"], "weights": [1.0]}}, "rewards.weights: has 1 values for 2 functions"),
     ({**BASE, "rollout": {"temperature": 0.0}}, "rollout.temperature: must be > 0"),

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from grpokit.errors import DataError
-from grpokit.data.prompts import PromptStream, columns_of, prompt_batches, render_prompt
 from grpokit.data.files import load_prompts
+from grpokit.data.prompts import PromptStream, columns_of, prompt_batches, render_prompt
+from grpokit.errors import DataError
 
 ROWS = [
     {"prompt": "1+1=", "answer": "2", "level": 1},
@@ -171,7 +171,8 @@ def test_python_rows_do_not_import_datasets():
 
     code = ("import sys; from grpokit.data import load_prompts; load_prompts([{'prompt': 'x'}]); "
             "print('datasets' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
 
 
 def test_iterables_of_dicts_and_prompt_column_rename():

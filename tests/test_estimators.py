@@ -208,6 +208,7 @@ def test_defaults_leave_the_loss_unchanged():
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")
 from test_trl_parity import trl_compute_loss  # noqa: E402  (TRL's loss on our tensors, shared with the parity tests)
+
 EPS, EPS_HIGH, MAX_LEN = 0.2, 0.28, 7
 
 

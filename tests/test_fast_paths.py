@@ -9,9 +9,8 @@ and the rollout engine's preallocated KV cache and sampler.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -151,7 +150,8 @@ def _one_step(tiny_model_dir, rollout, **algo):
     policy = _policy(model)
     batch = score_old_and_ref(config, policy, batch)
     metrics, old = optimize(config, policy, batch)  # old: the recomputed ones, or the first pass's
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, metrics, dataclasses.replace(batch, old_logp=old)
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return weights, metrics, dataclasses.replace(batch, old_logp=old)
 
 
 def test_old_logprobs_from_the_first_pass_equal_the_recomputed_ones(tiny, tiny_model_dir):

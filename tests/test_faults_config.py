@@ -25,8 +25,8 @@ import pytest
 
 from fault_harness import CliResult, assert_user_error, run_cli, snapshot
 from grpokit import cli
-from grpokit.config.schema import SECTIONS
 from grpokit.config.loading import load_config
+from grpokit.config.schema import SECTIONS
 
 pytestmark = pytest.mark.faults
 
@@ -58,10 +58,10 @@ FREE_TEXT = {"model.path", "data.path", "data.prompt_column", "output.dir"}  # a
 NESTED = {
     "model.lora": ["{r = 0}", "{r = 2.5}", "{r = true}", '{r = "8"}', "{alpha = nan}", "{alpha = -1}",
                    "{alpha = true}", "{target_modules = [1]}", "{target_modules = 5}", "{rank = 8}"],
-    "rollout.vllm": ["{gpu_memory_utilization = 2.0}", '{gpu_memory_utilization = "a"}', "{gpu_memory_utilization = nan}",
-                     "{max_model_len = 1.5}", "{max_model_len = 0}", '{enforce_eager = "yes"}',
-                     "{enable_sleep_mode = 1}", "{sync_bucket_mb = -1}", "{dtype = 16}", '{dtype = "fp8"}',
-                     "{bogus = 1}"],
+    "rollout.vllm": ["{gpu_memory_utilization = 2.0}", '{gpu_memory_utilization = "a"}',
+                     "{gpu_memory_utilization = nan}", "{max_model_len = 1.5}", "{max_model_len = 0}",
+                     '{enforce_eager = "yes"}', "{enable_sleep_mode = 1}", "{sync_bucket_mb = -1}", "{dtype = 16}",
+                     '{dtype = "fp8"}', "{bogus = 1}"],
     "rewards.args": ["{a = [1]}", "{a = true}"],
 }
 

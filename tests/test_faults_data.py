@@ -55,8 +55,8 @@ def test_damaged_data_file_is_one_error_line(tiny_model_dir, tmp_path, name, con
 
 def test_csv_answers_stay_strings_and_train(tiny_model_dir, tmp_path):
     """"02" and an empty cell: strings and None reach the rewards (not 2 and 2.0), and one step trains."""
-    from grpokit.data.prompts import columns_of
     from grpokit.data.files import load_prompts
+    from grpokit.data.prompts import columns_of
     from grpokit.rewards.graders import numeric_match
 
     data = tmp_path / "answers.csv"

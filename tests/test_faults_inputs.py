@@ -163,8 +163,7 @@ def write_score_files(tmp_path: Path) -> tuple[str, str]:
 
 
 def test_reward_names_are_made_distinct(tmp_path):
-    from grpokit.rewards.registry import reward_specs
-    from grpokit.rewards.registry import unique_reward_names
+    from grpokit.rewards.registry import reward_specs, unique_reward_names
 
     a, b = write_score_files(tmp_path)
     specs = reward_specs([a, b, "format"], args={"b.score": {"timeout": 5}})

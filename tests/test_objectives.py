@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from grpokit.algorithms.advantages import group_advantages
-from grpokit.algorithms.objectives import importance_log_ratio, policy_loss, sequence_ratio
 from grpokit.algorithms.logprobs import token_logprobs, token_logprobs_from_hidden
+from grpokit.algorithms.objectives import importance_log_ratio, policy_loss, sequence_ratio
 
 LN2 = math.log(2.0)
 F64 = torch.float64
@@ -231,7 +231,8 @@ def test_gspo_clips_the_whole_sequence():
     # rho = 1.5, 1.5 -> s = 1.5 > 1.2 with A = +1: loss -1.2 per token, zero gradient, all tokens "high"
     old = torch.full((1, 2), math.log(0.5), dtype=F64)
     logp = torch.full((1, 2), math.log(0.75), dtype=F64, requires_grad=True)
-    loss, stats = policy_loss(logp, old, torch.ones(1, dtype=F64), torch.ones(1, 2), importance_sampling_level="sequence")
+    loss, stats = policy_loss(logp, old, torch.ones(1, dtype=F64), torch.ones(1, 2),
+                              importance_sampling_level="sequence")
     assert abs(loss.item() + 1.2) < 1e-12
     loss.backward()
     assert torch.all(logp.grad == 0.0)

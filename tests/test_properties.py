@@ -16,10 +16,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from grpokit.algorithms.advantages import group_advantages
+from grpokit.algorithms.objectives import policy_loss
+from grpokit.config.loading import load_config, to_toml
 from grpokit.config.schema import SECTIONS
 from grpokit.errors import ConfigError
-from grpokit.config.loading import load_config, to_toml
-from grpokit.algorithms.objectives import policy_loss
 
 SETTINGS = settings(max_examples=50, deadline=None)
 SCALES = ["group", "batch", "none"]
@@ -152,8 +152,8 @@ def test_on_policy_loss_is_the_aggregated_negative_advantage(inputs, loss_type):
 
 
 @SETTINGS
-@given(loss_inputs(), st.sampled_from(["dapo", "bnpo", "grpo", "dr_grpo", "cispo"]), st.sampled_from(["token", "sequence"]),
-       st.floats(0.01, 0.99), st.floats(0.0, 2.0), st.floats(0.0, 0.5))
+@given(loss_inputs(), st.sampled_from(["dapo", "bnpo", "grpo", "dr_grpo", "cispo"]),
+       st.sampled_from(["token", "sequence"]), st.floats(0.01, 0.99), st.floats(0.0, 2.0), st.floats(0.0, 0.5))
 def test_loss_is_finite_and_clip_stats_partition_the_region(inputs, loss_type, level, eps, eps_high, beta):
     logp, old, ref, adv, mask = inputs
     logp = logp.clone().requires_grad_(True)

@@ -19,11 +19,19 @@ from pathlib import Path
 import pytest
 
 from grpokit.cli import main
-from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
-from grpokit.errors import ConfigError
 from grpokit.config.loading import to_toml
-from grpokit.observe.report import build_report
+from grpokit.config.schema import (
+    AlgorithmConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OutputConfig,
+    RolloutConfig,
+    TrainConfig,
+)
+from grpokit.errors import ConfigError
 from grpokit.observe.charts import svg_chart
+from grpokit.observe.report import build_report
 from grpokit.observe.tracking import MetricsWriter, read_metrics
 from grpokit.training.loop import train
 
@@ -177,8 +185,8 @@ def find_chromium() -> str | None:
 def chromium(binary: str, profile: Path, *args: str) -> subprocess.CompletedProcess:
     # --no-sandbox: Chromium refuses to run as root (CI) with its sandbox; --disable-dev-shm-usage: a
     # container's /dev/shm is often 64 MB, too small for the renderer
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
+             "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
              f"--user-data-dir={profile}"]
     return subprocess.run([binary, *flags, *args], capture_output=True, text=True, timeout=120)
 
@@ -196,7 +204,8 @@ def test_report_loads_in_headless_chromium_with_every_image(tmp_path):
     probe = tmp_path / "probe.html"  # the report plus a script that marks how many images decoded
     probe.write_text(page.read_text().replace("</body>", """<script>
         const imgs = [...document.images];
-        document.body.dataset.imagesLoaded = imgs.filter(i => i.complete && i.naturalWidth > 0).length + "/" + imgs.length;
+        const loaded = imgs.filter(i => i.complete && i.naturalWidth > 0).length;
+        document.body.dataset.imagesLoaded = loaded + "/" + imgs.length;
         </script></body>"""))
     dom = chromium(binary, tmp_path / "profile", "--dump-dom", probe.as_uri())
     assert f'data-images-loaded="{n_images}/{n_images}"' in dom.stdout, dom.stderr[-2000:]
@@ -235,7 +244,8 @@ def test_a_real_run_writes_tensorboard_completions_and_prints_diagnostics(tiny_m
     assert [e.step for e in events.Scalars("reward")] == [1, 2, 3]
     assert events.Scalars("entropy")[-1].value == pytest.approx(rows[-1]["entropy"], rel=1e-5)
     completions = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
-    assert len(completions) == 3 * 2 * 3 and {"prompt", "completion", "rewards", "reward", "advantage"} <= set(completions[0])
+    assert len(completions) == 3 * 2 * 3
+    assert {"prompt", "completion", "rewards", "reward", "advantage"} <= set(completions[0])
     assert main(["report", str(run), "--groups", "2"]) == 0
     page = (run / "report.html").read_text()
     assert page.count('<table class="seed">') == 3 * 2 and "rollout.group_size = 3" in page

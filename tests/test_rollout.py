@@ -6,11 +6,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from grpokit.rollout.batch import Rollout
-from grpokit.rollout.sampling import exponential_race, filter_candidates, sample_tokens
 from grpokit.models.forward import position_ids_from_mask
-from grpokit.rollout.decode import sample_groups
 from grpokit.models.tiny import build_tiny_model
+from grpokit.rollout.batch import Rollout
+from grpokit.rollout.decode import sample_groups
+from grpokit.rollout.sampling import exponential_race, filter_candidates, sample_tokens
 
 PROMPTS = ["1+2=", "What is 17 + 25? Answer:", "hello"]  # mixed lengths → left padding
 

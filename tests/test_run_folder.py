@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from grpokit.training.checkpoint import CHECKPOINT_CONFIG
-from grpokit.config.schema import Config, DataConfig, ModelConfig, OutputConfig
 from grpokit.config.loading import to_toml
+from grpokit.config.schema import Config, DataConfig, ModelConfig, OutputConfig
 from grpokit.errors import RunFolderError
-from grpokit.training.run_folder import RunFolderLock, prepare_run_folder, with_resolved_paths
 from grpokit.observe.tracking import append_jsonl, read_jsonl
+from grpokit.training.checkpoint import CHECKPOINT_CONFIG
+from grpokit.training.run_folder import RunFolderLock, prepare_run_folder, with_resolved_paths
 
 
 def config(model: Path, run: Path, **output) -> Config:
@@ -144,5 +144,6 @@ def test_resume_with_overwrite_set_continues_and_says_overwrite_is_ignored(tmp_p
     run = tmp_path / "run"
     fake_run(run, config(model, run))
     folder = prepare_run_folder(config(model, run, overwrite=True), resume=True)
-    assert folder.resume_step == 2 and folder.notes == ["--resume: output.overwrite = true is ignored; the run continues"]
+    assert folder.resume_step == 2
+    assert folder.notes == ["--resume: output.overwrite = true is ignored; the run continues"]
     assert (run / "checkpoint-2").is_dir() and (run / "metrics.jsonl").is_file()

@@ -8,9 +8,8 @@ import pytest
 
 from grpokit.errors import RewardError, RewardLoadError, RewardTimeoutError
 from grpokit.rewards.core import RewardSpec, compute_rewards
-from grpokit.rewards.sandbox import extract_code
 from grpokit.rewards.registry import get_reward, reward_specs
-from grpokit.rewards.sandbox import code_execution_reward, run_tests
+from grpokit.rewards.sandbox import code_execution_reward, extract_code, run_tests
 
 ADD_TESTS = ["assert add(1, 2) == 3", "assert add(2, 2) == 4"]
 LIMIT = 0.5  # seconds: the tests' time limit (the default is 5)
@@ -56,7 +55,8 @@ BAD_ANSWERS = {
 def test_bad_answers_get_zero_within_the_limit():
     reward = code_execution_reward(time_limit=LIMIT, memory_mb=256, workers=len(BAD_ANSWERS))
     t0 = time.monotonic()
-    out = reward([code + "\ndef add(a, b): return a + b" for code in BAD_ANSWERS.values()], [ADD_TESTS] * len(BAD_ANSWERS))
+    out = reward([code + "\ndef add(a, b): return a + b" for code in BAD_ANSWERS.values()],
+                 [ADD_TESTS] * len(BAD_ANSWERS))
     assert dict(zip(BAD_ANSWERS, out)) == dict.fromkeys(BAD_ANSWERS, 0.0)
     assert time.monotonic() - t0 < LIMIT + 4  # limit + start-up grace + a loaded machine, all side by side
 

@@ -7,14 +7,14 @@ import random
 
 import pytest
 
-from grpokit.data.prompts import columns_of
 from grpokit.data.files import load_prompts
+from grpokit.data.prompts import columns_of
 from grpokit.rewards.core import compute_rewards
-from grpokit.tasks.addition import AdditionTask
-from grpokit.tasks.countdown import CountdownTask
-from grpokit.tasks.base import Task
-from grpokit.tasks import get_task
 from grpokit.rewards.verifiers import parse_expression, score_expression
+from grpokit.tasks import get_task
+from grpokit.tasks.addition import AdditionTask
+from grpokit.tasks.base import Task
+from grpokit.tasks.countdown import CountdownTask
 
 
 @pytest.mark.parametrize("name", ["addition", "countdown"])
