@@ -43,15 +43,17 @@ CONFIGS = {
     "X": dict(model="M", B=8, L=512, beta=0.0, mu=1, runs=3, steps=1, trl_steps=1, micro=8, trl_runs=1),
 }
 PROMPT_TOKENS = 32
-# Ablations (grpokit only): (label, config, spec changes)
+# Ablations (grpokit only): (label, config, spec changes); each fast path is a config option (train.*, rollout.*)
 ABLATIONS = [
     ("all fast paths", "M", {}),
     ("fused log-softmax head off (plain checkpointed head)", "M", {"grpokit_train": {"fused_logprobs": False}}),
-    ("one-pass backward off (fused head, recompute backward)", "M", {"patch": {"one_pass": False}}),
-    ("preallocated KV cache off (DynamicCache concatenation)", "M", {"patch": {"preallocate": False}}),
-    ("inverse-CDF sampler off (Gumbel-max race)", "M", {"patch": {"sampler": "gumbel"}}),
-    ("shared prefill off (prefill all N rows)", "M", {"patch": {"share_prefill": False}}),
-    ("shared prompt forward in training off (every row runs its prompt)", "M", {"patch": {"share_prompts": False}}),
+    ("one-pass backward off (fused head, recompute backward)", "M", {"grpokit_train": {"fused_backward": False}}),
+    ("preallocated KV cache off (DynamicCache concatenation)", "M",
+     {"grpokit_rollout": {"preallocated_kv_cache": False}}),
+    ("inverse-CDF sampler off (Gumbel-max race)", "M", {"grpokit_rollout": {"sampler": "gumbel"}}),
+    ("shared prefill off (prefill all N rows)", "M", {"grpokit_rollout": {"shared_prefill": False}}),
+    ("shared prompt forward in training off (every row runs its prompt)", "M",
+     {"grpokit_train": {"shared_prompt_forward": False}}),
     ("keep freed memory off (glibc's default mmap/trim thresholds)", "M",
      {"grpokit_train": {"keep_freed_memory": False}}),
     ("1 thread instead of 2", "M", {"threads": 1}),

@@ -28,26 +28,19 @@ def main(spec: dict) -> None:
     )
     from grpokit.training.loop import train
 
-    patch = spec.get("patch", {})  # ablations: switch one fast path off (each is a config option)
-    speed_rollout = {"preallocated_kv_cache": patch.get("preallocate", True),
-                     "sampler": patch.get("sampler", "inverse_cdf"),
-                     "shared_prefill": patch.get("share_prefill", True)}
-    speed_train = {"fused_backward": patch.get("one_pass", True),
-                   "shared_prompt_forward": patch.get("share_prompts", True)}
-
     steps = spec["warmup"] + spec["steps"]
     with tempfile.TemporaryDirectory() as tmp:
         config = Config(
             model=ModelConfig(path=str(MODELS / spec["model"]), device="cpu"),
             data=DataConfig(path="rows.jsonl"),  # replaced by rows= below
             rollout=RolloutConfig(group_size=spec["G"], max_new_tokens=spec["L"], temperature=spec["temperature"],
-                                  ignore_eos=True, **speed_rollout),
+                                  ignore_eos=True, **spec.get("grpokit_rollout", {})),  # ablations: speed options
             algorithm=AlgorithmConfig(loss_type=spec["loss_type"], beta=spec["beta"], num_iterations=spec["mu"],
                                       epsilon=0.2, std="sample", scale_rewards="group",
                                       **spec.get("grpokit_algorithm", {})),
             train=TrainConfig(steps=steps, prompts_per_step=spec["B"], learning_rate=spec["lr"],
                               adam_betas=(0.9, 0.999), max_grad_norm=1.0, seed=spec.get("seed", 0),
-                              **{**speed_train, **spec.get("grpokit_train", {})}),
+                              **spec.get("grpokit_train", {})),
             output=OutputConfig(dir=str(Path(tmp) / "run"), console=False, save_every=0),
         )
         t0 = time.perf_counter()

@@ -1,8 +1,8 @@
 """grpokit's layering: every arrow points down.
 
 Each package under src/grpokit sits in a layer. A module may import its own package and the packages
-that ALLOWED lists for it, all in lower layers (the one sideways arrow, rollout -> observe, is written
-out), so no import points up or sideways and no cycle can form. Lazy imports (in functions) count;
+that ALLOWED lists for it, all in lower layers, so no import points up or sideways and no cycle can
+form. Lazy imports (in functions) count;
 `if TYPE_CHECKING:` blocks do not, since they never run. Imports are read with `ast`, never executed.
 
 The pure math's stricter rule (only torch and the stdlib) is checked file by file in
@@ -39,8 +39,8 @@ ALLOWED: dict[str, set[str]] = {
     "rewards": L1,                             # 2
     "tasks": L2,                               # 3  rewards, data, ...
     "models": L2,                              # 3  algorithms, ...
-    "observe": L3,                             # 4  models, data, rewards, algorithms, config; never rollout
-    "rollout": L3 | {"observe"},               # 4  the one sideways arrow
+    "observe": L3,                             # 4  models, data, rewards, algorithms, config
+    "rollout": L3,                             # 4  the same, never each other
     "training": L4,                            # 5
     "evaluate": L5,                            # 6  entry points
     "sft": L5,                                 # 6
@@ -226,7 +226,7 @@ def test_checker_catches_synthetic_violations(tmp_path):
         "rewards/b.py": "def f():\n    import grpokit.rewards.a as a\n",
         "observe/__init__.py": "from grpokit.rollout import engines\n",         # sideways, wrong way
         "rollout/__init__.py": "",
-        "rollout/engines.py": "from ..observe import metrics\n",                # allowed, but a cycle
+        "rollout/engines.py": "from ..observe import metrics\n",                # sideways too: a cycle
         "training/__init__.py": "",
         "training/loop.py": "from ..models import gone\n",                       # no such module
     }
@@ -248,6 +248,7 @@ def test_checker_catches_synthetic_violations(tmp_path):
         "grpokit.config:1 imports torch: grpokit.config must not import torch",
         "grpokit.config:2 imports grpokit.training.loop: config (layer 1) may not import training (layer 5)",
         "grpokit.observe:1 imports grpokit.rollout.engines: observe (layer 4) may not import rollout (layer 4)",
+        "grpokit.rollout.engines:1 imports grpokit.observe: rollout (layer 4) may not import observe (layer 4)",
         "grpokit.training.loop:1 imports grpokit.models: no such module under src/grpokit",
         "grpokit:1 imports grpokit.cli: the package root imports only lazily, inside functions",
     ]

@@ -5,8 +5,9 @@ the attributes it reads, with ``_get_per_token_logps_and_entropies`` returning o
 log-prob tensor, so TRL's formula is executed, not retyped.
 
 Conventions set equal on purpose (each a documented difference, not a bug):
-- ``args.use_bias_correction_kl=False`` (TRL's option multiplies KL_t by the ratio;
-  grpokit has no such option).
+- ``args.use_bias_correction_kl=False`` (TRL's option multiplies KL_t by the ratio; it is on by
+  default in TRL and ``algorithm.kl_bias_correction``, off by default, in grpokit: its parity with
+  TRL is tested in test_estimators.py::test_kl_bias_correction_matches_trl).
 - one process, ``current_gradient_accumulation_steps == steps_per_generation``:
   TRL's dapo/cispo then divides by ``num_items_in_batch`` exactly as grpokit does
   (TRL: num_items_in_batch / num_processes * grad_accum / steps_per_generation), and
