@@ -10,18 +10,19 @@ algorithm fields, `loading` TOML and overrides. Everything is re-exported here, 
 
 from grpokit.config.loading import config_from_dict, load_config, parse_override, to_toml
 from grpokit.config.schema import (
-                                   SECTIONS,
-                                   AlgorithmConfig,
-                                   Config,
-                                   DataConfig,
-                                   ModelConfig,
-                                   OutputConfig,
-                                   RewardConfig,
-                                   RolloutConfig,
-                                   TrainConfig,
+    SECTIONS,
+    AlgorithmConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OutputConfig,
+    RewardConfig,
+    RolloutConfig,
+    ToolsConfig,
+    TrainConfig,
 )
 from grpokit.errors import ConfigError
 
 __all__ = ["SECTIONS", "AlgorithmConfig", "Config", "ConfigError", "DataConfig", "ModelConfig", "OutputConfig",
-           "RewardConfig", "RolloutConfig", "TrainConfig", "config_from_dict", "load_config", "parse_override",
-           "to_toml"]
+           "RewardConfig", "RolloutConfig", "ToolsConfig", "TrainConfig", "config_from_dict", "load_config",
+           "parse_override", "to_toml"]

@@ -41,6 +41,7 @@ _EXAMPLES = {
     "rollout.stop_strings": '["\\n\\n"]',
     "rollout.vllm": "{gpu_memory_utilization = 0.3}",
     "algorithm.preset": '"dapo"',
+    "tools.functions": '["tools.py:calculator"]',
 }
 
 

@@ -295,6 +295,20 @@ class OutputConfig:
                "needs the wandb package: pip install wandb, or set it to false")
 
 
+@dataclass(frozen=True)
+class ToolsConfig:
+    """Tools the policy may call inside an answer (multi-turn rollouts; rollout/tools.py, docs/TOOLS.md)."""
+
+    functions: tuple[str, ...] = ()  # "file.py:function" / "package.module:function", as TRL's tools=[...]
+    max_calls: int = 8  # tool-calling turns per answer (TRL's max_tool_calling_iterations)
+    timeout_s: float = 30.0  # per call; a call still running then is a failed call (its result an error)
+
+    def __post_init__(self):
+        _check_fields(self, "tools")
+        _check(self.max_calls >= 1, "tools.max_calls", "must be >= 1 (tool-calling turns per answer)")
+        _check(self.timeout_s >= 0, "tools.timeout_s", "must be >= 0 seconds (0 = no limit); 30 is the default")
+
+
 SECTIONS = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -303,6 +317,7 @@ SECTIONS = {
     "algorithm": AlgorithmConfig,
     "train": TrainConfig,
     "output": OutputConfig,
+    "tools": ToolsConfig,
 }
 
 
@@ -315,6 +330,7 @@ class Config:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
 
     def __post_init__(self):
         for name, cls in SECTIONS.items():

@@ -177,12 +177,13 @@ class DistributedContext:
         from types import SimpleNamespace
 
         parts: list = [None] * self.world_size
-        mine = (draw.prompts, draw.texts, draw.per_fn.cpu(), draw.total.cpu(), advantages.cpu())
+        mine = (draw.prompts, draw.texts, draw.per_fn.cpu(), draw.total.cpu(), advantages.cpu(), draw.conversations)
         tdist.all_gather_object(parts, mine)
         prompts = [p for part in parts for p in part[0]]
         joined = SimpleNamespace(prompts=prompts, texts=[t for part in parts for t in part[1]],
                                  per_fn=torch.cat([p[2] for p in parts]), total=torch.cat([p[3] for p in parts]),
-                                 size=len(prompts))
+                                 size=len(prompts),
+                                 conversations=None if parts[0][5] is None else [c for p in parts for c in p[5]])
         return joined, torch.cat([p[4] for p in parts])
 
 

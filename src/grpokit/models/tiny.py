@@ -28,6 +28,22 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
+# The same with tools, Hermes-style, compact for a character model: the tool names in a first line,
+# calls as <tool_call>{"name": ..., "arguments": {...}}</tool_call>, an assistant turn ending in EOS,
+# results as "tool: ..." lines.
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}tools: {% for t in tools %}{{ t['function']['name'] }}{% if not loop.last %}, {% endif %}"
+    "{% endfor %}{{ '\\n' }}{% endif %}"
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}assistant: {{ m['content'] }}"
+    "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}"
+    "<eos>{{ '\\n' }}"
+    "{% elif m['role'] == 'tool' %}tool: {{ m['content'] }}{{ '\\n' }}"
+    "{% else %}{{ m['role'] }}: {{ m['content'] }}{{ '\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
 
 def build_char_tokenizer(path: str | Path | None = None, alphabet: str | None = None):
     """A character-level fast tokenizer: one token per printable ASCII character.

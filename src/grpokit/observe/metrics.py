@@ -45,6 +45,21 @@ def reward_summary(total: torch.Tensor, group_size: int) -> dict[str, float]:
     }
 
 
+def tool_metrics(stats: list) -> dict[str, float]:
+    """`tools/*` of one step's multi-turn rollouts (every draw, before any filtering), TRL's names where
+    TRL has them: `tools/call_frequency` calls per answer, `tools/failure_frequency` failed calls per
+    call; `tools/turns_per_answer`, `tools/calls/<name>` per answer, `time/tools` waiting on tools."""
+    n = sum(len(s.calls) for s in stats)
+    calls, failures = sum(sum(s.calls) for s in stats), sum(sum(s.failures) for s in stats)
+    out = {"tools/call_frequency": calls / n, "tools/failure_frequency": failures / calls if calls else 0.0,
+           "tools/turns_per_answer": sum(sum(s.turns) for s in stats) / n,
+           "time/tools": sum(s.seconds for s in stats)}
+    for s in stats:
+        for name, count in s.per_tool.items():
+            out[f"tools/calls/{name}"] = out.get(f"tools/calls/{name}", 0.0) + count / n
+    return out
+
+
 _MAX = ("completions/max_length", "sampling/logprob_gap_max")
 _MIN = ("completions/min_length",)
 _SUM = ("tokens_per_sec", "dynamic_sampling/groups_kept")
@@ -69,7 +84,7 @@ def reduce_metrics(metrics: dict, batch, specs, config) -> dict:
     skip = config.skips_zero_advantage
     entropy_rows = (batch.advantages != 0) if skip else torch.ones_like(batch.advantages, dtype=torch.bool)
     weights = {"tokens": float(mask.sum()), "entropy": float(mask[entropy_rows.to(mask.device)].sum())}
-    rows = (r.completion_mask.sum(-1).cpu(), r.truncated.cpu(), batch.draw.total.cpu(), batch.draw.per_fn.cpu())
+    rows = (r.action_mask.sum(-1).cpu(), r.truncated.cpu(), batch.draw.total.cpu(), batch.draw.per_fn.cpu())
     parts: list = [None] * tdist.get_world_size()
     tdist.all_gather_object(parts, (metrics, weights, rows))
     out = {}

@@ -156,13 +156,17 @@ class ConsoleProgress:
 
 
 def write_completions(run_dir: Path, step: int, draw, advantages: torch.Tensor, specs) -> None:
-    """Append this step's answers to `completions.jsonl`: prompt, completion, each reward, advantage."""
+    """Append this step's answers to `completions.jsonl`: prompt, completion, each reward, advantage;
+    multi-turn answers also as their messages ("conversation": assistant turns and tool results)."""
     d = draw
-    append_jsonl(run_dir / "completions.jsonl", [
-        {"step": step, "prompt": d.prompts[i], "completion": d.texts[i],
-         "rewards": {s.name: finite_or_none(d.per_fn[i, j].item()) for j, s in enumerate(specs)},
-         "reward": finite_or_none(d.total[i].item()), "advantage": advantages[i].item()}
-        for i in range(d.size)])
+    rows = [{"step": step, "prompt": d.prompts[i], "completion": d.texts[i],
+             "rewards": {s.name: finite_or_none(d.per_fn[i, j].item()) for j, s in enumerate(specs)},
+             "reward": finite_or_none(d.total[i].item()), "advantage": advantages[i].item()}
+            for i in range(d.size)]
+    if d.conversations is not None:
+        for row, conversation in zip(rows, d.conversations):
+            row["conversation"] = conversation
+    append_jsonl(run_dir / "completions.jsonl", rows)
 
 
 HISTORY = "config_history.jsonl"

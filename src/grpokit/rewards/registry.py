@@ -72,9 +72,9 @@ def get_reward(name: str, **kwargs) -> Callable:
         raise RewardLoadError(f"reward {name!r}: {e}") from e
 
 
-def _import_file(path: Path, ref: str):
+def _import_file(path: Path, ref: str, kind: str = "reward"):
     if not path.is_file():
-        raise RewardLoadError(f"reward {ref!r}: file {str(path)!r} not found (relative paths start at "
+        raise RewardLoadError(f"{kind} {ref!r}: file {str(path)!r} not found (relative paths start at "
                               f"{Path.cwd()}); fix the path or use 'package.module:function'")
     resolved = path.resolve()
     digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:8]
@@ -91,38 +91,40 @@ def _import_file(path: Path, ref: str):
         spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[mod_name]
-        raise RewardLoadError(f"reward {ref!r}: importing {str(path)!r} raised "
+        raise RewardLoadError(f"{kind} {ref!r}: importing {str(path)!r} raised "
                               f"{type(e).__name__}: {e}") from e
     return module
 
 
-def _import_module(name: str, ref: str):
+def _import_module(name: str, ref: str, kind: str = "reward"):
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as e:
-        raise RewardLoadError(f"reward {ref!r}: module {name!r} not found ({e}); for a file write "
+        raise RewardLoadError(f"{kind} {ref!r}: module {name!r} not found ({e}); for a file write "
                               f"'path/to/{name.split('.')[-1]}.py:function'") from e
     except Exception as e:
-        raise RewardLoadError(f"reward {ref!r}: importing module {name!r} raised {type(e).__name__}: {e}") from e
+        raise RewardLoadError(f"{kind} {ref!r}: importing module {name!r} raised {type(e).__name__}: {e}") from e
 
 
-def load_reward(ref: str) -> Callable:
-    """A user's reward function from "path/to/file.py:function" or "package.module:function"."""
+def load_reward(ref: str, *, kind: str = "reward") -> Callable:
+    """A user's reward function from "path/to/file.py:function" or "package.module:function" (or another
+    user function: a tool, with `kind` naming it in the errors)."""
     where, sep, attr = ref.rpartition(":")
     if not sep or not where or not attr:
-        raise RewardLoadError(f"reward reference {ref!r} must look like 'path/to/file.py:function' "
+        raise RewardLoadError(f"{kind} reference {ref!r} must look like 'path/to/file.py:function' "
                               f"or 'package.module:function'")
     is_file = where.endswith(".py") or "/" in where or "\\" in where
-    module = _import_file(Path(where), ref) if is_file else _import_module(where, ref)
+    module = _import_file(Path(where), ref, kind) if is_file else _import_module(where, ref, kind)
     if not hasattr(module, attr):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
                        and getattr(v, "__module__", None) == module.__name__)
-        raise RewardLoadError(f"reward {ref!r}: {where!r} has no attribute {attr!r}; "
+        raise RewardLoadError(f"{kind} {ref!r}: {where!r} has no attribute {attr!r}; "
                               f"functions defined there: {found or 'none'}")
     fn = getattr(module, attr)
     if not callable(fn):
-        raise RewardLoadError(f"reward {ref!r}: {attr!r} is a {type(fn).__name__}, not a function; point the "
-                              f"reference at a function f(completions, **kwargs) -> list[float | None]")
+        signature = "f(completions, **kwargs) -> list[float | None]" if kind == "reward" else "a function"
+        raise RewardLoadError(f"{kind} {ref!r}: {attr!r} is a {type(fn).__name__}, not a function; point the "
+                              f"reference at {signature}")
     return fn
 
 

@@ -19,6 +19,12 @@ class Rollout:
     completion_mask: Tensor  # [N, T] 1 up to and including the EOS / stop token
     logprobs: Tensor  # [N, T] float32 log-probs under softmax(logits / T), 0 on padding
     truncated: Tensor  # [N] bool: no EOS / stop string within max_new_tokens
+    tool_mask: Tensor | None = None  # [N, T] multi-turn only: 1 on tool-result tokens (context, not actions)
+
+    @property
+    def action_mask(self) -> Tensor:
+        """[N, T] 1 on the tokens the policy sampled: the completion without tool results."""
+        return self.completion_mask if self.tool_mask is None else self.completion_mask * (1 - self.tool_mask)
 
     @property
     def num_sequences(self) -> int:
@@ -77,11 +83,14 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
     pad = torch.nn.functional.pad
 
     def cat(name: str, left: bool, width: int, fill) -> Tensor:
-        parts = [getattr(r, name) for r in rollouts]
+        parts = [getattr(r, name) if getattr(r, name) is not None else torch.zeros_like(r.completion_mask)
+                 for r in rollouts]
         return torch.cat([pad(p, (width - p.shape[1], 0) if left else (0, width - p.shape[1]), value=fill)
                           for p in parts])
 
     return Rollout(prompt_ids=cat("prompt_ids", True, P, pad_token_id), prompt_mask=cat("prompt_mask", True, P, 0),
                    completion_ids=cat("completion_ids", False, T, pad_token_id),
                    completion_mask=cat("completion_mask", False, T, 0), logprobs=cat("logprobs", False, T, 0.0),
-                   truncated=torch.cat([r.truncated for r in rollouts]))
+                   truncated=torch.cat([r.truncated for r in rollouts]),
+                   tool_mask=None if all(r.tool_mask is None for r in rollouts) else
+                   cat("tool_mask", False, T, 0))

@@ -121,6 +121,13 @@ class _Decoder:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs)
         return out.logits[:, -1, :]  # [n, V]
 
+    def all_logits(self, ids: Tensor, mask: Tensor, positions: Tensor) -> Tensor:
+        """Run ids [n, L] as `__call__` does; return the logits of every position [n, L, V]."""
+        kwargs = {self.cache_kwarg: self.cache, "use_cache": True}
+        if self.keep_last:
+            kwargs["logits_to_keep"] = ids.shape[1]
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs).logits
+
     def repeat_rows(self, repeats: int) -> None:
         self.cache.batch_repeat_interleave(repeats)
 

@@ -36,6 +36,8 @@ from grpokit.models.fsdp import full_params_for_generation
 from grpokit.models.parallel import rank
 from grpokit.rollout.batch import Rollout
 from grpokit.rollout.decode import sample_groups
+from grpokit.rollout.multiturn import ToolStats, sample_conversations
+from grpokit.rollout.tools import ToolBox
 
 
 @dataclass(frozen=True)
@@ -69,12 +71,21 @@ class HFEngine:
     `speed` holds `sample_groups`' speed options (the sampler, the preallocated KV cache, the
     shared prefill; `rollout.*` in the config): they change the cost, not the distribution."""
 
-    def __init__(self, model, tokenizer=None, **speed):
+    def __init__(self, model, tokenizer=None, *, tools: ToolBox | None = None, max_tool_turns: int = 8, **speed):
         self.model, self.tokenizer, self.speed = model, tokenizer, speed
+        self.tools, self.max_tool_turns = tools, max_tool_turns
+        self.tool_stats: ToolStats | None = None  # the last batch's, with tools
 
     def generate(self, prompt_ids, *, group_size, sampling, generator=None) -> Rollout:
         s = sampling
         with full_params_for_generation(self.model):  # FSDP: gathered once for the whole decode loop
+            if self.tools:  # multi-turn: tool calls run and their results join the same KV cache
+                rollout, self.tool_stats = sample_conversations(
+                    self.model, prompt_ids, group_size=group_size, max_new_tokens=s.max_new_tokens,
+                    eos_token_ids=list(s.eos_token_ids), pad_token_id=s.pad_token_id, tokenizer=self.tokenizer,
+                    tools=self.tools, max_tool_turns=self.max_tool_turns, temperature=s.temperature, top_p=s.top_p,
+                    top_k=s.top_k, generator=generator, sampler=self.speed.get("sampler", "inverse_cdf"))
+                return rollout
             return sample_groups(
                 self.model, prompt_ids, group_size=group_size, max_new_tokens=s.max_new_tokens,
                 eos_token_ids=list(s.eos_token_ids), pad_token_id=s.pad_token_id, temperature=s.temperature,
@@ -85,12 +96,12 @@ class HFEngine:
         """Nothing to do: the sampler is the training model."""
 
 
-def build_engine(config, model, tokenizer) -> RolloutEngine:
-    """The engine `rollout.engine` names, for this process."""
+def build_engine(config, model, tokenizer, *, tools: ToolBox | None = None) -> RolloutEngine:
+    """The engine `rollout.engine` names, for this process (with `tools`: multi-turn rollouts)."""
     r = config.rollout
     if r.engine == "hf":
-        return HFEngine(model, tokenizer, sampler=r.sampler, preallocate_kv_cache=r.preallocated_kv_cache,
-                        share_prefill=r.shared_prefill)
+        return HFEngine(model, tokenizer, tools=tools, max_tool_turns=config.tools.max_calls, sampler=r.sampler,
+                        preallocate_kv_cache=r.preallocated_kv_cache, share_prefill=r.shared_prefill)
     from grpokit.rollout.vllm import VLLMEngine  # imports vllm only when asked for
 
     options = {"dtype": config.model.dtype, **r.vllm}

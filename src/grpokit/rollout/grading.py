@@ -25,6 +25,7 @@ class Draw:
     total: torch.Tensor  # [N]
     prompts: list  # [N] the prompt of each answer (string or messages)
     texts: list[str]  # [N] decoded answers
+    conversations: list | None = None  # [N] multi-turn: each answer as messages (assistant turns, tool results)
 
     @property
     def size(self) -> int:
@@ -32,10 +33,12 @@ class Draw:
 
     def select(self, keep: torch.Tensor) -> "Draw":  # keep: [N] bool
         idx = keep.nonzero().flatten().tolist()
-        rollout = Rollout(**{f.name: getattr(self.rollout, f.name)[keep.to(self.rollout.completion_ids.device)]
-                             for f in fields(Rollout)})
+        rows = keep.to(self.rollout.completion_ids.device)
+        parts = {f.name: getattr(self.rollout, f.name) for f in fields(Rollout)}
+        rollout = Rollout(**{name: None if t is None else t[rows] for name, t in parts.items()})
         return Draw(rollout, self.per_fn[keep], self.total[keep], [self.prompts[i] for i in idx],
-                    [self.texts[i] for i in idx])
+                    [self.texts[i] for i in idx],
+                    None if self.conversations is None else [self.conversations[i] for i in idx])
 
     def with_signal(self, G: int) -> "Draw":
         """Only the groups whose rewards are not all equal (DAPO's dynamic sampling filter)."""
@@ -48,16 +51,19 @@ class Draw:
         draws = [d for d in draws if d.size] or [fallback]
         both = concat_rollouts([d.rollout for d in draws], pad_id)
         joined = Draw(both, torch.cat([d.per_fn for d in draws]), torch.cat([d.total for d in draws]),
-                      [p for d in draws for p in d.prompts], [t for d in draws for t in d.texts])
+                      [p for d in draws for p in d.prompts], [t for d in draws for t in d.texts],
+                      None if draws[0].conversations is None else [c for d in draws for c in d.conversations])
         return joined.select(torch.arange(joined.size) < n)
 
 
-def grade(rollout: Rollout, rows: list[dict], tokenizer, specs, G: int, *, prompt_column: str = "prompt") -> Draw:
+def grade(rollout: Rollout, rows: list[dict], tokenizer, specs, G: int, *, prompt_column: str = "prompt",
+          conversations: list[list[dict]] | None = None) -> Draw:
     """Decode the answers and run every reward function on them (TRL's calling convention); the
-    prompt is the rows' `prompt_column`, every other column goes to the reward functions."""
+    prompt is the rows' `prompt_column`, every other column goes to the reward functions. Multi-turn
+    answers (`conversations`) reach the reward functions as their messages, as in TRL."""
     ids = [row[m.bool()].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
     prompt_values = [r[prompt_column] for r in rows for _ in range(G)]
-    completions = as_trl_completions(prompt_values, texts)
+    completions = conversations if conversations is not None else as_trl_completions(prompt_values, texts)
     per_fn, total = compute_rewards(specs, prompt_values, completions, ids, columns_of(rows, repeat=G))
-    return Draw(rollout, per_fn, total, prompt_values, texts)
+    return Draw(rollout, per_fn, total, prompt_values, texts, conversations)

@@ -14,7 +14,7 @@ import torch
 from grpokit.algorithms.advantages import group_advantages
 from grpokit.config.schema import Config
 from grpokit.models.parallel import all_ranks
-from grpokit.observe.metrics import completion_metrics, reward_summary
+from grpokit.observe.metrics import completion_metrics, reward_summary, tool_metrics
 from grpokit.rewards.core import RewardSpec, reward_metrics
 from grpokit.rollout.batch import Rollout
 from grpokit.rollout.engines import RolloutEngine, SamplingParams
@@ -45,6 +45,7 @@ def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts
     sampling = SamplingParams.from_config(config, prompts.eos_token_ids, tokenizer.pad_token_id)
     G, B, algo = config.rollout.group_size, config.train.prompts_per_step, config.algorithm
     draws: list[Draw] = []
+    tool_stats = []  # multi-turn rollouts: what the tools did in each draw
     t_rollout = t_reward = 0.0
     for _ in range(1 + (algo.max_resample_rounds if algo.dynamic_sampling else 0)):
         indices = stream.next_batch()  # B row indices
@@ -52,7 +53,10 @@ def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts
         rollout = engine.generate([prompts.ids[i] for i in indices], group_size=G, sampling=sampling,
                                   generator=sampler)
         t1 = time.perf_counter()
-        draws.append(grade(rollout, [prompts.rows[i] for i in indices], tokenizer, specs, G))
+        stats = getattr(engine, "tool_stats", None)  # an engine given to train() may not know of tools
+        tool_stats += [stats] if stats is not None else []
+        draws.append(grade(rollout, [prompts.rows[i] for i in indices], tokenizer, specs, G,
+                           conversations=None if stats is None else stats.conversations))
         t_rollout, t_reward = t_rollout + t1 - t0, t_reward + time.perf_counter() - t1
         # several processes: every one draws as often as the one that needs most (streams stay in step)
         if not algo.dynamic_sampling or all_ranks(sum(d.with_signal(G).size for d in draws) >= B * G):
@@ -63,12 +67,12 @@ def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts
     rollout = draw.rollout
     advantages = group_advantages(draw.total, G, scale_rewards=algo.scale_rewards, std=algo.std,
                                   estimator=algo.advantage_estimator)
-    loss_mask = rollout.completion_mask.clone()
+    loss_mask = rollout.action_mask.clone()  # tool results (multi-turn) are context: never in the loss
     if algo.mask_truncated_completions:  # truncated answers carry no gradient
         loss_mask[rollout.truncated] = 0
     metrics = {**reward_summary(draw.total, G), **reward_metrics(specs, draw.per_fn),
-               **completion_metrics(rollout.completion_mask, rollout.truncated),
-               "time/rollout": t_rollout, "time/reward": t_reward}
+               **completion_metrics(rollout.action_mask, rollout.truncated),
+               "time/rollout": t_rollout, "time/reward": t_reward, **(tool_metrics(tool_stats) if tool_stats else {})}
     if algo.dynamic_sampling:  # what the filter saw before it dropped groups
         metrics["frac_reward_zero_std"] = seen["frac_reward_zero_std"]
         metrics["dynamic_sampling/groups_kept"] = draw.size / G

@@ -41,9 +41,11 @@ def train(
     resume: bool = False,
     engine: Callable | None = None,
     command: str | None = None,
+    tools: Sequence[Callable] | None = None,
 ) -> Path:
     """Run GRPO as `config` says; returns the run folder. Python-side callables and
-    rows may replace the config's `rewards.functions` and data source, and `engine(config,
+    rows may replace the config's `rewards.functions` and data source, `tools` its `tools.functions`
+    (TRL's tool functions: multi-turn rollouts), and `engine(config,
     model, tokenizer)` the rollout engine (rollout/engines.py). Under torchrun every process runs
     this together (models/parallel.py): each takes its share of every batch, rank 0 writes the
     files. `command` is how the run was started (the CLI's own words); stop messages build the
@@ -53,7 +55,8 @@ def train(
     hint = continue_command(command)
     try:
         with stop_messages(config.output.dir, hint):  # Ctrl-C, a full disk: one line saying how to continue
-            inputs = check_inputs(config, dist, lock, rows=rows, reward_functions=reward_functions, resume=resume)
+            inputs = check_inputs(config, dist, lock, rows=rows, reward_functions=reward_functions, resume=resume,
+                                  tools=tools)
             if dist.is_main:
                 for note in inputs.folder.notes:
                     print(note, flush=True)

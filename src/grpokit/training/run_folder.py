@@ -46,7 +46,7 @@ RESUMABLE_FIELDS = frozenset({
     "train.steps", "train.micro_batch_size", "train.logprob_chunk_size", "train.max_consecutive_skips",
     "train.fused_logprobs", "train.fused_backward", "train.skip_zero_advantage", "train.shared_prompt_forward",
     "train.keep_freed_memory", "rollout.preallocated_kv_cache", "rollout.shared_prefill",
-    "model.device", "rollout.vllm", "rewards.timeout_s",
+    "model.device", "rollout.vllm", "rewards.timeout_s", "tools.timeout_s",
     "output.dir", "output.save_every", "output.keep_last", "output.overwrite", "output.completions_every",
     "output.console", "output.tensorboard", "output.wandb",
 })

@@ -28,8 +28,9 @@ from grpokit.models.loading import check_model_folder, load_model, load_tokenize
 from grpokit.models.lora import AdapterDisabled, apply_lora
 from grpokit.models.parallel import DistributedContext
 from grpokit.rewards.core import RewardSpec
-from grpokit.rewards.registry import reward_specs, unique_reward_names
+from grpokit.rewards.registry import load_reward, reward_specs, unique_reward_names
 from grpokit.rollout.engines import RolloutEngine, build_engine
+from grpokit.rollout.tools import ToolBox, check_tool_template
 from grpokit.tasks import get_task
 from grpokit.training.checkpoint import list_checkpoints, restore_checkpoint
 from grpokit.training.run_folder import RunFolder, prepare_run_folder
@@ -85,9 +86,34 @@ def resolve_reward_specs(config: Config, task, functions: Sequence[Callable] | N
                      "or 'file.py:function'), or use a built-in data.task")
 
 
-def tokenize_prompts(config: Config, data: PreparedData, tokenizer, max_positions: int | None) -> PromptTable:
-    """Render (chat template) and tokenize every prompt; reject any too long for the context."""
-    ids = [tokenizer(render_prompt(tokenizer, r["prompt"]), add_special_tokens=False)["input_ids"] for r in data.rows]
+def resolve_tools(config: Config, functions: Sequence[Callable] | None = None) -> ToolBox | None:
+    """Python callables given to `train(tools=...)`, else `tools.functions`; None when there are none."""
+    t = config.tools
+    if not functions and not t.functions:
+        return None
+    if config.rollout.engine != "hf":
+        raise SetupError("tools: multi-turn rollouts run on the built-in sampler for now; set rollout.engine = \"hf\"")
+    functions = list(functions or [load_reward(ref, kind="tool") for ref in t.functions])
+    try:
+        return ToolBox(functions, timeout_s=t.timeout_s)
+    except ValueError as e:
+        raise SetupError(f"tools.functions: {e}") from None
+
+
+def tokenize_prompts(config: Config, data: PreparedData, tokenizer, max_positions: int | None,
+                     tools: ToolBox | None = None) -> PromptTable:
+    """Render (chat template; with tools, their schemas too) and tokenize every prompt; reject any too
+    long for the context. With tools a plain-string prompt becomes one user message."""
+    if tools:
+        try:
+            check_tool_template(tokenizer, tools)
+        except ValueError as e:
+            raise SetupError(f"tools: {config.model.path}: {e}") from None
+        texts = [render_prompt(tokenizer, r["prompt"] if not isinstance(r["prompt"], str) else
+                               [{"role": "user", "content": r["prompt"]}], tools=tools.schemas) for r in data.rows]
+    else:
+        texts = [render_prompt(tokenizer, r["prompt"]) for r in data.rows]
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     budget = config.rollout.max_new_tokens
     for i, prompt_ids in enumerate(ids):
         if not prompt_ids:
@@ -125,6 +151,7 @@ class Inputs:
     prompts: PromptTable
     folder: RunFolder  # the prepared output folder (resume point, notes)
     resume: bool
+    tools: ToolBox | None = None  # multi-turn rollouts with tool calls
 
     @property
     def complete(self) -> bool:
@@ -155,17 +182,19 @@ class Run:
     start_step: int  # 0, or the step of the checkpoint resumed from
 
 
-def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward_functions, resume: bool) -> Inputs:
+def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward_functions, resume: bool,
+                 tools: Sequence[Callable] | None = None) -> Inputs:
     """Every check that can run before the model loads, in the order a user would fix them."""
     local = dist.local_config(config)  # B % world, minibatch splits: ConfigError before anything loads
     check_model_folder(config.model.path)
     resolve_device(config.model.device)  # a device this machine lacks fails here, not after the folder is prepared
     data = prepare_data(config, rows)
     specs = resolve_reward_specs(config, data.task, reward_functions)
+    toolbox = resolve_tools(config, tools)
     tokenizer = load_tokenizer(config.model.path)
-    prompts = tokenize_prompts(config, data, tokenizer, max_positions_of(config.model.path))
+    prompts = tokenize_prompts(config, data, tokenizer, max_positions_of(config.model.path), toolbox)
     folder = dist.run_on_main(prepare_run_folder, config, resume=resume, lock=lock)
-    return Inputs(local, data, specs, tokenizer, prompts, folder, resume)
+    return Inputs(local, data, specs, tokenizer, prompts, folder, resume, toolbox)
 
 
 def build_policy(config: Config) -> Policy:
@@ -198,7 +227,8 @@ def build_run(config: Config, inputs: Inputs, dist: DistributedContext, engine=N
     policy = build_policy(config)
     sampler = torch.Generator(device=policy.model.device).manual_seed(config.train.seed + dist.rank)
     stream = dist.shard_stream(inputs.data.stream(config.train.prompts_per_step, seed=config.data.seed))
-    rollout_engine = (engine or build_engine)(inputs.local, policy.model, inputs.tokenizer)
+    rollout_engine = engine(inputs.local, policy.model, inputs.tokenizer) if engine else \
+        build_engine(inputs.local, policy.model, inputs.tokenizer, tools=inputs.tools)
     start_step = 0
     if inputs.resume and (checkpoints := list_checkpoints(inputs.folder.path)):
         start_step = restore_checkpoint(checkpoints[-1], policy, sampler, stream)

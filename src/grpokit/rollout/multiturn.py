@@ -1,0 +1,186 @@
+"""Multi-turn rollouts with tool calls, in one KV cache.
+
+    rollout, stats = sample_conversations(model, prompt_ids, group_size=G, max_new_tokens=256, tools=toolbox, ...)
+
+Each of the N = B*G rows generates an assistant turn; a turn ends at an end-of-turn token (EOS).
+When it called tools (`tools.parse_tool_calls`), the calls run (all rows' calls of that step at
+once, in threads, each bounded by the tools' `timeout_s`), the chat template renders the results
+and the header of the next assistant turn (`tools.tool_suffix_ids`), and those tokens are
+appended to that row in the same KV cache: the conversation is never prefilled again and what the
+policy sampled is never decoded and re-encoded, so the token ids it is trained on are the ones it
+sampled. Rows whose turn ended without a call leave the batch, as in the single-turn sampler.
+
+One forward per step serves every row: a row that continues feeds its sampled token, a row that
+got tool results feeds them (r tokens); the step's input is [n, R] with R the longest, shorter
+rows padded with masked *holes*. Positions count only real tokens, so a hole changes nothing: the
+compacted sequence [prompt | completion] without holes gets the same logits in the trainer's
+recompute (checked by the tests against a full re-prefill).
+
+`rollout.max_new_tokens` caps all completion tokens of an answer: the sampled ones and the tool
+results. A tool result that does not fit (with room for one more token) is not appended; the
+answer then ends there, marked truncated, like an answer that runs out of tokens mid-turn.
+`max_tool_turns` (TRL's `max_tool_calling_iterations`) bounds the turns whose calls are run; the
+turn after the last allowed one ends the answer even if it calls a tool again.
+
+The returned `Rollout` has `tool_mask` [N, T]: 1 on tool-result tokens (context the policy did not
+choose, log-prob 0 here), which the trainer removes from the loss, the KL, the entropy, the clip
+statistics and the token counts.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from grpokit.models.forward import position_ids_from_mask
+from grpokit.rollout.batch import Rollout, left_pad, rollout_from_tokens
+from grpokit.rollout.decode import _Decoder
+from grpokit.rollout.sampling import sample_tokens
+from grpokit.rollout.tools import ToolBox, ToolCall, ToolResult, parse_tool_calls, tool_suffix_ids
+
+
+@dataclass
+class ToolStats:
+    """What the tools did in one batch of rollouts; per answer [N] lists, group by group."""
+
+    calls: list[int]  # tool calls made
+    failures: list[int]  # calls whose result was an error
+    turns: list[int]  # assistant turns
+    conversations: list[list[dict]]  # the completion as messages: assistant turns and tool results
+    seconds: float = 0.0  # wall time spent waiting for tools
+    per_tool: Counter = field(default_factory=Counter)  # calls by tool name
+
+
+def sample_conversations(
+    model, prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: int, eos_token_ids: Sequence[int],
+    pad_token_id: int, tokenizer, tools: ToolBox, max_tool_turns: int = 8, temperature: float = 1.0,
+    top_p: float = 1.0, top_k: int = 0, generator: torch.Generator | None = None, sampler: str = "inverse_cdf",
+    parse_calls: Callable[[str], list[ToolCall]] = parse_tool_calls,
+    render_results: Callable[[list[ToolResult]], list[int]] | None = None,
+) -> tuple[Rollout, ToolStats]:
+    """Sample `group_size` multi-turn answers per prompt; see the module docstring.
+
+    `parse_calls` (text of one turn -> calls) and `render_results` (results -> suffix token ids,
+    default: the chat template) are the model-format hooks."""
+    render = render_results or (lambda results: tool_suffix_ids(tokenizer, results))
+    device = model.device
+    eos = torch.as_tensor(list(eos_token_ids), dtype=torch.long, device=device)
+    if not eos.numel():
+        raise ValueError("multi-turn sampling needs an end-of-turn token: eos_token_ids is empty")
+    was_training = model.training
+    model.eval()
+    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, sampler=sampler)
+    try:
+        with torch.inference_mode():
+            tokens, logps, is_tool, truncated, stats = _loop(model, prompt_ids, group_size, max_new_tokens, eos,
+                                                             pad_token_id, tokenizer, tools, max_tool_turns, sampling,
+                                                             parse_calls, render)
+    finally:
+        model.train(was_training)
+    # built outside inference mode: the trainer indexes its differentiable log-probs with these tensors
+    return _to_rollout(prompt_ids, tokens, logps, is_tool, truncated, group_size, pad_token_id, model.device), stats
+
+
+def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_turns, sampling, parse_calls,
+          render):
+    """The decode loop; returns per row: tokens, log-probs, tool flags, truncated; and the tool stats."""
+    ids, mask = left_pad(prompt_ids, pad_id, model.device)  # [B, P]
+    step = _Decoder(model, capacity=ids.shape[1] + budget)  # grows if holes need more room
+    positions = position_ids_from_mask(mask)  # [B, P]
+    logits = step(ids, mask, positions).repeat_interleave(G, 0)  # [N, V]: B prompts prefilled once
+    step.repeat_rows(G)
+    mask = mask.repeat_interleave(G, 0)  # [N, P+...]: 0 on left padding and on holes
+    next_pos = positions[:, -1].repeat_interleave(G) + 1  # [N] position of each row's next real token
+    N = logits.shape[0]
+    tokens: list[list[int]] = [[] for _ in range(N)]
+    logps: list[list[float]] = [[] for _ in range(N)]
+    is_tool: list[list[int]] = [[] for _ in range(N)]
+    turn_start, truncated = [0] * N, [False] * N
+    stats = ToolStats([0] * N, [0] * N, [1] * N, [[] for _ in range(N)])
+    active = list(range(N))  # original row ids, in cache order
+    while active:
+        tok, lp = sample_tokens(logits, **sampling)  # [n]
+        ended = torch.isin(tok, eos).tolist()
+        feed: list[list[int]] = []  # per kept row, the tokens to run next
+        keep: list[int] = []  # cache rows that continue
+        waiting: list[tuple[int, int, int, list[ToolCall]]] = []  # (cache row, row, its end token, calls)
+        for j, (row, t, p, end) in enumerate(zip(active, tok.tolist(), lp.tolist(), ended)):
+            tokens[row].append(t)
+            logps[row].append(p)
+            is_tool[row].append(0)
+            if end:
+                text = tokenizer.decode(tokens[row][turn_start[row]:], skip_special_tokens=True)
+                stats.conversations[row].append({"role": "assistant", "content": text})
+                calls = parse_calls(text)
+                if calls and stats.turns[row] <= max_tool_turns:
+                    waiting.append((j, row, t, calls))
+            elif len(tokens[row]) >= budget:
+                truncated[row] = True
+                text = tokenizer.decode(tokens[row][turn_start[row]:], skip_special_tokens=True)
+                stats.conversations[row].append({"role": "assistant", "content": text})
+            else:
+                keep.append(j)
+                feed.append([t])
+        if waiting:
+            t0 = time.perf_counter()
+            results = tools.run([c for *_, calls in waiting for c in calls])
+            stats.seconds += time.perf_counter() - t0
+            for j, row, end_token, calls in waiting:
+                mine, results = results[:len(calls)], results[len(calls):]
+                suffix = render(mine)
+                stats.calls[row] += len(calls)
+                stats.failures[row] += sum(r.failed for r in mine)
+                stats.per_tool.update(r.name for r in mine)
+                if len(tokens[row]) + len(suffix) >= budget:  # no room for the results and one more token
+                    truncated[row] = True
+                    continue
+                stats.conversations[row].extend({"role": "tool", "name": r.name, "content": r.content} for r in mine)
+                tokens[row].extend(suffix)
+                logps[row].extend([0.0] * len(suffix))
+                is_tool[row].extend([1] * len(suffix))
+                turn_start[row] = len(tokens[row])
+                stats.turns[row] += 1
+                keep.append(j)
+                feed.append([end_token, *suffix])  # the cache has not seen the turn's end token yet
+        if not keep:
+            break
+        order = sorted(range(len(keep)), key=lambda k: keep[k])  # keep the cache's row order
+        keep, feed = [keep[k] for k in order], [feed[k] for k in order]
+        keep_t = torch.tensor(keep, device=mask.device)
+        if len(keep) < len(active):
+            step.select_rows(keep_t)
+        active, mask, next_pos = [active[j] for j in keep], mask[keep_t], next_pos[keep_t]
+        logits, mask, next_pos = _feed(step, feed, mask, next_pos, pad_id)
+    return tokens, logps, is_tool, truncated, stats
+
+
+def _feed(step: _Decoder, feed: list[list[int]], mask: Tensor, next_pos: Tensor, pad_id: int):
+    """Run each row's next tokens (one sampled token, or a tool result) in one forward [n, R];
+    rows shorter than R are padded with masked holes. Returns each row's logits after its last real
+    token [n, V], the grown mask and the next positions."""
+    n, R = len(feed), max(len(f) for f in feed)
+    ids = torch.full((n, R), pad_id, dtype=torch.long, device=mask.device)  # [n, R]
+    real = torch.zeros((n, R), dtype=mask.dtype, device=mask.device)  # [n, R]
+    for k, f in enumerate(feed):
+        ids[k, :len(f)] = torch.tensor(f, dtype=torch.long)
+        real[k, :len(f)] = 1
+    offsets = (real.cumsum(-1) - 1).clamp(min=0)  # [n, R] holes repeat the last real position
+    mask = torch.cat([mask, real], dim=1)  # [n, past+R]
+    logits = step.all_logits(ids, mask, next_pos[:, None] + offsets)  # [n, R, V]
+    last = real.sum(-1) - 1  # [n]
+    return logits[torch.arange(n, device=mask.device), last], mask, next_pos + real.sum(-1)
+
+
+def _to_rollout(prompt_ids, tokens, logps, is_tool, truncated, G, pad_id, device) -> Rollout:
+    """The compacted rollout: completions right-padded, no holes; `tool_mask` 1 on tool-result tokens."""
+    rollout = rollout_from_tokens(prompt_ids, tokens, logps, truncated, group_size=G, pad_token_id=pad_id,
+                                  device=device)
+    tool_mask = torch.zeros_like(rollout.completion_mask)  # [N, T]
+    for i, flags in enumerate(is_tool):
+        tool_mask[i, :len(flags)] = torch.tensor(flags, dtype=tool_mask.dtype)
+    return Rollout(**{**rollout.__dict__, "tool_mask": tool_mask})

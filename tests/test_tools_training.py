@@ -1,0 +1,150 @@
+"""Training with tools end to end: `train(tools=...)` and `[tools]` in TOML, the chat-template check,
+metrics and the conversations kept in completions.jsonl.
+
+The random tiny model never writes tool-call syntax by itself, so the run that must make calls uses
+an engine (train's `engine=` hook) whose turn end and call parser are scripted, as in
+test_multiturn.py; everything else (prompt rendering with the tools, grading, masking, metrics,
+logs) is the real path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from conftest import make_config, parity
+from grpokit.config.schema import ToolsConfig
+from grpokit.errors import SetupError
+from grpokit.models.tiny import TOOL_CHAT_TEMPLATE
+from grpokit.observe.tracking import read_jsonl, read_metrics
+from grpokit.rewards.graders import completion_text
+from grpokit.rollout.engines import HFEngine
+from grpokit.rollout.multiturn import sample_conversations
+from grpokit.rollout.tools import ToolBox, ToolCall
+from grpokit.training.loop import train
+
+TOOL_SOURCE = '''
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+'''
+namespace: dict = {}
+exec(TOOL_SOURCE, namespace)
+add = namespace["add"]
+
+
+def final_parity(completions, **kwargs):
+    """With tools, prompts are conversations and completions are messages (as in TRL): score the last turn."""
+    return parity([completion_text(c) for c in completions])
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with a chat template that renders tools and tool messages."""
+    path = tmp_path_factory.mktemp("tool-model")
+    shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOL_CHAT_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    return path
+
+
+def scripted_engine(box: ToolBox):
+    """HFEngine whose turns end at a digit and always call `add`: tool rounds on a random model."""
+
+    class Scripted(HFEngine):
+        def generate(self, prompt_ids, *, group_size, sampling, generator=None):
+            digits = [self.tokenizer.convert_tokens_to_ids(d) for d in "0123456789="]
+            rollout, self.tool_stats = sample_conversations(
+                self.model, prompt_ids, group_size=group_size, max_new_tokens=sampling.max_new_tokens,
+                eos_token_ids=digits, pad_token_id=sampling.pad_token_id, tokenizer=self.tokenizer, tools=box,
+                max_tool_turns=2, temperature=sampling.temperature, generator=generator,
+                parse_calls=lambda text: [ToolCall("add", {"a": len(text), "b": 1})])
+            return rollout
+
+    return lambda config, model, tokenizer: Scripted(model, tokenizer)
+
+
+def test_a_run_with_tool_calls_trains_logs_them_and_keeps_the_conversations(tool_model_dir, tmp_path):
+    config = make_config(tool_model_dir, tmp_path / "run", steps=2, max_new_tokens=64,
+                         output={"completions_every": 1})
+    run = train(config, reward_functions=[final_parity], tools=[add], engine=scripted_engine(ToolBox([add])))
+    metrics = read_metrics(run)
+    assert len(metrics) == 2
+    for m in metrics:
+        assert m["tools/call_frequency"] > 0 and m["tools/failure_frequency"] == 0
+        assert m["tools/turns_per_answer"] > 1 and m["tools/calls/add"] == m["tools/call_frequency"]
+        assert m["time/tools"] >= 0 and torch.isfinite(torch.tensor(m["loss"]))
+        assert m["completions/mean_length"] < 64  # sampled tokens only: the tool results fill the rest
+    rows = read_jsonl(run / "completions.jsonl")
+    conversation = rows[0]["conversation"]
+    assert conversation[0]["role"] == "assistant"
+    assert any(msg["role"] == "tool" and msg["name"] == "add" for row in rows for msg in row["conversation"])
+
+
+def test_tools_from_toml_render_into_the_prompts(tool_model_dir, tmp_path, monkeypatch):
+    (tmp_path / "my_tools.py").write_text(TOOL_SOURCE)
+    monkeypatch.chdir(tmp_path)
+    config = dataclasses.replace(make_config(tool_model_dir, tmp_path / "run", steps=1, max_new_tokens=8),
+                                 tools=ToolsConfig(functions=("my_tools.py:add",), max_calls=2, timeout_s=5))
+    seen = []
+    real = HFEngine.generate
+
+    def spy(self, prompt_ids, **kw):
+        seen.append(self.tokenizer.decode(prompt_ids[0]))
+        return real(self, prompt_ids, **kw)
+
+    monkeypatch.setattr(HFEngine, "generate", spy)
+    run = train(config, reward_functions=[final_parity])
+    assert seen[0].replace(" ", "").startswith("tools:add")  # the tiny tokenizer drops blanks
+    assert "tools/call_frequency" in read_metrics(run)[0]
+
+
+def test_a_chat_template_without_tools_is_refused_before_the_model_loads(tiny_model_dir, tmp_path):
+    config = make_config(tiny_model_dir, tmp_path / "run", steps=1)
+    with pytest.raises(SetupError, match="tools: .*ignores the tools.*chat_template"):
+        train(config, reward_functions=[final_parity], tools=[add])
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_tool_without_a_docstring_is_refused_naming_the_field(tool_model_dir, tmp_path):
+    def bare(x):
+        return x
+
+    config = make_config(tool_model_dir, tmp_path / "run", steps=1)
+    with pytest.raises(SetupError, match="tools.functions: tool 'bare'"):
+        train(config, reward_functions=[final_parity], tools=[bare])
+
+
+def test_the_loss_mask_of_a_multi_turn_batch_leaves_out_the_tool_results(tool_model_dir, tmp_path):
+    from grpokit.models.loading import load_model, load_tokenizer
+    from grpokit.rewards.core import RewardSpec
+    from grpokit.training.generate import generate_and_grade
+    from grpokit.training.setup import PromptTable
+
+    model, tok = load_model(tool_model_dir, device="cpu"), load_tokenizer(tool_model_dir)
+    config = make_config(tool_model_dir, tmp_path / "run", max_new_tokens=64, prompts_per_step=2)
+    rows = [{"prompt": p} for p in ("12+7=", "3+45=")]
+    prompts = PromptTable(rows, [tok.encode(r["prompt"], add_special_tokens=False) for r in rows], [tok.eos_token_id])
+
+    class Stream:
+        def next_batch(self):
+            return [0, 1]
+
+    engine = scripted_engine(ToolBox([add]))(config, model, tok)
+    batch, metrics = generate_and_grade(config, engine, tok, prompts, Stream(), [RewardSpec("p", final_parity)],
+                                        torch.Generator().manual_seed(0))
+    r = batch.rollout
+    assert r.tool_mask.sum() > 0 and metrics["tools/call_frequency"] > 0
+    assert torch.equal(batch.loss_mask, r.completion_mask * (1 - r.tool_mask))
+    assert batch.loss_mask[r.tool_mask.bool()].sum() == 0
