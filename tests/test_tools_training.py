@@ -59,17 +59,18 @@ def tool_model_dir(tiny_model_dir, tmp_path_factory):
     return path
 
 
-def scripted_engine(box: ToolBox):
-    """HFEngine whose turns end at a digit and always call `add`: tool rounds on a random model."""
+def scripted_engine(box: ToolBox | None, call: ToolCall | None = None):
+    """HFEngine whose turns end at a digit or "=" and always make one call (`add` unless `call` says
+    otherwise): tool rounds on a random model. With environments the engine's per-answer boxes are used."""
 
     class Scripted(HFEngine):
         def generate(self, prompt_ids, *, group_size, sampling, generator=None):
             digits = [self.tokenizer.convert_tokens_to_ids(d) for d in "0123456789="]
             rollout, self.tool_stats = sample_conversations(
                 self.model, prompt_ids, group_size=group_size, max_new_tokens=sampling.max_new_tokens,
-                eos_token_ids=digits, pad_token_id=sampling.pad_token_id, tokenizer=self.tokenizer, tools=box,
-                max_tool_turns=2, temperature=sampling.temperature, generator=generator,
-                parse_calls=lambda text: [ToolCall("add", {"a": len(text), "b": 1})])
+                eos_token_ids=digits, pad_token_id=sampling.pad_token_id, tokenizer=self.tokenizer,
+                tools=self.tools or box, max_tool_turns=2, temperature=sampling.temperature, generator=generator,
+                parse_calls=lambda text: [call or ToolCall("add", {"a": len(text), "b": 1})])
             return rollout
 
     return lambda config, model, tokenizer: Scripted(model, tokenizer)
@@ -148,3 +149,87 @@ def test_the_loss_mask_of_a_multi_turn_batch_leaves_out_the_tool_results(tool_mo
     assert r.tool_mask.sum() > 0 and metrics["tools/call_frequency"] > 0
     assert torch.equal(batch.loss_mask, r.completion_mask * (1 - r.tool_mask))
     assert batch.loss_mask[r.tool_mask.bool()].sum() == 0
+
+
+# ---- environments (TRL's environment_factory) -----------------------------------------------------
+
+ENV_SOURCE = '''
+class Counter:
+    """A TRL-style environment: reset with the row, one tool method, its own reward."""
+
+    def reset(self, **row):
+        self.count = 0
+        return OBSERVATION
+
+    def increment(self, step: int) -> int:
+        """Add to the counter.
+
+        Args:
+            step: How much to add.
+        """
+        self.count += step
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count)
+'''
+
+
+def counter_class(observation=None):
+    namespace = {"OBSERVATION": observation}
+    exec(ENV_SOURCE, namespace)
+    return namespace["Counter"]
+
+
+def test_an_environment_gives_each_answer_its_own_instance_tools_and_reward(tool_model_dir, tmp_path):
+    seen, pairs = [], []
+
+    def own_counts(completions, environments, **kwargs):
+        seen.append(environments)
+        shown = [sum(m["role"] == "tool" for m in c) for c in completions]  # results the answer saw
+        pairs.extend(zip(shown, [env.count for env in environments]))
+        return [float(env.count) for env in environments]
+
+    config = make_config(tool_model_dir, tmp_path / "run", steps=2, max_new_tokens=64)
+    run = train(config, reward_functions=[own_counts], environment_factory=counter_class(),
+                engine=scripted_engine(None, ToolCall("increment", {"step": 1})))
+    metrics = read_metrics(run)
+    for m in metrics:
+        assert m["tools/call_frequency"] > 0 and m["tools/failure_frequency"] == 0
+        # every successful call added 1 to the answer's own counter: its reward is its own call count
+        assert m["rewards/Counter/mean"] == pytest.approx(m["tools/call_frequency"])
+        assert m["rewards/own_counts/mean"] == pytest.approx(m["rewards/Counter/mean"])
+    # each answer's own instance counted its own calls: those it saw, plus one whose result did not fit
+    assert all(shown <= count <= shown + 1 for shown, count in pairs) and any(count for _, count in pairs)
+    batch = seen[0]
+    assert len(batch) == 4 * 4 and len({id(env) for env in batch}) == len(batch)  # one instance per answer
+    assert seen[1][0] is seen[0][0]  # pooled: the next batch resets the same instances
+
+
+def test_what_reset_returns_is_appended_to_each_answers_prompt(tool_model_dir, tmp_path, monkeypatch):
+    seen = []
+    real = HFEngine.generate
+
+    def spy(self, prompt_ids, *, group_size, **kw):
+        seen.append((len(prompt_ids), group_size, self.tokenizer.decode(prompt_ids[0])))
+        return real(self, prompt_ids, group_size=group_size, **kw)
+
+    monkeypatch.setattr(HFEngine, "generate", spy)
+    config = make_config(tool_model_dir, tmp_path / "run", steps=1, max_new_tokens=8)
+    train(config, environment_factory=counter_class(observation="(start at zero)"))
+    n_prompts, group, text = seen[0]
+    assert (n_prompts, group) == (16, 1)  # each answer its own prompt
+    assert "(startatzero)" in text.replace(" ", "") and text.replace(" ", "").startswith("tools:increment")
+
+
+def test_an_environment_from_toml_and_one_without_reset(tool_model_dir, tmp_path, monkeypatch):
+    (tmp_path / "envs.py").write_text(ENV_SOURCE.replace("OBSERVATION", "None"))
+    (tmp_path / "bad.py").write_text("class NoReset:\n    def step(self, x: int) -> int:\n        return x\n")
+    monkeypatch.chdir(tmp_path)
+    base = make_config(tool_model_dir, tmp_path / "run", steps=1, max_new_tokens=8)
+    run = train(dataclasses.replace(base, tools=ToolsConfig(environment="envs.py:Counter")))
+    assert "rewards/Counter/mean" in read_metrics(run)[0]  # the environment's reward alone is enough
+    bad = dataclasses.replace(base, tools=ToolsConfig(environment="bad.py:NoReset"),
+                              output=dataclasses.replace(base.output, dir=str(tmp_path / "bad-run")))
+    with pytest.raises(SetupError, match="tools.environment: environment NoReset: it needs a reset"):
+        train(bad)

@@ -42,6 +42,7 @@ _EXAMPLES = {
     "rollout.vllm": "{gpu_memory_utilization = 0.3}",
     "algorithm.preset": '"dapo"',
     "tools.functions": '["tools.py:calculator"]',
+    "tools.environment": '"envs.py:Counter"',
 }
 
 

@@ -300,6 +300,7 @@ class ToolsConfig:
     """Tools the policy may call inside an answer (multi-turn rollouts; rollout/tools.py, docs/TOOLS.md)."""
 
     functions: tuple[str, ...] = ()  # "file.py:function" / "package.module:function", as TRL's tools=[...]
+    environment: str = ""  # "file.py:Class" (TRL's environment_factory): one instance per answer, methods as tools
     max_calls: int = 8  # tool-calling turns per answer (TRL's max_tool_calling_iterations)
     timeout_s: float = 30.0  # per call; a call still running then is a failed call (its result an error)
 

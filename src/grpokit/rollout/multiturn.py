@@ -41,7 +41,7 @@ from grpokit.models.forward import position_ids_from_mask
 from grpokit.rollout.batch import Rollout, left_pad, rollout_from_tokens
 from grpokit.rollout.decode import _Decoder
 from grpokit.rollout.sampling import sample_tokens
-from grpokit.rollout.tools import ToolBox, ToolCall, ToolResult, parse_tool_calls, tool_suffix_ids
+from grpokit.rollout.tools import ToolBox, ToolCall, ToolResult, parse_tool_calls, run_calls, tool_suffix_ids
 
 
 @dataclass
@@ -58,12 +58,13 @@ class ToolStats:
 
 def sample_conversations(
     model, prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: int, eos_token_ids: Sequence[int],
-    pad_token_id: int, tokenizer, tools: ToolBox, max_tool_turns: int = 8, temperature: float = 1.0,
+    pad_token_id: int, tokenizer, tools: ToolBox | Sequence[ToolBox], max_tool_turns: int = 8, temperature: float = 1.0,
     top_p: float = 1.0, top_k: int = 0, generator: torch.Generator | None = None, sampler: str = "inverse_cdf",
     parse_calls: Callable[[str], list[ToolCall]] = parse_tool_calls,
     render_results: Callable[[list[ToolResult]], list[int]] | None = None,
 ) -> tuple[Rollout, ToolStats]:
-    """Sample `group_size` multi-turn answers per prompt; see the module docstring.
+    """Sample `group_size` multi-turn answers per prompt; see the module docstring. `tools` is one tool
+    box for every answer, or one per answer (N, group by group: environments' own methods).
 
     `parse_calls` (text of one turn -> calls) and `render_results` (results -> suffix token ids,
     default: the chat template) are the model-format hooks."""
@@ -128,7 +129,8 @@ def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_
                 feed.append([t])
         if waiting:
             t0 = time.perf_counter()
-            results = tools.run([c for *_, calls in waiting for c in calls])
+            boxes = [tools if isinstance(tools, ToolBox) else tools[row] for _, row, _, calls in waiting for _ in calls]
+            results = run_calls(list(zip(boxes, [c for *_, calls in waiting for c in calls])))
             stats.seconds += time.perf_counter() - t0
             for j, row, end_token, calls in waiting:
                 mine, results = results[:len(calls)], results[len(calls):]

@@ -72,6 +72,9 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
+_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpokit-tool")
+
+
 class ToolBox:
     """The tools of a run by name, their JSON schemas for the chat template, and a bounded way to call them."""
 
@@ -92,33 +95,21 @@ class ToolBox:
             self.functions[name] = fn
             self.schemas.append(schema)
         self.timeout_s = timeout_s
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpokit-tool")
 
     def __bool__(self) -> bool:
         return bool(self.functions)
 
+    def rebound(self, functions: Sequence[Callable]) -> "ToolBox":
+        """The same tools (names, schemas, timeout) calling other functions of the same names: an
+        environment instance's own bound methods."""
+        box = ToolBox.__new__(ToolBox)
+        box.functions = {**self.functions, **{fn.__name__: fn for fn in functions}}
+        box.schemas, box.timeout_s = self.schemas, self.timeout_s
+        return box
+
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
-        """Run the calls of several rows at once (threads); each result within `timeout_s` of the start."""
-        futures = [None if call.error or call.name not in self.functions else
-                   self._pool.submit(self._call, self.functions[call.name], call.arguments) for call in calls]
-        results = []
-        for call, future in zip(calls, futures):
-            name = call.name or "unknown"
-            if call.error:
-                results.append(ToolResult(name, _error(call.error), True))
-            elif future is None:
-                known = ", ".join(self.functions)
-                results.append(ToolResult(name, _error(f"unknown tool {call.name!r}; the tools are: {known}"), True))
-            else:
-                try:
-                    value = future.result(timeout=self.timeout_s or None)
-                    results.append(ToolResult(name, value if isinstance(value, str) else str(value), False))
-                except concurrent.futures.TimeoutError:
-                    results.append(ToolResult(name, _error(f"the tool did not answer within {self.timeout_s:g} s"),
-                                              True))
-                except Exception as e:  # noqa: BLE001 - a tool's own failure is the model's problem, not the run's
-                    results.append(ToolResult(name, _error(f"{type(e).__name__}: {e}"), True))
-        return results
+        """Run calls at once (threads); each result within `timeout_s` of the start."""
+        return run_calls([(self, call) for call in calls])
 
     @staticmethod
     def _call(fn: Callable, arguments: dict) -> Any:
@@ -128,6 +119,29 @@ class ToolBox:
             raise TypeError(f"wrong arguments {sorted(arguments)}: {e}") from None
         value = fn(**arguments)
         return asyncio.run(value) if inspect.iscoroutine(value) else value
+
+
+def run_calls(pairs: Sequence[tuple[ToolBox, ToolCall]]) -> list[ToolResult]:
+    """Run each call with its own tool box (rows may each have their own: environments), all at once."""
+    futures = [None if call.error or call.name not in box.functions else
+               _POOL.submit(box._call, box.functions[call.name], call.arguments) for box, call in pairs]
+    results = []
+    for (box, call), future in zip(pairs, futures):
+        name = call.name or "unknown"
+        if call.error:
+            results.append(ToolResult(name, _error(call.error), True))
+        elif future is None:
+            known = ", ".join(box.functions)
+            results.append(ToolResult(name, _error(f"unknown tool {call.name!r}; the tools are: {known}"), True))
+        else:
+            try:
+                value = future.result(timeout=box.timeout_s or None)
+                results.append(ToolResult(name, value if isinstance(value, str) else str(value), False))
+            except concurrent.futures.TimeoutError:
+                results.append(ToolResult(name, _error(f"the tool did not answer within {box.timeout_s:g} s"), True))
+            except Exception as e:  # noqa: BLE001 - a tool's own failure is the model's problem, not the run's
+                results.append(ToolResult(name, _error(f"{type(e).__name__}: {e}"), True))
+    return results
 
 
 def _error(message: str) -> str:

@@ -13,11 +13,13 @@ import torch
 
 from grpokit.algorithms.advantages import group_advantages
 from grpokit.config.schema import Config
+from grpokit.data.prompts import render_prompt
 from grpokit.models.parallel import all_ranks
 from grpokit.observe.metrics import completion_metrics, reward_summary, tool_metrics
 from grpokit.rewards.core import RewardSpec, reward_metrics
 from grpokit.rollout.batch import Rollout
 from grpokit.rollout.engines import RolloutEngine, SamplingParams
+from grpokit.rollout.environments import Environments, with_observation
 from grpokit.rollout.grading import Draw, grade
 from grpokit.training.setup import PromptTable
 
@@ -39,9 +41,11 @@ class GenerationBatch:
 
 
 def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts: PromptTable, stream,
-                       specs: list[RewardSpec], sampler: torch.Generator) -> tuple[GenerationBatch, dict]:
+                       specs: list[RewardSpec], sampler: torch.Generator,
+                       environments: Environments | None = None) -> tuple[GenerationBatch, dict]:
     """Sample G answers for B prompts and grade them; with dynamic sampling, keep drawing
-    prompt batches (up to `max_resample_rounds` more) until B groups carry signal."""
+    prompt batches (up to `max_resample_rounds` more) until B groups carry signal. With
+    environments, each answer gets its own instance, reset with its row first."""
     sampling = SamplingParams.from_config(config, prompts.eos_token_ids, tokenizer.pad_token_id)
     G, B, algo = config.rollout.group_size, config.train.prompts_per_step, config.algorithm
     draws: list[Draw] = []
@@ -49,14 +53,18 @@ def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts
     t_rollout = t_reward = 0.0
     for _ in range(1 + (algo.max_resample_rounds if algo.dynamic_sampling else 0)):
         indices = stream.next_batch()  # B row indices
+        rows = [prompts.rows[i] for i in indices]
+        ids, group = [prompts.ids[i] for i in indices], G
+        if environments is not None:
+            ids, group = _start_environments(environments, engine, tokenizer, rows, ids, G)
         t0 = time.perf_counter()
-        rollout = engine.generate([prompts.ids[i] for i in indices], group_size=G, sampling=sampling,
-                                  generator=sampler)
+        rollout = engine.generate(ids, group_size=group, sampling=sampling, generator=sampler)
         t1 = time.perf_counter()
         stats = getattr(engine, "tool_stats", None)  # an engine given to train() may not know of tools
         tool_stats += [stats] if stats is not None else []
-        draws.append(grade(rollout, [prompts.rows[i] for i in indices], tokenizer, specs, G,
-                           conversations=None if stats is None else stats.conversations))
+        draws.append(grade(rollout, rows, tokenizer, specs, G,
+                           conversations=None if stats is None else stats.conversations,
+                           environments=None if environments is None else environments.active))
         t_rollout, t_reward = t_rollout + t1 - t0, t_reward + time.perf_counter() - t1
         # several processes: every one draws as often as the one that needs most (streams stay in step)
         if not algo.dynamic_sampling or all_ranks(sum(d.with_signal(G).size for d in draws) >= B * G):
@@ -78,3 +86,16 @@ def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts
         metrics["dynamic_sampling/groups_kept"] = draw.size / G
         metrics["dynamic_sampling/draws"] = len(draws)
     return GenerationBatch(draw, advantages, loss_mask), metrics
+
+
+def _start_environments(environments: Environments, engine, tokenizer, rows: list[dict], ids: list[list[int]],
+                        G: int) -> tuple[list[list[int]], int]:
+    """Reset one instance per answer; the engine calls each answer's own methods. When a `reset` returned
+    text, every answer gets its own prompt (the G answers to a row no longer share one): N prompts, 1 each."""
+    boxes, observations = environments.start([row for row in rows for _ in range(G)])
+    engine.tools = boxes
+    if all(o is None for o in observations):
+        return ids, G
+    texts = [render_prompt(tokenizer, with_observation(row["prompt"], o), tools=environments.toolbox.schemas)
+             for row, o in zip([row for row in rows for _ in range(G)], observations)]
+    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts], 1

@@ -42,10 +42,11 @@ def train(
     engine: Callable | None = None,
     command: str | None = None,
     tools: Sequence[Callable] | None = None,
+    environment_factory: Callable | None = None,
 ) -> Path:
     """Run GRPO as `config` says; returns the run folder. Python-side callables and
-    rows may replace the config's `rewards.functions` and data source, `tools` its `tools.functions`
-    (TRL's tool functions: multi-turn rollouts), and `engine(config,
+    rows may replace the config's `rewards.functions` and data source, `tools` and `environment_factory`
+    its `tools.functions` and `tools.environment` (TRL's: multi-turn rollouts), and `engine(config,
     model, tokenizer)` the rollout engine (rollout/engines.py). Under torchrun every process runs
     this together (models/parallel.py): each takes its share of every batch, rank 0 writes the
     files. `command` is how the run was started (the CLI's own words); stop messages build the
@@ -56,7 +57,7 @@ def train(
     try:
         with stop_messages(config.output.dir, hint):  # Ctrl-C, a full disk: one line saying how to continue
             inputs = check_inputs(config, dist, lock, rows=rows, reward_functions=reward_functions, resume=resume,
-                                  tools=tools)
+                                  tools=tools, environment_factory=environment_factory)
             if dist.is_main:
                 for note in inputs.folder.notes:
                     print(note, flush=True)
@@ -100,7 +101,7 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
                 t0 = time.perf_counter()
                 # rollout -> grade -> advantages
                 batch, gen_metrics = generate_and_grade(local, run.engine, inputs.tokenizer, inputs.prompts,
-                                                        run.stream, inputs.specs, run.sampler)
+                                                        run.stream, inputs.specs, run.sampler, inputs.environments)
                 t1 = time.perf_counter()
                 # update: old / reference log-probs, then μ passes of clipped-surrogate steps
                 batch = score_old_and_ref(local, policy, batch)

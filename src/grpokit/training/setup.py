@@ -30,6 +30,7 @@ from grpokit.models.parallel import DistributedContext
 from grpokit.rewards.core import RewardSpec
 from grpokit.rewards.registry import load_reward, reward_specs, unique_reward_names
 from grpokit.rollout.engines import RolloutEngine, build_engine
+from grpokit.rollout.environments import Environments
 from grpokit.rollout.tools import ToolBox, check_tool_template
 from grpokit.tasks import get_task
 from grpokit.training.checkpoint import list_checkpoints, restore_checkpoint
@@ -64,8 +65,10 @@ def prepare_data(config: Config, rows: Iterable[dict] | None = None) -> Prepared
     return PreparedData(load_prompts(d.path, prompt_column=d.prompt_column), None)
 
 
-def resolve_reward_specs(config: Config, task, functions: Sequence[Callable] | None = None) -> list[RewardSpec]:
-    """Python callables given to `train`, else `rewards.functions`, else the task's verifier.
+def resolve_reward_specs(config: Config, task, functions: Sequence[Callable] | None = None, *,
+                         optional: bool = False) -> list[RewardSpec]:
+    """Python callables given to `train`, else `rewards.functions`, else the task's verifier (none, when
+    `optional`: an environment's own reward is there).
 
     A callable is named by its `__name__` (`reward_<i>` without one); callables sharing a name are
     told apart by their module (`mod_a.score`, `mod_b.score`), else numbered (`score`, `score_2`):
@@ -82,22 +85,30 @@ def resolve_reward_specs(config: Config, task, functions: Sequence[Callable] | N
         return reward_specs(list(r.functions), weights, r.args, default_timeout=timeout)
     if task is not None:
         return task.reward_functions()
+    if optional:
+        return []
     raise SetupError("no reward functions: set rewards.functions (a built-in name such as 'numeric_match', "
                      "or 'file.py:function'), or use a built-in data.task")
 
 
-def resolve_tools(config: Config, functions: Sequence[Callable] | None = None) -> ToolBox | None:
-    """Python callables given to `train(tools=...)`, else `tools.functions`; None when there are none."""
+def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
+                  environment_factory: Callable | None = None) -> tuple[ToolBox | None, Environments | None]:
+    """Python callables given to `train(tools=...)`, else `tools.functions`; the environment factory given
+    to `train`, else `tools.environment`. (None, None) when there are neither."""
     t = config.tools
-    if not functions and not t.functions:
-        return None
+    factory = environment_factory or (load_reward(t.environment, kind="environment") if t.environment else None)
+    if not functions and not t.functions and factory is None:
+        return None, None
     if config.rollout.engine != "hf":
         raise SetupError("tools: multi-turn rollouts run on the built-in sampler for now; set rollout.engine = \"hf\"")
     functions = list(functions or [load_reward(ref, kind="tool") for ref in t.functions])
     try:
-        return ToolBox(functions, timeout_s=t.timeout_s)
+        if factory is not None:
+            environments = Environments(factory, functions, timeout_s=t.timeout_s)
+            return environments.toolbox, environments
+        return ToolBox(functions, timeout_s=t.timeout_s), None
     except ValueError as e:
-        raise SetupError(f"tools.functions: {e}") from None
+        raise SetupError(f"{'tools.environment' if factory is not None else 'tools.functions'}: {e}") from None
 
 
 def tokenize_prompts(config: Config, data: PreparedData, tokenizer, max_positions: int | None,
@@ -152,6 +163,7 @@ class Inputs:
     folder: RunFolder  # the prepared output folder (resume point, notes)
     resume: bool
     tools: ToolBox | None = None  # multi-turn rollouts with tool calls
+    environments: Environments | None = None  # one instance per answer, their methods as tools
 
     @property
     def complete(self) -> bool:
@@ -183,18 +195,19 @@ class Run:
 
 
 def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward_functions, resume: bool,
-                 tools: Sequence[Callable] | None = None) -> Inputs:
+                 tools: Sequence[Callable] | None = None, environment_factory: Callable | None = None) -> Inputs:
     """Every check that can run before the model loads, in the order a user would fix them."""
     local = dist.local_config(config)  # B % world, minibatch splits: ConfigError before anything loads
     check_model_folder(config.model.path)
     resolve_device(config.model.device)  # a device this machine lacks fails here, not after the folder is prepared
     data = prepare_data(config, rows)
-    specs = resolve_reward_specs(config, data.task, reward_functions)
-    toolbox = resolve_tools(config, tools)
+    toolbox, environments = resolve_tools(config, tools, environment_factory)
+    own = environments.reward_spec() if environments is not None else None  # the environment's get_reward
+    specs = resolve_reward_specs(config, data.task, reward_functions, optional=own is not None) + ([own] if own else [])
     tokenizer = load_tokenizer(config.model.path)
     prompts = tokenize_prompts(config, data, tokenizer, max_positions_of(config.model.path), toolbox)
     folder = dist.run_on_main(prepare_run_folder, config, resume=resume, lock=lock)
-    return Inputs(local, data, specs, tokenizer, prompts, folder, resume, toolbox)
+    return Inputs(local, data, specs, tokenizer, prompts, folder, resume, toolbox, environments)
 
 
 def build_policy(config: Config) -> Policy:
