@@ -20,6 +20,7 @@ from conftest import make_config, parity
 from grpokit.config.schema import ToolsConfig
 from grpokit.errors import SetupError
 from grpokit.models.tiny import TOOL_CHAT_TEMPLATE
+from grpokit.observe.report import build_report
 from grpokit.observe.tracking import read_jsonl, read_metrics
 from grpokit.rewards.graders import completion_text
 from grpokit.rollout.engines import HFEngine
@@ -87,6 +88,8 @@ def test_a_run_with_tool_calls_trains_logs_them_and_keeps_the_conversations(tool
         assert m["tools/turns_per_answer"] > 1 and m["tools/calls/add"] == m["tools/call_frequency"]
         assert m["time/tools"] >= 0 and torch.isfinite(torch.tensor(m["loss"]))
         assert m["completions/mean_length"] < 64  # sampled tokens only: the tool results fill the rest
+    page = build_report(run).read_text()
+    assert page.count('class="turn tool"') > 0 and 'class="turn assistant"' in page  # tool results set apart
     rows = read_jsonl(run / "completions.jsonl")
     conversation = rows[0]["conversation"]
     assert conversation[0]["role"] == "assistant"

@@ -183,7 +183,23 @@ def group_table(group: list[dict], *, std_kind: str = "population", scale: str =
     rows.append(f"<tr><th>{label}</th>{''.join(cells)}<td class=\"note\">{note}</td></tr>")
     prompt = _prompt_text(group[0].get("prompt", ""))
     return (f'<div class="group"><div class="prompt">prompt: <code>{e(_clip(prompt, 300))}</code></div>'
-            f'<table class="seed">{"".join(rows)}</table></div>')
+            f'<table class="seed">{"".join(rows)}</table>{_conversations(group)}</div>')
+
+
+def _conversations(group: list[dict]) -> str:
+    """Multi-turn answers turn by turn: the model's turns and the tool results (not the model's own
+    tokens) set apart."""
+    if not any(r.get("conversation") for r in group):
+        return ""
+    e = html.escape
+    answers = []
+    for i, r in enumerate(group):
+        turns = "".join(f'<div class="turn {"tool" if m.get("role") == "tool" else "assistant"}">'
+                        f'{e(m.get("role", ""))}{" " + e(m["name"]) if m.get("name") else ""}: '
+                        f'{e(_clip(str(m.get("content", "")), 300))}</div>' for m in r.get("conversation") or [])
+        answers.append(f"<p>answer {i + 1}</p>{turns}")
+    return f'<details class="conversations"><summary>conversations (tool results in orange)</summary>' \
+           f'{"".join(answers)}</details>'
 
 
 def _num(v) -> str:
@@ -221,6 +237,9 @@ table.seed td.text { font-family: monospace; text-align: left; max-width: 220px;
 table.seed td.pos { background: #e3f4e3; } table.seed td.neg { background: #fbe4e4; }
 table.seed td.note { border: none; color: #666; text-align: left; }
 table.seed tr.fn th, table.seed tr.fn td { color: #666; }
+details.conversations { font-size: 13px; margin-top: 4px; } .turn { margin: 2px 0; padding: 2px 6px;
+  font-family: monospace; white-space: pre-wrap; } .turn.assistant { border-left: 3px solid #1f77b4; }
+.turn.tool { border-left: 3px solid #ff7f0e; background: #fff5e8; color: #664400; }
 table.segments { border-collapse: collapse; font-size: 13px; }
 table.segments th, table.segments td { border: 1px solid #ddd; padding: 3px 8px; text-align: left;
                                        vertical-align: top; }
