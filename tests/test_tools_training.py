@@ -236,3 +236,28 @@ def test_an_environment_from_toml_and_one_without_reset(tool_model_dir, tmp_path
                               output=dataclasses.replace(base.output, dir=str(tmp_path / "bad-run")))
     with pytest.raises(SetupError, match="tools.environment: environment NoReset: it needs a reset"):
         train(bad)
+
+
+def test_tools_with_dynamic_sampling_keep_conversations_aligned_with_the_kept_answers(tool_model_dir, tmp_path):
+    config = make_config(tool_model_dir, tmp_path / "run", steps=2, max_new_tokens=48,
+                         algorithm={"dynamic_sampling": True, "max_resample_rounds": 2},
+                         output={"completions_every": 1})
+    run = train(config, reward_functions=[final_parity], tools=[add], engine=scripted_engine(ToolBox([add])))
+    metrics = read_metrics(run)
+    assert all(m["dynamic_sampling/draws"] >= 1 and m["tools/call_frequency"] > 0 for m in metrics)
+    for row in read_jsonl(run / "completions.jsonl"):  # each kept answer logged with its own conversation
+        assistant = [m["content"] for m in row["conversation"] if m["role"] == "assistant"]
+        assert row["completion"].replace(" ", "").startswith(assistant[0].replace(" ", "")[:5])
+
+
+def test_a_run_with_tools_resumes_to_the_same_result(tool_model_dir, tmp_path):
+    def run_to(steps, out, resume=False):
+        config = make_config(tool_model_dir, out, steps=steps, max_new_tokens=48, output={"save_every": 1})
+        return train(config, reward_functions=[final_parity], tools=[add], resume=resume,
+                     engine=scripted_engine(ToolBox([add])))
+
+    straight = read_metrics(run_to(3, tmp_path / "a"))
+    run_to(2, tmp_path / "b")
+    resumed = read_metrics(run_to(3, tmp_path / "b", resume=True))
+    keys = ("reward", "loss", "tools/call_frequency", "tools/turns_per_answer", "completions/mean_length")
+    assert [[m[k] for k in keys] for m in straight] == [[m[k] for k in keys] for m in resumed]
