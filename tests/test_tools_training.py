@@ -18,7 +18,7 @@ import torch
 
 from conftest import make_config, parity
 from grpokit.config.schema import ToolsConfig
-from grpokit.errors import SetupError
+from grpokit.errors import DataError, SetupError
 from grpokit.models.tiny import TOOL_CHAT_TEMPLATE
 from grpokit.observe.report import build_report
 from grpokit.observe.tracking import read_jsonl, read_metrics
@@ -60,12 +60,14 @@ def tool_model_dir(tiny_model_dir, tmp_path_factory):
     return path
 
 
-def scripted_engine(box: ToolBox | None, call: ToolCall | None = None):
+def scripted_engine(box: ToolBox | None, call: ToolCall | None = None, seen: list | None = None):
     """HFEngine whose turns end at a digit or "=" and always make one call (`add` unless `call` says
     otherwise): tool rounds on a random model. With environments the engine's per-answer boxes are used."""
 
     class Scripted(HFEngine):
         def generate(self, prompt_ids, *, group_size, sampling, generator=None):
+            if seen is not None:  # the prompts as rendered, blanks dropped by the tiny tokenizer
+                seen.extend(self.tokenizer.decode(p).replace(" ", "") for p in prompt_ids)
             digits = [self.tokenizer.convert_tokens_to_ids(d) for d in "0123456789="]
             rollout, self.tool_stats = sample_conversations(
                 self.model, prompt_ids, group_size=group_size, max_new_tokens=sampling.max_new_tokens,
@@ -261,3 +263,36 @@ def test_a_run_with_tools_resumes_to_the_same_result(tool_model_dir, tmp_path):
     resumed = read_metrics(run_to(3, tmp_path / "b", resume=True))
     keys = ("reward", "loss", "tools/call_frequency", "tools/turns_per_answer", "completions/mean_length")
     assert [[m[k] for k in keys] for m in straight] == [[m[k] for k in keys] for m in resumed]
+
+
+def test_named_environments_each_show_and_run_their_own_tools(tool_model_dir, tmp_path):
+    class Doubler:
+        def reset(self, **row):
+            assert "environment" not in row  # the selecting column is not passed to reset (TRL)
+
+        def double(self, x: int) -> int:
+            """Double a number.
+
+            Args:
+                x: The number.
+            """
+            return 2 * x
+
+    seen = []
+    rows = [{"prompt": f"{i}+1=", "environment": "count" if i % 2 else "double"} for i in range(8)]
+    config = make_config(tool_model_dir, tmp_path / "run", steps=1, max_new_tokens=48, prompts_per_step=4)
+    run = train(config, rows=rows, reward_functions=[final_parity],
+                environment_factory={"count": counter_class(), "double": Doubler},
+                engine=scripted_engine(None, ToolCall("increment", {"step": 1}), seen))
+    (m,) = read_metrics(run)
+    tools_line = {text.split("user:")[1].split("assistant:")[0]: text.split("user:")[0] for text in seen}
+    assert all(line == ("tools:increment" if int(p.split("+")[0]) % 2 else "tools:double")
+               for p, line in tools_line.items()) and len(tools_line) == 4  # each prompt: its own tools
+    # "increment" exists only in the Counter rows' tool boxes: the Doubler rows' calls fail
+    assert 0 < m["tools/failure_frequency"] < 1
+    assert "rewards/Counter/mean" in m and "rewards/Doubler/mean" not in m
+
+    config = make_config(tool_model_dir, tmp_path / "bad", steps=1)
+    with pytest.raises(DataError, match="row 1: environment 'nope' is not among the environments given"):
+        train(config, rows=[{"prompt": "1+1=", "environment": "nope"}], reward_functions=[final_parity],
+              environment_factory={"count": counter_class()})

@@ -11,17 +11,20 @@
             return float(self.count == 3)
 
     grpokit.train(config, environment_factory=Counter)       # or [tools] environment = "envs.py:Counter"
+    grpokit.train(config, environment_factory={"count": Counter, "game": Game})  # rows name theirs: "environment"
 
 One instance per rollout, so that the G answers to a prompt never see each other's state:
 instances are pooled and `reset` before every batch (created only when a batch needs more than
-exist, as TRL does). Reward functions receive the batch's instances as the keyword `environments`
-(one per answer, group by group).
+exist, as TRL does). With several named environments each row selects one by its "environment"
+column (not passed to `reset`), and only that environment's tools are shown in its prompt. Reward
+functions receive the batch's instances as the keyword `environments` (one per answer, group by
+group).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from grpokit.rewards.core import RewardSpec
 from grpokit.rollout.tools import ToolBox
@@ -33,41 +36,74 @@ def _public_methods(cls) -> list[str]:
             if name not in ("reset", "get_reward") and not name.startswith("_")]
 
 
-class Environments:
-    """A pool of environment instances behind one factory, and the tools they share by name."""
+class _Kind:
+    """One environment: its factory, tool methods, shared tool box (schemas) and pool of instances."""
 
-    def __init__(self, factory: Callable[[], object], tools: Sequence[Callable] = (), *, timeout_s: float = 30.0):
+    def __init__(self, factory: Callable[[], object], tools: Sequence[Callable], timeout_s: float):
         probe = factory()
-        cls = type(probe)
+        self.cls = type(probe)
         if not callable(getattr(probe, "reset", None)):
-            raise ValueError(f"environment {cls.__name__}: it needs a reset(**row) method (TRL's environment "
+            raise ValueError(f"environment {self.cls.__name__}: it needs a reset(**row) method (TRL's environment "
                              "contract): it returns None or text appended to the last user message")
-        self.factory, self.name, self.tools = factory, cls.__name__, list(tools)
-        self.methods = _public_methods(cls)
-        self.toolbox = ToolBox(self.tools + [getattr(probe, m) for m in self.methods], timeout_s=timeout_s)
-        self.has_reward = callable(getattr(probe, "get_reward", None))
+        self.factory, self.methods = factory, _public_methods(self.cls)
+        self.toolbox = ToolBox(list(tools) + [getattr(probe, m) for m in self.methods], timeout_s=timeout_s)
         self.pool = [probe]
+
+
+class Environments:
+    """The environments of a run (one factory, or several by name) and this batch's instances."""
+
+    def __init__(self, factory: Callable[[], object] | Mapping[str, Callable[[], object]],
+                 tools: Sequence[Callable] = (), *, timeout_s: float = 30.0):
+        self.named = isinstance(factory, Mapping)
+        factories = dict(factory) if self.named else {None: factory}
+        if not factories:
+            raise ValueError("environment_factory is an empty mapping; give at least one environment")
+        self.kinds = {name: _Kind(f, tools, timeout_s) for name, f in factories.items()}
+        self.toolbox = next(iter(self.kinds.values())).toolbox  # for checks that need one
         self.active: list = []  # this batch's instances, one per answer
+
+    def name_of(self, row: dict):
+        return row.get("environment") if self.named else None
+
+    def check_rows(self, rows: Sequence[dict]) -> None:
+        """With named environments every row must name a known one in its "environment" column."""
+        for i, row in enumerate(rows):
+            if self.name_of(row) not in self.kinds:
+                raise ValueError(f"row {i + 1}: environment {self.name_of(row)!r} is not among the environments "
+                                 f"given ({', '.join(map(str, self.kinds))}); set its \"environment\" column to one")
+
+    def schemas_for(self, row: dict) -> list[dict]:
+        """The tools shown in this row's prompt: its environment's (and the standalone tools)."""
+        return self.kinds[self.name_of(row)].toolbox.schemas
 
     def start(self, rows: Sequence[dict]) -> tuple[list[ToolBox], list[str | None]]:
         """Reset one instance per answer with its row; their tool boxes and what each `reset` returned."""
-        while len(self.pool) < len(rows):
-            self.pool.append(self.factory())
-        self.active = self.pool[:len(rows)]
-        observations = [env.reset(**row) for env, row in zip(self.active, rows)]
-        boxes = [self.toolbox.rebound([getattr(env, m) for m in self.methods]) for env in self.active]
+        taken: dict = {}
+        boxes, observations, self.active = [], [], []
+        for row in rows:
+            kind = self.kinds[self.name_of(row)]
+            index = taken[kind] = taken.get(kind, -1) + 1
+            if index == len(kind.pool):
+                kind.pool.append(kind.factory())
+            env = kind.pool[index]
+            arguments = {k: v for k, v in row.items() if k != "environment"} if self.named else row
+            observations.append(env.reset(**arguments))
+            boxes.append(kind.toolbox.rebound([getattr(env, m) for m in kind.methods]))
+            self.active.append(env)
         return boxes, observations
 
-    def reward_spec(self) -> RewardSpec | None:
-        """`get_reward()` of each answer's instance as one more reward function, weight 1, named after the class."""
-        if not self.has_reward:
-            return None
+    def reward_specs(self) -> list[RewardSpec]:
+        """Each environment class with `get_reward()` as one more reward function, weight 1, named after
+        the class; an answer from another environment gets None (no score) there."""
+        specs = []
+        for cls in dict.fromkeys(k.cls for k in self.kinds.values() if callable(getattr(k.cls, "get_reward", None))):
+            def environment_reward(completions, environments, _cls=cls, **kwargs) -> list[float | None]:
+                return [env.get_reward() if type(env) is _cls else None for env in environments]
 
-        def environment_reward(completions, environments, **kwargs) -> list[float | None]:
-            return [env.get_reward() for env in environments]
-
-        environment_reward.__name__ = self.name
-        return RewardSpec(self.name, environment_reward, 1.0)
+            environment_reward.__name__ = cls.__name__
+            specs.append(RewardSpec(cls.__name__, environment_reward, 1.0))
+        return specs
 
 
 def with_observation(prompt, observation: str | None) -> list[dict]:

@@ -96,6 +96,6 @@ def _start_environments(environments: Environments, engine, tokenizer, rows: lis
     engine.tools = boxes
     if all(o is None for o in observations):
         return ids, G
-    texts = [render_prompt(tokenizer, with_observation(row["prompt"], o), tools=environments.toolbox.schemas)
+    texts = [render_prompt(tokenizer, with_observation(row["prompt"], o), tools=environments.schemas_for(row))
              for row, o in zip([row for row in rows for _ in range(G)], observations)]
     return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts], 1

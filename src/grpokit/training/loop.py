@@ -42,7 +42,7 @@ def train(
     engine: Callable | None = None,
     command: str | None = None,
     tools: Sequence[Callable] | None = None,
-    environment_factory: Callable | None = None,
+    environment_factory: Callable | dict | None = None,
 ) -> Path:
     """Run GRPO as `config` says; returns the run folder. Python-side callables and
     rows may replace the config's `rewards.functions` and data source, `tools` and `environment_factory`

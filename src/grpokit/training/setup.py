@@ -92,7 +92,7 @@ def resolve_reward_specs(config: Config, task, functions: Sequence[Callable] | N
 
 
 def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
-                  environment_factory: Callable | None = None) -> tuple[ToolBox | None, Environments | None]:
+                  environment_factory: Callable | dict | None = None) -> tuple[ToolBox | None, Environments | None]:
     """Python callables given to `train(tools=...)`, else `tools.functions`; the environment factory given
     to `train`, else `tools.environment`. (None, None) when there are neither."""
     t = config.tools
@@ -112,7 +112,7 @@ def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
 
 
 def tokenize_prompts(config: Config, data: PreparedData, tokenizer, max_positions: int | None,
-                     tools: ToolBox | None = None) -> PromptTable:
+                     tools: ToolBox | None = None, environments: Environments | None = None) -> PromptTable:
     """Render (chat template; with tools, their schemas too) and tokenize every prompt; reject any too
     long for the context. With tools a plain-string prompt becomes one user message."""
     if tools:
@@ -120,8 +120,9 @@ def tokenize_prompts(config: Config, data: PreparedData, tokenizer, max_position
             check_tool_template(tokenizer, tools)
         except ValueError as e:
             raise SetupError(f"tools: {config.model.path}: {e}") from None
+        schemas = (lambda row: tools.schemas) if environments is None else environments.schemas_for
         texts = [render_prompt(tokenizer, r["prompt"] if not isinstance(r["prompt"], str) else
-                               [{"role": "user", "content": r["prompt"]}], tools=tools.schemas) for r in data.rows]
+                               [{"role": "user", "content": r["prompt"]}], tools=schemas(r)) for r in data.rows]
     else:
         texts = [render_prompt(tokenizer, r["prompt"]) for r in data.rows]
     ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
@@ -195,17 +196,22 @@ class Run:
 
 
 def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward_functions, resume: bool,
-                 tools: Sequence[Callable] | None = None, environment_factory: Callable | None = None) -> Inputs:
+                 tools: Sequence[Callable] | None = None, environment_factory: Callable | dict | None = None) -> Inputs:
     """Every check that can run before the model loads, in the order a user would fix them."""
     local = dist.local_config(config)  # B % world, minibatch splits: ConfigError before anything loads
     check_model_folder(config.model.path)
     resolve_device(config.model.device)  # a device this machine lacks fails here, not after the folder is prepared
     data = prepare_data(config, rows)
     toolbox, environments = resolve_tools(config, tools, environment_factory)
-    own = environments.reward_spec() if environments is not None else None  # the environment's get_reward
-    specs = resolve_reward_specs(config, data.task, reward_functions, optional=own is not None) + ([own] if own else [])
+    own = environments.reward_specs() if environments is not None else []  # environments' get_reward
+    specs = resolve_reward_specs(config, data.task, reward_functions, optional=bool(own)) + own
+    if environments is not None:
+        try:
+            environments.check_rows(data.rows)
+        except ValueError as e:
+            raise DataError(f"{config.data.path or 'rows'}: {e}") from None
     tokenizer = load_tokenizer(config.model.path)
-    prompts = tokenize_prompts(config, data, tokenizer, max_positions_of(config.model.path), toolbox)
+    prompts = tokenize_prompts(config, data, tokenizer, max_positions_of(config.model.path), toolbox, environments)
     folder = dist.run_on_main(prepare_run_folder, config, resume=resume, lock=lock)
     return Inputs(local, data, specs, tokenizer, prompts, folder, resume, toolbox, environments)
 
