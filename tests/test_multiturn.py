@@ -19,7 +19,7 @@ from grpokit.config.variants import LOSS_TYPES
 from grpokit.models.forward import completion_logprobs
 from grpokit.models.loading import load_model, load_tokenizer
 from grpokit.rollout.multiturn import sample_conversations
-from grpokit.rollout.tools import ToolBox, ToolCall, parse_tool_calls
+from grpokit.rollout.tools import ToolBox, ToolCall, parse_tool_calls, run_calls
 
 
 def add(a: int, b: int) -> int:
@@ -225,3 +225,55 @@ def test_tool_tokens_carry_no_gradient_and_do_not_change_the_loss(loss_type, bet
     assert moved == pytest.approx(base, rel=1e-6, abs=1e-7)
     assert (grad[tool.bool()] == 0).all() and (grad_moved[tool.bool()] == 0).all()
     torch.testing.assert_close(grad, grad_moved)
+
+
+def _slow(x: int) -> int:
+    """Never answer in time.
+
+    Args:
+        x: Anything.
+    """
+    time.sleep(3)
+    return x
+
+
+def test_hanging_calls_of_many_answers_cost_one_timeout_and_later_calls_still_work():
+    box = ToolBox([_slow, add], timeout_s=0.3)
+    t0 = time.perf_counter()
+    results = run_calls([[(box, ToolCall("_slow", {"x": i}))] for i in range(20)])
+    assert time.perf_counter() - t0 < 1.5  # answers wait at the same time, not one after another
+    assert all(r[0].failed and "within 0.3 s" in r[0].content for r in results)
+    t0 = time.perf_counter()
+    assert box.run([ToolCall("add", {"a": 1, "b": 2})])[0].content == "3"  # no worker pool to run out of
+    assert time.perf_counter() - t0 < 0.25
+
+
+def test_one_answers_calls_run_in_the_order_written():
+    log = []
+
+    def step(n: int) -> int:
+        """Record a step.
+
+        Args:
+            n: The step.
+        """
+        time.sleep(0.01 * (5 - n))  # later calls are faster: run at once, they would finish first
+        log.append(n)
+        return n
+
+    box = ToolBox([step])
+    run_calls([[(box, ToolCall("step", {"n": n})) for n in range(5)]])
+    assert log == [0, 1, 2, 3, 4]
+
+
+def test_a_tool_raising_system_exit_is_a_failed_call():
+    def leave(x: int) -> int:
+        """Exit.
+
+        Args:
+            x: Anything.
+        """
+        raise SystemExit(3)
+
+    (result,) = ToolBox([leave]).run([ToolCall("leave", {"x": 1})])
+    assert result.failed and "SystemExit" in result.content

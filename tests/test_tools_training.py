@@ -18,7 +18,7 @@ import torch
 
 from conftest import make_config, parity
 from grpokit.config.schema import ToolsConfig
-from grpokit.errors import DataError, SetupError
+from grpokit.errors import DataError, EnvironmentFault, SetupError
 from grpokit.models.tiny import TOOL_CHAT_TEMPLATE
 from grpokit.observe.report import build_report
 from grpokit.observe.tracking import read_jsonl, read_metrics
@@ -233,7 +233,7 @@ def test_an_environment_from_toml_and_one_without_reset(tool_model_dir, tmp_path
     monkeypatch.chdir(tmp_path)
     base = make_config(tool_model_dir, tmp_path / "run", steps=1, max_new_tokens=8)
     run = train(dataclasses.replace(base, tools=ToolsConfig(environment="envs.py:Counter")))
-    assert "rewards/Counter/mean" in read_metrics(run)[0]  # the environment's reward alone is enough
+    assert "rewards/Counter/mean" in read_metrics(run)[0]  # beside the task's verifier
     bad = dataclasses.replace(base, tools=ToolsConfig(environment="bad.py:NoReset"),
                               output=dataclasses.replace(base.output, dir=str(tmp_path / "bad-run")))
     with pytest.raises(SetupError, match="tools.environment: environment NoReset: it needs a reset"):
@@ -296,3 +296,84 @@ def test_named_environments_each_show_and_run_their_own_tools(tool_model_dir, tm
     with pytest.raises(DataError, match="row 1: environment 'nope' is not among the environments given"):
         train(config, rows=[{"prompt": "1+1=", "environment": "nope"}], reward_functions=[final_parity],
               environment_factory={"count": counter_class()})
+
+
+def test_tool_metrics_reduce_over_ranks_that_called_different_tools(monkeypatch):
+    """A tool called on one rank only is 0 on the others (no KeyError while the others wait), and
+    failures per call are pooled by each rank's calls."""
+    from types import SimpleNamespace
+
+    import grpokit.observe.metrics as metrics_mod
+    from grpokit.rollout.batch import Rollout
+
+    def rank_part(metrics):
+        n = 4
+        mask = torch.ones(n, 3, dtype=torch.long)
+        ids = torch.zeros(n, 3, dtype=torch.long)
+        rollout = Rollout(ids[:, :2], mask[:, :2], ids, mask, torch.zeros(n, 3), torch.zeros(n, dtype=torch.bool))
+        batch = SimpleNamespace(rollout=rollout, loss_mask=mask.float(), advantages=torch.ones(n),
+                                draw=SimpleNamespace(total=torch.zeros(n), per_fn=torch.zeros(n, 0)))
+        return metrics, batch
+
+    mine, batch = rank_part({"tools/call_frequency": 1.0, "tools/failure_frequency": 0.5, "tools/calls/add": 1.0})
+    other, _ = rank_part({"tools/call_frequency": 3.0, "tools/failure_frequency": 0.0, "tools/calls/mul": 3.0})
+
+    def all_gather_object(parts, obj):
+        parts[0] = obj
+        parts[1] = (other, obj[1], obj[2])
+
+    monkeypatch.setattr(metrics_mod, "is_distributed", lambda: True)
+    monkeypatch.setattr(metrics_mod.tdist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(metrics_mod.tdist, "all_gather_object", all_gather_object)
+    config = make_config("unused", "unused")
+    out = metrics_mod.reduce_metrics(mine, batch, [], config)
+    assert out["tools/calls/add"] == 0.5 and out["tools/calls/mul"] == 1.5 and out["tools/call_frequency"] == 2.0
+    assert out["tools/failure_frequency"] == pytest.approx(2 / 16)  # 2 failed of 4 calls, 0 of 12
+
+
+def test_environment_faults_are_one_error_naming_the_environment(tool_model_dir, tmp_path):
+    class Broken:
+        def __init__(self):
+            raise RuntimeError("no database")
+
+    class BadReset:
+        def reset(self, **row):
+            if row["prompt"].startswith("1"):
+                raise KeyError("level")
+
+    class AsyncScore:
+        def reset(self, **row):
+            pass
+
+        async def get_reward(self) -> float:
+            return 0.25
+
+    config = make_config(tool_model_dir, tmp_path / "a", steps=1, max_new_tokens=8)
+    with pytest.raises(SetupError, match="tools.environment: environment factory 'Broken' raised RuntimeError"):
+        train(config, environment_factory=Broken)
+    rows = [{"prompt": "1+1="}, {"prompt": "2+2="}]
+    with pytest.raises(EnvironmentFault, match=r"environment BadReset: reset raised KeyError: 'level' \(row"):
+        train(make_config(tool_model_dir, tmp_path / "b", steps=1, max_new_tokens=8, prompts_per_step=2),
+              rows=rows, reward_functions=[final_parity], environment_factory=BadReset)
+    run = train(make_config(tool_model_dir, tmp_path / "c", steps=1, max_new_tokens=8), rows=rows * 2,
+                reward_functions=[final_parity], environment_factory=AsyncScore)
+    assert read_metrics(run)[0]["rewards/AsyncScore/mean"] == 0.25  # an async get_reward is awaited, as in TRL
+
+
+def test_templates_grpokit_cannot_use_with_tools_are_refused_at_start(tool_model_dir, tiny_model_dir, tmp_path):
+    other_format = tmp_path / "other-format"
+    shutil.copytree(tool_model_dir, other_format)
+    config_file = other_format / "tokenizer_config.json"
+    tok_config = json.loads(config_file.read_text())
+    tok_config["chat_template"] = TOOL_CHAT_TEMPLATE.replace("<tool_call>", "[CALL]").replace("</tool_call>", "")
+    config_file.write_text(json.dumps(tok_config))
+    with pytest.raises(SetupError, match="writes tool calls in a format grpokit does not read yet"):
+        train(make_config(other_format, tmp_path / "a", steps=1), reward_functions=[final_parity], tools=[add])
+    windowed = tmp_path / "windowed"
+    shutil.copytree(tool_model_dir, windowed)
+    model_config = json.loads((windowed / "config.json").read_text())
+    model_config.update(use_sliding_window=True, sliding_window=4, max_window_layers=0,
+                        layer_types=["sliding_attention"] * model_config["num_hidden_layers"])
+    (windowed / "config.json").write_text(json.dumps(model_config))
+    with pytest.raises(SetupError, match="multi-turn rollouts need plain full attention"):
+        train(make_config(windowed, tmp_path / "b", steps=1), reward_functions=[final_parity], tools=[add])

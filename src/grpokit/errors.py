@@ -83,3 +83,7 @@ class RewardError(UserError, RuntimeError):
 
 class RewardTimeoutError(RewardError):
     """A reward function ran past its `RewardSpec.timeout`."""
+
+
+class EnvironmentFault(UserError, RuntimeError):
+    """An environment's own code (`reset`, the factory) raised during the run; the message names it."""

@@ -88,9 +88,11 @@ def reduce_metrics(metrics: dict, batch, specs, config) -> dict:
     parts: list = [None] * tdist.get_world_size()
     tdist.all_gather_object(parts, (metrics, weights, rows))
     out = {}
-    for key in metrics:
-        values = [p[0][key] for p in parts]
-        if key.startswith("time/") or key in _MAX:
+    for key in dict.fromkeys(k for p in parts for k in p[0]):  # a tool called on one rank only: 0 elsewhere
+        values = [p[0].get(key, 0.0) for p in parts]
+        if key == "tools/failure_frequency":  # failures per call: weighted by each rank's calls
+            out[key] = _weighted_mean(values, [p[0]["tools/call_frequency"] for p in parts])
+        elif key.startswith("time/") or key in _MAX:
             out[key] = max(values)
         elif key in _MIN:
             out[key] = min(values)

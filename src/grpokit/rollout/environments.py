@@ -23,9 +23,11 @@ group).
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from typing import Callable, Mapping, Sequence
 
+from grpokit.errors import EnvironmentFault
 from grpokit.rewards.core import RewardSpec
 from grpokit.rollout.tools import ToolBox
 
@@ -40,7 +42,11 @@ class _Kind:
     """One environment: its factory, tool methods, shared tool box (schemas) and pool of instances."""
 
     def __init__(self, factory: Callable[[], object], tools: Sequence[Callable], timeout_s: float):
-        probe = factory()
+        try:
+            probe = factory()
+        except Exception as e:  # noqa: BLE001 - the user's code: one error line, not a traceback
+            raise ValueError(f"environment factory {getattr(factory, '__name__', factory)!r} raised "
+                             f"{type(e).__name__}: {e}") from None
         self.cls = type(probe)
         if not callable(getattr(probe, "reset", None)):
             raise ValueError(f"environment {self.cls.__name__}: it needs a reset(**row) method (TRL's environment "
@@ -84,11 +90,15 @@ class Environments:
         for row in rows:
             kind = self.kinds[self.name_of(row)]
             index = taken[kind] = taken.get(kind, -1) + 1
-            if index == len(kind.pool):
-                kind.pool.append(kind.factory())
-            env = kind.pool[index]
             arguments = {k: v for k, v in row.items() if k != "environment"} if self.named else row
-            observations.append(env.reset(**arguments))
+            try:
+                if index == len(kind.pool):
+                    kind.pool.append(kind.factory())
+                env = kind.pool[index]
+                observations.append(env.reset(**arguments))
+            except Exception as e:  # noqa: BLE001 - the user's code: one error line naming it and the row
+                raise EnvironmentFault(f"environment {kind.cls.__name__}: reset raised {type(e).__name__}: {e} "
+                                       f"(row {_show(row)}); fix the environment or the row") from e
             boxes.append(kind.toolbox.rebound([getattr(env, m) for m in kind.methods]))
             self.active.append(env)
         return boxes, observations
@@ -99,7 +109,8 @@ class Environments:
         specs = []
         for cls in dict.fromkeys(k.cls for k in self.kinds.values() if callable(getattr(k.cls, "get_reward", None))):
             def environment_reward(completions, environments, _cls=cls, **kwargs) -> list[float | None]:
-                return [env.get_reward() if type(env) is _cls else None for env in environments]
+                scores = [env.get_reward() if type(env) is _cls else None for env in environments]
+                return [asyncio.run(s) if inspect.iscoroutine(s) else s for s in scores]  # async get_reward too
 
             environment_reward.__name__ = cls.__name__
             specs.append(RewardSpec(cls.__name__, environment_reward, 1.0))
@@ -112,3 +123,8 @@ def with_observation(prompt, observation: str | None) -> list[dict]:
     if observation is None:
         return messages
     return messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + observation}]
+
+
+def _show(row: dict) -> str:
+    text = repr(row)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -129,15 +129,15 @@ def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_
                 feed.append([t])
         if waiting:
             t0 = time.perf_counter()
-            boxes = [tools if isinstance(tools, ToolBox) else tools[row] for _, row, _, calls in waiting for _ in calls]
-            results = run_calls(list(zip(boxes, [c for *_, calls in waiting for c in calls])))
+            per_answer = run_calls([[(tools if isinstance(tools, ToolBox) else tools[row], call) for call in calls]
+                                    for _, row, _, calls in waiting])
             stats.seconds += time.perf_counter() - t0
-            for j, row, end_token, calls in waiting:
-                mine, results = results[:len(calls)], results[len(calls):]
+            for (j, row, end_token, calls), mine in zip(waiting, per_answer):
                 suffix = render(mine)
                 stats.calls[row] += len(calls)
                 stats.failures[row] += sum(r.failed for r in mine)
-                stats.per_tool.update(r.name for r in mine)
+                known = (tools if isinstance(tools, ToolBox) else tools[row]).functions
+                stats.per_tool.update(r.name if r.name in known else "unknown" for r in mine)
                 if len(tokens[row]) + len(suffix) >= budget:  # no room for the results and one more token
                     truncated[row] = True
                     continue
@@ -186,3 +186,17 @@ def _to_rollout(prompt_ids, tokens, logps, is_tool, truncated, G, pad_id, device
     for i, flags in enumerate(is_tool):
         tool_mask[i, :len(flags)] = torch.tensor(flags, dtype=tool_mask.dtype)
     return Rollout(**{**rollout.__dict__, "tool_mask": tool_mask})
+
+
+def check_full_attention(model_config) -> None:
+    """Multi-turn sampling pads tool results with masked positions; attention that is not plain full
+    attention (sliding windows, linear or recurrent layers) would count them, so it is refused."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    layers = DynamicCache(config=model_config).layers
+    if not layers or any(type(layer) is not DynamicLayer for layer in layers):
+        kinds = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+        raise ValueError(f"tools: multi-turn rollouts need plain full attention in every layer, and this model has "
+                         f"{', '.join(kinds) or 'no cache layers'}; use a model without sliding-window or linear "
+                         "attention (or turn sliding_window off in its config.json)")

@@ -11,20 +11,21 @@ Calls are read from the text of one assistant turn in the Hermes / Qwen format,
     {"name": "calculator", "arguments": {"expression": "12*34"}}
     </tool_call>
 
-(several per turn allowed). Every way a call can go wrong is a failed call whose result is
-`{"error": "..."}`, shown to the model as the tool's answer, as TRL does: text between the tags
-that is not a JSON object with a string "name" and an object "arguments", an unknown tool name,
-arguments the function does not take, an exception inside the tool, or a call still running
-after `timeout_s` (left to finish in its thread; the rollout goes on).
+(several per turn allowed; run in the order written). Every way a call can go wrong is a failed
+call whose result is `{"error": "..."}`, shown to the model as the tool's answer, as TRL does: text
+between the tags that is not a JSON object with a string "name" and an object "arguments", an
+unknown tool name, arguments the function does not take, an exception inside the tool (any, even
+SystemExit), or a call still running after `timeout_s` (left to finish in its daemon thread; the
+rollout goes on).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import inspect
 import json
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -72,9 +73,6 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
-_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="grpokit-tool")
-
-
 class ToolBox:
     """The tools of a run by name, their JSON schemas for the chat template, and a bounded way to call them."""
 
@@ -108,8 +106,8 @@ class ToolBox:
         return box
 
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
-        """Run calls at once (threads); each result within `timeout_s` of the start."""
-        return run_calls([(self, call) for call in calls])
+        """Run one answer's calls, in order."""
+        return run_calls([[(self, call) for call in calls]])[0]
 
     @staticmethod
     def _call(fn: Callable, arguments: dict) -> Any:
@@ -121,27 +119,51 @@ class ToolBox:
         return asyncio.run(value) if inspect.iscoroutine(value) else value
 
 
-def run_calls(pairs: Sequence[tuple[ToolBox, ToolCall]]) -> list[ToolResult]:
-    """Run each call with its own tool box (rows may each have their own: environments), all at once."""
-    futures = [None if call.error or call.name not in box.functions else
-               _POOL.submit(box._call, box.functions[call.name], call.arguments) for box, call in pairs]
-    results = []
-    for (box, call), future in zip(pairs, futures):
-        name = call.name or "unknown"
-        if call.error:
-            results.append(ToolResult(name, _error(call.error), True))
-        elif future is None:
-            known = ", ".join(box.functions)
-            results.append(ToolResult(name, _error(f"unknown tool {call.name!r}; the tools are: {known}"), True))
-        else:
-            try:
-                value = future.result(timeout=box.timeout_s or None)
-                results.append(ToolResult(name, value if isinstance(value, str) else str(value), False))
-            except concurrent.futures.TimeoutError:
-                results.append(ToolResult(name, _error(f"the tool did not answer within {box.timeout_s:g} s"), True))
-            except Exception as e:  # noqa: BLE001 - a tool's own failure is the model's problem, not the run's
-                results.append(ToolResult(name, _error(f"{type(e).__name__}: {e}"), True))
+def run_calls(answers: Sequence[Sequence[tuple[ToolBox, ToolCall]]]) -> list[list[ToolResult]]:
+    """The calls of several answers: each answer's in order (as TRL runs them: a stateful environment
+    sees them in the order the model wrote them), different answers at the same time. Each call gets
+    its box's `timeout_s`; one still running then is reported as failed and left to finish in its
+    daemon thread (it may still change its environment afterwards, and never holds up the exit)."""
+    results: list[list[ToolResult]] = [[] for _ in answers]
+
+    def run_in_order(i: int, calls) -> None:
+        results[i] = [_run_one(box, call) for box, call in calls]
+
+    workers = [threading.Thread(target=run_in_order, args=(i, calls), daemon=True) for i, calls in enumerate(answers)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()  # each call is bounded by its timeout, so each answer is too
     return results
+
+
+def _run_one(box: ToolBox, call: ToolCall) -> ToolResult:
+    name = call.name or "unknown"
+    if call.error:
+        return ToolResult(name, _error(call.error), True)
+    if call.name not in box.functions:
+        return ToolResult(name, _error(f"unknown tool {call.name!r}; the tools are: {', '.join(box.functions)}"), True)
+    outcome: dict = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = box._call(box.functions[call.name], call.arguments)
+        except BaseException as e:  # noqa: BLE001 - SystemExit, CancelledError...: the model's problem, not the run's
+            outcome["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True, name=f"grpokit-tool-{call.name}")
+    thread.start()
+    thread.join(box.timeout_s or None)
+    if thread.is_alive():
+        return ToolResult(name, _error(f"the tool did not answer within {box.timeout_s:g} s"), True)
+    if "error" in outcome:
+        e = outcome["error"]
+        return ToolResult(name, _error(f"{type(e).__name__}: {e}"), True)
+    value = outcome.get("value")
+    try:
+        return ToolResult(name, value if isinstance(value, str) else str(value), False)
+    except Exception as e:  # noqa: BLE001 - a result whose __str__ raises
+        return ToolResult(name, _error(f"the result could not be shown as text ({type(e).__name__}: {e})"), True)
 
 
 def _error(message: str) -> str:
@@ -169,21 +191,29 @@ def tool_suffix_ids(tokenizer, results: Sequence[ToolResult], **template_kwargs)
 
 
 def check_tool_template(tokenizer, tools: ToolBox) -> None:
-    """Fail at start-up, naming the fix, when the chat template cannot show the model its tools or
-    cannot render a tool result after an assistant turn."""
-    fix = ("use a model whose chat template supports tools (Qwen2.5/Qwen3, Llama 3.1+, Hermes, ...) or set "
-           "tokenizer.chat_template to one that renders `tools` and messages with role \"tool\"")
+    """Fail at start-up, naming the fix, when the chat template cannot show the model its tools, cannot
+    render a tool result after an assistant turn, or writes tool calls in a format other than the
+    Hermes / Qwen `<tool_call>{json}</tool_call>` one that grpokit reads."""
+    fix = ("use a model whose chat template writes calls as <tool_call>{json}</tool_call> (Qwen2.5, Hermes) or set "
+           "tokenizer.chat_template to one that renders `tools`, assistant `tool_calls` that way, and messages with "
+           "role \"tool\"")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"tools need a chat template, and the tokenizer has none; {fix}")
+    name = next(iter(tools.functions))
     user = [{"role": "user", "content": "x"}]
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": name, "arguments": {"probe": 1}}}]}
     try:
         plain = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
         with_tools = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True,
                                                    tools=tools.schemas)
-        suffix = tool_suffix_ids(tokenizer, [ToolResult(next(iter(tools.functions)), "42", False)])
+        with_call = tokenizer.apply_chat_template(user + [call], tokenize=False)
+        suffix = tool_suffix_ids(tokenizer, [ToolResult(name, "42", False)])
     except Exception as e:  # noqa: BLE001 - jinja raises many types
         raise ValueError(f"the chat template fails on tool messages ({type(e).__name__}: {e}); {fix}") from None
     if plain == with_tools:
         raise ValueError(f"the chat template ignores the tools (the prompt is the same with and without them); {fix}")
     if "42" not in tokenizer.decode(suffix):
         raise ValueError(f"the chat template drops tool results (a tool message renders as nothing); {fix}")
+    if ToolCall(name, {"probe": 1}) not in parse_tool_calls(with_call):
+        raise ValueError(f"the chat template writes tool calls in a format grpokit does not read yet; {fix}")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import torch
+from transformers import AutoConfig
 
 from grpokit.config.schema import Config
 from grpokit.data.files import load_prompts
@@ -31,6 +32,7 @@ from grpokit.rewards.core import RewardSpec
 from grpokit.rewards.registry import load_reward, reward_specs, unique_reward_names
 from grpokit.rollout.engines import RolloutEngine, build_engine
 from grpokit.rollout.environments import Environments
+from grpokit.rollout.multiturn import check_full_attention
 from grpokit.rollout.tools import ToolBox, check_tool_template
 from grpokit.tasks import get_task
 from grpokit.training.checkpoint import list_checkpoints, restore_checkpoint
@@ -203,6 +205,11 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
     resolve_device(config.model.device)  # a device this machine lacks fails here, not after the folder is prepared
     data = prepare_data(config, rows)
     toolbox, environments = resolve_tools(config, tools, environment_factory)
+    if toolbox is not None:
+        try:
+            check_full_attention(AutoConfig.from_pretrained(config.model.path))
+        except ValueError as e:
+            raise SetupError(f"{config.model.path}: {e}") from None
     own = environments.reward_specs() if environments is not None else []  # environments' get_reward
     specs = resolve_reward_specs(config, data.task, reward_functions, optional=bool(own)) + own
     if environments is not None:
