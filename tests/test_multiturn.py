@@ -277,3 +277,29 @@ def test_a_tool_raising_system_exit_is_a_failed_call():
 
     (result,) = ToolBox([leave]).run([ToolCall("leave", {"x": 1})])
     assert result.failed and "SystemExit" in result.content
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_compacting_the_cache_changes_neither_tokens_nor_log_probs(tiny, monkeypatch, temperature):
+    """Holes dropped from the cache at every step (slack 0.5): the same samples, and log-probs that a
+    full recompute of the compacted sequence reproduces."""
+    import functools
+
+    import grpokit.rollout.multiturn as multiturn
+    from grpokit.rollout.decode import _Decoder
+
+    loose, _ = _sample(tiny, PROMPTS, temperature=temperature)
+    calls = []
+    real_keep = _Decoder.keep_columns
+    monkeypatch.setattr(_Decoder, "keep_columns", lambda self, c: calls.append(c.shape) or real_keep(self, c))
+    monkeypatch.setattr(multiturn, "_compact", functools.partial(multiturn._compact, slack=0.5))
+    tight, _ = _sample(tiny, PROMPTS, temperature=temperature)
+    assert calls  # the cache was compacted
+    assert torch.equal(loose.completion_ids, tight.completion_ids)
+    torch.testing.assert_close(loose.logprobs, tight.logprobs, atol=1e-5, rtol=0)
+    model, _ = tiny
+    with torch.no_grad():
+        logp, _ = completion_logprobs(model, tight.prompt_ids, tight.prompt_mask, tight.completion_ids,
+                                      tight.completion_mask)
+    action = tight.action_mask.bool()
+    torch.testing.assert_close(logp[action], tight.logprobs[action], atol=1e-4, rtol=0)

@@ -134,6 +134,22 @@ class _Decoder:
     def select_rows(self, rows: Tensor) -> None:
         self.cache.batch_select_indices(rows)
 
+    def keep_columns(self, columns: Tensor) -> None:
+        """Keep, per row, the cache positions `columns` [n, W] (in that order) and drop the others: the
+        multi-turn sampler's compaction of masked holes. Exact for full attention: keys are stored with
+        their rotary positions already applied, and only the mask ever looked at the dropped ones."""
+        for layer in self.cache.layers:
+            keys, values = layer.keys, layer.values  # [n, h, L, d]
+            index = columns[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1])  # [n, h, W, d]
+            keys, values = keys.gather(2, index), values.gather(2, index)
+            if hasattr(layer, "k_buf"):  # preallocated: the kept part at the front of the same buffers
+                layer.k_buf[:, :, :keys.shape[2]] = keys
+                layer.v_buf[:, :, :values.shape[2]] = values
+                layer.length = keys.shape[2]
+                layer._views()
+            else:
+                layer.keys, layer.values = keys, values
+
 
 def _stop_string_hits(tokens: Tensor, rows: Tensor, t: int, tokenizer, stops, window: int
                       ) -> Tensor:

@@ -157,8 +157,21 @@ def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_
         if len(keep) < len(active):
             step.select_rows(keep_t)
         active, mask, next_pos = [active[j] for j in keep], mask[keep_t], next_pos[keep_t]
+        mask = _compact(step, mask)
         logits, mask, next_pos = _feed(step, feed, mask, next_pos, pad_id)
     return tokens, logps, is_tool, truncated, stats
+
+
+def _compact(step: _Decoder, mask: Tensor, slack: float = 2.0) -> Tensor:
+    """Drop masked positions from the cache once they outnumber the real ones (`slack` x the longest
+    row): holes from tool steps would otherwise make every later step attend over them. Each row
+    keeps its real positions in order, left-padded to the longest; the mask follows."""
+    width = int(mask.sum(-1).max())
+    if mask.shape[1] <= slack * width:
+        return mask
+    columns = torch.argsort(mask, dim=1, stable=True)[:, -width:]  # [n, W] holes first, then real, in order
+    step.keep_columns(columns)
+    return mask.gather(1, columns)
 
 
 def _feed(step: _Decoder, feed: list[list[int]], mask: Tensor, next_pos: Tensor, pad_id: int):

@@ -255,6 +255,12 @@ def build_run(config: Config, inputs: Inputs, dist: DistributedContext, engine=N
     stream = dist.shard_stream(inputs.data.stream(config.train.prompts_per_step, seed=config.data.seed))
     rollout_engine = engine(inputs.local, policy.model, inputs.tokenizer) if engine else \
         build_engine(inputs.local, policy.model, inputs.tokenizer, tools=inputs.tools)
+    if engine and inputs.tools is not None:  # an engine of the caller's: it gets the tools as `engine.tools`
+        if not hasattr(rollout_engine, "tools"):
+            raise SetupError(f"train(engine=...): {type(rollout_engine).__name__} has no `tools` attribute, so it "
+                             "cannot run the run's tools (the prompts list them); give it one, or subclass HFEngine")
+        if rollout_engine.tools is None:
+            rollout_engine.tools = inputs.tools
     start_step = 0
     if inputs.resume and (checkpoints := list_checkpoints(inputs.folder.path)):
         start_step = restore_checkpoint(checkpoints[-1], policy, sampler, stream)
