@@ -303,3 +303,68 @@ def test_compacting_the_cache_changes_neither_tokens_nor_log_probs(tiny, monkeyp
                                       tight.completion_mask)
     action = tight.action_mask.bool()
     torch.testing.assert_close(logp[action], tight.logprobs[action], atol=1e-4, rtol=0)
+
+
+def test_turn_by_turn_sampling_gives_the_answers_of_the_kv_cache_sampler(tiny):
+    """`converse` (for engines that cannot append to their cache: a whole-context prefill per turn)
+    and `sample_conversations` (one KV cache) follow the same rules: greedy, the same answers."""
+    from grpokit.rollout.decode import sample_groups
+    from grpokit.rollout.multiturn import converse
+
+    model, tok = tiny
+    digits, hooks = _setup(tok)
+
+    def generate_turns(contexts, max_tokens):
+        turns = []
+        for context, m in zip(contexts, max_tokens):
+            r = sample_groups(model, [context], group_size=1, max_new_tokens=m, eos_token_ids=digits,
+                              pad_token_id=tok.pad_token_id, temperature=0.0)
+            n = int(r.completion_mask[0].sum())
+            turns.append((r.completion_ids[0, :n].tolist(), r.logprobs[0, :n].tolist()))
+        return turns
+
+    ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+    by_turn, stats = converse(ids, group_size=1, max_new_tokens=24, eos_token_ids=digits,
+                              pad_token_id=tok.pad_token_id, tokenizer=tok, tools=ToolBox([add]), max_tool_turns=2,
+                              generate_turns=generate_turns, **hooks)
+    cached, cached_stats = _sample(tiny, PROMPTS, temperature=0.0, group_size=1)
+    assert max(stats.turns) > 1
+    assert torch.equal(by_turn.completion_ids, cached.completion_ids)
+    assert torch.equal(by_turn.tool_mask, cached.tool_mask) and torch.equal(by_turn.truncated, cached.truncated)
+    torch.testing.assert_close(by_turn.logprobs, cached.logprobs, atol=1e-5, rtol=0)
+    assert stats.conversations == cached_stats.conversations and stats.calls == cached_stats.calls
+
+
+def test_the_vllm_engine_runs_tool_calls_turn_by_turn(tiny_model_dir, tiny, monkeypatch):
+    """VLLMEngine with tools (against the CPU stand-in for vLLM in tests/fake_vllm): one request per
+    answer and turn, the conversation so far as token ids; tool results marked as in the HF engine."""
+    import functools
+    import importlib.util
+    from pathlib import Path
+
+    import grpokit.rollout.vllm as vllm_engine
+    from grpokit.rollout.engines import SamplingParams
+    from grpokit.rollout.multiturn import converse
+
+    path = Path(__file__).parent / "fake_vllm" / "vllm" / "__init__.py"
+    spec = importlib.util.spec_from_file_location("grpokit_test_fake_vllm", path)
+    fake = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fake)  # under its own name: `vllm` stays uninstalled for the other tests
+    _, tok = tiny
+    digits, hooks = _setup(tok)
+    monkeypatch.setattr(vllm_engine, "converse", functools.partial(converse, **hooks))
+    engine = vllm_engine.VLLMEngine(str(tiny_model_dir), dtype="float32", llm=fake.LLM(str(tiny_model_dir), "float32"),
+                                    vllm_module=fake, tokenizer=tok, tools=ToolBox([add]), max_tool_turns=2)
+    sampling = SamplingParams(max_new_tokens=24, eos_token_ids=tuple(digits), pad_token_id=tok.pad_token_id)
+    ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+    rollout = engine.generate(ids, group_size=2, sampling=sampling, generator=torch.Generator().manual_seed(0))
+    stats = engine.tool_stats
+    assert rollout.completion_ids.shape[0] == 6 and max(stats.turns) > 1 and sum(stats.calls) > 0
+    assert rollout.tool_mask.sum() > 0 and (rollout.logprobs[rollout.tool_mask.bool()] == 0).all()
+    assert (rollout.completion_mask.sum(-1) <= 24).all()
+    model, _ = tiny
+    with torch.no_grad():  # the sampler's log-probs are the trainer's, over the whole conversation
+        logp, _ = completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
+                                      rollout.completion_mask)
+    action = rollout.action_mask.bool()
+    torch.testing.assert_close(logp[action], rollout.logprobs[action], atol=1e-4, rtol=0)

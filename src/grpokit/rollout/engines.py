@@ -105,4 +105,5 @@ def build_engine(config, model, tokenizer, *, tools: ToolBox | None = None) -> R
     from grpokit.rollout.vllm import VLLMEngine  # imports vllm only when asked for
 
     options = {"dtype": config.model.dtype, **r.vllm}
-    return VLLMEngine(config.model.path, seed=config.train.seed + rank(), lora=config.model.lora or None, **options)
+    return VLLMEngine(config.model.path, seed=config.train.seed + rank(), lora=config.model.lora or None,
+                      tokenizer=tokenizer, tools=tools, max_tool_turns=config.tools.max_calls, **options)

@@ -78,18 +78,82 @@ def sample_conversations(
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, sampler=sampler)
     try:
         with torch.inference_mode():
-            tokens, logps, is_tool, truncated, stats = _loop(model, prompt_ids, group_size, max_new_tokens, eos,
-                                                             pad_token_id, tokenizer, tools, max_tool_turns, sampling,
-                                                             parse_calls, render)
+            answers = _loop(model, prompt_ids, group_size, max_new_tokens, eos, pad_token_id, tokenizer, tools,
+                            max_tool_turns, sampling, parse_calls, render)
     finally:
         model.train(was_training)
     # built outside inference mode: the trainer indexes its differentiable log-probs with these tensors
-    return _to_rollout(prompt_ids, tokens, logps, is_tool, truncated, group_size, pad_token_id, model.device), stats
+    return answers.rollout(prompt_ids, group_size, pad_token_id, model.device), answers.stats
+
+
+class _Answers:
+    """The N answers being written, whatever samples them: tokens, log-probs, tool flags, where the
+    current turn started, truncation, and what the tools did. One home for the rules both samplers
+    share: when a turn's calls run, the budget, what a result that does not fit does."""
+
+    def __init__(self, N: int, budget: int, tokenizer, tools, max_tool_turns: int, parse_calls, render):
+        self.tokens: list[list[int]] = [[] for _ in range(N)]
+        self.logps: list[list[float]] = [[] for _ in range(N)]
+        self.is_tool: list[list[int]] = [[] for _ in range(N)]
+        self.turn_start, self.truncated = [0] * N, [False] * N
+        self.stats = ToolStats([0] * N, [0] * N, [1] * N, [[] for _ in range(N)])
+        self.budget, self.tokenizer, self.tools, self.max_tool_turns = budget, tokenizer, tools, max_tool_turns
+        self.parse_calls, self.render = parse_calls, render
+
+    def add(self, i: int, tokens: list[int], logps: list[float]) -> None:
+        """Sampled tokens of answer i."""
+        self.tokens[i] += tokens
+        self.logps[i] += logps
+        self.is_tool[i] += [0] * len(tokens)
+
+    def end_turn(self, i: int, ended: bool, final: bool = False) -> list[ToolCall] | None:
+        """After answer i's latest tokens: the calls to run when its turn `ended` with calls it may still
+        make; else None. A turn that stops (ended, out of budget, or `final`: the sampler will not go
+        on) is recorded as a message; one that stops without an end-of-turn token is truncated."""
+        if not ended and not final and len(self.tokens[i]) < self.budget:
+            return None
+        text = self.tokenizer.decode(self.tokens[i][self.turn_start[i]:], skip_special_tokens=True)
+        self.stats.conversations[i].append({"role": "assistant", "content": text})
+        if not ended:
+            self.truncated[i] = True
+            return None
+        calls = self.parse_calls(text)
+        return calls if calls and self.stats.turns[i] <= self.max_tool_turns else None
+
+    def run_tools(self, waiting: list[tuple[int, list[ToolCall]]]) -> list[list[int] | None]:
+        """Run the calls of the answers `waiting` and append each one's results (the tokens the chat
+        template renders); per answer those tokens, or None when they do not fit (it ends, truncated)."""
+        boxes = [self.tools if isinstance(self.tools, ToolBox) else self.tools[i] for i, _ in waiting]
+        t0 = time.perf_counter()
+        per_answer = run_calls([[(box, c) for c in calls] for box, (_, calls) in zip(boxes, waiting)])
+        self.stats.seconds += time.perf_counter() - t0
+        suffixes = []
+        for box, (i, calls), results in zip(boxes, waiting, per_answer):
+            suffix = self.render(results)
+            self.stats.calls[i] += len(calls)
+            self.stats.failures[i] += sum(r.failed for r in results)
+            self.stats.per_tool.update(r.name if r.name in box.functions else "unknown" for r in results)
+            if len(self.tokens[i]) + len(suffix) >= self.budget:  # no room for the results and one more token
+                self.truncated[i] = True
+                suffixes.append(None)
+                continue
+            self.stats.conversations[i].extend({"role": "tool", "name": r.name, "content": r.content}
+                                               for r in results)
+            self.tokens[i] += suffix
+            self.logps[i] += [0.0] * len(suffix)
+            self.is_tool[i] += [1] * len(suffix)
+            self.turn_start[i] = len(self.tokens[i])
+            self.stats.turns[i] += 1
+            suffixes.append(suffix)
+        return suffixes
+
+    def rollout(self, prompt_ids, G: int, pad_id: int, device) -> Rollout:
+        return _to_rollout(prompt_ids, self.tokens, self.logps, self.is_tool, self.truncated, G, pad_id, device)
 
 
 def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_turns, sampling, parse_calls,
           render):
-    """The decode loop; returns per row: tokens, log-probs, tool flags, truncated; and the tool stats."""
+    """The decode loop; returns the `_Answers` it wrote."""
     ids, mask = left_pad(prompt_ids, pad_id, model.device)  # [B, P]
     step = _Decoder(model, capacity=ids.shape[1] + budget)  # grows if holes need more room
     positions = position_ids_from_mask(mask)  # [B, P]
@@ -97,56 +161,27 @@ def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_
     step.repeat_rows(G)
     mask = mask.repeat_interleave(G, 0)  # [N, P+...]: 0 on left padding and on holes
     next_pos = positions[:, -1].repeat_interleave(G) + 1  # [N] position of each row's next real token
-    N = logits.shape[0]
-    tokens: list[list[int]] = [[] for _ in range(N)]
-    logps: list[list[float]] = [[] for _ in range(N)]
-    is_tool: list[list[int]] = [[] for _ in range(N)]
-    turn_start, truncated = [0] * N, [False] * N
-    stats = ToolStats([0] * N, [0] * N, [1] * N, [[] for _ in range(N)])
-    active = list(range(N))  # original row ids, in cache order
+    answers = _Answers(logits.shape[0], budget, tokenizer, tools, max_tool_turns, parse_calls, render)
+    active = list(range(logits.shape[0]))  # original row ids, in cache order
     while active:
         tok, lp = sample_tokens(logits, **sampling)  # [n]
         ended = torch.isin(tok, eos).tolist()
         feed: list[list[int]] = []  # per kept row, the tokens to run next
         keep: list[int] = []  # cache rows that continue
-        waiting: list[tuple[int, int, int, list[ToolCall]]] = []  # (cache row, row, its end token, calls)
+        waiting: list[tuple[int, list[ToolCall]]] = []  # (row, calls)
+        rows_of: dict[int, tuple[int, int]] = {}  # row -> (cache row, its end token)
         for j, (row, t, p, end) in enumerate(zip(active, tok.tolist(), lp.tolist(), ended)):
-            tokens[row].append(t)
-            logps[row].append(p)
-            is_tool[row].append(0)
-            if end:
-                text = tokenizer.decode(tokens[row][turn_start[row]:], skip_special_tokens=True)
-                stats.conversations[row].append({"role": "assistant", "content": text})
-                calls = parse_calls(text)
-                if calls and stats.turns[row] <= max_tool_turns:
-                    waiting.append((j, row, t, calls))
-            elif len(tokens[row]) >= budget:
-                truncated[row] = True
-                text = tokenizer.decode(tokens[row][turn_start[row]:], skip_special_tokens=True)
-                stats.conversations[row].append({"role": "assistant", "content": text})
-            else:
+            answers.add(row, [t], [p])
+            calls = answers.end_turn(row, end)
+            if calls:
+                waiting.append((row, calls))
+                rows_of[row] = (j, t)
+            elif not end and not answers.truncated[row]:
                 keep.append(j)
                 feed.append([t])
-        if waiting:
-            t0 = time.perf_counter()
-            per_answer = run_calls([[(tools if isinstance(tools, ToolBox) else tools[row], call) for call in calls]
-                                    for _, row, _, calls in waiting])
-            stats.seconds += time.perf_counter() - t0
-            for (j, row, end_token, calls), mine in zip(waiting, per_answer):
-                suffix = render(mine)
-                stats.calls[row] += len(calls)
-                stats.failures[row] += sum(r.failed for r in mine)
-                known = (tools if isinstance(tools, ToolBox) else tools[row]).functions
-                stats.per_tool.update(r.name if r.name in known else "unknown" for r in mine)
-                if len(tokens[row]) + len(suffix) >= budget:  # no room for the results and one more token
-                    truncated[row] = True
-                    continue
-                stats.conversations[row].extend({"role": "tool", "name": r.name, "content": r.content} for r in mine)
-                tokens[row].extend(suffix)
-                logps[row].extend([0.0] * len(suffix))
-                is_tool[row].extend([1] * len(suffix))
-                turn_start[row] = len(tokens[row])
-                stats.turns[row] += 1
+        for (row, _), suffix in zip(waiting, answers.run_tools(waiting) if waiting else []):
+            if suffix is not None:
+                j, end_token = rows_of[row]
                 keep.append(j)
                 feed.append([end_token, *suffix])  # the cache has not seen the turn's end token yet
         if not keep:
@@ -159,7 +194,7 @@ def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_
         active, mask, next_pos = [active[j] for j in keep], mask[keep_t], next_pos[keep_t]
         mask = _compact(step, mask)
         logits, mask, next_pos = _feed(step, feed, mask, next_pos, pad_id)
-    return tokens, logps, is_tool, truncated, stats
+    return answers
 
 
 def _compact(step: _Decoder, mask: Tensor, slack: float = 2.0) -> Tensor:
@@ -172,6 +207,35 @@ def _compact(step: _Decoder, mask: Tensor, slack: float = 2.0) -> Tensor:
     columns = torch.argsort(mask, dim=1, stable=True)[:, -width:]  # [n, W] holes first, then real, in order
     step.keep_columns(columns)
     return mask.gather(1, columns)
+
+
+def converse(prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: int, eos_token_ids: Sequence[int],
+             pad_token_id: int, tokenizer, tools: ToolBox | Sequence[ToolBox], max_tool_turns: int,
+             generate_turns: Callable[[list[list[int]], list[int]], list[tuple[list[int], list[float]]]],
+             parse_calls: Callable[[str], list[ToolCall]] = parse_tool_calls,
+             render_results: Callable[[list[ToolResult]], list[int]] | None = None,
+             device="cpu") -> tuple[Rollout, ToolStats]:
+    """Multi-turn answers turn by turn, for an engine that cannot append to its own cache (vLLM, whose
+    prefix cache makes the repeated conversation cheap): `generate_turns(contexts, max_tokens)` samples
+    one turn (ending at an end-of-turn token, kept) for each token-id context, returning its tokens and
+    their log-probs. Same rules as `sample_conversations`: the same budget, turn limit, tool faults,
+    truncation and `tool_mask`; the next turn's context is the prompt plus everything so far."""
+    render = render_results or (lambda results: tool_suffix_ids(tokenizer, results))
+    eos, N = set(eos_token_ids), len(prompt_ids) * group_size
+    answers = _Answers(N, max_new_tokens, tokenizer, tools, max_tool_turns, parse_calls, render)
+    pending = list(range(N))
+    while pending:
+        turns = generate_turns([list(prompt_ids[i // group_size]) + answers.tokens[i] for i in pending],
+                               [max_new_tokens - len(answers.tokens[i]) for i in pending])
+        waiting = []
+        for i, (turn, turn_logps) in zip(pending, turns):
+            answers.add(i, turn, turn_logps)
+            calls = answers.end_turn(i, bool(turn) and turn[-1] in eos, final=True)  # the engine's turn is over
+            if calls:
+                waiting.append((i, calls))
+        suffixes = answers.run_tools(waiting) if waiting else []
+        pending = [i for (i, _), suffix in zip(waiting, suffixes) if suffix is not None]
+    return answers.rollout(prompt_ids, group_size, pad_token_id, device), answers.stats
 
 
 def _feed(step: _Decoder, feed: list[list[int]], mask: Tensor, next_pos: Tensor, pad_id: int):

@@ -17,6 +17,8 @@ from torch import Tensor
 from grpokit.models.lora import adapter_of
 from grpokit.models.parallel import buckets, rank, world_size
 from grpokit.rollout.batch import Rollout, rollout_from_tokens
+from grpokit.rollout.multiturn import ToolStats, converse
+from grpokit.rollout.tools import ToolBox
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -49,8 +51,13 @@ class VLLMEngine:
 
     def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0, lora: dict | None = None,
                  gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False, sync_bucket_mb: float = 512,
-                 max_model_len: int | None = None, enforce_eager: bool = False, llm=None, vllm_module=None):
+                 max_model_len: int | None = None, enforce_eager: bool = False, llm=None, vllm_module=None,
+                 tokenizer=None, tools: ToolBox | None = None, max_tool_turns: int = 8):
         self.vllm = vllm_module or _import_vllm()
+        # multi-turn (tools): turn by turn, the whole conversation as the next token-id prompt (vLLM's prefix
+        # cache keeps the repeated part cheap); `tools` may be replaced per batch (environments)
+        self.tokenizer, self.tools, self.max_tool_turns = tokenizer, tools, max_tool_turns
+        self.tool_stats: ToolStats | None = None
         self.bucket_bytes = int(sync_bucket_mb * 2**20)
         self.sleep_mode, self.lora = enable_sleep_mode, lora
         self.lora_request, self._lora_dir, self._lora_version = None, None, 0
@@ -77,6 +84,12 @@ class VLLMEngine:
         self._wake()
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device).item()) \
             if generator is not None else None
+        if self.tools:
+            device = generator.device if generator is not None else "cpu"
+            rollout = self._converse(prompt_ids, group_size, s, seed, device)
+            if self.sleep_mode:
+                self._sleep()
+            return rollout
         params = self.vllm.SamplingParams(
             n=group_size, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=s.max_new_tokens,
             stop=list(s.stop_strings) or None, include_stop_str_in_output=True, ignore_eos=s.ignore_eos,
@@ -98,6 +111,30 @@ class VLLMEngine:
         device = generator.device if generator is not None else "cpu"
         return rollout_from_tokens(prompt_ids, completions, logprobs, truncated, group_size=group_size,
                                    pad_token_id=s.pad_token_id, device=device)
+
+    def _converse(self, prompt_ids, group_size: int, s, seed: int | None, device) -> Rollout:
+        """Multi-turn answers with tool calls (rollout/multiturn.converse): one vLLM request per answer and
+        turn, ending at the end-of-turn token, each seeded from `seed` in order."""
+        seeds = iter(range(seed or 0, 2**62))
+
+        def generate_turns(contexts: list[list[int]], max_tokens: list[int]):
+            params = [self.vllm.SamplingParams(
+                n=1, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, max_tokens=m,
+                stop_token_ids=list(s.eos_token_ids), logprobs=0, seed=next(seeds) if seed is not None else None,
+                skip_special_tokens=False) for m in max_tokens]
+            outputs = self.llm.generate([{"prompt_token_ids": list(c)} for c in contexts], sampling_params=params,
+                                        use_tqdm=False, lora_request=self.lora_request)
+            turns = []
+            for request, m in zip(outputs, max_tokens):
+                ids = list(request.outputs[0].token_ids)[:m]
+                turns.append((ids, _sampled_logprobs(request.outputs[0].logprobs, ids)))
+            return turns
+
+        rollout, self.tool_stats = converse(
+            prompt_ids, group_size=group_size, max_new_tokens=s.max_new_tokens, eos_token_ids=s.eos_token_ids,
+            pad_token_id=s.pad_token_id, tokenizer=self.tokenizer, tools=self.tools,
+            max_tool_turns=self.max_tool_turns, generate_turns=generate_turns, device=device)
+        return rollout
 
     # ---- weights ---------------------------------------------------------------------------
 

@@ -101,8 +101,6 @@ def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
     factory = environment_factory or (load_reward(t.environment, kind="environment") if t.environment else None)
     if not functions and not t.functions and factory is None:
         return None, None
-    if config.rollout.engine != "hf":
-        raise SetupError("tools: multi-turn rollouts run on the built-in sampler for now; set rollout.engine = \"hf\"")
     functions = list(functions or [load_reward(ref, kind="tool") for ref in t.functions])
     try:
         if factory is not None:

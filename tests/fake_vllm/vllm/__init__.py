@@ -63,10 +63,14 @@ class LLM:
     def generate(self, prompts, sampling_params, use_tqdm=False, lora_request=None):
         from grpokit.rollout.decode import sample_groups
 
-        p, model = sampling_params, self._model(lora_request)
-        g = torch.Generator().manual_seed(p.seed or 0)
+        model = self._model(lora_request)
+        several = isinstance(sampling_params, list)  # vLLM takes one SamplingParams per prompt too
+        per_prompt = sampling_params if several else [sampling_params] * len(prompts)
+        g = torch.Generator().manual_seed(per_prompt[0].seed or 0)
         out = []
-        for prompt in prompts:
+        for prompt, p in zip(prompts, per_prompt):
+            if several:
+                g = torch.Generator().manual_seed(p.seed or 0)
             r = sample_groups(model, [prompt["prompt_token_ids"]], group_size=p.n, max_new_tokens=p.max_tokens,
                               eos_token_ids=p.stop_token_ids, pad_token_id=0, temperature=p.temperature,
                               top_p=p.top_p, top_k=p.top_k, generator=g)
