@@ -115,17 +115,14 @@ class _Decoder:
 
     def __call__(self, ids: Tensor, mask: Tensor, positions: Tensor) -> Tensor:
         """Run ids [n, L] (mask [n, past+L], positions [n, L]); return last logits [n, V]."""
-        kwargs = {self.cache_kwarg: self.cache, "use_cache": True}
-        if self.keep_last:
-            kwargs["logits_to_keep"] = 1
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs)
-        return out.logits[:, -1, :]  # [n, V]
+        return self.all_logits(ids, mask, positions, keep=1)[:, -1, :]  # [n, V]
 
-    def all_logits(self, ids: Tensor, mask: Tensor, positions: Tensor) -> Tensor:
-        """Run ids [n, L] as `__call__` does; return the logits of every position [n, L, V]."""
+    def all_logits(self, ids: Tensor, mask: Tensor, positions: Tensor, keep: int | None = None) -> Tensor:
+        """Run ids [n, L] as `__call__` does; return the logits of the last `keep` positions (all L by
+        default) [n, keep, V]."""
         kwargs = {self.cache_kwarg: self.cache, "use_cache": True}
         if self.keep_last:
-            kwargs["logits_to_keep"] = ids.shape[1]
+            kwargs["logits_to_keep"] = keep or ids.shape[1]
         return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs).logits
 
     def repeat_rows(self, repeats: int) -> None:
