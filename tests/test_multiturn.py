@@ -90,7 +90,7 @@ def _reprefill_reference(tiny, prompt: str, *, max_tool_turns=2, budget=24) -> l
         t = int(logits.argmax())
         out.append(t)
         if t in digits:
-            text = tok.decode(out[turn_start:], skip_special_tokens=True)
+            text = tok.decode(out[turn_start:])  # special tokens kept, as the sampler passes it
             calls = hooks["parse_calls"](text)
             if not calls or turns > max_tool_turns:
                 return out

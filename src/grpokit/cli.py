@@ -45,9 +45,11 @@ def cmd_eval(args) -> int:
     import math
 
     for flag, value in (("--num-prompts", args.num_prompts), ("--samples", args.samples),
-                        ("--max-new-tokens", args.max_new_tokens)):
-        if value < 1:
+                        ("--max-new-tokens", args.max_new_tokens), ("--max-tool-calls", args.max_tool_calls)):
+        if value is not None and value < 1:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if not (math.isfinite(args.tool_timeout) and args.tool_timeout > 0):
+        raise ConfigError(f"--tool-timeout must be a number of seconds > 0, got {args.tool_timeout}")
     if not (math.isfinite(args.temperature) and args.temperature > 0):
         raise ConfigError(f"--temperature must be a number > 0 (sampling divides the logits by it), got "
                           f"{args.temperature}; for greedy answers read greedy_accuracy (the greedy pass runs unless "
@@ -55,7 +57,7 @@ def cmd_eval(args) -> int:
     for item in args.task_arg or []:
         if "=" not in item or "." in item.split("=", 1)[0]:
             raise ConfigError(f"--task-arg {item!r}: expected KEY=VALUE, e.g. --task-arg digits=3")
-    from grpokit.evaluate import eval_rows_and_specs, evaluate
+    from grpokit.evaluate import eval_rows_and_specs, eval_tools, evaluate
     from grpokit.models.loading import load_model_and_tokenizer
 
     rows, specs, prompt_column = eval_rows_and_specs(
@@ -64,10 +66,15 @@ def cmd_eval(args) -> int:
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype, device=args.device, field="--model")
     from grpokit.data.prompts import render_prompt
 
-    ids = [tokenizer(render_prompt(tokenizer, r[prompt_column]), add_special_tokens=False)["input_ids"] for r in rows]
+    tools = eval_tools(task=args.task, task_args=_key_values(args.task_arg), tools=args.tool,
+                       timeout_s=args.tool_timeout, tokenizer=tokenizer)
+    schemas = tools.schemas if tools else None
+    ids = [tokenizer(render_prompt(tokenizer, r[prompt_column], tools=schemas), add_special_tokens=False)["input_ids"]
+           for r in rows]
+    max_new_tokens = args.max_new_tokens or (128 if tools else 32)
     result = evaluate(model, tokenizer, rows, ids, specs, samples_per_prompt=args.samples, temperature=args.temperature,
-                      max_new_tokens=args.max_new_tokens, seed=args.seed, prompt_column=prompt_column,
-                      greedy=not args.no_greedy)
+                      max_new_tokens=max_new_tokens, seed=args.seed, prompt_column=prompt_column,
+                      greedy=not args.no_greedy, tools=tools, max_tool_turns=args.max_tool_calls)
     result["model"] = args.model
     if args.json:
         print(json.dumps(result, indent=2))
@@ -126,9 +133,14 @@ def cmd_sft(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    if args.task == "tools":
+        from grpokit.demo_tools import run_tool_demo
+
+        run_tool_demo(args.out or "demo_tools_run", quick=args.quick, seed=args.seed)
+        return 0
     from grpokit.demo import run_demo
 
-    run_demo(args.out, quick=args.quick, seed=args.seed)
+    run_demo(args.out or "demo_run", quick=args.quick, seed=args.seed)
     return 0
 
 
@@ -214,9 +226,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-seed", type=int, default=12345, help="seed of generated task prompts (held out by default)")
     p.add_argument("--samples", type=int, default=8, help="answers per prompt (k of pass@k), >= 1")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0")
-    p.add_argument("--max-new-tokens", type=int, default=32, help=">= 1")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="tokens per answer, >= 1 (default: 32; with tools 128, counting the tool results)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-greedy", action="store_true", help="skip the greedy pass")
+    p.add_argument("--tool", action="append", default=[],
+                   help="a tool the model may call, file.py:function (repeatable); a task with its own tool "
+                        "(multiplication) brings it")
+    p.add_argument("--max-tool-calls", type=int, default=8, help="tool-calling turns per answer (default: 8), >= 1")
+    p.add_argument("--tool-timeout", type=float, default=30.0, help="seconds per tool call (default: 30)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_eval)
 
@@ -233,7 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sft)
 
     p = sub.add_parser("demo", help="build a tiny model, warm-start it, run GRPO, show before/after")
-    p.add_argument("--out", default="demo_run")
+    p.add_argument("--task", choices=("addition", "tools"), default="addition",
+                   help="addition: 2-digit addition (default); tools: 2-digit multiplication with a calculator "
+                        "tool called inside each rollout")
+    p.add_argument("--out", default="", help="run folder (default: demo_run, or demo_tools_run with --task tools)")
     p.add_argument("--quick", action="store_true", help="a much shorter run (smoke test)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_demo)

@@ -19,6 +19,8 @@ from grpokit.rewards.core import RewardSpec
 from grpokit.rewards.registry import reward_specs
 from grpokit.rollout.decode import sample_groups
 from grpokit.rollout.grading import grade
+from grpokit.rollout.multiturn import sample_conversations
+from grpokit.rollout.tools import ToolBox
 from grpokit.tasks import cli_task
 
 
@@ -30,18 +32,28 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def _grade(model, tokenizer, prompt_ids, rows, specs, *, group_size, temperature, max_new_tokens, generator,
-           batch_prompts, stop_strings, prompt_column):
-    """Total rewards [num_prompts, group_size] of `group_size` sampled answers per prompt."""
-    totals = []
+           batch_prompts, stop_strings, prompt_column, tools, max_tool_turns):
+    """Total rewards [num_prompts, group_size] of `group_size` sampled answers per prompt, and with
+    tools the calls and failed calls of every answer ([num_prompts * group_size] each)."""
+    totals, calls, failures = [], [], []
+    common = dict(group_size=group_size, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                  temperature=temperature, tokenizer=tokenizer, generator=generator)
     for start in range(0, len(prompt_ids), batch_prompts):
-        rollout = sample_groups(model, prompt_ids[start:start + batch_prompts], group_size=group_size,
-                                max_new_tokens=max_new_tokens, eos_token_ids=tokenizer.eos_token_id,
-                                pad_token_id=tokenizer.pad_token_id, temperature=temperature,
-                                stop_strings=stop_strings, tokenizer=tokenizer, generator=generator)
-        draw = grade(rollout, rows[start:start + batch_prompts], tokenizer, specs, group_size,
-                     prompt_column=prompt_column)
+        batch_ids, batch_rows = prompt_ids[start:start + batch_prompts], rows[start:start + batch_prompts]
+        conversations = None
+        if tools:
+            rollout, stats = sample_conversations(model, batch_ids, eos_token_ids=[tokenizer.eos_token_id],
+                                                  tools=tools, max_tool_turns=max_tool_turns, **common)
+            conversations = stats.conversations
+            calls += stats.calls
+            failures += stats.failures
+        else:
+            rollout = sample_groups(model, batch_ids, eos_token_ids=tokenizer.eos_token_id,
+                                    stop_strings=stop_strings, **common)
+        draw = grade(rollout, batch_rows, tokenizer, specs, group_size, prompt_column=prompt_column,
+                     conversations=conversations)
         totals.append(draw.total.view(-1, group_size))
-    return torch.cat(totals)  # [num_prompts, group_size]
+    return torch.cat(totals), calls, failures  # [num_prompts, group_size], [N], [N]
 
 
 @torch.no_grad()
@@ -61,14 +73,20 @@ def evaluate(
     batch_prompts: int = 64,
     prompt_column: str = "prompt",
     stop_strings: Sequence[str] = (),
+    tools: ToolBox | None = None,
+    max_tool_turns: int = 8,
 ) -> dict:
     """Metrics over `rows` (with their tokenized prompts): an answer is correct when its
-    total reward reaches `correct_threshold`."""
+    total reward reaches `correct_threshold`. With `tools` (the prompts rendered with their
+    schemas) answers are multi-turn conversations, as in training, and the result also has
+    `tool_call_share` (answers that called a tool at least once) and `tool_failure_rate`
+    (failed calls / calls) of the sampled answers."""
     model.eval()
     generator = torch.Generator(device=model.device).manual_seed(seed)
     common = dict(max_new_tokens=max_new_tokens, generator=generator, batch_prompts=batch_prompts,
-                  stop_strings=stop_strings, prompt_column=prompt_column)
-    sampled = _grade(model, tokenizer, prompt_ids, rows, specs, group_size=samples_per_prompt,
+                  stop_strings=stop_strings, prompt_column=prompt_column, tools=tools,
+                  max_tool_turns=max_tool_turns)
+    sampled, calls, failures = _grade(model, tokenizer, prompt_ids, rows, specs, group_size=samples_per_prompt,
                      temperature=temperature, **common)  # [P, k]
     correct = torch.nan_to_num(sampled, nan=0.0) >= correct_threshold
     k = samples_per_prompt
@@ -80,8 +98,11 @@ def evaluate(
         f"pass@{k}": sum(pass_at_k(k, int(c), k) for c in correct.sum(-1)) / len(rows),
         "mean_reward": torch.nanmean(sampled).item(),
     }
+    if tools:
+        result["tool_call_share"] = sum(c > 0 for c in calls) / len(calls)
+        result["tool_failure_rate"] = sum(failures) / sum(calls) if sum(calls) else 0.0
     if greedy:
-        best = _grade(model, tokenizer, prompt_ids, rows, specs, group_size=1, temperature=0.0,
+        best, _, _ = _grade(model, tokenizer, prompt_ids, rows, specs, group_size=1, temperature=0.0,
                       **common)
         result["greedy_accuracy"] = (torch.nan_to_num(best, nan=0.0) >= correct_threshold).float().mean().item()
     return result
@@ -99,3 +120,26 @@ def eval_rows_and_specs(*, task, task_args, data, prompt_column, rewards, num_pr
         raise SetupError("--data needs at least one --reward NAME or --reward file.py:function")
     rows = load_prompts(data, prompt_column=prompt_column)[:num_prompts]
     return rows, reward_specs(rewards), "prompt"
+
+
+def eval_tools(*, task, task_args, tools: Sequence[str], timeout_s: float, tokenizer) -> ToolBox | None:
+    """The tools of `grpokit eval`: `--tool` references, else a built-in task's own (multiplication's
+    calculator); None without any. The tokenizer's chat template must be able to show them."""
+    from grpokit.rewards.registry import load_reward
+    from grpokit.rollout.tools import check_tool_template
+
+    if tools:
+        functions = [load_reward(ref, kind="tool") for ref in tools]
+    else:
+        functions = getattr(cli_task(task, task_args), "tools", lambda: [])() if task else []
+    if not functions:
+        return None
+    try:
+        box = ToolBox(functions, timeout_s=timeout_s)
+    except ValueError as e:
+        raise SetupError(f"--tool: {e}") from None
+    try:
+        check_tool_template(tokenizer, box)
+    except ValueError as e:
+        raise SetupError(f"--model: {e}") from None
+    return box

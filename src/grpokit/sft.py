@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Union
 
 import torch
 
@@ -20,14 +20,18 @@ from grpokit.errors import DataError, SetupError
 from grpokit.tasks import cli_task
 
 
-def collate(tokenizer, pairs: Sequence[tuple[str, str]]) -> dict[str, torch.Tensor]:
-    """Right-padded `input_ids`, `attention_mask` and `labels` (-100 on prompt and padding)."""
+def collate(tokenizer, pairs: Sequence[tuple[str, Target]]) -> dict[str, torch.Tensor]:
+    """Right-padded `input_ids`, `attention_mask` and `labels` (-100 on prompt, padding and
+    untrained segments)."""
     seqs, labels = [], []
     for prompt, target in pairs:
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        t = tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        seqs.append(p + t)
-        labels.append([-100] * len(p) + t)
+        ids, trained = [], []
+        for segment, train in _segments(tokenizer, target):
+            ids += segment
+            trained += [train] * len(segment)
+        seqs.append(p + ids)
+        labels.append([-100] * len(p) + [t if keep else -100 for t, keep in zip(ids, trained)])
     width = max(map(len, seqs))
     pad = tokenizer.pad_token_id
     return {
@@ -37,10 +41,22 @@ def collate(tokenizer, pairs: Sequence[tuple[str, str]]) -> dict[str, torch.Tens
     }
 
 
+# A target: a string (tokenized, EOS appended, all trained), or segments of token ids, each trained
+# or not (a multi-turn answer: the model's turns trained, tool results only context). Segments are
+# taken as given: the caller writes the end-of-turn tokens.
+Target = Union[str, Sequence[tuple[Sequence[int], bool]]]
+
+
+def _segments(tokenizer, target: Target) -> list[tuple[list[int], bool]]:
+    if isinstance(target, str):
+        return [(tokenizer(target, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id], True)]
+    return [(list(ids), bool(train)) for ids, train in target]
+
+
 def sft(
     model,
     tokenizer,
-    sample_pair: Callable[[random.Random], tuple[str, str]],
+    sample_pair: Callable[[random.Random], tuple[str, Target]],
     *,
     steps: int,
     batch_size: int = 64,

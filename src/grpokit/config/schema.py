@@ -48,7 +48,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    task: str = ""  # a built-in task name (addition, countdown) ...
+    task: str = ""  # a built-in task name (addition, countdown, multiplication: with its own tool) ...
     path: str = ""  # ... or a JSONL / CSV / Parquet file or a saved datasets folder
     prompt_column: str = "prompt"
     task_args: dict = field(default_factory=dict)  # e.g. {digits = 2}

@@ -24,4 +24,4 @@ PRESET_NAMES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")  # config/presets.py
 ENGINES = ("hf", "vllm")  # rollout/engines.py
 SAMPLERS = ("inverse_cdf", "gumbel")  # rollout/sampling.py
 # The built-in task names (tasks.TASKS; not imported here: that imports torch). A test keeps them equal.
-TASK_NAMES = ("addition", "countdown")
+TASK_NAMES = ("addition", "countdown", "multiplication")

@@ -8,8 +8,14 @@ from typing import Iterable, Iterator
 from grpokit.errors import DataError
 
 
-def render_prompt(tokenizer, prompt: str | list[dict], **template_kwargs) -> str:
-    """The text the model continues: a string unchanged, messages through the chat template."""
+def render_prompt(tokenizer, prompt: str | list[dict], *, tools: list[dict] | None = None,
+                  **template_kwargs) -> str:
+    """The text the model continues: a string unchanged, messages through the chat template. With
+    `tools` (their JSON schemas) a string becomes one user message: the tools reach the model only
+    through the chat template."""
+    if tools:
+        template_kwargs["tools"] = tools
+        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if isinstance(prompt, str):
         return prompt
     if getattr(tokenizer, "chat_template", None) is None:

@@ -206,7 +206,7 @@ def load_tokenizer(path: str | Path, *, field: str = "model.path"):
 
     p = check_model_folder(path, field=field)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(p))
+        tokenizer = _generic_tokenizer(p) or AutoTokenizer.from_pretrained(str(p))
     except _load_errors() as e:
         raise _load_failed(p, field, "tokenizer", e) from e
     try:
@@ -221,6 +221,26 @@ def load_tokenizer(path: str | Path, *, field: str = "model.path"):
     if tokenizer.pad_token_id is None:  # many base models ship without one
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _generic_tokenizer(folder: Path):
+    """The folder's tokenizer.json as it is, when tokenizer_config.json declares the generic class
+    (`TokenizersBackend` / `PreTrainedTokenizerFast`: "tokenizer.json is the whole pipeline"); else None.
+
+    For some model types (qwen2, phi3, ...) `AutoTokenizer` ignores that declaration and rebuilds the
+    tokenizer with the model family's own pre-tokenizer; a custom tokenizer saved next to such a model
+    (a character tokenizer, say) then silently loses every blank and newline."""
+    import json
+
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        declared = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if declared not in ("TokenizersBackend", "PreTrainedTokenizerFast") or not (folder / "tokenizer.json").is_file():
+        return None
+    return PreTrainedTokenizerFast.from_pretrained(str(folder))
 
 
 def load_model(path: str | Path, *, dtype: str = "float32", device: str = "auto", field: str = "model.path"):

@@ -45,11 +45,18 @@ TOOL_CHAT_TEMPLATE = (
 )
 
 
-def build_char_tokenizer(path: str | Path | None = None, alphabet: str | None = None):
+# The tool-call tags as single tokens, as in Qwen's vocabulary.
+TOOL_WORDS = ("<tool_call>", "</tool_call>")
+
+
+def build_char_tokenizer(path: str | Path | None = None, alphabet: str | None = None,
+                         words: tuple[str, ...] = ()):
     """A character-level fast tokenizer: one token per printable ASCII character.
 
     Characters are the right unit for arithmetic tasks (each digit is its own
     token), and the vocabulary stays ~100 tokens so a tiny model trains fast.
+    `words` become single tokens too, as a real tokenizer's added tokens do
+    (e.g. TOOL_WORDS: Qwen's vocabulary has `<tool_call>` as one token).
     Saved with `save_pretrained(path)` when `path` is given.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -65,6 +72,8 @@ def build_char_tokenizer(path: str | Path | None = None, alphabet: str | None = 
         padding_side="left",
     )
     tok.chat_template = CHAT_TEMPLATE
+    if words:
+        tok.add_tokens(list(words))
     if path is not None:
         tok.save_pretrained(str(path))
     return tok

@@ -3,7 +3,7 @@
     rollout, stats = sample_conversations(model, prompt_ids, group_size=G, max_new_tokens=256, tools=toolbox, ...)
 
 Each of the N = B*G rows generates an assistant turn; a turn ends at an end-of-turn token (EOS).
-When it called tools (`tools.parse_tool_calls`), the calls run (all rows' calls of that step at
+When it called tools (`tools.call_parser`), the calls run (all rows' calls of that step at
 once, in threads, each bounded by the tools' `timeout_s`), the chat template renders the results
 and the header of the next assistant turn (`tools.tool_suffix_ids`), and those tokens are
 appended to that row in the same KV cache: the conversation is never prefilled again and what the
@@ -41,7 +41,7 @@ from grpokit.models.forward import position_ids_from_mask
 from grpokit.rollout.batch import Rollout, left_pad, rollout_from_tokens
 from grpokit.rollout.decode import _Decoder
 from grpokit.rollout.sampling import sample_tokens
-from grpokit.rollout.tools import ToolBox, ToolCall, ToolResult, parse_tool_calls, run_calls, tool_suffix_ids
+from grpokit.rollout.tools import ToolBox, ToolCall, ToolResult, call_parser, run_calls, tool_suffix_ids
 
 
 @dataclass
@@ -60,14 +60,14 @@ def sample_conversations(
     model, prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: int, eos_token_ids: Sequence[int],
     pad_token_id: int, tokenizer, tools: ToolBox | Sequence[ToolBox], max_tool_turns: int = 8, temperature: float = 1.0,
     top_p: float = 1.0, top_k: int = 0, generator: torch.Generator | None = None, sampler: str = "inverse_cdf",
-    parse_calls: Callable[[str], list[ToolCall]] = parse_tool_calls,
+    parse_calls: Callable[[str], list[ToolCall]] | None = None,
     render_results: Callable[[list[ToolResult]], list[int]] | None = None,
 ) -> tuple[Rollout, ToolStats]:
     """Sample `group_size` multi-turn answers per prompt; see the module docstring. `tools` is one tool
     box for every answer, or one per answer (N, group by group: environments' own methods).
 
-    `parse_calls` (text of one turn -> calls) and `render_results` (results -> suffix token ids,
-    default: the chat template) are the model-format hooks."""
+    `parse_calls` (text of one turn, special tokens kept -> calls; default: `tools.call_parser`) and
+    `render_results` (results -> suffix token ids, default: the chat template) are the model-format hooks."""
     render = render_results or (lambda results: tool_suffix_ids(tokenizer, results))
     device = model.device
     eos = torch.as_tensor(list(eos_token_ids), dtype=torch.long, device=device)
@@ -98,7 +98,7 @@ class _Answers:
         self.turn_start, self.truncated = [0] * N, [False] * N
         self.stats = ToolStats([0] * N, [0] * N, [1] * N, [[] for _ in range(N)])
         self.budget, self.tokenizer, self.tools, self.max_tool_turns = budget, tokenizer, tools, max_tool_turns
-        self.parse_calls, self.render = parse_calls, render
+        self.parse_calls, self.render = parse_calls or call_parser(tokenizer), render
 
     def add(self, i: int, tokens: list[int], logps: list[float]) -> None:
         """Sampled tokens of answer i."""
@@ -112,12 +112,13 @@ class _Answers:
         on) is recorded as a message; one that stops without an end-of-turn token is truncated."""
         if not ended and not final and len(self.tokens[i]) < self.budget:
             return None
-        text = self.tokenizer.decode(self.tokens[i][self.turn_start[i]:], skip_special_tokens=True)
-        self.stats.conversations[i].append({"role": "assistant", "content": text})
+        turn = self.tokens[i][self.turn_start[i]:]
+        self.stats.conversations[i].append({"role": "assistant",
+                                            "content": self.tokenizer.decode(turn, skip_special_tokens=True)})
         if not ended:
             self.truncated[i] = True
             return None
-        calls = self.parse_calls(text)
+        calls = self.parse_calls(self.tokenizer.decode(turn))  # with its special tokens: formats close calls with them
         return calls if calls and self.stats.turns[i] <= self.max_tool_turns else None
 
     def run_tools(self, waiting: list[tuple[int, list[ToolCall]]]) -> list[list[int] | None]:
@@ -212,7 +213,7 @@ def _compact(step: _Decoder, mask: Tensor, slack: float = 2.0) -> Tensor:
 def converse(prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: int, eos_token_ids: Sequence[int],
              pad_token_id: int, tokenizer, tools: ToolBox | Sequence[ToolBox], max_tool_turns: int,
              generate_turns: Callable[[list[list[int]], list[int]], list[tuple[list[int], list[float]]]],
-             parse_calls: Callable[[str], list[ToolCall]] = parse_tool_calls,
+             parse_calls: Callable[[str], list[ToolCall]] | None = None,
              render_results: Callable[[list[ToolResult]], list[int]] | None = None,
              device="cpu") -> tuple[Rollout, ToolStats]:
     """Multi-turn answers turn by turn, for an engine that cannot append to its own cache (vLLM, whose

@@ -5,7 +5,8 @@ its JSON schema comes from `transformers.utils.get_json_schema` and the tokenize
 renders the list into the prompt (`apply_chat_template(..., tools=schemas)`). A tool function
 written for TRL's `GRPOTrainer(tools=[...])` works unchanged.
 
-Calls are read from the text of one assistant turn in the Hermes / Qwen format,
+Calls are read from the text of one assistant turn with the tokenizer's response template where it
+has one (`call_parser`), else in the Hermes / Qwen format,
 
     <tool_call>
     {"name": "calculator", "arguments": {"expression": "12*34"}}
@@ -57,20 +58,43 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         except json.JSONDecodeError as e:
             calls.append(ToolCall(None, {}, f"the tool call is not valid JSON ({e.msg} at character {e.pos})"))
             continue
-        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
-            calls.append(ToolCall(None, {}, 'a tool call must be a JSON object with a string "name"'))
-            continue
-        arguments = data.get("arguments", {})
-        if isinstance(arguments, str):  # some templates write the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass
-        if not isinstance(arguments, dict):
-            calls.append(ToolCall(data["name"], {}, '"arguments" must be a JSON object'))
-            continue
-        calls.append(ToolCall(data["name"], arguments))
+        calls.append(_as_call(data))
     return calls
+
+
+def _as_call(data: Any) -> ToolCall:
+    """A call from its parsed JSON, `{"name": str, "arguments": {...}}`; a failed call otherwise."""
+    if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+        return ToolCall(None, {}, 'a tool call must be a JSON object with a string "name"')
+    arguments = data.get("arguments", {})
+    if isinstance(arguments, str):  # some templates write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            pass
+    if not isinstance(arguments, dict):
+        return ToolCall(data["name"], {}, '"arguments" must be a JSON object')
+    return ToolCall(data["name"], arguments)
+
+
+def call_parser(tokenizer) -> Callable[[str], list[ToolCall]]:
+    """How calls are read from the text of one turn (special tokens kept): through the tokenizer's own
+    response template when it has one (transformers' `parse_response`; the model's authors ship it,
+    or TRL's `add_response_schema` sets it for Llama 3.1, gpt-oss, GLM, Qwen3, ...), else with the
+    Hermes / Qwen parser above. A turn the template cannot parse is one failed call."""
+    if getattr(tokenizer, "response_template", None) is None:
+        return parse_tool_calls
+
+    def parse(text: str) -> list[ToolCall]:
+        try:
+            message = tokenizer.parse_response(text, prefix="")
+        except Exception as e:  # noqa: BLE001 - the parser raises several types for malformed output
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            return [ToolCall(None, {}, f"the tool call could not be parsed ({reason})")]
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        return [_as_call(c.get("function") if isinstance(c, dict) else c) for c in calls or []]
+
+    return parse
 
 
 class ToolBox:
@@ -192,11 +216,12 @@ def tool_suffix_ids(tokenizer, results: Sequence[ToolResult], **template_kwargs)
 
 def check_tool_template(tokenizer, tools: ToolBox) -> None:
     """Fail at start-up, naming the fix, when the chat template cannot show the model its tools, cannot
-    render a tool result after an assistant turn, or writes tool calls in a format other than the
-    Hermes / Qwen `<tool_call>{json}</tool_call>` one that grpokit reads."""
-    fix = ("use a model whose chat template writes calls as <tool_call>{json}</tool_call> (Qwen2.5, Hermes) or set "
-           "tokenizer.chat_template to one that renders `tools`, assistant `tool_calls` that way, and messages with "
-           "role \"tool\"")
+    render a tool result after an assistant turn, or writes tool calls in a format that neither the
+    tokenizer's response template nor the Hermes / Qwen parser reads back."""
+    fix = ("use a model whose chat template writes calls as <tool_call>{json}</tool_call> (Qwen2.5, Hermes) or whose "
+           "tokenizer has a response template that reads its calls (tokenizer.response_template; TRL's "
+           "add_response_schema sets one for Llama 3.1, gpt-oss, Qwen3, ...), or set tokenizer.chat_template to one "
+           "that renders `tools`, assistant `tool_calls` and messages with role \"tool\"")
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"tools need a chat template, and the tokenizer has none; {fix}")
     name = next(iter(tools.functions))
@@ -215,5 +240,6 @@ def check_tool_template(tokenizer, tools: ToolBox) -> None:
         raise ValueError(f"the chat template ignores the tools (the prompt is the same with and without them); {fix}")
     if "42" not in tokenizer.decode(suffix):
         raise ValueError(f"the chat template drops tool results (a tool message renders as nothing); {fix}")
-    if ToolCall(name, {"probe": 1}) not in parse_tool_calls(with_call):
+    turn = with_call[len(plain):] if with_call.startswith(plain) else with_call  # the assistant turn's text
+    if ToolCall(name, {"probe": 1}) not in call_parser(tokenizer)(turn):
         raise ValueError(f"the chat template writes tool calls in a format grpokit does not read yet; {fix}")

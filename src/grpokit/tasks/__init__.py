@@ -19,8 +19,10 @@ from grpokit.rewards.verifiers import addition_reward, countdown_reward_fn, pars
 from grpokit.tasks.addition import AdditionTask
 from grpokit.tasks.base import Task, in_split
 from grpokit.tasks.countdown import CountdownTask
+from grpokit.tasks.multiplication import MultiplicationTask, calculator
 
-TASKS: dict[str, type] = {"addition": AdditionTask, "countdown": CountdownTask}
+TASKS: dict[str, type] = {"addition": AdditionTask, "countdown": CountdownTask,
+                          "multiplication": MultiplicationTask}
 
 
 def available_tasks() -> list[str]:
@@ -53,5 +55,6 @@ def cli_task(task: str, task_args: dict):
         raise TaskError(f"{'--task-arg' if task in TASKS else '--task'}: {e}") from e
 
 
-__all__ = ["AdditionTask", "CountdownTask", "TASKS", "Task", "TaskError", "addition_reward", "available_tasks",
-           "cli_task", "countdown_reward_fn", "get_task", "in_split", "parse_expression", "score_expression"]
+__all__ = ["AdditionTask", "CountdownTask", "MultiplicationTask", "TASKS", "Task", "TaskError", "addition_reward",
+           "available_tasks", "calculator", "cli_task", "countdown_reward_fn", "get_task", "in_split",
+           "parse_expression", "score_expression"]

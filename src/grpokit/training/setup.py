@@ -94,13 +94,17 @@ def resolve_reward_specs(config: Config, task, functions: Sequence[Callable] | N
 
 
 def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
-                  environment_factory: Callable | dict | None = None) -> tuple[ToolBox | None, Environments | None]:
+                  environment_factory: Callable | dict | None = None,
+                  task=None) -> tuple[ToolBox | None, Environments | None]:
     """Python callables given to `train(tools=...)`, else `tools.functions`; the environment factory given
-    to `train`, else `tools.environment`. (None, None) when there are neither."""
+    to `train`, else `tools.environment`; with neither, the built-in task's own tools (multiplication's
+    calculator). (None, None) when there are none."""
     t = config.tools
     factory = environment_factory or (load_reward(t.environment, kind="environment") if t.environment else None)
     if not functions and not t.functions and factory is None:
-        return None, None
+        functions = getattr(task, "tools", lambda: [])()
+        if not functions:
+            return None, None
     functions = list(functions or [load_reward(ref, kind="tool") for ref in t.functions])
     try:
         if factory is not None:
@@ -121,8 +125,7 @@ def tokenize_prompts(config: Config, data: PreparedData, tokenizer, max_position
         except ValueError as e:
             raise SetupError(f"tools: {config.model.path}: {e}") from None
         schemas = (lambda row: tools.schemas) if environments is None else environments.schemas_for
-        texts = [render_prompt(tokenizer, r["prompt"] if not isinstance(r["prompt"], str) else
-                               [{"role": "user", "content": r["prompt"]}], tools=schemas(r)) for r in data.rows]
+        texts = [render_prompt(tokenizer, r["prompt"], tools=schemas(r)) for r in data.rows]
     else:
         texts = [render_prompt(tokenizer, r["prompt"]) for r in data.rows]
     ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
@@ -202,7 +205,7 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
     check_model_folder(config.model.path)
     resolve_device(config.model.device)  # a device this machine lacks fails here, not after the folder is prepared
     data = prepare_data(config, rows)
-    toolbox, environments = resolve_tools(config, tools, environment_factory)
+    toolbox, environments = resolve_tools(config, tools, environment_factory, data.task)
     if toolbox is not None:
         try:
             check_full_attention(AutoConfig.from_pretrained(config.model.path))
