@@ -39,7 +39,7 @@ def tiny(tiny_model_dir):
 
 def _setup(tok):
     digits = [tok.convert_tokens_to_ids(d) for d in "0123456789="]
-    hooks = dict(parse_calls=lambda text: [ToolCall("add", {"a": len(text), "b": 1})],
+    hooks = dict(parse_calls=lambda text, **_: [ToolCall("add", {"a": len(text), "b": 1})],
                  render_results=lambda results: tok.encode("<" + ",".join(r.content for r in results) + ">",
                                                            add_special_tokens=False))
     return digits, hooks

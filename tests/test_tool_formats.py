@@ -81,10 +81,42 @@ def test_the_start_up_check_accepts_a_format_the_response_template_reads(llama_s
 
 def test_the_sampler_parses_with_the_tokenizer_by_default(llama_style):
     box = ToolBox([add])
-    answers = _Answers(1, 64, llama_style, box, 2, None, lambda results: [])
+    answers = _Answers([llama_style.encode("user: x\nassistant: ", add_special_tokens=False)], 1, 64, llama_style, box,
+                       2, None, lambda results: [])
     ids = llama_style.encode('{"name": "add", "parameters": {"a": 1, "b": 2}}<eos>', add_special_tokens=False)
     answers.add(0, ids, [0.0] * len(ids))
     assert answers.end_turn(0, ended=True) == [ToolCall("add", {"a": 1, "b": 2})]
     # the conversation keeps the turn's text without special tokens
     assert answers.stats.conversations[0] == [{"role": "assistant",
                                                "content": '{"name": "add", "parameters": {"a": 1, "b": 2}}'}]
+
+
+# A reasoning model's format: the generation prompt opens <think>, calls are Hermes tags, and only
+# calls after </think> are calls (Qwen3-style, as TRL's response template for it reads them).
+THINKING_RESPONSE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "assistant: ",
+    "fields": {
+        "reasoning_content": {"open": "<think>", "close_pattern": "</think>\\s*", "content": "text"},
+        "tool_calls": {"open": "<tool_call>", "close_pattern": "</tool_call>\\s*", "repeats": True, "content": "json",
+                       "transform": {"type": "function", "function": "{content}"}},
+        "content": {"close_pattern": "<eos>\\s*", "content": "text"},
+    },
+}
+
+
+def test_the_template_parser_sees_the_conversation_before_the_turn_and_the_tool_schemas():
+    tokenizer = build_char_tokenizer()
+    tokenizer.response_template = THINKING_RESPONSE
+    parse = call_parser(tokenizer)
+    turn = 'maybe <tool_call>{"name": "add", "arguments": {"a": "1", "b": 2}}</tool_call></think>no call<eos>'
+    assert parse(turn, prefix="user: x\nassistant: <think>") == []  # reasoning that mentions a call runs nothing
+    turn = '</think><tool_call>{"name": "add", "arguments": {"a": "1", "b": 2}}</tool_call><eos>'
+    (call,) = parse(turn, prefix="user: x\nassistant: <think>", tools=ToolBox([add]).schemas)
+    assert call == ToolCall("add", {"a": 1, "b": 2})  # "1" typed by the schema (a: int), as TRL does
+
+
+def test_an_unusable_response_template_is_a_start_up_error_with_its_reason(llama_style):
+    llama_style.response_template = {"fields": {}}
+    with pytest.raises(ValueError, match=r"not usable \(response_template.fields must be a non-empty dict\)"):
+        check_tool_template(llama_style, ToolBox([add]))

@@ -14,7 +14,7 @@ import torch
 
 from conftest import make_config
 from grpokit.cli import main
-from grpokit.config.schema import DataConfig
+from grpokit.config.schema import DataConfig, ToolsConfig
 from grpokit.data.prompts import render_prompt
 from grpokit.demo_tools import trace_sampler
 from grpokit.evaluate import evaluate
@@ -42,8 +42,12 @@ def calc_model_dir(tmp_path_factory):
 
 def test_calculator_is_exact_and_never_runs_code():
     assert calculator("47*86") == "4042" and calculator("(2+3)*4 - 6/3") == "18" and calculator("7/2") == "3.5"
+    assert calculator("-3*(4+5)/2") == "-13.5" and calculator("10000001/2") == "5000000.5"
+    assert calculator("1/3") == "1/3" and calculator("1/1024") == "0.0009765625"  # exact, never rounded
     with pytest.raises(ValueError, match="not an arithmetic expression"):
         calculator("__import__('os').system('true')")
+    with pytest.raises(ValueError, match="not an arithmetic expression"):
+        calculator("9**9**9")
     with pytest.raises(ZeroDivisionError):
         calculator("1/0")
     schema = ToolBox([calculator]).schemas[0]["function"]  # a TRL-style tool: type hints + Google docstring
@@ -71,6 +75,18 @@ def test_multiplication_rows_splits_and_verifier():
     assert [f.__name__ for f in task.tools()] == ["calculator"]
     with pytest.raises(Exception, match="digits must be an integer from 1 to 9"):
         get_task("multiplication", digits=0)
+
+
+def test_one_digit_traces_stay_valid_operands_and_guesses_are_never_right():
+    task, rng = get_task("multiplication", digits=1), random.Random(0)
+    for _ in range(500):
+        row = task.generate(1, seed=rng.randrange(10**6))[0]
+        messages, answer = task.tool_trace(row, rng, no_call=0.5, wrong_argument=0.5)
+        if not messages:
+            assert answer != row["answer"] and int(answer) >= 0
+        else:
+            a, b = map(int, messages[0]["tool_calls"][0]["function"]["arguments"]["expression"].split("*"))
+            assert 0 <= a <= 9 and 0 <= b <= 9
 
 
 def test_tool_traces_use_the_tool_imperfectly_as_asked():
@@ -134,6 +150,9 @@ def test_a_task_with_a_tool_brings_it_unless_the_run_names_its_own(calc_model_di
 
     assert list(resolve_tools(config, [other], task=task)[0].functions) == ["other"]
     assert resolve_tools(config, task=get_task("addition")) == (None, None)
+    assert resolve_tools(config, [], task=task) == (None, None)  # train(tools=[]): none
+    no_task_tools = dataclasses.replace(config, tools=ToolsConfig(task_tools=False))
+    assert resolve_tools(no_task_tools, task=task) == (None, None)
     # end to end: the run renders its prompts with the calculator and logs the tool metrics
     seen = []
     real = HFEngine.generate
@@ -159,7 +178,7 @@ def test_evaluate_with_tools_counts_calls_and_failures_of_the_sampled_answers(ca
     # broken expression (failed calls), and the second turn's text is the answer
     calls = iter(range(10_000))
 
-    def scripted(text):
+    def scripted(text, **_):
         k = next(calls)
         return [ToolCall("calculator", {"expression": "6*7" if k % 2 else "6*"})]
 
@@ -192,6 +211,7 @@ def test_eval_cli_with_a_tool_task_and_its_errors(calc_model_dir, tiny_model_dir
                  "--device", "cpu"])
     err = capsys.readouterr().err
     assert code != 0 and err.startswith("error: --model:") and "chat template" in err and "Traceback" not in err
+    assert "--no-tools" in err  # the error says where the tool came from and how to leave it out
     bad = tmp_path / "t.py"
     bad.write_text("def f(x):\n    return x\n")
     code = main(["eval", "--model", str(calc_model_dir), "--task", "multiplication", "--tool", f"{bad}:f",
@@ -200,6 +220,12 @@ def test_eval_cli_with_a_tool_task_and_its_errors(calc_model_dir, tiny_model_dir
     assert code != 0 and err.startswith("error: --tool:") and "type hints" in err
     code = main(["eval", "--model", str(calc_model_dir), "--task", "multiplication", "--max-tool-calls", "0"])
     assert code != 0 and "--max-tool-calls must be >= 1" in capsys.readouterr().err
+    # the task's own tool can be left out: a model without a tool template evaluates on the bare answers
+    code = main(["eval", "--model", str(tiny_model_dir), "--task", "multiplication", "--num-prompts", "2",
+                 "--samples", "1", "--no-greedy", "--no-tools", "--json", "--device", "cpu"])
+    assert code == 0 and "tool_call_share" not in json.loads(capsys.readouterr().out)
+    code = main(["eval", "--model", str(calc_model_dir), "--task", "multiplication", "--no-tools", "--tool", "x.py:f"])
+    assert code != 0 and "contradict" in capsys.readouterr().err
 
 
 def test_tool_demo_quick_runs_end_to_end(tmp_path):

@@ -57,17 +57,19 @@ def cmd_eval(args) -> int:
     for item in args.task_arg or []:
         if "=" not in item or "." in item.split("=", 1)[0]:
             raise ConfigError(f"--task-arg {item!r}: expected KEY=VALUE, e.g. --task-arg digits=3")
+    if args.no_tools and args.tool:
+        raise ConfigError("--no-tools and --tool contradict each other; give one")
     from grpokit.evaluate import eval_rows_and_specs, eval_tools, evaluate
     from grpokit.models.loading import load_model_and_tokenizer
 
-    rows, specs, prompt_column = eval_rows_and_specs(
+    rows, specs, prompt_column, task = eval_rows_and_specs(
         task=args.task, task_args=_key_values(args.task_arg), data=args.data, prompt_column=args.prompt_column,
         rewards=args.reward, num_prompts=args.num_prompts, seed=args.data_seed)
     model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype, device=args.device, field="--model")
     from grpokit.data.prompts import render_prompt
 
-    tools = eval_tools(task=args.task, task_args=_key_values(args.task_arg), tools=args.tool,
-                       timeout_s=args.tool_timeout, tokenizer=tokenizer)
+    tools = eval_tools(task=None if args.no_tools else task, tools=args.tool, timeout_s=args.tool_timeout,
+                       tokenizer=tokenizer)
     schemas = tools.schemas if tools else None
     ids = [tokenizer(render_prompt(tokenizer, r[prompt_column], tools=schemas), add_special_tokens=False)["input_ids"]
            for r in rows]
@@ -233,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool", action="append", default=[],
                    help="a tool the model may call, file.py:function (repeatable); a task with its own tool "
                         "(multiplication) brings it")
+    p.add_argument("--no-tools", action="store_true", help="evaluate a tool task (multiplication) without its tool")
     p.add_argument("--max-tool-calls", type=int, default=8, help="tool-calling turns per answer (default: 8), >= 1")
     p.add_argument("--tool-timeout", type=float, default=30.0, help="seconds per tool call (default: 30)")
     p.add_argument("--json", action="store_true")

@@ -21,7 +21,7 @@ from grpokit.rollout.decode import sample_groups
 from grpokit.rollout.grading import grade
 from grpokit.rollout.multiturn import sample_conversations
 from grpokit.rollout.tools import ToolBox
-from grpokit.tasks import cli_task
+from grpokit.tasks import cli_task, task_tools
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -109,31 +109,29 @@ def evaluate(
 
 
 def eval_rows_and_specs(*, task, task_args, data, prompt_column, rewards, num_prompts, seed):
-    """Held-out rows and reward specs for `grpokit eval` (a built-in task or a file + rewards)."""
+    """Held-out rows, reward specs and the task (None for a file) of `grpokit eval`."""
     if bool(task) == bool(data):
         raise SetupError("give exactly one of --task NAME or --data FILE")
     if task:
         t = cli_task(task, task_args)
         specs = reward_specs(rewards) if rewards else t.reward_functions()
-        return t.generate(num_prompts, seed=seed, split="eval"), specs, "prompt"
+        return t.generate(num_prompts, seed=seed, split="eval"), specs, "prompt", t
     if not rewards:
         raise SetupError("--data needs at least one --reward NAME or --reward file.py:function")
     rows = load_prompts(data, prompt_column=prompt_column)[:num_prompts]
-    return rows, reward_specs(rewards), "prompt"
+    return rows, reward_specs(rewards), "prompt", None
 
 
-def eval_tools(*, task, task_args, tools: Sequence[str], timeout_s: float, tokenizer) -> ToolBox | None:
-    """The tools of `grpokit eval`: `--tool` references, else a built-in task's own (multiplication's
-    calculator); None without any. The tokenizer's chat template must be able to show them."""
+def eval_tools(*, task, tools: Sequence[str], timeout_s: float, tokenizer) -> ToolBox | None:
+    """The tools of `grpokit eval`: `--tool` references, else the built-in `task`'s own (multiplication's
+    calculator; `--no-tools` passes no task); None without any. The chat template must show them."""
     from grpokit.rewards.registry import load_reward
     from grpokit.rollout.tools import check_tool_template
 
-    if tools:
-        functions = [load_reward(ref, kind="tool") for ref in tools]
-    else:
-        functions = getattr(cli_task(task, task_args), "tools", lambda: [])() if task else []
+    functions = [load_reward(ref, kind="tool") for ref in tools] if tools else task_tools(task)
     if not functions:
         return None
+    flag = "--tool" if tools else f"--task {task.name} (it brings its own tool; --no-tools evaluates without it)"
     try:
         box = ToolBox(functions, timeout_s=timeout_s)
     except ValueError as e:
@@ -141,5 +139,5 @@ def eval_tools(*, task, task_args, tools: Sequence[str], timeout_s: float, token
     try:
         check_tool_template(tokenizer, box)
     except ValueError as e:
-        raise SetupError(f"--model: {e}") from None
+        raise SetupError(f"--model: {e}; tools from {flag}") from None
     return box

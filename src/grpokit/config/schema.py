@@ -303,6 +303,7 @@ class ToolsConfig:
     environment: str = ""  # "file.py:Class" (TRL's environment_factory): one instance per answer, methods as tools
     max_calls: int = 8  # tool-calling turns per answer (TRL's max_tool_calling_iterations)
     timeout_s: float = 30.0  # per call; a call still running then is a failed call (its result an error)
+    task_tools: bool = True  # with none named: a built-in task's own tools (multiplication's calculator)
 
     def __post_init__(self):
         _check_fields(self, "tools")

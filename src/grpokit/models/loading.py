@@ -224,23 +224,25 @@ def load_tokenizer(path: str | Path, *, field: str = "model.path"):
 
 
 def _generic_tokenizer(folder: Path):
-    """The folder's tokenizer.json as it is, when tokenizer_config.json declares the generic class
-    (`TokenizersBackend` / `PreTrainedTokenizerFast`: "tokenizer.json is the whole pipeline"); else None.
+    """A word-level tokenizer.json (a character tokenizer such as the tiny models') loaded as it is,
+    when tokenizer_config.json declares the generic class (`TokenizersBackend` /
+    `PreTrainedTokenizerFast`); else None, and `AutoTokenizer` decides.
 
-    For some model types (qwen2, phi3, ...) `AutoTokenizer` ignores that declaration and rebuilds the
-    tokenizer with the model family's own pre-tokenizer; a custom tokenizer saved next to such a model
-    (a character tokenizer, say) then silently loses every blank and newline."""
+    For qwen2 folders `AutoTokenizer` ignores that declaration and rebuilds the tokenizer with Qwen's
+    byte-level pre-tokenizer: a character tokenizer saved next to such a model then silently loses
+    every blank and newline. Real Qwen tokenizers (BPE) are left to transformers."""
     import json
 
     from transformers import PreTrainedTokenizerFast
 
     try:
         declared = json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):
+        if declared not in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+            return None
+        kind = json.loads((folder / "tokenizer.json").read_text())["model"]["type"]
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return None
-    if declared not in ("TokenizersBackend", "PreTrainedTokenizerFast") or not (folder / "tokenizer.json").is_file():
-        return None
-    return PreTrainedTokenizerFast.from_pretrained(str(folder))
+    return PreTrainedTokenizerFast.from_pretrained(str(folder)) if kind == "WordLevel" else None
 
 
 def load_model(path: str | Path, *, dtype: str = "float32", device: str = "auto", field: str = "model.path"):

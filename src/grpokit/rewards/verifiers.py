@@ -30,8 +30,9 @@ _ALLOWED_CHARS = re.compile(r"[0-9+\-*/() ]+")
 _OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 
 
-def parse_expression(text: str) -> tuple[Fraction | None, list[int]] | None:
-    """(value, integers used) of an expression of integers, + - * / and parentheses; None if not one.
+def parse_expression(text: str, *, negation: bool = False) -> tuple[Fraction | None, list[int]] | None:
+    """(value, integers used) of an expression of integers, + - * / and parentheses (and a leading
+    minus, `-3*4`, with `negation`); None if not one.
 
     The value is None when the expression divides by zero (it is still well formed).
     """
@@ -55,6 +56,8 @@ def parse_expression(text: str) -> tuple[Fraction | None, list[int]] | None:
             if op == "*":
                 return left * right
             return left / right  # ZeroDivisionError propagates
+        if negation and isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -walk(node.operand)
         if isinstance(node, ast.Constant) and type(node.value) is int:
             leaves.append(node.value)
             return Fraction(node.value)

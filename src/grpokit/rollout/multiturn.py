@@ -60,13 +60,14 @@ def sample_conversations(
     model, prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: int, eos_token_ids: Sequence[int],
     pad_token_id: int, tokenizer, tools: ToolBox | Sequence[ToolBox], max_tool_turns: int = 8, temperature: float = 1.0,
     top_p: float = 1.0, top_k: int = 0, generator: torch.Generator | None = None, sampler: str = "inverse_cdf",
-    parse_calls: Callable[[str], list[ToolCall]] | None = None,
+    parse_calls: Callable[..., list[ToolCall]] | None = None,
     render_results: Callable[[list[ToolResult]], list[int]] | None = None,
 ) -> tuple[Rollout, ToolStats]:
     """Sample `group_size` multi-turn answers per prompt; see the module docstring. `tools` is one tool
     box for every answer, or one per answer (N, group by group: environments' own methods).
 
-    `parse_calls` (text of one turn, special tokens kept -> calls; default: `tools.call_parser`) and
+    `parse_calls(text, prefix=..., tools=...)` (text of one turn with its special tokens, the
+    conversation before it, the tools' schemas -> calls; default: `tools.call_parser`) and
     `render_results` (results -> suffix token ids, default: the chat template) are the model-format hooks."""
     render = render_results or (lambda results: tool_suffix_ids(tokenizer, results))
     device = model.device
@@ -91,7 +92,9 @@ class _Answers:
     current turn started, truncation, and what the tools did. One home for the rules both samplers
     share: when a turn's calls run, the budget, what a result that does not fit does."""
 
-    def __init__(self, N: int, budget: int, tokenizer, tools, max_tool_turns: int, parse_calls, render):
+    def __init__(self, prompt_ids, G: int, budget: int, tokenizer, tools, max_tool_turns: int, parse_calls, render):
+        N = len(prompt_ids) * G
+        self.prompt_ids, self.G = prompt_ids, G
         self.tokens: list[list[int]] = [[] for _ in range(N)]
         self.logps: list[list[float]] = [[] for _ in range(N)]
         self.is_tool: list[list[int]] = [[] for _ in range(N)]
@@ -118,7 +121,10 @@ class _Answers:
         if not ended:
             self.truncated[i] = True
             return None
-        calls = self.parse_calls(self.tokenizer.decode(turn))  # with its special tokens: formats close calls with them
+        box = self.tools if isinstance(self.tools, ToolBox) else self.tools[i]
+        before = list(self.prompt_ids[i // self.G]) + self.tokens[i][:self.turn_start[i]]
+        # special tokens kept: some formats close a call with one (Llama 3.1's <|eot_id|>)
+        calls = self.parse_calls(self.tokenizer.decode(turn), prefix=self.tokenizer.decode(before), tools=box.schemas)
         return calls if calls and self.stats.turns[i] <= self.max_tool_turns else None
 
     def run_tools(self, waiting: list[tuple[int, list[ToolCall]]]) -> list[list[int] | None]:
@@ -162,7 +168,7 @@ def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_
     step.repeat_rows(G)
     mask = mask.repeat_interleave(G, 0)  # [N, P+...]: 0 on left padding and on holes
     next_pos = positions[:, -1].repeat_interleave(G) + 1  # [N] position of each row's next real token
-    answers = _Answers(logits.shape[0], budget, tokenizer, tools, max_tool_turns, parse_calls, render)
+    answers = _Answers(prompt_ids, G, budget, tokenizer, tools, max_tool_turns, parse_calls, render)
     active = list(range(logits.shape[0]))  # original row ids, in cache order
     while active:
         tok, lp = sample_tokens(logits, **sampling)  # [n]
@@ -213,7 +219,7 @@ def _compact(step: _Decoder, mask: Tensor, slack: float = 2.0) -> Tensor:
 def converse(prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: int, eos_token_ids: Sequence[int],
              pad_token_id: int, tokenizer, tools: ToolBox | Sequence[ToolBox], max_tool_turns: int,
              generate_turns: Callable[[list[list[int]], list[int]], list[tuple[list[int], list[float]]]],
-             parse_calls: Callable[[str], list[ToolCall]] | None = None,
+             parse_calls: Callable[..., list[ToolCall]] | None = None,
              render_results: Callable[[list[ToolResult]], list[int]] | None = None,
              device="cpu") -> tuple[Rollout, ToolStats]:
     """Multi-turn answers turn by turn, for an engine that cannot append to its own cache (vLLM, whose
@@ -223,7 +229,7 @@ def converse(prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: in
     truncation and `tool_mask`; the next turn's context is the prompt plus everything so far."""
     render = render_results or (lambda results: tool_suffix_ids(tokenizer, results))
     eos, N = set(eos_token_ids), len(prompt_ids) * group_size
-    answers = _Answers(N, max_new_tokens, tokenizer, tools, max_tool_turns, parse_calls, render)
+    answers = _Answers(prompt_ids, group_size, max_new_tokens, tokenizer, tools, max_tool_turns, parse_calls, render)
     pending = list(range(N))
     while pending:
         turns = generate_turns([list(prompt_ids[i // group_size]) + answers.tokens[i] for i in pending],

@@ -49,7 +49,7 @@ class ToolResult:
     failed: bool
 
 
-def parse_tool_calls(text: str) -> list[ToolCall]:
+def parse_tool_calls(text: str, **_) -> list[ToolCall]:
     """Every `<tool_call>...</tool_call>` block of one assistant turn, in order."""
     calls = []
     for block in CALL.findall(text):
@@ -77,17 +77,29 @@ def _as_call(data: Any) -> ToolCall:
     return ToolCall(data["name"], arguments)
 
 
-def call_parser(tokenizer) -> Callable[[str], list[ToolCall]]:
+def call_parser(tokenizer) -> Callable[..., list[ToolCall]]:
     """How calls are read from the text of one turn (special tokens kept): through the tokenizer's own
     response template when it has one (transformers' `parse_response`; the model's authors ship it,
     or TRL's `add_response_schema` sets it for Llama 3.1, gpt-oss, GLM, Qwen3, ...), else with the
-    Hermes / Qwen parser above. A turn the template cannot parse is one failed call."""
-    if getattr(tokenizer, "response_template", None) is None:
+    Hermes / Qwen parser above. The template parser sees, as in TRL, the conversation before the turn
+    (`prefix`: a generation prompt that opens `<think>` makes what follows reasoning, not calls) and
+    the tools' schemas (`tools`: arguments typed by them). A turn it cannot parse is one failed call."""
+    template = getattr(tokenizer, "response_template", None)
+    if template is None:
         return parse_tool_calls
+    try:
+        from transformers.utils.chat_parsing.response_templates import load_response_template
 
-    def parse(text: str) -> list[ToolCall]:
+        load_response_template(template)
+    except ImportError:  # pragma: no cover - an older transformers: parse_response reports it
+        pass
+    except Exception as e:  # noqa: BLE001 - any reason the template is unusable
+        raise ValueError(f"the tokenizer's response_template is not usable ({e}); fix or remove it "
+                         "(tokenizer_config.json)") from None
+
+    def parse(text: str, *, prefix: str = "", tools: list[dict] | None = None) -> list[ToolCall]:
         try:
-            message = tokenizer.parse_response(text, prefix="")
+            message = tokenizer.parse_response(text, prefix=prefix, tools=tools or None)
         except Exception as e:  # noqa: BLE001 - the parser raises several types for malformed output
             reason = str(e).splitlines()[0] if str(e) else type(e).__name__
             return [ToolCall(None, {}, f"the tool call could not be parsed ({reason})")]
@@ -228,6 +240,7 @@ def check_tool_template(tokenizer, tools: ToolBox) -> None:
     user = [{"role": "user", "content": "x"}]
     call = {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": name, "arguments": {"probe": 1}}}]}
+    call_parser(tokenizer)  # an unusable response template: its own reason
     try:
         plain = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True)
         with_tools = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True,
@@ -240,6 +253,9 @@ def check_tool_template(tokenizer, tools: ToolBox) -> None:
         raise ValueError(f"the chat template ignores the tools (the prompt is the same with and without them); {fix}")
     if "42" not in tokenizer.decode(suffix):
         raise ValueError(f"the chat template drops tool results (a tool message renders as nothing); {fix}")
-    turn = with_call[len(plain):] if with_call.startswith(plain) else with_call  # the assistant turn's text
-    if ToolCall(name, {"probe": 1}) not in call_parser(tokenizer)(turn):
+    if not with_call.startswith(plain):
+        raise ValueError(f"the chat template renders the start of an assistant turn differently once it holds a "
+                         f"call; {fix}")
+    read = call_parser(tokenizer)(with_call[len(plain):], prefix=plain, tools=tools.schemas)
+    if not any(c.name == name and set(c.arguments) == {"probe"} for c in read):  # "probe" may come back as "1"
         raise ValueError(f"the chat template writes tool calls in a format grpokit does not read yet; {fix}")

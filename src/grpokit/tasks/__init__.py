@@ -47,6 +47,11 @@ def get_task(name: str, **kwargs) -> Task:
         raise TaskError(str(e)) from e
 
 
+def task_tools(task) -> list:
+    """The tools a task brings (multiplication: `calculator`); none for most tasks."""
+    return list(getattr(task, "tools", lambda: [])())
+
+
 def cli_task(task: str, task_args: dict):
     """`get_task` for the command line: its errors name the flag (--task or --task-arg)."""
     try:
@@ -57,4 +62,4 @@ def cli_task(task: str, task_args: dict):
 
 __all__ = ["AdditionTask", "CountdownTask", "MultiplicationTask", "TASKS", "Task", "TaskError", "addition_reward",
            "available_tasks", "calculator", "cli_task", "countdown_reward_fn", "get_task", "in_split",
-           "parse_expression", "score_expression"]
+           "parse_expression", "score_expression", "task_tools"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import ClassVar, Collection
 
 from grpokit.rewards.core import RewardSpec
@@ -28,15 +29,29 @@ def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression exactly.
 
     Args:
-        expression: Integers with + - * / and parentheses, for example "47*86".
+        expression: Integers with + - * / and parentheses, for example "47*86" or "-3*(4+5)/2".
     """
-    parsed = parse_expression(expression)  # parsed with `ast`, never run as code
+    parsed = parse_expression(expression, negation=True)  # parsed with `ast`, never run as code
     if parsed is None:
         raise ValueError(f"not an arithmetic expression of integers: {expression!r}")
     value = parsed[0]
     if value is None:
         raise ZeroDivisionError("division by zero")
-    return str(value.numerator) if value.denominator == 1 else f"{float(value):.6g}"
+    return exact_text(value)
+
+
+def exact_text(value: Fraction) -> str:
+    """An integer as itself, a terminating decimal in full ("3.5"), any other fraction as "p/q"."""
+    if value.denominator == 1:
+        return str(value.numerator)
+    places = 0
+    while (value * 10 ** places).denominator != 1 and places <= 4 * value.denominator.bit_length():
+        places += 1
+    scaled = value * 10 ** places
+    if scaled.denominator != 1:  # not a terminating decimal (a factor other than 2 and 5)
+        return f"{value.numerator}/{value.denominator}"
+    digits = str(abs(scaled.numerator)).rjust(places + 1, "0")
+    return f"{'-' if value < 0 else ''}{digits[:-places]}.{digits[-places:]}"
 
 
 @dataclass(frozen=True)
@@ -50,8 +65,12 @@ class MultiplicationTask:
             raise ValueError(f"multiplication: digits must be an integer from 1 to 9, got {self.digits!r}")
         check_split("eval", self.eval_fraction)
 
+    def _range(self) -> tuple[int, int]:
+        """Operands have exactly `digits` digits (0-9 for one)."""
+        return 10 ** (self.digits - 1) if self.digits > 1 else 0, 10 ** self.digits - 1
+
     def _row(self, rng: random.Random) -> dict:
-        lo, hi = 10 ** (self.digits - 1) if self.digits > 1 else 0, 10 ** self.digits - 1
+        lo, hi = self._range()
         a, b = rng.randint(lo, hi), rng.randint(lo, hi)
         return {"prompt": f"{a}*{b}=", "answer": str(a * b)}
 
@@ -83,10 +102,13 @@ class MultiplicationTask:
         a, b = self.operands(row)
         u = rng.random()
         if u < no_call:
-            guess = max(0, a * b + rng.choice([-100, -10, -1, 1, 10, 100]))
-            return [], str(guess)
+            miss = rng.choice([-100, -10, -1, 1, 10, 100])
+            return [], str(a * b + miss if a * b + miss >= 0 else a * b - miss)  # never the product
         if u < no_call + wrong_argument:
-            a, b = (a + rng.choice([-1, 1]), b) if rng.random() < 0.5 else (a, b + rng.choice([-1, 1]))
+            lo, hi = self._range()
+            off = lambda x, d: x + d if lo <= x + d <= hi else x - d  # noqa: E731 - stays a valid operand
+            d = rng.choice([-1, 1])
+            a, b = (off(a, d), b) if rng.random() < 0.5 else (a, off(b, d))
         expression = f"{a}*{b}"
         call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
         messages = [{"role": "assistant", "content": "", "tool_calls": [call]},
@@ -100,6 +122,7 @@ class MultiplicationTask:
 
 
 def call_text(messages: list[dict]) -> str:
-    """The text an assistant turn with `tool_calls` is generated as (Hermes format, compact JSON)."""
+    """The text an assistant turn with `tool_calls` is generated as (Hermes format, as the tiny tool
+    template renders it)."""
     return "".join(f"<tool_call>{json.dumps(c['function'])}</tool_call>"
                    for m in messages if m["role"] == "assistant" for c in m.get("tool_calls") or [])

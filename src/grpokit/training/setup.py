@@ -34,7 +34,7 @@ from grpokit.rollout.engines import RolloutEngine, build_engine
 from grpokit.rollout.environments import Environments
 from grpokit.rollout.multiturn import check_full_attention
 from grpokit.rollout.tools import ToolBox, check_tool_template
-from grpokit.tasks import get_task
+from grpokit.tasks import get_task, task_tools
 from grpokit.training.checkpoint import list_checkpoints, restore_checkpoint
 from grpokit.training.run_folder import RunFolder, prepare_run_folder
 
@@ -96,16 +96,18 @@ def resolve_reward_specs(config: Config, task, functions: Sequence[Callable] | N
 def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
                   environment_factory: Callable | dict | None = None,
                   task=None) -> tuple[ToolBox | None, Environments | None]:
-    """Python callables given to `train(tools=...)`, else `tools.functions`; the environment factory given
-    to `train`, else `tools.environment`; with neither, the built-in task's own tools (multiplication's
-    calculator). (None, None) when there are none."""
+    """Python callables given to `train(tools=...)` (`[]`: none), else `tools.functions`, else (with no
+    environment either, unless `tools.task_tools = false`) the built-in task's own tools; the environment
+    factory given to `train`, else `tools.environment`. (None, None) when there are none."""
     t = config.tools
     factory = environment_factory or (load_reward(t.environment, kind="environment") if t.environment else None)
-    if not functions and not t.functions and factory is None:
-        functions = getattr(task, "tools", lambda: [])()
-        if not functions:
-            return None, None
-    functions = list(functions or [load_reward(ref, kind="tool") for ref in t.functions])
+    if functions is None:
+        functions = [load_reward(ref, kind="tool") for ref in t.functions]
+        if not functions and factory is None and t.task_tools:
+            functions = task_tools(task)
+    if not functions and factory is None:
+        return None, None
+    functions = list(functions)
     try:
         if factory is not None:
             environments = Environments(factory, functions, timeout_s=t.timeout_s)
