@@ -38,6 +38,7 @@ _REGISTRY: dict[str, Callable[..., Callable]] = {
     "code_execution": code_execution_reward,
     "addition": _constant(addition_reward),  # the built-in tasks' verifiers (tasks/)
     "countdown": countdown_reward_fn,
+    "multiplication": _constant(addition_reward),  # the same exact match, of the final answer
 }
 
 
