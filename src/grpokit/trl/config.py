@@ -1,0 +1,252 @@
+"""`GRPOConfig`: TRL 1.16's GRPOConfig, field for field, checked for what grpokit can run.
+
+Every one of TRL's 191 field names is accepted with TRL's default, so a TRL script's arguments never
+fail as unknown (an unknown name is a TypeError, as with any dataclass). The 63 in `SUPPORTED` map onto
+grpokit's `Config` with the same meaning (trl/mapping.py); the other 128 (`REFUSED`: evaluation, the
+Hub, DeepSpeed/FSDP options, SAPO/VESPO, reference-model sync, adaptive entropy, vLLM server mode, ...)
+are accepted only at TRL's default: any of them set to another value, and any supported field set to a
+value grpokit has no equivalent for (`loss_type="sapo"`, `lr_scheduler_type="linear"`), is one
+ConfigError listing them all, when the config is built. Nothing is silently ignored; the few fields
+that change nothing in grpokit (`gradient_checkpointing`, `logging_steps`, `pad_to_multiple_of`,
+`disable_dropout`, `do_train`/`do_eval`/`do_predict`, `local_rank`) say why in docs/TRL.md.
+
+One default differs: `lr_scheduler_type` is "constant" here ("linear" in TRL), since grpokit has no
+linear decay; "linear" given explicitly is refused. The batch fields are resolved as TRL's own
+`__post_init__` resolves them (`steps_per_generation`, `generation_batch_size`, with TRL's errors).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from grpokit.errors import ConfigError
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")  # TRL's others: sapo, luspo, vespo
+LR_SCHEDULES = ("constant", "constant_with_warmup", "cosine")
+REPORT_TO = ("none", "tensorboard", "wandb")
+
+
+@dataclass
+class _Supported:
+    """The fields grpokit maps (trl/mapping.py), with TRL 1.16's defaults (except lr_scheduler_type)."""
+
+    output_dir: str | None = None
+    # batch: per_device_train_batch_size counts answers; prompts per generation =
+    # per_device_train_batch_size * world * steps_per_generation / num_generations
+    per_device_train_batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    generation_batch_size: int | None = None
+    steps_per_generation: int | None = None
+    num_generations: int | None = 8
+    max_completion_length: int | None = 512
+    # length and optimizer (max_steps counts optimizer steps, as in TRL)
+    max_steps: int = -1
+    num_train_epochs: float = 3.0
+    learning_rate: float = 1e-6
+    lr_scheduler_type: str = "constant"  # TRL: "linear" (grpokit has no linear decay)
+    warmup_steps: float = 0
+    optim: str = "adamw_torch_fused"
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_epsilon: float = 1e-8
+    max_grad_norm: float = 1.0
+    seed: int = 42
+    # sampling
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    use_vllm: bool = False
+    vllm_mode: str = "colocate"
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_enable_sleep_mode: bool = False
+    vllm_max_model_length: int | None = None
+    vllm_importance_sampling_correction: bool = True
+    vllm_importance_sampling_mode: str = "sequence_mask"
+    vllm_importance_sampling_clip_max: float | None = 3.0
+    vllm_importance_sampling_clip_min: float | None = None
+    max_tool_calling_iterations: int | None = None
+    # the objective
+    beta: float = 0.0
+    num_iterations: int = 1
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    importance_sampling_level: str = "token"
+    reward_weights: list[float] | None = None
+    scale_rewards: str = "group"
+    loss_type: str = "dapo"
+    mask_truncated_completions: bool = False
+    top_entropy_quantile: float = 1.0
+    entropy_coef: float = 0.0
+    use_bias_correction_kl: bool = True
+    # model loading and precision
+    model_init_kwargs: dict | None = None
+    bf16: bool | None = None
+    fp16: bool = False
+    use_cpu: bool = False
+    gradient_checkpointing: bool = True  # accepted; grpokit never checkpoints activations (same numbers)
+    disable_dropout: bool = False  # accepted; grpokit always runs with dropout off
+    # data, logging, saving
+    remove_unused_columns: bool | None = False
+    pad_to_multiple_of: int | str | None = "auto"  # padding only: no effect on the numbers
+    logging_steps: float = 10  # grpokit logs every step; used for log_completions' interval
+    log_completions: bool = False
+    report_to: str | list[str] | None = "none"
+    disable_tqdm: bool | None = None
+    save_strategy: str = "steps"
+    save_steps: float = 500
+    save_total_limit: int | None = None
+    do_train: bool = False  # not read by TRL's trainer either
+    do_eval: bool = False
+    do_predict: bool = False
+    local_rank: int = -1  # set by launchers; grpokit reads the process's rank from torchrun's environment
+
+    def __post_init__(self):
+        if self.output_dir is None:
+            self.output_dir = "trainer_output"  # TrainingArguments' default
+        self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        self._resolve_batch()
+        problems = [f"{name}={getattr(self, name)!r}" for name, default in REFUSED.items()
+                    if getattr(self, name) != default]
+        problems += _value_problems(self)
+        if problems:
+            raise ConfigError("grpokit.trl.GRPOConfig: grpokit does not support "
+                              + ("this TRL argument" if len(problems) == 1 else "these TRL arguments")
+                              + " (leave them at TRL's default, or use grpokit's own Config; docs/TRL.md): "
+                              + "; ".join(problems))
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the run (torchrun's WORLD_SIZE; 1 alone)."""
+        return int(os.environ.get("WORLD_SIZE", "1"))
+
+    def _resolve_batch(self) -> None:
+        """TRL's own resolution of the generation batch, with its errors (ValueError, here ConfigError)."""
+        per_step = self.per_device_train_batch_size * self.world_size
+        if self.generation_batch_size is None and self.steps_per_generation is None:
+            self.steps_per_generation = self.gradient_accumulation_steps
+            self.generation_batch_size = per_step * self.steps_per_generation
+        elif self.generation_batch_size is not None and self.steps_per_generation is None:
+            if self.generation_batch_size % per_step:
+                raise ConfigError(f"generation_batch_size ({self.generation_batch_size}) must be divisible by the "
+                                  f"global batch size ({per_step})")
+            self.steps_per_generation = self.generation_batch_size // per_step
+        elif self.generation_batch_size is None:
+            self.generation_batch_size = per_step * self.steps_per_generation
+        else:
+            raise ConfigError("'generation_batch_size' and 'steps_per_generation' can not be both configured at the "
+                              "same time")
+        if self.num_generations is None or self.num_generations < 2:
+            raise ConfigError("GRPO requires at least 2 generations per prompt to calculate the advantages; "
+                              f"num_generations = {self.num_generations}")
+        if self.generation_batch_size % self.num_generations:
+            raise ConfigError(f"generation_batch_size ({self.generation_batch_size}) must be divisible by "
+                              f"num_generations ({self.num_generations}): per_device_train_batch_size counts "
+                              f"answers, so it (times processes and gradient_accumulation_steps) must hold whole "
+                              f"groups of num_generations")
+
+
+def _value_problems(c) -> list[str]:
+    """Supported fields set to a value grpokit has no equivalent for, each with the reason."""
+    checks = [
+        ("loss_type", c.loss_type in LOSS_TYPES, f"grpokit has {', '.join(LOSS_TYPES)}"),
+        ("epsilon_high", c.epsilon_high is None or c.epsilon_high > 0, "must be > 0 (None = epsilon)"),
+        ("epsilon_high", c.loss_type != "cispo" or (c.epsilon_high or 0) > 1,
+         "cispo caps the weight at epsilon_high in TRL and at 1 + epsilon_high in grpokit, so it needs "
+         "epsilon_high > 1 (ScaleRL: 5.0)"),
+        ("scale_rewards", c.scale_rewards in ("group", "batch", "none"), "use 'group', 'batch' or 'none'"),
+        ("importance_sampling_level", c.importance_sampling_level in ("token", "sequence"), "token or sequence"),
+        ("lr_scheduler_type", c.lr_scheduler_type in LR_SCHEDULES,
+         f"grpokit has {', '.join(LR_SCHEDULES)} (no linear decay)"),
+        ("optim", c.optim in ("adamw_torch", "adamw_torch_fused"), "grpokit's optimizer is torch's AdamW"),
+        ("adam_epsilon", c.adam_epsilon == 1e-8, "grpokit's AdamW uses 1e-8"),
+        ("weight_decay", not c.weight_decay, "TRL's Trainer exempts biases and norm weights from weight decay, "
+         "grpokit's AdamW decays every parameter"),
+        ("fp16", not (c.bf16 and c.fp16), "bf16=True as well: choose one"),
+        ("save_strategy", c.save_strategy in ("steps", "no"), "use 'steps' or 'no'"),
+        ("report_to", all(r in REPORT_TO for r in _report_to(c.report_to)),
+         f"grpokit reports to {', '.join(REPORT_TO)}"),
+        ("max_completion_length", isinstance(c.max_completion_length, int) and c.max_completion_length >= 1,
+         "give the answer budget in tokens"),
+        ("model_init_kwargs", set(c.model_init_kwargs or {}) <= {"dtype", "torch_dtype"}, "grpokit reads only dtype"),
+        ("vllm_mode", not c.use_vllm or c.vllm_mode == "colocate", "grpokit runs vLLM colocated only"),
+        ("vllm_importance_sampling_mode", not (c.use_vllm and c.vllm_importance_sampling_correction)
+         or c.vllm_importance_sampling_mode == "token_truncate",
+         "grpokit corrects with token_truncate (TIS) only; set it, or vllm_importance_sampling_correction=False"),
+        ("vllm_importance_sampling_clip_min", not c.use_vllm or c.vllm_importance_sampling_clip_min is None,
+         "grpokit's TIS has no lower bound"),
+        ("vllm_importance_sampling_clip_max", not (c.use_vllm and c.vllm_importance_sampling_correction)
+         or (c.vllm_importance_sampling_clip_max or 0) > 0, "the TIS cap must be > 0"),
+        ("entropy_coef", not c.entropy_coef or c.loss_type == "bnpo" or (
+            c.loss_type == "dapo" and c.gradient_accumulation_steps == 1 and c.world_size == 1),
+         "TRL adds the plain token mean of the entropy, grpokit aggregates it like the loss: the same only for "
+         "bnpo, and for dapo with gradient_accumulation_steps=1 on one process"),
+    ]
+    return [f"{name}={getattr(c, name)!r} ({why})" for name, ok, why in checks if not ok]
+
+
+def _report_to(value) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)
+
+
+# TRL 1.16 GRPOConfig fields (with TrainingArguments') grpokit has no equivalent for, with TRL's
+# defaults; each is accepted at its default only.
+REFUSED: dict[str, Any] = {
+    "lr_scheduler_kwargs": None, "optim_args": None, "optim_target_modules": None,
+    "average_tokens_across_devices": True, "label_smoothing_factor": 0.0, "bf16_full_eval": False,
+    "fp16_full_eval": False, "tf32": None, "activation_checkpointing": None,
+    "activation_checkpointing_kwargs": None, "gradient_checkpointing_kwargs": None, "torch_compile": False,
+    "torch_compile_backend": None, "torch_compile_mode": None, "use_liger_kernel": False,
+    "liger_kernel_config": None, "use_cache": False, "neftune_noise_alpha": None, "torch_empty_cache_steps": None,
+    "auto_find_batch_size": False, "logging_strategy": "steps", "logging_first_step": False,
+    "log_on_each_node": True, "logging_nan_inf_filter": True, "include_num_input_tokens_seen": "no",
+    "log_level": "passive", "log_level_replica": "warning", "run_name": None, "project": "huggingface",
+    "trackio_space_id": None, "trackio_bucket_id": None, "trackio_static_space_id": None, "eval_strategy": "no",
+    "eval_steps": None, "eval_delay": 0, "per_device_eval_batch_size": 8, "prediction_loss_only": False,
+    "eval_on_start": False, "eval_do_concat_batches": True, "eval_use_gather_object": False,
+    "eval_accumulation_steps": None, "include_for_metrics": [], "batch_eval_metrics": False,
+    "save_only_model": False, "save_on_each_node": False, "enable_jit_checkpoint": False, "push_to_hub": False,
+    "hub_token": None, "hub_private_repo": None, "hub_model_id": None, "hub_strategy": "every_save",
+    "hub_always_push": False, "hub_revision": None, "load_best_model_at_end": False, "metric_for_best_model": None,
+    "greater_is_better": None, "ignore_data_skip": False, "restore_callback_states_from_checkpoint": False,
+    "full_determinism": False, "accelerator_config": None, "parallelism_config": None,
+    "dataloader_drop_last": False, "dataloader_num_workers": 0, "dataloader_pin_memory": True,
+    "dataloader_persistent_workers": False, "dataloader_prefetch_factor": None,
+    "dataloader_multiprocessing_context": None, "dataloader_in_order": True, "label_names": None,
+    "train_sampling_strategy": "random", "length_column_name": "length", "ddp_find_unused_parameters": None,
+    "ddp_bucket_cap_mb": None, "ddp_broadcast_buffers": None, "ddp_static_graph": None, "ddp_backend": None,
+    "ddp_timeout": 1800, "fsdp": None, "fsdp_config": None, "deepspeed": None, "debug": "",
+    "skip_memory_metrics": True, "data_seed": None, "resume_from_checkpoint": None, "trust_remote_code": False,
+    "router_aux_loss_coef": None, "cast_lm_head_to_fp32": False, "num_generations_eval": None,
+    "ds3_gather_for_generation": True, "shuffle_dataset": True, "min_p": None, "generation_kwargs": None,
+    "chat_template_kwargs": None, "repetition_penalty": 1.0, "cache_implementation": None,
+    "vllm_model_impl": "vllm", "vllm_structured_outputs_regex": None, "vllm_server_base_url": None,
+    "vllm_server_host": "0.0.0.0", "vllm_server_port": 8000, "vllm_server_timeout": 240.0,
+    "vllm_group_port": 51216, "vllm_tensor_parallel_size": 1, "delta": None, "sapo_temperature_neg": 1.05,
+    "sapo_temperature_pos": 1.0, "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0,
+    "vespo_lambda_neg": 2.0, "multi_objective_aggregation": "sum_then_normalize", "sync_ref_model": False,
+    "ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 512, "use_adaptive_entropy": False,
+    "entropy_coef_min": 0.0, "entropy_coef_max": 1.0, "entropy_coef_delta": 0.005, "entropy_target": 0.2,
+    "off_policy_mask_threshold": None, "log_multimodal": True, "num_completions_to_print": None,
+    "log_unique_prompts": False, "log_completions_hub_repo": None, "use_transformers_continuous_batching": False,
+    "transformers_continuous_batching_config": None, "use_transformers_paged": False,
+    "vllm_importance_sampling_cap": None,
+}
+
+SUPPORTED = tuple(f.name for f in dataclasses.fields(_Supported))
+
+
+def _refused_field(default):
+    return field(default_factory=list) if isinstance(default, list) else field(default=default)
+
+
+GRPOConfig = dataclasses.make_dataclass(
+    "GRPOConfig", [(name, Any, _refused_field(default)) for name, default in REFUSED.items()], bases=(_Supported,),
+    namespace={"__module__": __name__, "__doc__": "TRL 1.16's GRPOConfig arguments, for grpokit.trl.GRPOTrainer: "
+               "the fields in SUPPORTED map onto grpokit's Config; those in REFUSED are accepted at TRL's default "
+               "only. See the module docstring and docs/TRL.md."})

@@ -1,0 +1,191 @@
+"""TRL's GRPOConfig -> grpokit's Config, field by field, with the same meaning.
+
+Batch. TRL's `per_device_train_batch_size` counts answers (completions), not prompts. One generation
+batch holds `generation_batch_size = per_device_train_batch_size * world * steps_per_generation` answers
+(`steps_per_generation` defaults to `gradient_accumulation_steps`), that is `generation_batch_size /
+num_generations` prompts; one optimizer step takes `per_device_train_batch_size * world *
+gradient_accumulation_steps` of them, in micro-batches of `per_device_train_batch_size` per process;
+the batch is reused `num_iterations` times. grpokit's step is one generation batch, so:
+
+    rollout.group_size     = num_generations
+    train.prompts_per_step = generation_batch_size / num_generations
+    train.minibatch_size   = per_device_train_batch_size * world * gradient_accumulation_steps (0 when it is
+                             the whole generation batch)
+    train.micro_batch_size = per_device_train_batch_size (0 when gradient_accumulation_steps = 1)
+    train.steps            = max_steps / (num_iterations * steps_per_generation / gradient_accumulation_steps)
+
+TRL's `max_steps`, `save_steps`, `warmup_steps` and `logging_steps` count optimizer steps; they are
+converted, and a count that is not a whole number of generation batches is refused. With `max_steps`
+unset, `num_train_epochs` over the dataset gives the count, as TRL's Trainer computes it (TRL's sampler
+drops the last incomplete batch of prompts of each pass).
+
+Semantics TRL fixes and grpokit leaves open are set to TRL's: the group std is Bessel-corrected
+(`algorithm.std = "sample"`; grpokit's own default is the population std), the KL term is multiplied by
+the ratio (`use_bias_correction_kl`, on by default in TRL, `algorithm.kl_bias_correction`; off by default
+in grpokit), and the model loads in the dtype its config.json names (TRL's `dtype="auto"`; grpokit's own
+default is float32). Adam's betas are TRL's (0.9, 0.999); grpokit's own default is (0.9, 0.99).
+"""
+
+from __future__ import annotations
+
+import math
+
+from grpokit.config.schema import (
+    AlgorithmConfig,
+    Config,
+    DataConfig,
+    ModelConfig,
+    OutputConfig,
+    RewardConfig,
+    RolloutConfig,
+    ToolsConfig,
+    TrainConfig,
+)
+from grpokit.errors import ConfigError
+from grpokit.trl.config import _report_to
+
+DATA_PATH = "train_dataset"  # what the run's config.toml names as the data source (the rows come from Python)
+KEEP_ALL = 1_000_000  # save_total_limit = None: keep every checkpoint
+
+
+def optimizer_steps_per_generation(args) -> int:
+    """TRL optimizer steps per grpokit step (one generation batch, used num_iterations times)."""
+    spg, ga = args.steps_per_generation, args.gradient_accumulation_steps
+    if spg % ga:
+        raise ConfigError(f"steps_per_generation ({spg}) must be a multiple of gradient_accumulation_steps ({ga}) "
+                          "in grpokit: one optimizer step never spans two generation batches")
+    return args.num_iterations * spg // ga
+
+
+def total_optimizer_steps(args, num_rows: int | None) -> int:
+    """TRL's max_steps: given, or num_train_epochs over the dataset as TRL's Trainer computes it."""
+    if args.max_steps > 0:
+        return args.max_steps
+    if num_rows is None:
+        raise ConfigError("max_steps: train_dataset has no length (an iterable dataset), so num_train_epochs cannot "
+                          "give the number of steps; set max_steps")
+    prompts = args.generation_batch_size // args.num_generations
+    batches = num_rows // prompts  # TRL's RepeatSampler drops the last incomplete batch of prompts
+    if batches < 1:
+        raise ConfigError(f"train_dataset has {num_rows} prompts, fewer than one generation batch of {prompts} "
+                          "(generation_batch_size / num_generations); add prompts or lower the batch")
+    return math.ceil(args.num_train_epochs * batches * optimizer_steps_per_generation(args))
+
+
+def _in_steps(name: str, value: int, per_step: int) -> int:
+    if value % per_step:
+        raise ConfigError(f"{name}={value} optimizer steps is not a whole number of generation batches "
+                          f"({per_step} optimizer steps each: num_iterations * steps_per_generation / "
+                          f"gradient_accumulation_steps); use a multiple of {per_step}")
+    return value // per_step
+
+
+def _absolute(value: float, total: int) -> int:
+    """A TrainingArguments step count: a ratio of the total below 1 (transformers' rule)."""
+    return math.ceil(value * total) if 0 < value < 1 else int(value)
+
+
+def grpokit_config(args, *, model_path: str, dtype: str, lora: dict | None = None,
+                   num_rows: int | None = None) -> Config:
+    """The grpokit Config that runs what `args` (a grpokit.trl.GRPOConfig) describes. `dtype` is the
+    dtype the model loads in (trainer.py resolves TRL's rules), `lora` the mapped peft_config."""
+    _check_precision(args, dtype)
+    per_step = optimizer_steps_per_generation(args)
+    total = total_optimizer_steps(args, num_rows)
+    steps = _in_steps("max_steps", total, per_step)
+    world, ga = args.world_size, args.gradient_accumulation_steps
+    generation = args.generation_batch_size
+    minibatch = args.per_device_train_batch_size * world * ga
+    schedule = "cosine" if args.lr_scheduler_type == "cosine" else "constant"
+    if schedule == "cosine" and per_step > 1:
+        raise ConfigError("lr_scheduler_type='cosine' with several optimizer steps per generation batch "
+                          f"({per_step}): grpokit's cosine spans train.steps, not optimizer steps; use one optimizer "
+                          "step per generation (num_iterations=1, steps_per_generation=gradient_accumulation_steps)")
+    warmup = 0 if args.lr_scheduler_type == "constant" else _absolute(args.warmup_steps, total)  # TRL: none
+    save = 0 if args.save_strategy == "no" else _in_steps("save_steps", _absolute(args.save_steps, total), per_step)
+    report = _report_to(args.report_to)
+    return Config(
+        model=ModelConfig(path=model_path, dtype=dtype, device="cpu" if args.use_cpu else "auto", lora=lora or {}),
+        data=DataConfig(path=DATA_PATH, seed=args.seed),
+        rewards=RewardConfig(),  # weights: set by trainer.py with the Python reward functions
+        rollout=RolloutConfig(
+            group_size=args.num_generations, max_new_tokens=args.max_completion_length,
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            engine="vllm" if args.use_vllm else "hf", vllm=_vllm_options(args) if args.use_vllm else {}),
+        algorithm=AlgorithmConfig(
+            loss_type=args.loss_type, beta=args.beta, epsilon=args.epsilon, epsilon_high=_epsilon_high(args),
+            scale_rewards=args.scale_rewards, std="sample", importance_sampling_level=args.importance_sampling_level,
+            num_iterations=args.num_iterations, mask_truncated_completions=args.mask_truncated_completions,
+            entropy_coef=args.entropy_coef, top_entropy_quantile=args.top_entropy_quantile,
+            kl_bias_correction=args.use_bias_correction_kl,
+            tis_cap=(args.vllm_importance_sampling_clip_max or 0.0)
+            if args.use_vllm and args.vllm_importance_sampling_correction else 0.0),
+        train=TrainConfig(
+            steps=steps, prompts_per_step=generation // args.num_generations,
+            minibatch_size=0 if minibatch == generation else minibatch,
+            micro_batch_size=0 if ga == 1 else args.per_device_train_batch_size,
+            learning_rate=args.learning_rate, weight_decay=0.0, adam_betas=(args.adam_beta1, args.adam_beta2),
+            warmup_steps=warmup, lr_schedule=schedule, max_grad_norm=args.max_grad_norm, seed=args.seed),
+        output=OutputConfig(
+            dir=args.output_dir, save_every=save,
+            keep_last=KEEP_ALL if args.save_total_limit is None else args.save_total_limit,
+            overwrite=True,  # TRL writes into an existing output_dir; grpokit removes only what it wrote there
+            completions_every=max(1, round(_absolute(args.logging_steps, total) / per_step))
+            if args.log_completions else 0,
+            console=not args.disable_tqdm, tensorboard="tensorboard" in report, wandb="wandb" in report),
+        tools=ToolsConfig(max_calls=args.max_tool_calling_iterations or args.max_completion_length),
+    )
+
+
+def _epsilon_high(args) -> float:
+    if args.epsilon_high is None:
+        return 0.0  # grpokit: 0 = epsilon, TRL's None
+    return args.epsilon_high - 1 if args.loss_type == "cispo" else args.epsilon_high  # cispo: TRL caps at ε_high
+
+
+def _vllm_options(args) -> dict:
+    options = {"gpu_memory_utilization": args.vllm_gpu_memory_utilization,
+               "enable_sleep_mode": args.vllm_enable_sleep_mode}
+    if args.vllm_max_model_length is not None:
+        options["max_model_len"] = args.vllm_max_model_length
+    return options
+
+
+def _check_precision(args, dtype: str) -> None:
+    """TRL's bf16/fp16 are mixed precision (autocast over the loaded weights); grpokit computes in the
+    weights' own dtype, so they mean the same only when the weights already are in that dtype."""
+    for flag, wanted in (("bf16", "bfloat16"), ("fp16", "float16")):
+        if getattr(args, flag) and dtype != wanted:
+            raise ConfigError(f"{flag}=True: grpokit has no mixed precision, it computes in the dtype the weights "
+                              f"load in ({dtype} here); load them in {wanted} with model_init_kwargs={{'dtype': "
+                              f"'{wanted}'}} (no float32 master weights then), or leave {flag} unset")
+
+
+def lora_options(peft_config, model_type: str | None) -> dict:
+    """A peft LoraConfig as grpokit's model.lora ({r, alpha, target_modules}); any other LoraConfig field
+    set away from peft's default is refused. target_modules=None means peft's default for the
+    architecture (what `get_peft_model` picks), not grpokit's "all-linear"."""
+    from peft import LoraConfig
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULT_TARGETS
+
+    if not isinstance(peft_config, LoraConfig):
+        raise ConfigError(f"peft_config: grpokit trains LoRA adapters only, got {type(peft_config).__name__}")
+    mapped = {"r", "lora_alpha", "target_modules", "task_type", "base_model_name_or_path", "revision",
+              "inference_mode", "peft_type", "auto_mapping"}
+    default = LoraConfig()
+    other = [f"{name}={getattr(peft_config, name)!r}" for name in vars(default)
+             if name not in mapped and not name.startswith("_")
+             and getattr(peft_config, name, None) != getattr(default, name)]
+    if peft_config.task_type not in (None, "CAUSAL_LM"):
+        other.append(f"task_type={peft_config.task_type!r}")
+    if other:
+        raise ConfigError("peft_config: grpokit's LoRA takes r, lora_alpha and target_modules only (no dropout, "
+                          f"bias or variants); leave these at peft's default: {', '.join(other)}")
+    targets = peft_config.target_modules
+    if targets is None:
+        if model_type not in DEFAULT_TARGETS:
+            raise ConfigError(f"peft_config.target_modules: peft has no default for model type {model_type!r}; "
+                              "name the modules")
+        targets = DEFAULT_TARGETS[model_type]
+    targets = targets if isinstance(targets, str) else sorted(targets)
+    return {"r": int(peft_config.r), "alpha": float(peft_config.lora_alpha), "target_modules": targets}

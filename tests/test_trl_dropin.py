@@ -1,0 +1,318 @@
+"""grpokit.trl: TRL 1.16's GRPOConfig / GRPOTrainer arguments, run by grpokit.
+
+(a) TRL's quick-start script, its `from trl import` line swapped, trains a tiny local model; (b) each
+supported TRL field and the grpokit field it produces; (c) refused fields and values, one error listing
+them; (d) TRL's own GRPOConfig takes the same arguments, and every field name and default is TRL's.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import math
+
+import pytest
+
+from conftest import parity
+from grpokit.errors import ConfigError
+from grpokit.trl import GRPOConfig, GRPOTrainer
+from grpokit.trl.config import REFUSED, SUPPORTED
+from grpokit.trl.mapping import KEEP_ALL, grpokit_config, lora_options
+
+# TRL's quick-start (docs: "GRPO Trainer" / quick start), on a local model and in-memory prompts. MODEL and
+# OUT are given by the test; the text is a valid TRL script as it stands.
+QUICKSTART = '''
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+dataset = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(4) for b in range(4)]})
+
+
+def reward_len(completions, **kwargs):
+    return [-abs(4 - len(completion)) for completion in completions]
+
+
+training_args = GRPOConfig(output_dir=OUT, max_steps=2, per_device_train_batch_size=4, num_generations=4,
+                           max_completion_length=8, learning_rate=1e-3, logging_steps=1, disable_tqdm=True)
+trainer = GRPOTrainer(model=MODEL, reward_funcs=reward_len, args=training_args, train_dataset=dataset)
+trainer.train()
+'''
+QUICKSTART_ARGS = dict(max_steps=2, per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                       learning_rate=1e-3, logging_steps=1, disable_tqdm=True)
+
+
+def test_quickstart_script_trains(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from grpokit.observe.tracking import read_metrics
+
+    assert QUICKSTART.count("from trl import GRPOConfig, GRPOTrainer") == 1
+    call = next(node for node in ast.walk(ast.parse(QUICKSTART))
+                if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "GRPOConfig")
+    assert {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg != "output_dir"} == QUICKSTART_ARGS
+    scope = {"MODEL": str(tiny_model_dir), "OUT": str(tmp_path / "out")}
+    exec(compile(QUICKSTART.replace("from trl import", "from grpokit.trl import"), "quickstart.py", "exec"), scope)
+    trainer = scope["trainer"]
+    c = trainer.config
+    assert (c.rollout.group_size, c.train.prompts_per_step, c.train.steps) == (4, 1, 2)
+    rows = read_metrics(trainer.run_dir)
+    assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["reward"]) for r in rows)
+    assert "rewards/reward_len/mean" in rows[0]
+    assert trainer.state.global_step == 2 and len(trainer.state.log_history) == 2
+    trainer.save_model(str(tmp_path / "final"))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
+    assert model.config.model_type == "qwen2" and (tmp_path / "final" / "tokenizer.json").is_file()
+    assert not (tmp_path / "final" / "trainer_state.pt").exists()
+
+
+def mapped(num_rows: int = 64, dtype: str = "float32", **trl_args) -> dict:
+    """The grpokit config (flat "section.field" dict) that these TRL arguments give."""
+    config = grpokit_config(GRPOConfig(**trl_args), model_path="model", dtype=dtype, num_rows=num_rows)
+    return {f"{s}.{k}": v for s, fields in config.to_dict().items() for k, v in fields.items()}
+
+
+# TRL arguments -> the grpokit fields they set (every supported field that maps onto one appears)
+MAPPING = [
+    ({}, {"rollout.group_size": 8, "rollout.max_new_tokens": 512, "train.prompts_per_step": 1,
+          "train.minibatch_size": 0, "train.micro_batch_size": 0, "train.steps": 3 * 64, "train.learning_rate": 1e-6,
+          "train.adam_betas": (0.9, 0.999), "train.lr_schedule": "constant", "train.warmup_steps": 0,
+          "train.max_grad_norm": 1.0, "train.seed": 42, "data.seed": 42, "algorithm.loss_type": "dapo",
+          "algorithm.std": "sample", "algorithm.kl_bias_correction": True, "algorithm.beta": 0.0,
+          "algorithm.epsilon": 0.2, "algorithm.epsilon_high": 0.0, "algorithm.scale_rewards": "group",
+          "algorithm.tis_cap": 0.0, "output.dir": "trainer_output", "output.save_every": 500,
+          "output.keep_last": KEEP_ALL, "output.overwrite": True, "output.console": True,
+          "output.completions_every": 0, "model.dtype": "float32", "model.device": "auto", "rollout.engine": "hf",
+          "tools.max_calls": 512}),
+    # batch: per_device_train_batch_size counts answers
+    (dict(per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2, max_steps=6),
+     {"train.prompts_per_step": 2, "train.minibatch_size": 0, "train.micro_batch_size": 4, "train.steps": 6}),
+    (dict(per_device_train_batch_size=4, num_generations=4, gradient_accumulation_steps=2, steps_per_generation=4,
+          max_steps=10),
+     {"train.prompts_per_step": 4, "train.minibatch_size": 8, "train.micro_batch_size": 4, "train.steps": 5}),
+    (dict(per_device_train_batch_size=4, num_generations=2, generation_batch_size=16, max_steps=8),
+     {"train.prompts_per_step": 8, "train.minibatch_size": 4, "train.micro_batch_size": 0, "train.steps": 2}),
+    (dict(num_iterations=2, max_steps=10), {"algorithm.num_iterations": 2, "train.steps": 5}),
+    (dict(num_train_epochs=2, per_device_train_batch_size=16, num_generations=8),  # 64 rows / 2 prompts a step
+     {"train.steps": 64, "train.prompts_per_step": 2}),
+    (dict(num_train_epochs=0.5), {"train.steps": 32}),
+    # sampling and the objective
+    (dict(max_completion_length=32, temperature=0.7, top_p=0.9, top_k=20),
+     {"rollout.max_new_tokens": 32, "rollout.temperature": 0.7, "rollout.top_p": 0.9, "rollout.top_k": 20,
+      "tools.max_calls": 32}),
+    (dict(beta=0.04, epsilon=0.1, epsilon_high=0.28, use_bias_correction_kl=False),
+     {"algorithm.beta": 0.04, "algorithm.epsilon": 0.1, "algorithm.epsilon_high": 0.28,
+      "algorithm.kl_bias_correction": False}),
+    (dict(loss_type="grpo", scale_rewards=False, importance_sampling_level="sequence"),
+     {"algorithm.loss_type": "grpo", "algorithm.scale_rewards": "none", "algorithm.importance_sampling_level":
+      "sequence"}),
+    (dict(loss_type="dr_grpo", scale_rewards="batch"), {"algorithm.loss_type": "dr_grpo",
+                                                        "algorithm.scale_rewards": "batch"}),
+    (dict(scale_rewards=True), {"algorithm.scale_rewards": "group"}),
+    (dict(loss_type="cispo", epsilon_high=5.0), {"algorithm.loss_type": "cispo", "algorithm.epsilon_high": 4.0}),
+    (dict(loss_type="bnpo", entropy_coef=0.01, top_entropy_quantile=0.2, mask_truncated_completions=True),
+     {"algorithm.loss_type": "bnpo", "algorithm.entropy_coef": 0.01, "algorithm.top_entropy_quantile": 0.2,
+      "algorithm.mask_truncated_completions": True}),
+    (dict(max_tool_calling_iterations=3), {"tools.max_calls": 3}),
+    # optimizer and schedule
+    (dict(learning_rate=3e-4, adam_beta1=0.8, adam_beta2=0.95, max_grad_norm=0.5, seed=7, optim="adamw_torch"),
+     {"train.learning_rate": 3e-4, "train.adam_betas": (0.8, 0.95), "train.max_grad_norm": 0.5, "train.seed": 7,
+      "data.seed": 7}),
+    (dict(lr_scheduler_type="constant_with_warmup", warmup_steps=5, max_steps=20),
+     {"train.lr_schedule": "constant", "train.warmup_steps": 5}),
+    (dict(warmup_steps=5, max_steps=20), {"train.warmup_steps": 0}),  # transformers' "constant" has no warmup
+    (dict(lr_scheduler_type="cosine", warmup_steps=0.1, max_steps=100),
+     {"train.lr_schedule": "cosine", "train.warmup_steps": 10}),
+    # saving, logging, precision, device
+    (dict(output_dir="runs/x", save_steps=10, save_total_limit=3, max_steps=100),
+     {"output.dir": "runs/x", "output.save_every": 10, "output.keep_last": 3}),
+    (dict(num_iterations=2, save_steps=10, max_steps=100), {"output.save_every": 5, "train.steps": 50}),
+    (dict(save_strategy="no"), {"output.save_every": 0}),
+    (dict(save_steps=0.25, max_steps=100), {"output.save_every": 25}),
+    (dict(log_completions=True, logging_steps=5), {"output.completions_every": 5}),
+    (dict(disable_tqdm=True, report_to=["tensorboard"]), {"output.console": False, "output.tensorboard": True}),
+    (dict(report_to="none"), {"output.tensorboard": False, "output.wandb": False}),
+    (dict(use_cpu=True), {"model.device": "cpu"}),
+    (dict(bf16=True, dtype="bfloat16"), {"model.dtype": "bfloat16"}),
+    # accepted, and change nothing in grpokit (docs/TRL.md says why)
+    (dict(gradient_checkpointing=False, disable_dropout=True, pad_to_multiple_of=64, do_train=True),
+     {"train.steps": 3 * 64}),
+]
+
+
+@pytest.mark.parametrize("trl_args, expected", MAPPING, ids=lambda v: ",".join(v) if isinstance(v, dict) else None)
+def test_mapping_table(trl_args, expected):
+    got = mapped(**trl_args)
+    assert {k: got[k] for k in expected} == expected
+
+
+def test_every_supported_field_is_in_the_mapping_table():
+    used = {k for args, _ in MAPPING for k in args if k != "dtype"}
+    # fields read only with vLLM (needs the package) or by the trainer (rows, model loading, weights)
+    elsewhere = {"use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode",
+                 "vllm_max_model_length", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                 "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "remove_unused_columns",
+                 "model_init_kwargs", "reward_weights", "fp16", "adam_epsilon", "weight_decay", "do_eval", "do_predict",
+                 "local_rank"}
+    assert set(SUPPORTED) - used - elsewhere == set()
+
+
+def test_vllm_options_map_when_vllm_is_installed():
+    pytest.importorskip("vllm")
+    got = mapped(use_vllm=True, vllm_gpu_memory_utilization=0.5, vllm_max_model_length=2048,
+                 vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=2.0)
+    assert got["rollout.engine"] == "vllm" and got["algorithm.tis_cap"] == 2.0
+    assert got["rollout.vllm"] == {"gpu_memory_utilization": 0.5, "enable_sleep_mode": False, "max_model_len": 2048}
+
+
+def test_refused_fields_and_values_are_listed_in_one_error():
+    with pytest.raises(ConfigError) as e:
+        GRPOConfig(push_to_hub=True, eval_strategy="steps", sync_ref_model=True, loss_type="sapo",
+                   lr_scheduler_type="linear", weight_decay=0.1, use_vllm=True, vllm_mode="server")
+    message = str(e.value)
+    for part in ("push_to_hub=True", "eval_strategy='steps'", "sync_ref_model=True", "loss_type='sapo'",
+                 "lr_scheduler_type='linear'", "weight_decay=0.1", "vllm_mode='server'",
+                 "vllm_importance_sampling_mode='sequence_mask'"):
+        assert part in message, part
+    assert "max_steps" not in message  # only what was given away from the defaults
+
+
+@pytest.mark.parametrize("trl_args, match", [
+    (dict(per_device_train_batch_size=6, num_generations=4), r"generation_batch_size \(6\) must be divisible by "
+                                                             r"num_generations \(4\)"),
+    (dict(generation_batch_size=12, per_device_train_batch_size=8), "must be divisible by the global batch size"),
+    (dict(generation_batch_size=16, steps_per_generation=2), "can not be both configured"),
+    (dict(num_generations=1, per_device_train_batch_size=1), "at least 2 generations"),
+    (dict(loss_type="cispo"), "epsilon_high > 1"),
+    (dict(entropy_coef=0.1, gradient_accumulation_steps=2), "entropy_coef=0.1"),
+    (dict(bf16=True, fp16=True), "fp16=True"),
+])
+def test_refused_configs(trl_args, match):
+    with pytest.raises(ConfigError, match=match):
+        GRPOConfig(**trl_args)
+
+
+@pytest.mark.parametrize("trl_args, match", [
+    (dict(num_iterations=2, max_steps=3), r"max_steps=3 optimizer steps is not a whole number of generation "
+                                          r"batches \(2 optimizer steps each"),
+    (dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=1, num_generations=4),
+     "steps_per_generation \\(1\\) must be a multiple of gradient_accumulation_steps"),
+    (dict(lr_scheduler_type="cosine", num_iterations=2), "grpokit's cosine spans train.steps"),
+    (dict(bf16=True), "bf16=True: grpokit has no mixed precision"),
+    (dict(save_steps=3, num_iterations=2, max_steps=10), "save_steps=3"),
+])
+def test_refused_mappings(trl_args, match):
+    with pytest.raises(ConfigError, match=match):
+        mapped(**trl_args)
+
+
+def test_too_few_prompts_for_one_epoch_batch():
+    with pytest.raises(ConfigError, match="train_dataset has 3 prompts, fewer than one generation batch of 4"):
+        mapped(num_rows=3, per_device_train_batch_size=16, num_generations=4)
+
+
+def test_unknown_argument_is_a_type_error():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'max_prompt_length'"):
+        GRPOConfig(max_prompt_length=128)  # removed from TRL's GRPOConfig too (1.16 has no such field)
+
+
+def test_trainer_refusals_before_anything_loads(tmp_path):
+    args = GRPOConfig(output_dir=str(tmp_path / "o"), max_steps=1)
+    rows = [{"prompt": "1+1="}] * 8
+    cases = [(dict(callbacks=[object()]), "does not support callbacks"),
+             (dict(eval_dataset=rows), "does not support eval_dataset"),
+             (dict(optimizers=(object(), None)), "does not support optimizers"),
+             (dict(reward_funcs="org/reward-model"), "names a reward model"),
+             (dict(reward_funcs=None), "reward_funcs is required"),
+             (dict(train_dataset=None), "train_dataset is required")]
+    for kwargs, match in cases:
+        given = {"model": "no-such-folder", "reward_funcs": len, "args": args, "train_dataset": rows, **kwargs}
+        with pytest.raises(ConfigError, match=match):
+            GRPOTrainer(**given)
+    with pytest.raises(TypeError, match="must be a grpokit.trl.GRPOConfig"):
+        GRPOTrainer("no-such-folder", len, args={"max_steps": 1}, train_dataset=rows)
+
+
+def test_trainer_takes_a_model_object_a_tokenizer_and_a_lora_config(tmp_path):
+    from peft import LoraConfig
+
+    from grpokit.models.tiny import build_tiny_model
+
+    model, tokenizer = build_tiny_model(tmp_path / "tiny", hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2)
+    args = GRPOConfig(output_dir=str(tmp_path / "o"), max_steps=2, per_device_train_batch_size=4, num_generations=4,
+                      reward_weights=[2.0, 0.5], remove_unused_columns=True)
+    rows = [{"prompt": "1+1=", "answer": "2"}] * 8
+    trainer = GRPOTrainer(model, [len, abs], args=args, train_dataset=rows, processing_class=tokenizer,
+                          peft_config=LoraConfig(r=4, lora_alpha=8))
+    c = trainer.config
+    assert c.model.path == str((tmp_path / "o" / "trl-model").resolve()) and c.model.dtype == "float32"
+    assert (tmp_path / "o" / "trl-model" / "model.safetensors").is_file()
+    assert c.model.lora == {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}  # peft's qwen2 default
+    assert c.rewards.weights == (2.0, 0.5) and trainer.rows[0] == {"prompt": "1+1="}
+    linked = GRPOTrainer(str(tmp_path / "tiny"), [len, abs], args=args, train_dataset=rows,
+                         processing_class=tokenizer)
+    assert (tmp_path / "o" / "trl-model" / "config.json").is_symlink()
+    assert linked.config.model.lora == {}
+
+
+def length(completions, **kwargs):
+    return [float(len(c)) for c in completions]
+
+
+def test_model_object_with_lora_trains_and_saves_the_adapter(tmp_path):
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM
+
+    from grpokit.models.tiny import build_tiny_model
+
+    model, _ = build_tiny_model(tmp_path / "tiny", hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2)
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "tiny"))  # an object naming its folder
+    args = GRPOConfig(output_dir=str(tmp_path / "o"), max_steps=1, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=4, learning_rate=1e-3, disable_tqdm=True, reward_weights=[1.0, 0.5])
+    trainer = GRPOTrainer(model, [length, parity], args=args,
+                          train_dataset=[{"prompt": f"{i}+1="} for i in range(8)],
+                          peft_config=LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"]))
+    output = trainer.train()
+    assert output.global_step == 1 and math.isfinite(output.training_loss)
+    row = trainer.state.log_history[0]
+    assert math.isclose(row["reward"], row["rewards/length/mean"] + 0.5 * row["rewards/parity/mean"], rel_tol=1e-5)
+    trainer.save_model(str(tmp_path / "final"))
+    assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= {
+        p.name for p in (tmp_path / "final").iterdir()}
+
+
+def test_lora_options_refuse_what_grpokit_lora_lacks():
+    from peft import LoraConfig
+
+    assert lora_options(LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj"]), "qwen2") == {
+        "r": 16, "alpha": 32.0, "target_modules": ["k_proj", "q_proj"]}
+    with pytest.raises(ConfigError, match="lora_dropout=0.05"):
+        lora_options(LoraConfig(lora_dropout=0.05, use_dora=True), "qwen2")
+
+
+# ---- (d) TRL's own GRPOConfig ----------------------------------------------------------------------
+
+
+def test_field_names_and_defaults_are_trls():
+    trl = pytest.importorskip("trl")
+
+    def defaults(cls):
+        return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(cls) if f.init}
+
+    ours, theirs = defaults(GRPOConfig), defaults(trl.GRPOConfig)
+    assert set(ours) == set(theirs) and set(ours) == set(SUPPORTED) | set(REFUSED)
+    differing = {k: (theirs[k], ours[k]) for k in ours if ours[k] != theirs[k]}
+    assert differing == {"lr_scheduler_type": ("linear", "constant")}  # grpokit has no linear decay
+    assert list(inspect.signature(GRPOTrainer).parameters) == list(inspect.signature(trl.GRPOTrainer).parameters)
+
+
+@pytest.mark.parametrize("trl_args", [QUICKSTART_ARGS] + [args for args, _ in MAPPING])
+def test_trl_accepts_the_same_arguments(trl_args, tmp_path):
+    trl = pytest.importorskip("trl")
+    trl_args = {k: v for k, v in trl_args.items() if k != "dtype"}
+    ours = GRPOConfig(output_dir=str(tmp_path), **{k: v for k, v in trl_args.items() if k != "output_dir"})
+    theirs = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True,
+                            **{k: v for k, v in trl_args.items() if k not in ("output_dir", "use_cpu")})
+    for name in ("steps_per_generation", "generation_batch_size", "scale_rewards", "num_generations"):
+        assert getattr(ours, name) == getattr(theirs, name), name
