@@ -121,6 +121,11 @@ def test_learning_rate_schedule():
     cfg = make_config("m", "o", train={"steps": 10, "warmup_steps": 4, "lr_schedule": "cosine"})
     f = lr_lambda(cfg)
     assert [round(f(s), 4) for s in (0, 3, 4, 7, 10)] == [0.2, 0.8, 1.0, 0.5, 0.0]
+    # μ = 2 passes of 2 minibatches: 4 optimizer steps a training step, the decay ends at the 40th
+    cfg = make_config("m", "o", prompts_per_step=4, algorithm={"num_iterations": 2},
+                      train={"steps": 10, "warmup_steps": 4, "lr_schedule": "cosine", "minibatch_size": 8})
+    f = lr_lambda(cfg)
+    assert [round(f(s), 4) for s in (0, 3, 4, 22, 40)] == [0.2, 0.8, 1.0, 0.5, 0.0]
 
 
 def test_bfloat16_with_stop_strings_and_filtered_sampling(tiny_model_dir, tmp_path):

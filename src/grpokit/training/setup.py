@@ -143,8 +143,11 @@ def tokenize_prompts(config: Config, data: PreparedData, tokenizer, max_position
 
 
 def lr_lambda(config: Config) -> Callable[[int], float]:
-    """Linear warmup, then constant or cosine decay to 0 at the last step."""
-    warmup, total, cosine = config.train.warmup_steps, config.train.steps, config.train.lr_schedule == "cosine"
+    """Linear warmup over `train.warmup_steps` optimizer steps, then constant or cosine decay to 0 at the
+    last optimizer step: a training step takes μ x (answers / minibatch_size) of them."""
+    per_step = config.algorithm.num_iterations * max(1, config.generation_batch_size // config.minibatch_size)
+    warmup, cosine = config.train.warmup_steps, config.train.lr_schedule == "cosine"
+    total = config.train.steps * per_step
 
     def factor(step: int) -> float:  # `step` counts optimizer steps taken so far
         if step < warmup:
