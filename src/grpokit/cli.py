@@ -1,4 +1,4 @@
-"""`grpokit train | eval | sft | demo | report | explain | tiny-model` — the command line.
+"""`grpokit train | config | eval | sft | demo | report | explain | tiny-model` — the command line.
 
 User errors (a bad config field, a missing file, a failing reward function) end
 with one `error: ...` line that names the field or row and the fix, and exit
@@ -31,6 +31,15 @@ def cmd_train(args) -> int:
     run_dir = train(config, resume=args.resume, command=_train_command(args))
     if os.environ.get("RANK", "0") == "0":  # under torchrun, once
         print(f"run folder: {run_dir}")
+    return 0
+
+
+def cmd_config(args) -> int:
+    from grpokit.config.loading import load_config, to_toml
+
+    config = load_config(args.config, args.set)  # every check of `train` that needs no model or data
+    sys.stdout.write(json.dumps(config.to_dict(), indent=2, ensure_ascii=False) + "\n" if args.json else
+                     to_toml(config))
     return 0
 
 
@@ -155,11 +164,17 @@ def cmd_report(args) -> int:
 
 
 def cmd_explain(args) -> int:
-    from grpokit.observe.explain import explain_checkpoints, format_explanation
+    from grpokit.models.loading import check_model_folder, load_model, load_tokenizer
+    from grpokit.observe.explain import explain, format_explanation
 
-    result = explain_checkpoints(args.old, args.new, args.prompt, args.answer, dtype=args.dtype, device=args.device,
-                                 chat=args.chat, temperature=args.temperature, top_k=args.top_k,
-                                 epsilon=args.epsilon, epsilon_high=args.epsilon_high, advantage=args.advantage)
+    check_model_folder(args.old, field="--old")  # both folders before either model loads
+    check_model_folder(args.new, field="--new")
+    tokenizer = load_tokenizer(args.old, field="--old")
+    old = load_model(args.old, dtype=args.dtype, device=args.device, field="--old").eval()
+    new = load_model(args.new, dtype=args.dtype, device=args.device, field="--new").eval()
+    result = explain(old, new, tokenizer, args.prompt, args.answer, chat=args.chat, temperature=args.temperature,
+                     top_k=args.top_k, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
+                     advantage=args.advantage)
     print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else format_explanation(result))
     return 0
 
@@ -167,14 +182,6 @@ def cmd_explain(args) -> int:
 def cmd_tiny_model(args) -> int:
     from pathlib import Path
 
-    from grpokit.models.tiny import TINY_ARCHS
-
-    if args.arch not in TINY_ARCHS:
-        import difflib
-
-        close = difflib.get_close_matches(args.arch, TINY_ARCHS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ConfigError(f"--arch {args.arch!r}{hint} is not supported; choose one of {', '.join(TINY_ARCHS)}")
     if args.hidden_size < 8 or args.hidden_size % 8:
         raise ConfigError(f"--hidden-size must be a multiple of 8 (4 attention heads of an even size), got "
                           f"{args.hidden_size}; e.g. --hidden-size 128")
@@ -197,40 +204,109 @@ def cmd_tiny_model(args) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("grpokit")
+    except PackageNotFoundError:  # run from a source tree that is not installed: the package's own
+        return getattr(sys.modules.get("grpokit"), "__version__", "unknown")
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default, where it has one worth showing."""
+
+    def _get_help_string(self, action) -> str:
+        text = action.help or ""
+        empty = action.default is None or action.default is False or action.default in ([], "", argparse.SUPPRESS)
+        if action.option_strings and not empty and "(default" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's own errors (a missing flag, a bad choice) as the CLI's other errors: one `error:` line, exit 2."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.print_usage(sys.stderr)
+        self.exit(2, f"error: {message} (see: {self.prog} --help)\n")
+
+
+def _add_choice(p, flag: str, choices: tuple[str, ...], **kwargs) -> None:
+    """An option whose help lists `choices`; a typo names the closest one and lists them all."""
+
+    def parse(text: str) -> str:
+        if text not in choices:
+            from grpokit.config.checks import _did_you_mean
+
+            raise argparse.ArgumentTypeError(f"{text!r}{_did_you_mean(text, choices)} is not supported; choose "
+                                             f"one of {', '.join(choices)}")
+        return text
+
+    p.add_argument(flag, type=parse, choices=choices, metavar="{" + ",".join(choices) + "}", **kwargs)
+
+
+def _add_load_args(p, models: str = "the model") -> None:
+    _add_choice(p, "--dtype", ("float32", "bfloat16", "float16"), default="float32", help=f"dtype {models} load in")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N, mps or xpu")
+
+
 def _add_model_args(p) -> None:
     p.add_argument("--model", required=True, help="local Hugging Face model folder")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
+    _add_load_args(p)
 
 
-def _add_data_args(p) -> None:
-    p.add_argument("--task", help="built-in task: addition, countdown")
-    p.add_argument("--task-arg", action="append", metavar="KEY=VALUE", help="task option, e.g. digits=3")
-    p.add_argument("--data", help="JSONL / CSV / Parquet file of prompts (instead of --task)")
-    p.add_argument("--prompt-column", default="prompt")
+def _add_config_args(p) -> None:
+    p.add_argument("config", help="TOML config file (every field: docs/CONFIG.md)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config field (repeatable), e.g. --set train.steps=10")
+
+
+def _add_data_args(p, rows: str) -> None:
+    from grpokit.config.variants import TASK_NAMES
+
+    p.add_argument("--task", help=f"built-in task: {', '.join(TASK_NAMES)} (or --data)")
+    p.add_argument("--task-arg", action="append", metavar="KEY=VALUE", help="task option (repeatable), e.g. digits=3")
+    p.add_argument("--data", help=f"{rows}: a JSONL / JSON / CSV / Parquet file or a datasets save_to_disk "
+                                  "folder (instead of --task)")
+    p.add_argument("--prompt-column", default="prompt", help="prompt column (with --data)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="grpokit", description="GRPO fine-tuning of Hugging Face causal LMs.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="grpokit", description="GRPO fine-tuning of Hugging Face causal LMs.")
+    parser.add_argument("--version", action="version", version=f"grpokit {_version()}",
+                        help="print grpokit's version and exit")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("train", help="run GRPO from a TOML config")
-    p.add_argument("config")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a config field")
+    _add_config_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
     p.set_defaults(func=cmd_train)
 
+    p = sub.add_parser("config", help="print the resolved config (defaults and preset filled in) and check it",
+                       description="Print the resolved config (defaults and the preset filled in, --set applied) "
+                                   "as TOML or JSON, and check it without loading a model. Every field: "
+                                   "docs/CONFIG.md.")
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of TOML")
+    p.set_defaults(func=cmd_config)
+
     p = sub.add_parser("eval", help="sampled accuracy, pass@k and mean reward on held-out prompts")
     _add_model_args(p)
-    _add_data_args(p)
-    p.add_argument("--reward", action="append", default=[], help="reward name or file.py:function (with --data)")
-    p.add_argument("--num-prompts", type=int, default=200)
+    _add_data_args(p, "prompts")
+    p.add_argument("--reward", action="append", default=[],
+                   help="reward name or file.py:function (repeatable; with --data)")
+    p.add_argument("--num-prompts", type=int, default=200, help="prompts evaluated, >= 1")
     p.add_argument("--data-seed", type=int, default=12345, help="seed of generated task prompts (held out by default)")
     p.add_argument("--samples", type=int, default=8, help="answers per prompt (k of pass@k), >= 1")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature, > 0")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="tokens per answer, >= 1 (default: 32; with tools 128, counting the tool results)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument("--no-greedy", action="store_true", help="skip the greedy pass")
     p.add_argument("--tool", action="append", default=[],
                    help="a tool the model may call, file.py:function (repeatable); a task with its own tool "
@@ -238,34 +314,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-tools", action="store_true", help="evaluate a tool task (multiplication) without its tool")
     p.add_argument("--max-tool-calls", type=int, default=8, help="tool-calling turns per answer (default: 8), >= 1")
     p.add_argument("--tool-timeout", type=float, default=30.0, help="seconds per tool call (default: 30)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("sft", help="short supervised warm start before RL")
     _add_model_args(p)
-    _add_data_args(p)
+    _add_data_args(p, "prompt/completion pairs")
     p.add_argument("--completion-column", default="completion", help="target column (with --data)")
     p.add_argument("--out", required=True, help="folder the trained model is saved to (a new folder)")
     p.add_argument("--overwrite", action="store_true", help="replace the model files already in --out")
-    p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=500, help="optimizer steps, >= 1")
+    p.add_argument("--batch-size", type=int, default=64, help="examples per step, >= 1")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate, > 0")
+    p.add_argument("--seed", type=int, default=0, help="seed of the examples' order and initialisation")
     p.set_defaults(func=cmd_sft)
 
     p = sub.add_parser("demo", help="build a tiny model, warm-start it, run GRPO, show before/after")
-    p.add_argument("--task", choices=("addition", "tools"), default="addition",
-                   help="addition: 2-digit addition (default); tools: 2-digit multiplication with a calculator "
-                        "tool called inside each rollout")
+    _add_choice(p, "--task", ("addition", "tools"), default="addition",
+                help="addition: 2-digit addition; tools: 2-digit multiplication with a calculator tool called "
+                     "inside each rollout")
     p.add_argument("--out", default="", help="run folder (default: demo_run, or demo_tools_run with --task tools)")
     p.add_argument("--quick", action="store_true", help="a much shorter run (smoke test)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the whole demo (model, data, sampling)")
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("report",
                        help="write a self-contained HTML report of a run folder (curves, groups, diagnostics)")
     p.add_argument("run_dir", help="a run folder (output.dir) with metrics.jsonl")
-    p.add_argument("--out", help="HTML file to write (default RUN_DIR/report.html)")
+    p.add_argument("--out", help="HTML file to write (default: RUN_DIR/report.html)")
     p.add_argument("--groups", type=int, default=4, help="sampled groups shown per step")
     p.add_argument("--steps", type=int, default=3, help="steps whose sampled groups are shown (first, last, between)")
     p.set_defaults(func=cmd_report)
@@ -273,27 +349,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", help="per-token probabilities and policy ratios of one answer under two checkpoints")
     p.add_argument("--old", required=True, help="model folder of the policy that sampled the answer")
     p.add_argument("--new", required=True, help="model folder after the update")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--answer", required=True)
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--answer", required=True, help="the answer text, scored after the prompt")
     p.add_argument("--chat", action="store_true", help="render the prompt as a user message with the chat template")
     p.add_argument("--temperature", type=float, default=1.0, help="the sampling temperature training scores with")
     p.add_argument("--top-k", type=int, default=5, help="tokens shown per step (of either model)")
-    p.add_argument("--epsilon", type=float, default=0.2)
+    p.add_argument("--epsilon", type=float, default=0.2, help="lower clip: the trust region starts at 1 - epsilon")
     p.add_argument("--epsilon-high", type=float, default=None, help="upper clip (default: epsilon)")
     p.add_argument("--advantage", type=float, default=None, help="the answer's advantage: shows which tokens clip")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--json", action="store_true")
+    _add_load_args(p, "both models")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_explain)
 
     p = sub.add_parser("tiny-model", help="write a tiny random-init model + char tokenizer to a folder")
     p.add_argument("out", help="a new (or empty) folder")
     from grpokit.models.tiny import TINY_ARCHS
 
-    p.add_argument("--arch", default="qwen2", help=f"one of: {', '.join(TINY_ARCHS)}")
-    p.add_argument("--hidden-size", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--seed", type=int, default=0)
+    _add_choice(p, "--arch", TINY_ARCHS, default="qwen2", help="architecture (Hugging Face model_type)")
+    p.add_argument("--hidden-size", type=int, default=128, help="hidden size, a multiple of 8")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers, >= 1")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
     p.set_defaults(func=cmd_tiny_model)
     return parser
 

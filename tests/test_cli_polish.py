@@ -1,0 +1,105 @@
+"""The command line explains itself: --version, help and defaults on every option, choices listed,
+flag names in errors, and `grpokit config` (the resolved config, checked without a model)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from fault_harness import assert_user_error, run_cli
+from grpokit.cli import build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
+
+
+def test_version_prints_the_package_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"grpokit {version('grpokit')}"
+
+
+def test_every_option_of_every_command_has_help():
+    parser = build_parser()
+    commands = _subparsers(parser)
+    assert {"train", "config", "eval", "sft", "demo", "report", "explain", "tiny-model"} <= set(commands)
+    for name, sub in [("grpokit", parser), *commands.items()]:
+        for action in sub._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                continue
+            assert action.help and action.help.strip(), f"{name} {'/'.join(action.option_strings) or action.dest}"
+
+
+@pytest.mark.parametrize("command, flag, default", [("sft", "--steps", "500"), ("sft", "--lr", "0.001"),
+                                                    ("sft", "--batch-size", "64"), ("demo", "--seed", "0"),
+                                                    ("eval", "--max-new-tokens", "32"), ("eval", "--seed", "0"),
+                                                    ("tiny-model", "--arch", "qwen2")])
+def test_help_shows_defaults(command, flag, default):
+    text = " ".join(_subparsers(build_parser())[command].format_help().split())
+    start = text.index(flag + " ", text.index("options:"))
+    assert f"(default: {default}" in text[start:start + 300], text[start:start + 300]
+
+
+def test_data_help_lists_the_file_formats():
+    for command in ("eval", "sft"):
+        text = " ".join(_subparsers(build_parser())[command].format_help().split())
+        for fmt in ("JSONL", "JSON", "CSV", "Parquet", "save_to_disk folder"):
+            assert fmt in text, (command, fmt)
+
+
+def test_tiny_model_arch_typo_lists_the_short_list(tmp_path):
+    from grpokit.models.tiny import TINY_ARCHS
+
+    r = run_cli("tiny-model", tmp_path / "m", "--arch", "qwen")
+    line = assert_user_error(r, "--arch", "'qwen'", *TINY_ARCHS)
+    assert "bert" not in r.stderr and len(line) < 300 and not (tmp_path / "m").exists()
+    assert "{" + ",".join(TINY_ARCHS) + "}" in " ".join(_subparsers(build_parser())["tiny-model"].format_help()
+                                                           .split())
+
+
+@pytest.mark.parametrize("missing", ["--old", "--new"])
+def test_explain_names_its_own_flags(missing, tiny_model_dir, tmp_path):
+    folders = {"--old": str(tiny_model_dir), "--new": str(tiny_model_dir), missing: str(tmp_path / "nope")}
+    r = run_cli("explain", *[w for kv in folders.items() for w in kv], "--prompt", "1+1=", "--answer", "2",
+                "--device", "cpu")
+    line = assert_user_error(r, missing, str(tmp_path / "nope"))
+    assert "model.path" not in line
+
+
+def test_config_prints_the_resolved_config_as_toml_and_json(capsys):
+    code = main(["config", "examples/addition.toml", "--set", "train.steps=7", "--set", "algorithm.preset=gspo"])
+    assert code == 0
+    resolved = tomllib.loads(capsys.readouterr().out)
+    assert resolved["train"]["steps"] == 7 and resolved["train"]["prompts_per_step"] == 16  # --set, the file
+    assert resolved["algorithm"]["importance_sampling_level"] == "sequence"  # the preset
+    assert resolved["train"]["max_grad_norm"] == 1.0 and resolved["tools"]["max_calls"] == 8  # defaults
+    assert main(["config", "examples/addition.toml", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["path"] == "runs/tiny-sft"
+
+
+def test_config_rejects_a_bad_value_with_one_error_line():
+    r = run_cli("config", ROOT / "examples" / "addition.toml", "--set", "rollout.group_size=1")
+    assert_user_error(r, "rollout.group_size", "must be >= 2")
+    assert r.stdout == ""
+    r = run_cli("config", ROOT / "examples" / "addition.toml", "--set", "algorithm.loss_type=ppo")
+    assert_user_error(r, "algorithm.loss_type", "'ppo'")
+
+
+def test_config_does_not_import_torch():
+    code = ("import sys\nfrom grpokit.cli import main\nrc = main(['config', 'examples/addition.toml'])\n"
+            "assert 'torch' not in sys.modules, 'grpokit config imported torch'\nsys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
