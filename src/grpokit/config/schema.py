@@ -49,7 +49,9 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     task: str = ""  # a built-in task name (addition, countdown, multiplication: with its own tool) ...
-    path: str = ""  # ... or a JSONL / CSV / Parquet file or a saved datasets folder
+    path: str = ""  # ... or a JSONL / CSV / Parquet file, a saved datasets folder, or a Hub dataset (openai/gsm8k)
+    name: str = ""  # the Hub dataset's config (e.g. "main" for openai/gsm8k); empty = its only or default one
+    split: str = ""  # the split of a Hub dataset or a saved datasets folder; empty = "train"
     prompt_column: str = "prompt"
     task_args: dict = field(default_factory=dict)  # e.g. {digits = 2}
     num_prompts: int = 5000  # prompts generated for a built-in task
@@ -62,6 +64,16 @@ class DataConfig:
                f"unknown task {self.task!r}{_did_you_mean(self.task, TASK_NAMES)}; built-in tasks: "
                f"{', '.join(TASK_NAMES)} (or set data.path to a file of prompts)")
         _check(self.num_prompts >= 1, "data.num_prompts", "must be >= 1")
+        for key in ("name", "split"):
+            value = getattr(self, key)
+            _check(not value or bool(self.path), f"data.{key}",
+                   f"{value!r} applies to data.path (a Hub dataset such as openai/gsm8k), not to data.task; drop it")
+            _check(not value or not self.path.lower().endswith(_FILE_SUFFIXES), f"data.{key}",
+                   f"{value!r}: data.path {self.path!r} is a file, which has one split and no configs; drop data."
+                   f"{key} (it is for a Hub dataset such as openai/gsm8k)")
+
+
+_FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")  # data/files.SUFFIXES (config imports no data module)
 
 
 @dataclass(frozen=True)

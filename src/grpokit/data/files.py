@@ -1,7 +1,8 @@
 """Prompt sources: reading and validating every row before any model loads.
 
 `load_prompts` reads a local JSONL / JSON / CSV / Parquet file, a folder written
-by `datasets.save_to_disk`, or any iterable of dicts, and checks every row
+by `datasets.save_to_disk`, a Hugging Face Hub dataset by name (`data/hub.py`; a local
+path of that name wins), or any iterable of dicts, and checks every row
 before any model is loaded: each error names the file, the row and the fix.
 Rows come back as plain dicts with the prompt under "prompt" whatever
 `prompt_column` was; the other columns are passed to reward functions.
@@ -23,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, Iterable
 
+from grpokit.data.hub import hub_id, load_hub_dataset
 from grpokit.data.prompts import columns_of
 from grpokit.errors import DataError
 
@@ -222,8 +224,16 @@ def _read_saved_folder(path: Path, split: str) -> list[dict]:
     return ds.to_list()
 
 
-def _read_source(source: Any, split: str, csv_types: dict[str, str]) -> tuple[list, str, list[int] | None]:
+def _read_source(source: Any, split: str, csv_types: dict[str, str], name: str | None = None,
+                 field: str = "data.path") -> tuple[list, str, list[int] | None]:
     """(rows, name for messages, the 1-based line number of each row when rows are lines)."""
+    if isinstance(source, (str, Path)) and (repo := hub_id(source)) is not None:
+        if csv_types:
+            raise DataError(f"{field} {repo!r}: csv_column_types applies to local .csv files only; drop it")
+        return load_hub_dataset(repo, name=name, split=split, field=field), repo, None
+    if name:
+        raise DataError(f"data.name {name!r} picks a config of a Hugging Face Hub dataset, and {field} {source!r:.60} "
+                        f"is not one (a local file or folder, or rows); drop data.name")
     if isinstance(source, (str, Path)):
         path = Path(source)
         if csv_types and path.suffix.lower() != ".csv":
@@ -233,8 +243,7 @@ def _read_source(source: Any, split: str, csv_types: dict[str, str]) -> tuple[li
             return _read_saved_folder(path, split), str(path), None
         if not path.exists():
             raise DataError(f"{path}: file not found (relative paths start at {Path.cwd()}); fix the path "
-                            f"(Hub dataset names are not downloaded: save one with Dataset.save_to_disk "
-                            f"or to_json and pass that)")
+                            f"(a Hugging Face Hub dataset is named org/name, e.g. openai/gsm8k)")
         suffix = path.suffix.lower()
         if suffix in (".jsonl", ".json"):
             rows, lines = (_read_jsonl if suffix == ".jsonl" else _read_json)(path)
@@ -280,8 +289,13 @@ def _check_prompt(prompt: Any, where: str, column: str) -> None:
 
 
 def load_prompts(source: Any, *, prompt_column: str = "prompt", split: str = "train",
-                 csv_column_types: dict[str, str | type] | None = None) -> list[dict]:
-    """Validated prompt rows from a file, a saved dataset folder, or an iterable of dicts.
+                 csv_column_types: dict[str, str | type] | None = None, name: str | None = None,
+                 field: str = "data.path") -> list[dict]:
+    """Validated prompt rows from a file, a saved dataset folder, a Hub dataset, or an iterable of dicts.
+
+    A string that is no local path and reads as a Hub id (`org/name`) is a Hugging Face Hub dataset:
+    `name` is its config ("main" for openai/gsm8k), `split` its split; `field` is how errors name
+    the source ("data.path", "--data").
 
     Every row gets its prompt under "prompt" (renamed from `prompt_column`).
     Raises DataError naming the file and the row (the 1-based line for JSONL
@@ -299,22 +313,22 @@ def load_prompts(source: Any, *, prompt_column: str = "prompt", split: str = "tr
     convert is a DataError naming its line and column (empty cells stay None).
     """
     csv_types = _csv_types(csv_column_types)
-    rows, name, lines = _read_source(source, split, csv_types)
+    rows, label, lines = _read_source(source, split, csv_types, name, field)
     if not rows:
-        raise DataError(f"{name}: no rows; the dataset is empty")
+        raise DataError(f"{label}: no rows; the dataset is empty")
     out = []
     for i, row in enumerate(rows, start=1):
-        where = f"{name}: line {lines[i - 1]}" if lines else f"{name}: row {i}"
+        where = f"{label}: line {lines[i - 1]}" if lines else f"{label}: row {i}"
         if prompt_column not in row:
             if all(prompt_column not in r for r in rows):
                 present = list(columns_of(rows, exclude=()))
-                raise DataError(f"{name}: no column {prompt_column!r}; the columns are {present}; "
+                raise DataError(f"{label}: no column {prompt_column!r}; the columns are {present}; "
                                 f"rename the column or pass prompt_column=<one of them>")
             raise DataError(f"{where}: has no {prompt_column!r} (its keys: {sorted(row)}); every row needs one")
         _check_prompt(row[prompt_column], where, prompt_column)
         if prompt_column != "prompt":
             if "prompt" in row:
-                raise DataError(f"{name}: has both 'prompt' and prompt_column={prompt_column!r}; rename one")
+                raise DataError(f"{label}: has both 'prompt' and prompt_column={prompt_column!r}; rename one")
             row = {"prompt": row[prompt_column], **{k: v for k, v in row.items() if k != prompt_column}}
         out.append(dict(row))
     return out

@@ -1,8 +1,14 @@
-"""Loading a Hugging Face causal LM and its tokenizer from a local folder, checked first.
+"""Loading a Hugging Face causal LM and its tokenizer from a local folder or a Hub id, checked first.
 
 A damaged folder (a missing or truncated weight file, an unreadable config, no tokenizer)
 is one error naming the file and the fix, found before transformers is asked to load it;
 `resolve_device` names a device this machine lacks before anything is written.
+
+A path that is no local folder and reads as a Hub id (`Qwen/Qwen2.5-0.5B-Instruct`) is the
+repo's snapshot folder in the Hugging Face cache (`model_folder`): downloaded there by
+huggingface_hub when online (config, tokenizer and the safetensors weights, else the .bin ones),
+read from the cache alone when offline; the same checks then run on that folder, and
+`from_pretrained` loads it. What the cache lacks offline is one error line with the fix.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from grpokit.data.hub import hub_id, not_cached
 from grpokit.errors import ModelLoadError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -137,22 +144,83 @@ def _check_tokenizer_files(p: Path, field: str) -> None:
             _read_json(p, name, field, "copy the tokenizer files from the base model again")
 
 
+# What a Hub model's snapshot needs: config, tokenizer, chat template, the weights transformers
+# reads first (model*.safetensors), else the PyTorch ones. Never other formats (gguf, onnx, original/).
+_HUB_FILES = ["*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py"]
+_HUB_SAFETENSORS, _HUB_BIN = ["model*.safetensors"], ["pytorch_model*.bin"]
+
+
+def model_folder(path: str | Path, *, field: str = "model.path") -> Path:
+    """The local folder `path` names: itself, or for a Hub id (no local folder of that name) the
+    repo's snapshot folder in the Hugging Face cache, downloaded first when online."""
+    p = Path(path)
+    repo = None if p.is_dir() else hub_id(path)
+    if repo is None:
+        if not p.is_dir():
+            raise ModelLoadError(f"{field} {str(p)!r} is not a folder; give a local Hugging Face model folder "
+                                 "(one with config.json, weights and tokenizer files) or a Hugging Face Hub id "
+                                 "such as Qwen/Qwen2.5-0.5B-Instruct")
+        return p
+    return _hub_snapshot(repo, field)
+
+
+def _hub_snapshot(repo: str, field: str) -> Path:
+    from huggingface_hub import snapshot_download, try_to_load_from_cache
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    from grpokit.data.hub import offline
+
+    if offline():  # the cache alone; the folder checks below say which files it lacks
+        cached = try_to_load_from_cache(repo, "config.json")
+        if not isinstance(cached, str):
+            raise ModelLoadError(not_cached(field, repo, "folder", extra=" (no config.json)"))
+        return Path(cached).parent
+    try:
+        folder = Path(snapshot_download(repo, allow_patterns=_HUB_FILES + _HUB_SAFETENSORS))
+        if not any(folder.glob("model*.safetensors")):
+            folder = Path(snapshot_download(repo, allow_patterns=_HUB_BIN))
+    except LocalEntryNotFoundError as e:  # the Hub unreachable and the repo not cached
+        raise ModelLoadError(not_cached(field, repo, "folder")) from e
+    except GatedRepoError as e:
+        raise ModelLoadError(f"{field} {repo!r} is a gated model on the Hugging Face Hub: accept its terms on "
+                             f"https://huggingface.co/{repo} and log in with `hf auth login`") from e
+    except (RepositoryNotFoundError, RevisionNotFoundError) as e:
+        raise ModelLoadError(f"{field} {repo!r} is not a local folder (nothing at {Path(repo).resolve()}), and the "
+                             f"Hugging Face Hub has no model of that name that you can read; fix the name, or log "
+                             f"in with `hf auth login` for a private one") from e
+    except (HfHubHTTPError, OSError) as e:
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+        raise ModelLoadError(f"{field} {repo!r}: downloading from the Hugging Face Hub failed ({why}); try again, "
+                             f"or fetch it with `hf download {repo}`") from e
+    return folder
+
+
 def check_model_folder(path: str | Path, *, field: str = "model.path") -> Path:
-    """Fail fast, before any weights load, when `path` is not a loadable model folder.
+    """Fail fast, before any weights load, when `path` is not a loadable model folder; return the folder
+    (for a Hub id, its snapshot in the Hugging Face cache: see `model_folder`).
 
     Cheap checks only: config.json parses and names a model type transformers knows; a weights
     file exists (model.safetensors, a sharded index with its shards, or pytorch_model.bin) and a
     safetensors header parses with data offsets that fit in the file (a truncated copy); tokenizer
     files are present. `field` is how the message names the folder ("model.path", "--model")."""
-    p = Path(path)
-    if not p.is_dir():
-        raise ModelLoadError(f"{field} {str(p)!r} is not a folder; give a local Hugging Face model folder "
-                             "(one with config.json, weights and tokenizer files)")
-    if not (p / "config.json").is_file():
-        raise ModelLoadError(f"{field} {str(p)!r} has no config.json; is it a Hugging Face model folder?")
-    _check_config(p, field)
-    _check_weights(p, field)
-    _check_tokenizer_files(p, field)
+    p = model_folder(path, field=field)
+    try:
+        if not (p / "config.json").is_file():
+            raise ModelLoadError(f"{field} {str(p)!r} has no config.json; is it a Hugging Face model folder?")
+        _check_config(p, field)
+        _check_weights(p, field)
+        _check_tokenizer_files(p, field)
+    except ModelLoadError as e:
+        if p == Path(path):
+            raise
+        raise ModelLoadError(f"{e} [{field} {str(path)!r} is this folder in the Hugging Face cache; "
+                             f"`hf download {path}` fetches it again]") from e
     return p
 
 
@@ -261,13 +329,13 @@ def load_model(path: str | Path, *, dtype: str = "float32", device: str = "auto"
 
 def load_model_and_tokenizer(path: str | Path, *, dtype: str = "float32", device: str = "auto",
                              field: str = "model.path"):
-    """`AutoModelForCausalLM` + `AutoTokenizer` from a local folder, ready for GRPO; `field` is how
-    errors name the folder ("model.path", "--model")."""
+    """`AutoModelForCausalLM` + `AutoTokenizer` from a local folder or a Hub id, ready for GRPO; `field`
+    is how errors name the folder ("model.path", "--model")."""
     tokenizer = load_tokenizer(path, field=field)  # first: it fails in a second, the weights take longer
     return load_model(path, dtype=dtype, device=device, field=field), tokenizer
 
 
 def max_positions_of(model_path: str) -> int | None:
     """The model's context length from its config.json (read without loading weights)."""
-    cfg = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    cfg = json.loads((model_folder(model_path) / "config.json").read_text(encoding="utf-8"))
     return cfg.get("max_position_embeddings") or cfg.get("n_positions") or cfg.get("max_sequence_length")

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from grpokit.config.loading import to_toml
 from grpokit.config.schema import SECTIONS, Config
+from grpokit.data.hub import hub_id
 from grpokit.errors import RunFolderError
 from grpokit.observe.tracking import HISTORY, append_jsonl, read_jsonl
 from grpokit.training.checkpoint import CHECKPOINT_CONFIG, PREFIX, TMP_PREFIX, checkpoint_step, list_checkpoints
@@ -235,7 +236,7 @@ def with_resolved_paths(config: Config) -> Config:
     """`config` with model.path and data.path absolute: what a checkpoint records, so that a resume from
     another working directory, or with the path spelled otherwise, is compared by what it names."""
     def absolute(value: str) -> str:
-        return str(Path(value).resolve()) if value else value
+        return str(Path(value).resolve()) if value and hub_id(value) is None else value  # a Hub id stays as is
 
     return dataclasses.replace(
         config, model=dataclasses.replace(config.model, path=absolute(config.model.path)),
@@ -243,7 +244,7 @@ def with_resolved_paths(config: Config) -> Config:
 
 
 def _resolve_paths(flat: dict) -> dict:
-    return {k: (str(Path(v).resolve()) if k in PATH_FIELDS and v else v) for k, v in flat.items()}
+    return {k: (str(Path(v).resolve()) if k in PATH_FIELDS and v and hub_id(v) is None else v) for k, v in flat.items()}
 
 
 def _defaults() -> dict:

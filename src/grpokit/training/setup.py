@@ -64,7 +64,8 @@ def prepare_data(config: Config, rows: Iterable[dict] | None = None) -> Prepared
         return PreparedData(load_prompts(rows), task)
     if task is not None:
         return PreparedData(task.generate(d.num_prompts, seed=d.seed, split="train"), task)
-    return PreparedData(load_prompts(d.path, prompt_column=d.prompt_column), None)
+    return PreparedData(load_prompts(d.path, prompt_column=d.prompt_column, name=d.name or None,
+                                     split=d.split or "train"), None)
 
 
 def resolve_reward_specs(config: Config, task, functions: Sequence[Callable] | None = None, *,
@@ -207,13 +208,13 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
                  tools: Sequence[Callable] | None = None, environment_factory: Callable | dict | None = None) -> Inputs:
     """Every check that can run before the model loads, in the order a user would fix them."""
     local = dist.local_config(config)  # B % world, minibatch splits: ConfigError before anything loads
-    check_model_folder(config.model.path)
+    folder = check_model_folder(config.model.path)  # for a Hub id, its snapshot in the Hugging Face cache
     resolve_device(config.model.device)  # a device this machine lacks fails here, not after the folder is prepared
     data = prepare_data(config, rows)
     toolbox, environments = resolve_tools(config, tools, environment_factory, data.task)
     if toolbox is not None:
         try:
-            check_full_attention(AutoConfig.from_pretrained(config.model.path))
+            check_full_attention(AutoConfig.from_pretrained(folder))
         except ValueError as e:
             raise SetupError(f"{config.model.path}: {e}") from None
     own = environments.reward_specs() if environments is not None else []  # environments' get_reward
