@@ -3,10 +3,10 @@
 Use it from a config with
 
     [data]
-    path = "examples/data/arith.jsonl"      # rows like {"prompt": "12*3=", "answer": "36"}
+    path = "examples/data/sums.jsonl"       # rows like {"prompt": "12+34=", "answer": 46}
 
     [rewards]
-    functions = ["examples/custom_reward.py:correct_product"]
+    functions = ["examples/custom_reward.py:correct_answer"]
 
 grpokit calls the function once per generation batch with keyword arguments:
 
@@ -23,9 +23,10 @@ this function (it is then skipped in the weighted total, not scored 0).
 from __future__ import annotations
 
 
-def correct_product(completions: list, answer: list, **kwargs) -> list[float | None]:
-    """1.0 when the completion is exactly the product (surrounding spaces ignored), 0.0 otherwise,
-    and None for an empty completion (nothing to grade)."""
+def correct_answer(completions: list, answer: list, **kwargs) -> list[float | None]:
+    """1.0 when the completion is exactly the answer (surrounding spaces ignored), 0.0 otherwise, and
+    None for an empty completion (nothing to grade). Works for plain and chat prompts, and for answers
+    stored as numbers (JSON) or text (CSV)."""
     rewards: list[float | None] = []
     for completion, expected in zip(completions, answer):
         if isinstance(completion, list):  # conversational: [{"role": "assistant", "content": ...}]
@@ -36,14 +37,14 @@ def correct_product(completions: list, answer: list, **kwargs) -> list[float | N
 
 
 if __name__ == "__main__":
-    # A quick check without a model: grade three made-up completions of "12*3=".
+    # A quick check without a model: grade four made-up completions of "12+34=".
     from grpokit.rewards.core import RewardSpec, compute_rewards
 
     per_fn, total = compute_rewards(
-        [RewardSpec("correct_product", correct_product)],
-        prompts=["12*3="] * 3,
-        completions=["36", "35", ""],
-        completion_ids=[[0, 0], [0, 0], []],
-        columns={"answer": ["36"] * 3},
+        [RewardSpec("correct_answer", correct_answer)],
+        prompts=["12+34="] * 4,
+        completions=["46", "45", "", [{"role": "assistant", "content": " 46"}]],
+        completion_ids=[[0, 0], [0, 0], [], [0, 0]],
+        columns={"answer": [46] * 4},
     )
-    print(per_fn.squeeze(1).tolist(), total.tolist())  # [1.0, 0.0, nan] [1.0, 0.0, nan]
+    print(per_fn.squeeze(1).tolist(), total.tolist())  # [1.0, 0.0, nan, 1.0] [1.0, 0.0, nan, 1.0]

@@ -34,11 +34,11 @@ def test_train_example_config_end_to_end(tiny_model_dir, tmp_path):
 
 def test_train_on_user_jsonl_with_custom_reward(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
-    r = grpokit("train", "examples/products_jsonl.toml", "--set", f"model.path={json.dumps(str(tiny_model_dir))}",
+    r = grpokit("train", "examples/sums_jsonl.toml", "--set", f"model.path={json.dumps(str(tiny_model_dir))}",
                 "--set", f"output.dir={json.dumps(str(run))}", *FAST)
     assert r.returncode == 0, r.stderr
     row = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
-    assert "rewards/correct_product/mean" in row
+    assert "rewards/correct_answer/mean" in row
 
 
 def test_sft_then_eval_json(tiny_model_dir, tmp_path):
@@ -52,8 +52,8 @@ def test_sft_then_eval_json(tiny_model_dir, tmp_path):
     result = json.loads(r.stdout)
     assert {"accuracy", "pass@2", "mean_reward", "greedy_accuracy"} <= set(result)
     assert result["num_prompts"] == 4 and 0.0 <= result["accuracy"] <= 1.0
-    r = grpokit("eval", "--model", out, "--data", "examples/data/arith.jsonl", "--reward",
-                "examples/custom_reward.py:correct_product", "--num-prompts", "3", "--samples", "2",
+    r = grpokit("eval", "--model", out, "--data", "examples/data/sums.jsonl", "--reward",
+                "examples/custom_reward.py:correct_answer", "--num-prompts", "3", "--samples", "2",
                 "--max-new-tokens", "4", "--json", "--no-greedy")
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["num_prompts"] == 3

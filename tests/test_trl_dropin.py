@@ -197,7 +197,6 @@ def test_refused_configs(trl_args, match):
                                           r"batches \(2 optimizer steps each"),
     (dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=1, num_generations=4),
      "steps_per_generation \\(1\\) must be a multiple of gradient_accumulation_steps"),
-    (dict(lr_scheduler_type="cosine", num_iterations=2), "grpokit's cosine spans train.steps"),
     (dict(bf16=True), "bf16=True: grpokit has no mixed precision"),
     (dict(save_steps=3, num_iterations=2, max_steps=10), "save_steps=3"),
 ])

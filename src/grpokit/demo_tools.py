@@ -28,7 +28,7 @@ MODEL = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, max_posi
 TASK = dict(name="multiplication", digits=2)
 
 
-SFT = dict(steps=800, batch_size=32, learning_rate=3e-3, no_call=0.5, wrong_argument=0.2)
+SFT = dict(steps=1200, batch_size=32, learning_rate=3e-3, no_call=0.5, wrong_argument=0.2)
 
 
 GRPO = dict(steps=150, prompts_per_step=8, group_size=8, learning_rate=1e-3, max_new_tokens=100, max_calls=2)

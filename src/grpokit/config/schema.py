@@ -258,6 +258,7 @@ class TrainConfig:
     seed: int = 0
     logprob_chunk_size: int = 256  # rows per chunk of the selective log-softmax (~32 MB of logits at V = 32k)
     max_consecutive_skips: int = 5  # stop after this many steps in a row with NaN/inf updates; 0 = never
+    num_threads: int = 0  # torch CPU threads; 0 = OMP_NUM_THREADS when set, else the cores this process may use
     # Fast paths (same loss and gradients; off only for ablations): the fused log-softmax head and
     # its one-pass backward, (β = 0) no forward/backward for answers whose advantage is 0, and one
     # prompt forward shared by the answers to the same prompt.
@@ -276,6 +277,7 @@ class TrainConfig:
         _check(self.learning_rate > 0, "train.learning_rate", "must be > 0")
         _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0 (0 = off)")
         _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        _check(self.num_threads >= 0, "train.num_threads", "must be >= 0 (0 = automatic)")
         _one_of(self.lr_schedule, ("constant", "cosine"), "train.lr_schedule")
         _check(self.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0 (0 = off)")
         _check(all(0 <= b < 1 for b in self.adam_betas), "train.adam_betas",

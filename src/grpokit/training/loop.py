@@ -22,6 +22,7 @@ from grpokit.config.loading import to_toml
 from grpokit.config.schema import Config
 from grpokit.errors import TrainingDiverged
 from grpokit.models.parallel import DistributedContext
+from grpokit.models.threads import configure_threads
 from grpokit.observe.diagnostics import Diagnostics
 from grpokit.observe.metrics import reduce_metrics
 from grpokit.observe.tracking import ConsoleProgress, MetricsWriter, drop_rows_after, write_completions
@@ -66,6 +67,9 @@ def train(
                     print(f"{inputs.folder.path} is already complete at step {config.train.steps} (train.steps = "
                           f"{config.train.steps}); raise train.steps to continue it", flush=True)
                 return inputs.folder.path
+            _, crowded = configure_threads(config.train.num_threads)
+            if crowded and dist.is_main:
+                print(crowded, flush=True)
             run = build_run(config, inputs, dist, engine)
             return _loop(config, run, dist, hint, command)
     finally:

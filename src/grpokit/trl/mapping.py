@@ -96,11 +96,7 @@ def grpokit_config(args, *, model_path: str, dtype: str, lora: dict | None = Non
     world, ga = args.world_size, args.gradient_accumulation_steps
     generation = args.generation_batch_size
     minibatch = args.per_device_train_batch_size * world * ga
-    schedule = "cosine" if args.lr_scheduler_type == "cosine" else "constant"
-    if schedule == "cosine" and per_step > 1:
-        raise ConfigError("lr_scheduler_type='cosine' with several optimizer steps per generation batch "
-                          f"({per_step}): grpokit's cosine spans train.steps, not optimizer steps; use one optimizer "
-                          "step per generation (num_iterations=1, steps_per_generation=gradient_accumulation_steps)")
+    schedule = "cosine" if args.lr_scheduler_type == "cosine" else "constant"  # both count optimizer steps
     warmup = 0 if args.lr_scheduler_type == "constant" else _absolute(args.warmup_steps, total)  # TRL: none
     save = 0 if args.save_strategy == "no" else _in_steps("save_steps", _absolute(args.save_steps, total), per_step)
     report = _report_to(args.report_to)

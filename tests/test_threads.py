@@ -1,0 +1,71 @@
+"""torch's CPU threads: the cores this process may use, train.num_threads, OMP_NUM_THREADS, and the
+one-line note when other processes keep those cores busy."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import grpokit.models.threads as threads
+from conftest import make_config, parity
+from grpokit.config.schema import TrainConfig
+from grpokit.errors import ConfigError
+from grpokit.training.loop import train
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_thread_count_follows_the_setting_then_omp_then_the_usable_cores(monkeypatch):
+    monkeypatch.setattr(threads, "busy_elsewhere", lambda cores: 0.0)
+    assert threads.configure_threads(1) == (1, None) and torch.get_num_threads() == 1
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cores = threads.usable_cores()
+    assert threads.configure_threads(0)[0] == len(cores) == torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user's choice, which torch read at import, is kept
+    assert threads.configure_threads(0)[0] == 1
+    with pytest.raises(ConfigError, match="train.num_threads"):
+        TrainConfig(num_threads=-1)
+
+
+def test_a_note_when_other_processes_keep_the_cores_busy(monkeypatch):
+    monkeypatch.setattr(threads, "usable_cores", lambda: {0, 1})
+    monkeypatch.setattr(threads, "busy_elsewhere", lambda cores: 1.0)
+    n, note = threads.configure_threads(2)
+    assert n == 2 and "1.0 of the 2 usable cores busy" in note and "train.num_threads = 1" in note
+    assert threads.configure_threads(1) == (1, None)  # one thread leaves room: nothing to say
+    monkeypatch.setattr(threads, "busy_elsewhere", lambda cores: 0.1)
+    assert threads.configure_threads(2) == (2, None)
+
+
+def test_busy_elsewhere_sees_another_process_and_not_this_one():
+    cores = threads.usable_cores()
+    start = time.process_time()
+    while time.process_time() - start < 0.3:  # this process busy: not "elsewhere"
+        pass
+    idle = threads.busy_elsewhere(cores, window_s=0.3)
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        busy = threads.busy_elsewhere(cores, window_s=0.5)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert busy is not None and busy >= 0.6 and busy >= idle + 0.4
+
+
+def test_the_run_prints_the_note_once(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(threads, "busy_elsewhere", lambda cores: 2.0)
+    monkeypatch.setattr(threads, "usable_cores", lambda: {0, 1})
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    train(make_config(tiny_model_dir, tmp_path / "run", steps=1), reward_functions=[parity])
+    assert capsys.readouterr().out.count("torch threads would compete") == 1
