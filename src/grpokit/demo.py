@@ -63,9 +63,29 @@ def sparkline(values: list[float]) -> str:
     return line + f"  ({lo:.3f} → {hi:.3f})"
 
 
+def before_after(title: str, before: dict, after: dict, rows: list[tuple[str, str]]):
+    """A demo's before / after table: one row per (result key, label)."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("before GRPO", justify="right")
+    table.add_column("after GRPO", justify="right")
+    for key, label in rows:
+        table.add_row(label, f"{before[key]:.3f}", f"{after[key]:.3f}")
+    return table
+
+
+def write_summary(out: Path, before: dict, after: dict, started: float, grpo_steps: int, run_dir: Path) -> dict:
+    """summary.json: both evaluations, the wall time and where the run is."""
+    summary = {"before": before, "after": after, "seconds": time.perf_counter() - started,
+               "grpo_steps": grpo_steps, "run_dir": str(run_dir)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
 def run_demo(out: str | Path = "demo_run", *, quick: bool = False, seed: int = 0) -> dict:
     from rich.console import Console
-    from rich.table import Table
 
     from grpokit.config.schema import (
         AlgorithmConfig,
@@ -133,18 +153,11 @@ def run_demo(out: str | Path = "demo_run", *, quick: bool = False, seed: int = 0
     console.rule("[bold]5. held-out evaluation after GRPO (same sampling settings)")
     after = evaluate(model, tokenizer, held_out, ids, specs, **eval_kwargs)
     metrics = read_metrics(run_dir)
-    summary = {"before": before, "after": after, "seconds": time.perf_counter() - started,
-               "grpo_steps": config.train.steps, "run_dir": str(run_dir)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-
-    table = Table(title="held-out addition, answers sampled at temperature 1.0")
-    table.add_column("metric")
-    table.add_column("before GRPO", justify="right")
-    table.add_column("after GRPO", justify="right")
-    for key in ("accuracy", f"pass@{EVAL['samples_per_prompt']}", "greedy_accuracy", "mean_reward"):
-        name = key if key != "accuracy" else "sampled accuracy (pass@1)"
-        table.add_row(name, f"{before[key]:.3f}", f"{after[key]:.3f}")
-    console.print(table)
+    summary = write_summary(out, before, after, started, config.train.steps, run_dir)
+    k = EVAL["samples_per_prompt"]
+    console.print(before_after("held-out addition, answers sampled at temperature 1.0", before, after,
+                               [("accuracy", "sampled accuracy (pass@1)"), (f"pass@{k}", f"pass@{k}"),
+                                ("greedy_accuracy", "greedy_accuracy"), ("mean_reward", "mean_reward")]))
     console.print(f"reward  per step: {sparkline([m['reward'] for m in metrics])}")
     console.print(f"entropy per step: {sparkline([m['entropy'] for m in metrics])}")
     console.print(f"demo finished in {summary['seconds']:.0f} s; metrics: {run_dir / 'metrics.jsonl'}; "

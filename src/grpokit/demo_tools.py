@@ -16,7 +16,6 @@ right expression, and copying its result.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path
@@ -68,7 +67,6 @@ def trace_sampler(task, rows, tokenizer, tools, *, no_call: float, wrong_argumen
 
 def run_tool_demo(out: str | Path = "demo_tools_run", *, quick: bool = False, seed: int = 0) -> dict:
     from rich.console import Console
-    from rich.table import Table
 
     from grpokit.config.schema import (
         AlgorithmConfig,
@@ -81,7 +79,7 @@ def run_tool_demo(out: str | Path = "demo_tools_run", *, quick: bool = False, se
         TrainConfig,
     )
     from grpokit.data.prompts import render_prompt
-    from grpokit.demo import sparkline
+    from grpokit.demo import before_after, sparkline, write_summary
     from grpokit.evaluate import evaluate
     from grpokit.models.loading import load_model_and_tokenizer
     from grpokit.models.tiny import TOOL_CHAT_TEMPLATE, TOOL_WORDS, build_char_tokenizer, build_tiny_model
@@ -146,20 +144,12 @@ def run_tool_demo(out: str | Path = "demo_tools_run", *, quick: bool = False, se
     console.rule("[bold]5. held-out evaluation after GRPO (same sampling settings)")
     after = evaluate(model, tokenizer, held_out, ids, specs, **eval_kwargs)
     metrics = read_metrics(run_dir)
-    summary = {"before": before, "after": after, "seconds": time.perf_counter() - started,
-               "grpo_steps": config.train.steps, "run_dir": str(run_dir)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
-
-    table = Table(title="held-out 2-digit multiplication with a calculator tool, sampled at temperature 1.0")
-    table.add_column("metric")
-    table.add_column("before GRPO", justify="right")
-    table.add_column("after GRPO", justify="right")
-    rows = (("accuracy", "sampled accuracy (pass@1)"), (f"pass@{EVAL['samples_per_prompt']}", None),
-            ("greedy_accuracy", None), ("tool_call_share", "answers that call the tool"),
-            ("tool_failure_rate", "tool calls that fail"))
-    for key, name in rows:
-        table.add_row(name or key, f"{before[key]:.3f}", f"{after[key]:.3f}")
-    console.print(table)
+    summary = write_summary(out, before, after, started, config.train.steps, run_dir)
+    k = EVAL["samples_per_prompt"]
+    console.print(before_after(
+        "held-out 2-digit multiplication with a calculator tool, sampled at temperature 1.0", before, after,
+        [("accuracy", "sampled accuracy (pass@1)"), (f"pass@{k}", f"pass@{k}"), ("greedy_accuracy", "greedy_accuracy"),
+         ("tool_call_share", "answers that call the tool"), ("tool_failure_rate", "tool calls that fail")]))
     console.print(f"reward per step: {sparkline([m['reward'] for m in metrics])}")
     console.print(f"tool calls per answer: {sparkline([m.get('tools/call_frequency') for m in metrics])}")
     console.print(f"demo finished in {summary['seconds']:.0f} s; metrics: {run_dir / 'metrics.jsonl'}; "

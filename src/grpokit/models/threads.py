@@ -1,9 +1,10 @@
 """How many CPU threads torch uses, and a warning when they would fight other processes for cores.
 
-On a small CPU machine the threads of two torch processes compete: measured on 2 cores, one short
-run took 20 s beside another torch process with the default 2 threads and 9 s with one (about the
-same alone). torch sizes its thread pool from the machine, not from the cores this process may run
-on (a container or `taskset` may allow fewer), and it cannot see other processes.
+On a small CPU machine the threads of two torch processes compete: measured on 2 cores (docs/SCALING.md),
+a 10-step addition run took 14.5 s with 2 threads and 13.2 s with 1 alone, but 41.6 s with 2 threads
+and 28.9 s with 1 beside another torch process using both cores. torch sizes its thread pool from the
+machine, not from the cores this process may run on (a container or `taskset` may allow fewer), and
+it cannot see other processes.
 """
 
 from __future__ import annotations
