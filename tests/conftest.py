@@ -54,7 +54,7 @@ PARITY_SOURCE = inspect.getsource(parity)
 def make_config(model_dir, out, *, steps: int = 2, num_prompts: int = 64, prompts_per_step: int = 4,
                 max_new_tokens: int = 5, learning_rate: float = 1e-3, model: dict | None = None,
                 rollout: dict | None = None, algorithm: dict | None = None, train: dict | None = None,
-                output: dict | None = None) -> Config:
+                output: dict | None = None, eval: dict | None = None) -> Config:
     """A small run's `Config` on the addition task: 4 answers a prompt, console off. Each section's dict
     is merged over that section's defaults here (e.g. `train={"steps": 1}` wins over `steps`)."""
     from grpokit.config import schema
@@ -67,6 +67,7 @@ def make_config(model_dir, out, *, steps: int = 2, num_prompts: int = 64, prompt
         train=schema.TrainConfig(**{"steps": steps, "prompts_per_step": prompts_per_step,
                                     "learning_rate": learning_rate, **(train or {})}),
         output=schema.OutputConfig(**{"dir": str(out), "console": False, **(output or {})}),
+        eval=schema.EvalConfig(**(eval or {})),
     )
 
 

@@ -23,7 +23,7 @@ import tokenize
 import typing
 from functools import cache
 
-from grpokit.config import schema, variants
+from grpokit.config import evaluation, options, schema, variants
 from grpokit.config.checks import _hints, _toml_value
 from grpokit.config.presets import PRESETS
 
@@ -75,6 +75,9 @@ TRL_NAMES = {
     "output.tensorboard": "report_to (\"tensorboard\")",
     "output.wandb": "report_to (\"wandb\")",
     "tools.max_calls": "max_tool_calling_iterations",
+    "eval.every": "eval_steps (with eval_strategy=\"steps\")",
+    "eval.max_new_tokens": "max_completion_length (TRL evaluates with the training settings)",
+    "output.keep_best": "metric_for_best_model (with load_best_model_at_end)",
 }
 
 # grpokit field -> the `GRPOTrainer(...)` argument it corresponds to (not a GRPOConfig field).
@@ -112,16 +115,20 @@ _MEANINGS = {
 _EXTRA_CHOICES = {"data.task": variants.TASK_NAMES, "algorithm.preset": ("",) + variants.PRESET_NAMES}
 
 
+# The modules that define sections and their checks (schema.py, and sections or checks kept apart).
+SCHEMA_MODULES = (schema, options, evaluation)
+
+
 @cache
-def _module_source() -> tuple[str, ast.Module]:
-    source = inspect.getsource(schema)
+def _module_source(module=schema) -> tuple[str, ast.Module]:
+    source = inspect.getsource(module)
     return source, ast.parse(source)
 
 
 @cache
-def _comments() -> dict[int, tuple[str, bool]]:
+def _comments(module=schema) -> dict[int, tuple[str, bool]]:
     """Line number -> (comment text without '#', whether the comment is the whole line)."""
-    source, _ = _module_source()
+    source, _ = _module_source(module)
     found = {}
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
         if tok.type == tokenize.COMMENT:
@@ -130,8 +137,13 @@ def _comments() -> dict[int, tuple[str, bool]]:
     return found
 
 
+def _schema_module(cls):
+    """The schema module that defines `cls` (schema.py for a class defined anywhere else)."""
+    return next((m for m in SCHEMA_MODULES if m.__name__ == cls.__module__), schema)
+
+
 def _class_node(cls) -> ast.ClassDef | None:
-    _, tree = _module_source()
+    _, tree = _module_source(_schema_module(cls))
     return next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls.__name__), None)
 
 
@@ -145,7 +157,8 @@ def source_comments(cls) -> dict[str, str]:
     """Field name -> its comment in schema.py: the trailing `# ...` of its line(s), else the block of
     whole-line comments right above it; a field right below a block-commented field with no comment of
     its own shares that block (`see section.field`)."""
-    comments, lines = _comments(), _module_source()[0].splitlines()
+    module = _schema_module(cls)
+    comments, lines = _comments(module), _module_source(module)[0].splitlines()
     result, block_owner = {}, None
     for name, node in _field_nodes(cls).items():
         trailing = [comments[i][0] for i in range(node.lineno, node.end_lineno + 1)
@@ -171,16 +184,16 @@ def _section_doc(cls) -> str:
 
 
 def _calls(name: str):
-    """Every call of the schema module's function `name`, anywhere in the module."""
-    _, tree = _module_source()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name:
-            yield node
+    """Every call of the function `name` anywhere in the schema modules."""
+    for module in SCHEMA_MODULES:
+        for node in ast.walk(_module_source(module)[1]):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name:
+                yield node
 
 
 def _constant(node) -> typing.Any:
     if isinstance(node, ast.Name):
-        return getattr(schema, node.id)
+        return next(getattr(m, node.id) for m in SCHEMA_MODULES if hasattr(m, node.id))
     return ast.literal_eval(node)
 
 
@@ -275,7 +288,7 @@ def _section_table(name: str, cls) -> list[str]:
         checks = ([("one of " + ", ".join(f"`{_toml_value(v)}`" for v in allowed))] if allowed else []) \
             + constraints().get(key, [])
         if key == "rollout.vllm":
-            checks.append("keys: " + ", ".join(f"`{k}`" for k in schema._VLLM_OPTIONS))
+            checks.append("keys: " + ", ".join(f"`{k}`" for k in options.VLLM_OPTIONS))
         row = [f"`{f.name}`", _type_name(hints[f.name]), f"`{_default(f)}`", "; ".join(checks),
                meaning(key, comments.get(f.name)), _trl(key)]
         out.append("| " + " | ".join(_cell(c) for c in row) + " |")

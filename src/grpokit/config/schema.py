@@ -13,7 +13,9 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
-from grpokit.config.checks import _check, _check_fields, _checked, _did_you_mean, _installed, _one_of, _show
+from grpokit.config.checks import _check, _check_fields, _did_you_mean, _installed, _one_of, _show
+from grpokit.config.evaluation import EvalConfig, check_eval
+from grpokit.config.options import check_lora, check_vllm
 from grpokit.config.variants import (
     ADVANTAGE_ESTIMATORS,
     ENGINES,
@@ -22,6 +24,8 @@ from grpokit.config.variants import (
     LOSS_TYPES,
     OLD_LOGPROBS,
     PRESET_NAMES,
+    REWARD_ISOLATION,
+    REWARD_ON_ERROR,
     SAMPLERS,
     SCALE_REWARDS,
     STD_KINDS,
@@ -43,7 +47,7 @@ class ModelConfig:
         _one_of(self.dtype, ("float32", "bfloat16", "float16"), "model.dtype")
         _check(re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", self.device) is not None, "model.device",
                f"got {self.device!r}; use auto, cpu, cuda, cuda:N (N = the GPU index), mps or xpu")
-        _check_lora(self.lora)
+        check_lora(self.lora)
 
 
 @dataclass(frozen=True)
@@ -88,10 +92,22 @@ class RewardConfig:
     # on a batch before the run stops with an error naming it; 0 = no limit. A function's own
     # `timeout` in `args` overrides it. The built-in rewards bound their own time and are exempt.
     timeout_s: float = 600.0
+    # Where Python reward functions run: "none" (in the trainer's process: a call past its timeout stops
+    # the run, since a thread cannot be killed) or "process" (a pool of `workers` processes: a call past
+    # its timeout, or one that crashes, is killed and its worker replaced; rewards/isolation.py).
+    isolation: str = "none"
+    workers: int = 2
+    # A grader that fails (a remote grader after its retries; with isolation = "process" a call that timed
+    # out or crashed): "raise" stops the run with an error naming it; "skip" leaves those answers ungraded
+    # (None) and counts them in rewards/<name>/ungraded.
+    on_error: str = "raise"
 
     def __post_init__(self):
         _check_fields(self, "rewards")
         _check(self.timeout_s >= 0, "rewards.timeout_s", "must be >= 0 seconds (0 = no limit); 600 is the default")
+        _one_of(self.isolation, REWARD_ISOLATION, "rewards.isolation")
+        _one_of(self.on_error, REWARD_ON_ERROR, "rewards.on_error")
+        _check(self.workers >= 1, "rewards.workers", "must be >= 1 (processes of rewards.isolation = \"process\")")
         _check(
             not self.weights or len(self.weights) == len(self.functions),
             "rewards.weights",
@@ -126,7 +142,7 @@ class RolloutConfig:
         _check(self.engine == "hf" or builtin, "rollout.engine",
                "rollout.sampler, rollout.preallocated_kv_cache and rollout.shared_prefill are options of the built-in "
                "sampler (engine = \"hf\"); vLLM samples its own way: leave them at their defaults")
-        _check_vllm(self)
+        check_vllm(self)
         _check(self.engine == "vllm" or not self.vllm, "rollout.vllm", "set only with rollout.engine = \"vllm\"")
         _check(self.engine != "vllm" or _installed("vllm"), "rollout.engine",
                "\"vllm\" needs vLLM on a CUDA machine: pip install 'grpokit[vllm]' (or use \"hf\")")
@@ -136,26 +152,6 @@ class RolloutConfig:
         _check(self.temperature > 0, "rollout.temperature", "must be > 0 for sampling (GRPO needs diverse answers)")
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
         _check(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")
-
-
-# rollout.vllm options (rollout/vllm.VLLMEngine's keyword arguments): type, example
-_VLLM_OPTIONS = {"gpu_memory_utilization": (float, "0.3"), "enable_sleep_mode": (bool, "true"),
-                 "sync_bucket_mb": (float, "512"), "max_model_len": (int, "4096"), "enforce_eager": (bool, "true"),
-                 "dtype": (str, '"bfloat16"')}
-
-
-def _check_vllm(rollout: RolloutConfig) -> None:
-    unknown = set(rollout.vllm) - set(_VLLM_OPTIONS)
-    _check(not unknown, "rollout.vllm",
-           f"unknown option(s) {', '.join(sorted(map(str, unknown)))}; known: {', '.join(_VLLM_OPTIONS)}")
-    options = {k: _checked(f"rollout.vllm.{k}", _VLLM_OPTIONS[k][0], v, _VLLM_OPTIONS[k][1])
-               for k, v in rollout.vllm.items()}
-    object.__setattr__(rollout, "vllm", options)
-    _check(0 < options.get("gpu_memory_utilization", 0.3) <= 1, "rollout.vllm.gpu_memory_utilization",
-           "must be in (0, 1]: the share of the GPU's memory vLLM may take")
-    _check(options.get("sync_bucket_mb", 512) > 0, "rollout.vllm.sync_bucket_mb", "must be > 0")
-    _check(options.get("max_model_len", 1) >= 1, "rollout.vllm.max_model_len", "must be >= 1")
-    _one_of(options.get("dtype", "auto"), ("auto", "float32", "bfloat16", "float16"), "rollout.vllm.dtype")
 
 
 @dataclass(frozen=True)
@@ -225,18 +221,6 @@ class AlgorithmConfig:
         return self.entropy_coef > 0 or self.top_entropy_quantile < 1
 
 
-def _check_lora(lora) -> None:
-    _check(isinstance(lora, dict), "model.lora", "must be a table, e.g. {r = 8, alpha = 16}")
-    unknown = set(lora) - {"r", "alpha", "target_modules"}
-    _check(not unknown, "model.lora", f"unknown key(s) {', '.join(sorted(unknown))}; known: r, alpha, target_modules")
-    _check(_checked("model.lora.r", int, lora.get("r", 8), "8") >= 1, "model.lora.r", "must be an integer >= 1")
-    _check(_checked("model.lora.alpha", float, lora.get("alpha", 16), "16") > 0, "model.lora.alpha", "must be > 0")
-    targets = lora.get("target_modules", "all-linear")
-    if not isinstance(targets, str):
-        _checked("model.lora.target_modules", tuple[str, ...], targets, '["q_proj", "v_proj"] or "all-linear"')
-    _check(not lora or _installed("peft"), "model.lora", "needs the peft package: pip install 'grpokit[peft]'")
-
-
 def _check_preset(name) -> None:
     _check(name == "" or (isinstance(name, str) and name in PRESET_NAMES), "algorithm.preset",
            f"unknown preset {name!r}{_did_you_mean(str(name), PRESET_NAMES)}; choose one of {', '.join(PRESET_NAMES)} "
@@ -297,6 +281,9 @@ class OutputConfig:
     console: bool = True  # live progress bar
     tensorboard: bool = False  # TensorBoard scalars in RUN_DIR/tensorboard (needs the tensorboard extra)
     wandb: bool = False  # log every metric to Weights & Biases too (needs `pip install wandb`)
+    # An [eval] metric ("eval/accuracy", "eval/mean_reward", "eval/pass@K", "eval/greedy_accuracy"): the
+    # checkpoint where it was highest is kept beside the newest ones (best.json names it); empty = off.
+    keep_best: str = ""
 
     def __post_init__(self):
         _check_fields(self, "output")
@@ -334,6 +321,7 @@ SECTIONS = {
     "train": TrainConfig,
     "output": OutputConfig,
     "tools": ToolsConfig,
+    "eval": EvalConfig,
 }
 
 
@@ -347,6 +335,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self):
         for name, cls in SECTIONS.items():
@@ -358,6 +347,7 @@ class Config:
                f"{mb} must divide the generation batch of {n} answers (prompts_per_step * group_size)")
         _check(mb % self.micro_batch_size == 0, "train.micro_batch_size",
                f"{self.micro_batch_size} must divide train.minibatch_size ({mb})")
+        check_eval(self)
 
     @property
     def generation_batch_size(self) -> int:

@@ -25,3 +25,5 @@ ENGINES = ("hf", "vllm")  # rollout/engines.py
 SAMPLERS = ("inverse_cdf", "gumbel")  # rollout/sampling.py
 # The built-in task names (tasks.TASKS; not imported here: that imports torch). A test keeps them equal.
 TASK_NAMES = ("addition", "countdown", "multiplication")
+REWARD_ISOLATION = ("none", "process")  # rewards/isolation.py
+REWARD_ON_ERROR = ("raise", "skip")

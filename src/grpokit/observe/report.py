@@ -35,6 +35,7 @@ from grpokit.observe.diagnostics import replay
 CHARTS = [  # (title, metric names; "*" matches one reward function name)
     ("Reward (total and per function)", ["reward", "rewards/*/mean"]),
     ("Reward std (within groups; per function over the batch)", ["reward_std", "rewards/*/std"]),
+    ("Held-out evaluation ([eval])", ["eval/*"]),
     ("Share of groups with zero reward std", ["frac_reward_zero_std"]),
     ("KL to the reference model", ["kl"]),
     ("Entropy (nats per token)", ["entropy"]),
@@ -50,7 +51,10 @@ CHARTS = [  # (title, metric names; "*" matches one reward function name)
 ]
 
 
-WHY_MISSING = {"kl": "not logged: algorithm.beta = 0, so no reference model was loaded and no KL computed"}
+WHY_MISSING = {"kl": "not logged: algorithm.beta = 0, so no reference model was loaded and no KL computed",
+               "eval/*": "not logged: no evaluation during training (set eval.every > 0 in an [eval] section)"}
+
+SPARSE = ("eval/",)  # logged on some steps only: their charts join the steps that have them
 
 
 BLANK = '<td class="note"></td>'  # the last column holds notes (mean, std) beside the table
@@ -100,7 +104,8 @@ def chart_images(metrics: list[dict], markers: list[float] = ()) -> list[tuple[s
     out = []
 
     def series_of(names):
-        return {n: [(s, _value(row.get(n))) for s, row in zip(steps, metrics)] for n in names}
+        return {n: [(s, _value(row.get(n))) for s, row in zip(steps, metrics)
+                    if not n.startswith(SPARSE) or n in row] for n in names}
 
     for title, patterns in CHARTS:
         names = [k for p in patterns for k in _match(p, keys)]

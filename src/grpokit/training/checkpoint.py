@@ -65,8 +65,9 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: dict, keep_last: int,
-                    config_text: str = "", resume_hint: str = "--resume") -> Path:
-    """Write `checkpoint-<step>` atomically, then drop all but the newest `keep_last`."""
+                    config_text: str = "", resume_hint: str = "--resume", keep_step: int | None = None) -> Path:
+    """Write `checkpoint-<step>` atomically, then drop all but the newest `keep_last` (and the one of
+    `keep_step`: the best so far, `output.keep_best`)."""
     final = run_dir / f"{PREFIX}{step}"
     tmp = run_dir / f"{TMP_PREFIX}{step}"
     for stale in run_dir.glob(f"{TMP_PREFIX}*"):  # left by a crash mid-save
@@ -91,7 +92,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: d
         shutil.rmtree(final)
     tmp.rename(final)
     for old in list_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        if checkpoint_step(old) != keep_step:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 

@@ -27,6 +27,7 @@ from grpokit.observe.diagnostics import Diagnostics
 from grpokit.observe.metrics import reduce_metrics
 from grpokit.observe.tracking import ConsoleProgress, MetricsWriter, drop_rows_after, write_completions
 from grpokit.training.checkpoint import CheckpointWeights, save_checkpoint, trainer_state
+from grpokit.training.evaluation import BestCheckpoint, HeldOut
 from grpokit.training.generate import generate_and_grade
 from grpokit.training.run_folder import RunFolderLock, record_segment, with_resolved_paths
 from grpokit.training.setup import Run, build_run, check_inputs
@@ -91,12 +92,14 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
     for message in diagnostics.check_config(config):
         console.print(message)
     config_text = to_toml(with_resolved_paths(config))  # what each checkpoint records; a resume is checked against it
+    held_out = HeldOut(inputs.held_out, config, inputs.tools) if inputs.held_out is not None else None
+    best = BestCheckpoint(run_dir, config.output.keep_best) if config.output.keep_best and dist.is_main else None
 
-    def save(step: int) -> Path:
+    def save(step: int, keep_step: int | None = None) -> Path:
         state = trainer_state(step, policy, run.sampler, run.stream)
         weights = CheckpointWeights(policy.model)  # gathered under FSDP; with LoRA the merged model + adapter/
         return dist.run_on_main(save_checkpoint, run_dir, step, weights, inputs.tokenizer, state,
-                                config.output.keep_last, config_text, hint)
+                                config.output.keep_last, config_text, hint, keep_step)
 
     failed_steps = 0  # consecutive steps whose every update was skipped as non-finite
     try:
@@ -121,6 +124,12 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
                            "time/rollout": gen_metrics.pop("time/rollout"), "time/train": t2 - t1,
                            "time/step": t2 - t0, "tokens_per_sec": n_tokens / (t2 - t0)}
                 metrics = reduce_metrics(metrics, batch, inputs.specs, local)  # over all processes
+                if held_out is not None and held_out.due(step):  # [eval]: every process scores its share
+                    t3 = time.perf_counter()
+                    metrics.update(held_out.run(policy.model, inputs.tokenizer, inputs.specs))
+                    metrics["time/eval"] = time.perf_counter() - t3
+                    console.print(f"step {step}: " + "  ".join(f"{k} {v:.3f}" for k, v in metrics.items()
+                                                                if k.startswith("eval/")))
                 writer.write(step, metrics)
                 for message in diagnostics.update(step, metrics):
                     console.print(message)
@@ -134,9 +143,13 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
                     raise TrainingDiverged(diverged_message(run_dir, failed_steps))
                 # save
                 due = step == config.train.steps or (config.output.save_every and step % config.output.save_every == 0)
+                improved = dist.any(best is not None and best.improves(metrics))  # rank 0 decides
                 stopping = dist.any(bool(stop.requested))  # a signal to any process stops them all
-                if due or stopping:
-                    path = save(step)
+                if due or stopping or improved:
+                    path = save(step, step if improved else (best.step if best else None))
+                if improved and best is not None:
+                    best.record(step, metrics[best.metric], path)
+                    console.print(f"step {step}: best {best.metric} so far ({best.value:.4f}): {path.name} is kept")
                 if stopping:
                     console.print(f"{stop.requested or 'a stop on another process'}: stopped after step {step}; "
                                   f"saved {path}. Continue with: {hint}")

@@ -12,7 +12,8 @@ functions, the output folder, and prompts too long for the model's context.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -143,6 +144,33 @@ def tokenize_prompts(config: Config, data: PreparedData, tokenizer, max_position
     return PromptTable(data.rows, ids, [eos] if isinstance(eos, int) else list(eos or []))
 
 
+def eval_max_new_tokens(config: Config) -> int:
+    return config.eval.max_new_tokens or config.rollout.max_new_tokens
+
+
+def prepare_held_out(config: Config, task, tokenizer, max_positions: int | None, tools: ToolBox | None,
+                     dist: DistributedContext) -> PromptTable | None:
+    """The `[eval]` section's prompts, this process's share (every process scores its own; the counts
+    are summed), read or generated and tokenized before the model loads: a file without the prompt
+    column, or a prompt too long for the context, is an error naming `eval.path`."""
+    e = config.eval
+    if not e.every:
+        return None
+    if e.path:
+        split = e.split or ("train" if Path(e.path).is_file() else "test")
+        rows = load_prompts(e.path, prompt_column=config.data.prompt_column, name=e.name or None, split=split,
+                            field="eval.path")[:e.num_prompts]
+    else:
+        rows = task.generate(e.num_prompts, seed=e.seed, split="eval")
+    budget = replace(config, rollout=replace(config.rollout, max_new_tokens=eval_max_new_tokens(config)))
+    try:
+        table = tokenize_prompts(budget, PreparedData(rows, task), tokenizer, max_positions, tools)
+    except DataError as err:  # its message names the row, not the source
+        raise DataError(f"eval.path {e.path or '(the task eval split)'}: {err}") from None
+    mine = range(dist.rank, len(rows), dist.world_size)
+    return PromptTable([table.rows[i] for i in mine], [table.ids[i] for i in mine], table.eos_token_ids)
+
+
 def lr_lambda(config: Config) -> Callable[[int], float]:
     """Linear warmup over `train.warmup_steps` optimizer steps, then constant or cosine decay to 0 at the
     last optimizer step: a training step takes μ x (answers / minibatch_size) of them."""
@@ -174,6 +202,7 @@ class Inputs:
     resume: bool
     tools: ToolBox | None = None  # multi-turn rollouts with tool calls
     environments: Environments | None = None  # one instance per answer, their methods as tools
+    held_out: PromptTable | None = None  # [eval]: this process's share of the held-out prompts
 
     @property
     def complete(self) -> bool:
@@ -225,9 +254,11 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
         except ValueError as e:
             raise DataError(f"{config.data.path or 'rows'}: {e}") from None
     tokenizer = load_tokenizer(config.model.path)
-    prompts = tokenize_prompts(config, data, tokenizer, max_positions_of(config.model.path), toolbox, environments)
+    max_positions = max_positions_of(config.model.path)
+    prompts = tokenize_prompts(config, data, tokenizer, max_positions, toolbox, environments)
+    held_out = prepare_held_out(config, data.task, tokenizer, max_positions, toolbox, dist)
     folder = dist.run_on_main(prepare_run_folder, config, resume=resume, lock=lock)
-    return Inputs(local, data, specs, tokenizer, prompts, folder, resume, toolbox, environments)
+    return Inputs(local, data, specs, tokenizer, prompts, folder, resume, toolbox, environments, held_out)
 
 
 def build_policy(config: Config) -> Policy:

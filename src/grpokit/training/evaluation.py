@@ -1,0 +1,190 @@
+"""Held-out evaluation: sampled accuracy, pass@k, greedy accuracy, mean reward; during training too.
+
+Sampled accuracy (the mean correctness of answers drawn at the training
+temperature) is what GRPO optimises; pass@k says how often the right answer is
+within reach at all. A warm start with high pass@k and low pass@1 is where RL
+helps most: it turns pass@k into pass@1.
+
+`evaluate` scores a model on rows (the `grpokit eval` command and the demos call it);
+`HeldOut` is the `[eval]` section's: prompts prepared before the model loads, scored
+every `eval.every` steps, each process its share, the counts summed over processes.
+`BestCheckpoint` remembers where `output.keep_best` peaked (best.json in the run folder).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from math import comb
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+from grpokit.config.schema import Config
+from grpokit.models.fsdp import full_params_for_generation
+from grpokit.models.parallel import global_sum
+from grpokit.rewards.core import RewardSpec
+from grpokit.rollout.decode import sample_groups
+from grpokit.rollout.grading import grade
+from grpokit.rollout.multiturn import sample_conversations
+from grpokit.rollout.tools import ToolBox
+from grpokit.training.setup import PromptTable, eval_max_new_tokens
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al., 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def _grade(model, tokenizer, prompt_ids, rows, specs, *, group_size, temperature, max_new_tokens, generator,
+           batch_prompts, stop_strings, prompt_column, tools, max_tool_turns, eos_token_ids):
+    """Total rewards [num_prompts, group_size] of `group_size` sampled answers per prompt, and with
+    tools the calls and failed calls of every answer ([num_prompts * group_size] each)."""
+    totals, calls, failures = [torch.zeros(0, group_size)], [], []
+    common = dict(group_size=group_size, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                  temperature=temperature, tokenizer=tokenizer, generator=generator)
+    for start in range(0, len(prompt_ids), batch_prompts):
+        batch_ids, batch_rows = prompt_ids[start:start + batch_prompts], rows[start:start + batch_prompts]
+        conversations = None
+        if tools:
+            rollout, stats = sample_conversations(model, batch_ids, eos_token_ids=eos_token_ids,
+                                                  tools=tools, max_tool_turns=max_tool_turns, **common)
+            conversations = stats.conversations
+            calls += stats.calls
+            failures += stats.failures
+        else:
+            rollout = sample_groups(model, batch_ids, eos_token_ids=eos_token_ids,
+                                    stop_strings=stop_strings, **common)
+        draw = grade(rollout, batch_rows, tokenizer, specs, group_size, prompt_column=prompt_column,
+                     conversations=conversations)
+        totals.append(draw.total.view(-1, group_size).cpu())
+    return torch.cat(totals), calls, failures  # [num_prompts, group_size], [N], [N]
+
+
+def _no_reduce(counts: torch.Tensor) -> torch.Tensor:
+    return counts
+
+
+@torch.no_grad()
+def evaluate(
+    model,
+    tokenizer,
+    rows: Sequence[dict],
+    prompt_ids: Sequence[Sequence[int]],
+    specs: Sequence[RewardSpec],
+    *,
+    samples_per_prompt: int = 8,
+    temperature: float = 1.0,
+    max_new_tokens: int = 32,
+    correct_threshold: float = 1.0,
+    greedy: bool = True,
+    seed: int = 0,
+    batch_prompts: int = 64,
+    prompt_column: str = "prompt",
+    stop_strings: Sequence[str] = (),
+    tools: ToolBox | None = None,
+    max_tool_turns: int = 8,
+    eos_token_ids: Sequence[int] | None = None,
+    reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce,
+) -> dict:
+    """Metrics over `rows` (with their tokenized prompts): an answer is correct when its
+    total reward reaches `correct_threshold`. With `tools` (the prompts rendered with their
+    schemas) answers are multi-turn conversations, as in training, and the result also has
+    `tool_call_share` (answers that called a tool at least once) and `tool_failure_rate`
+    (failed calls / calls) of the sampled answers. `reduce` sums the counts over processes
+    (each evaluated its own share of the rows), so every process returns the whole set's metrics."""
+    model.eval()
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    eos = list(eos_token_ids) if eos_token_ids is not None else [tokenizer.eos_token_id]
+    common = dict(max_new_tokens=max_new_tokens, generator=generator, batch_prompts=batch_prompts,
+                  stop_strings=stop_strings, prompt_column=prompt_column, tools=tools,
+                  max_tool_turns=max_tool_turns, eos_token_ids=eos)
+    with full_params_for_generation(model):  # FSDP: gathered once, each process decodes its own share
+        sampled, calls, failures = _grade(model, tokenizer, prompt_ids, rows, specs, group_size=samples_per_prompt,
+                                          temperature=temperature, **common)  # [P, k]
+        best = _grade(model, tokenizer, prompt_ids, rows, specs, group_size=1, temperature=0.0,
+                      **common)[0] if greedy else torch.zeros(0, 1)  # [P, 1]
+    k = samples_per_prompt
+    correct = torch.nan_to_num(sampled, nan=0.0) >= correct_threshold  # [P, k]
+    graded = ~torch.isnan(sampled)
+    counts = torch.tensor([  # summed over processes: every metric is a ratio of two of these
+        len(rows), correct.sum(), sum(pass_at_k(k, int(c), k) for c in correct.sum(-1)),
+        torch.nansum(sampled), graded.sum(), (torch.nan_to_num(best, nan=0.0) >= correct_threshold).sum(),
+        sum(c > 0 for c in calls), len(calls), sum(failures), sum(calls)], dtype=torch.float64)
+    n, right, passed, reward_sum, n_graded, greedy_right, calling, answers, failed, n_calls = \
+        reduce(counts).tolist()
+    result = {
+        "num_prompts": int(n),
+        "samples_per_prompt": k,
+        "temperature": temperature,
+        "accuracy": right / (n * k) if n else math.nan,
+        f"pass@{k}": passed / n if n else math.nan,
+        "mean_reward": reward_sum / n_graded if n_graded else math.nan,
+    }
+    if tools:
+        result["tool_call_share"] = calling / answers if answers else 0.0
+        result["tool_failure_rate"] = failed / n_calls if n_calls else 0.0
+    if greedy:
+        result["greedy_accuracy"] = greedy_right / n if n else math.nan
+    return result
+
+
+@dataclass
+class HeldOut:
+    """The `[eval]` section's prompts (this process's share: setup.prepare_held_out) and how to score them."""
+
+    prompts: PromptTable
+    config: Config
+    tools: ToolBox | None
+
+    def due(self, step: int) -> bool:
+        return step % self.config.eval.every == 0 or step == self.config.train.steps
+
+    def run(self, model, tokenizer, specs: Sequence[RewardSpec]) -> dict[str, float]:
+        """`eval/...` metrics of the model as it is now (every process takes part)."""
+        e, was_training = self.config.eval, model.training
+        result = evaluate(model, tokenizer, self.prompts.rows, self.prompts.ids, specs,
+                          samples_per_prompt=e.samples_per_prompt, temperature=e.temperature,
+                          max_new_tokens=eval_max_new_tokens(self.config), correct_threshold=e.correct_threshold,
+                          greedy=e.greedy, seed=e.seed, stop_strings=self.config.rollout.stop_strings,
+                          tools=self.tools, max_tool_turns=self.config.tools.max_calls,
+                          eos_token_ids=self.prompts.eos_token_ids, reduce=global_sum)
+        model.train(was_training)
+        skip = ("num_prompts", "samples_per_prompt", "temperature")
+        return {f"eval/{k}": float(v) for k, v in result.items() if k not in skip}
+
+
+BEST_FILE = "best.json"
+
+
+class BestCheckpoint:
+    """Where `output.keep_best`'s metric was highest: best.json = {metric, value, step, checkpoint}.
+
+    The checkpoint it names is never pruned by `output.keep_last`. A best.json naming a checkpoint
+    that is gone (a crash between the save and this file) is forgotten: the next evaluation sets it."""
+
+    def __init__(self, run_dir: Path, metric: str):
+        self.path, self.metric = Path(run_dir) / BEST_FILE, metric
+        self.step, self.value = None, -math.inf
+        try:
+            saved = json.loads(self.path.read_text(encoding="utf-8"))
+            if saved.get("metric") == metric and (Path(run_dir) / saved["checkpoint"]).is_dir():
+                self.step, self.value = int(saved["step"]), float(saved["value"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none yet, or unreadable: the next evaluation writes a fresh one
+
+    def improves(self, metrics: dict) -> bool:
+        value = metrics.get(self.metric)
+        return value is not None and math.isfinite(value) and value > self.value
+
+    def record(self, step: int, value: float, checkpoint: Path) -> None:
+        self.step, self.value = step, value
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"metric": self.metric, "value": value, "step": step,
+                                   "checkpoint": checkpoint.name}) + "\n", encoding="utf-8")
+        os.replace(tmp, self.path)
