@@ -31,20 +31,24 @@ from grpokit.rollout.engines import HFEngine
 
 SCENARIOS = {
     # dapo: the global token count normalises; micro-batches of 2 answers (gradient accumulation on each rank)
-    "dapo": dict(train={"micro_batch_size": 2}),
+    # + evaluation during training: each rank scores its share of the held-out prompts, the counts are summed
+    "dapo": dict(train={"micro_batch_size": 2}, eval={"every": 2, "num_prompts": 6, "samples_per_prompt": 2,
+                                                      "greedy": True, "correct_threshold": 0.5}),
     # grpo with a reference model (β > 0) and μ = 2 (old log-probs, clipping)
     "grpo_kl": dict(algorithm={"loss_type": "grpo", "beta": 0.04, "num_iterations": 2, "epsilon": 0.1}),
     # LoRA adapters (only they are all-reduced) with the adapters-off reference
     "lora": dict(model={"lora": {"r": 4, "alpha": 8}}, algorithm={"beta": 0.04}, train={"learning_rate": 1e-2}),
     # FSDP2 on 2 CPU processes against the plain 1-process run
-    "fsdp": dict(model={"fsdp": True}, train={"micro_batch_size": 4}),
+    "fsdp": dict(model={"fsdp": True}, train={"micro_batch_size": 4}, eval={"every": 1, "num_prompts": 5,
+                                                                          "greedy": True, "correct_threshold": 0.5}),
 }
 
 
 def scenario_config(name: str, model_dir, out) -> Config:
     s = SCENARIOS[name]
     return make_config(model_dir, out, max_new_tokens=6, model={"device": "cpu", **s.get("model", {})},
-                       algorithm=s.get("algorithm"), train=s.get("train"), output={"completions_every": 1})
+                       algorithm=s.get("algorithm"), train=s.get("train"), output={"completions_every": 1},
+                       eval=s.get("eval"))
 
 
 class PerPromptEngine(HFEngine):
@@ -143,6 +147,8 @@ def test_two_processes_make_the_same_update_as_one(runs, tiny_model_dir):
         for a, b in zip(m1, m2):
             for key in COMPARED + (("kl",) if "kl" in a else ()):
                 assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (name, a["step"], key)
+            # greedy answers do not depend on the sampling: two processes' shares sum to the one-process value
+            assert b.get("eval/greedy_accuracy") == a.get("eval/greedy_accuracy"), (name, a["step"])
         c1 = (one / "completions.jsonl").read_text().splitlines()
         c2 = (two / "completions.jsonl").read_text().splitlines()
         assert [json.loads(x)["completion"] for x in c1] == [json.loads(x)["completion"] for x in c2], name

@@ -1,0 +1,105 @@
+"""Evaluation during training ([eval]) and output.keep_best.
+
+The logged eval metrics are checked against `evaluate` run afterwards on the saved checkpoint (the same
+prompts, seed and settings give the same numbers), the best checkpoint against the logged values, and
+the bad inputs against their one-line errors before any model loads."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from conftest import make_config, parity
+from grpokit.config.schema import Config, DataConfig, EvalConfig, ModelConfig, OutputConfig
+from grpokit.errors import ConfigError, DataError
+from grpokit.training.loop import train
+
+EVAL = dict(every=2, num_prompts=6, samples_per_prompt=3, greedy=True, correct_threshold=0.5, seed=5)
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_eval_metrics_are_logged_when_due_and_equal_evaluate_on_the_checkpoint(tiny_model_dir, tmp_path):
+    from grpokit.models.loading import load_model, load_tokenizer, max_positions_of
+    from grpokit.models.parallel import DistributedContext
+    from grpokit.observe.report import build_report
+    from grpokit.tasks import get_task
+    from grpokit.training.evaluation import evaluate
+    from grpokit.training.setup import prepare_held_out
+
+    config = make_config(tiny_model_dir, tmp_path / "run", steps=3, eval=EVAL)
+    run = train(config, reward_functions=[parity])
+    rows = _rows(run)
+    logged = {r["step"]: {k: v for k, v in r.items() if k.startswith("eval/")} for r in rows}
+    assert [s for s, m in logged.items() if m] == [2, 3]  # every 2 steps, and after the last one
+    assert set(logged[3]) == {"eval/accuracy", "eval/pass@3", "eval/mean_reward", "eval/greedy_accuracy"}
+    assert 0 < logged[3]["eval/mean_reward"] < 1  # parity on a random model: neither all nor nothing
+
+    tokenizer = load_tokenizer(str(run / "checkpoint-3"))
+    table = prepare_held_out(config, get_task("addition"), tokenizer, max_positions_of(str(tiny_model_dir)), None,
+                             DistributedContext())
+    assert len(table.rows) == 6
+    model = load_model(str(run / "checkpoint-3"))
+    again = evaluate(model, tokenizer, table.rows, table.ids, [s for s in _specs()], samples_per_prompt=3,
+                     temperature=1.0, max_new_tokens=5, correct_threshold=0.5, greedy=True, seed=5,
+                     eos_token_ids=table.eos_token_ids)
+    for key in ("accuracy", "pass@3", "mean_reward", "greedy_accuracy"):
+        assert logged[3][f"eval/{key}"] == pytest.approx(again[key], abs=1e-6), key
+
+    html = build_report(run).read_text()
+    assert "Held-out evaluation" in html and "not logged: no evaluation during training" not in html
+
+
+def _specs():
+    from grpokit.rewards.core import RewardSpec
+
+    return [RewardSpec("parity", parity)]
+
+
+def test_keep_best_keeps_the_best_checkpoint_past_keep_last_and_across_a_resume(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    every_step = {**EVAL, "every": 1}
+    config = make_config(tiny_model_dir, out, steps=3, learning_rate=5e-2, eval=every_step,
+                         output={"keep_last": 1, "keep_best": "eval/mean_reward"})
+    train(config, reward_functions=[parity])
+    config = replace(config, train=replace(config.train, steps=5))
+    train(config, reward_functions=[parity], resume=True)
+    values = {r["step"]: r["eval/mean_reward"] for r in _rows(out)}
+    assert sorted(values) == [1, 2, 3, 4, 5]
+    best = json.loads((out / "best.json").read_text())
+    top = max(values.values())
+    assert best["metric"] == "eval/mean_reward" and best["value"] == pytest.approx(top)
+    assert best["step"] == min(s for s, v in values.items() if v == top)  # the first time it was reached
+    kept = sorted(p.name for p in out.glob("checkpoint-*"))
+    assert kept == sorted({f"checkpoint-{best['step']}", "checkpoint-5"})  # keep_last = 1, plus the best
+    assert len(set(values.values())) > 1  # the metric moved: the choice of a best was not trivial
+
+
+def test_bad_eval_inputs_fail_before_the_model_loads(tiny_model_dir, tmp_path):
+    model = ModelConfig(path=str(tiny_model_dir))
+    with pytest.raises(ConfigError, match="eval.path: is needed"):
+        Config(model=model, data=DataConfig(path=str(tmp_path / "a.jsonl")), eval=EvalConfig(every=5))
+    with pytest.raises(ConfigError, match="output.keep_best: got 'eval/pass@8'.*eval/pass@4"):
+        Config(model=model, data=DataConfig(task="addition"), eval=EvalConfig(every=5),
+               output=OutputConfig(keep_best="eval/pass@8"))
+    with pytest.raises(ConfigError, match="output.keep_best.*set eval.every > 0"):
+        Config(model=model, data=DataConfig(task="addition"), output=OutputConfig(keep_best="eval/accuracy"))
+    with pytest.raises(ConfigError, match="eval.temperature"):
+        EvalConfig(every=1, temperature=0)
+
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text('{"question": "1+1=", "answer": "2"}\n')
+    config = make_config(tiny_model_dir, tmp_path / "run", eval={"every": 1, "path": str(held_out)})
+    with pytest.raises(DataError, match="held_out.jsonl.*prompt"):
+        train(config, reward_functions=[parity])
+    assert not (tmp_path / "run").exists()  # nothing written before the error
+
+    held_out.write_text(json.dumps({"prompt": "1+" * 400 + "1="}) + "\n")
+    with pytest.raises(DataError, match="eval.path .*held_out.jsonl.*prompt row 1 has"):
+        train(config, reward_functions=[parity])
+    assert not (tmp_path / "run").exists()
