@@ -12,6 +12,7 @@ import difflib
 import functools
 import json
 import math
+import re
 import tomllib
 import typing
 from typing import Any
@@ -153,6 +154,11 @@ def _did_you_mean(name: str, options) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def _toml_key(key: str) -> str:
+    """A table key as TOML reads it back: bare when it can be, else quoted ("a.py:score", URLs)."""
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_value(key)
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -163,5 +169,5 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")

@@ -63,6 +63,7 @@ def tool_metrics(stats: list) -> dict[str, float]:
 _MAX = ("completions/max_length", "sampling/logprob_gap_max")
 _MIN = ("completions/min_length",)
 _SUM = ("tokens_per_sec", "dynamic_sampling/groups_kept")
+_SUM_SUFFIXES = ("/ungraded",)  # rewards/<name>/ungraded: answers a failing grader left ungraded, a count
 
 
 def _token_weighted(key: str) -> bool:
@@ -96,7 +97,7 @@ def reduce_metrics(metrics: dict, batch, specs, config) -> dict:
             out[key] = max(values)
         elif key in _MIN:
             out[key] = min(values)
-        elif key in _SUM or (key == "loss" and algo.sums_over_global_tokens):
+        elif key in _SUM or key.endswith(_SUM_SUFFIXES) or (key == "loss" and algo.sums_over_global_tokens):
             out[key] = sum(values)
         elif _token_weighted(key) or key == "entropy":
             w = [p[1]["entropy" if key == "entropy" else "tokens"] for p in parts]

@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 from grpokit.errors import RewardLoadError
 from grpokit.rewards.core import RewardSpec
 from grpokit.rewards.graders import format_reward, math_equivalence, numeric_match, soft_overlong_penalty
+from grpokit.rewards.remote import RemoteGrader, is_url, url_reward_name
 from grpokit.rewards.sandbox import code_execution_reward
 from grpokit.rewards.verifiers import addition_reward, countdown_reward_fn
 
@@ -59,16 +60,25 @@ def get_reward(name: str, **kwargs) -> Callable:
     if name not in _REGISTRY:
         hint = " (a file reference needs ':function', e.g. my_rewards.py:score)" if name.endswith(".py") else ""
         raise RewardLoadError(f"unknown reward {name!r}{hint}; known rewards: {', '.join(available_rewards())}, "
-                              f"or a reference 'path/to/file.py:function' / 'package.module:function'")
-    factory = _REGISTRY[name]
+                              f"or a reference 'path/to/file.py:function' / 'package.module:function', a local "
+                              f"reward-model folder, or an http(s):// grader URL")
+    return _build(name, _REGISTRY[name], kwargs)
+
+
+def _build(name: str, factory: Callable, kwargs: dict, fixed: dict | None = None) -> Callable:
+    """`factory(**kwargs, **fixed)`, with a wrong argument or value as one `RewardLoadError` line;
+    `fixed` holds the arguments grpokit fills in (not the user's to set)."""
+    fixed = fixed or {}
+    accepted = [p for p in inspect.signature(factory).parameters if p not in fixed]
     try:
-        inspect.signature(factory).bind(**kwargs)
+        if set(kwargs) & set(fixed):
+            raise TypeError(f"{', '.join(sorted(set(kwargs) & set(fixed)))} is set by grpokit")
+        inspect.signature(factory).bind(**kwargs, **fixed)
     except TypeError as e:
-        params = ", ".join(inspect.signature(factory).parameters) or "none"
         raise RewardLoadError(f"reward {name!r} got arguments {sorted(kwargs)}: {e}; "
-                              f"it accepts: {params}") from None
+                              f"it accepts: {', '.join(accepted) or 'none'}") from None
     try:
-        return factory(**kwargs)
+        return factory(**kwargs, **fixed)
     except ValueError as e:  # a bad option value: a user error, not a traceback
         raise RewardLoadError(f"reward {name!r}: {e}") from e
 
@@ -129,19 +139,40 @@ def load_reward(ref: str, *, kind: str = "reward") -> Callable:
     return fn
 
 
-def resolve_reward(ref: str, **kwargs) -> Callable:
-    """`load_reward(ref)` for "file.py:function" / "module:function", else `get_reward(ref, **kwargs)`."""
+def resolve_reward(ref: str, *, on_error: str = "raise", device: str = "cpu", **kwargs) -> Callable:
+    """The reward function an entry of `rewards.functions` names, built with its `kwargs`:
+
+    - "http://..." / "https://...": a remote grader (rewards/remote.py), checked to accept connections
+      now, before any model loads; `on_error` is its default for a request that fails for good.
+    - "file.py:function" / "module:function": `load_reward(ref)`.
+    - a registered name: `get_reward(ref, **kwargs)`.
+    - a local folder of a sequence-classification model: a reward model (rewards/reward_model.py) on
+      `device`, scoring prompt + completion with its own tokenizer.
+    """
+    if is_url(ref):
+        grader = _build(ref, RemoteGrader, {"on_error": on_error, **kwargs}, {"url": ref})
+        grader.check_reachable()
+        return grader
     if ":" in ref:
         if kwargs:
-            raise RewardLoadError(f"reward {ref!r}: arguments {sorted(kwargs)} only apply to built-in rewards; "
-                                  f"give the function defaults instead")
+            raise RewardLoadError(f"reward {ref!r}: arguments {sorted(kwargs)} only apply to built-in rewards, "
+                                  f"reward models and graders; give the function defaults instead")
         return load_reward(ref)
+    if ref not in _REGISTRY and Path(ref).is_dir():
+        from grpokit.rewards.reward_model import load_reward_model  # transformers: only when one is named
+
+        return _build(ref, load_reward_model, kwargs, {"path": ref, "device": device})
     return get_reward(ref, **kwargs)
 
 
 def reward_name(ref: str) -> str:
-    """The metric name of a reward: the registry name, or the function name of a reference."""
-    return ref.rpartition(":")[2] if ":" in ref else ref
+    """The metric name of a reward: the registry name, the function name of a reference, a reward
+    model's folder name (as TRL names it), or a grader URL's host, port and path ("127.0.0.1_8000_score")."""
+    if is_url(ref):
+        return url_reward_name(ref)
+    if ":" in ref:
+        return ref.rpartition(":")[2]
+    return ref if ref in _REGISTRY else Path(ref).name or ref
 
 
 def _timeout_of(ref: str, kwargs: dict, default: float | None) -> float | None:
@@ -149,7 +180,7 @@ def _timeout_of(ref: str, kwargs: dict, default: float | None) -> float | None:
     without one, references (your own code) get `default` and built-in rewards none (they bound
     their own time: math-verify's parse timeouts, the code sandbox's limits)."""
     if "timeout" not in kwargs:
-        return default if ":" in ref else None
+        return default if ":" in ref and not is_url(ref) else None
     timeout = kwargs.pop("timeout")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0 \
             or timeout == float("inf"):
@@ -162,7 +193,7 @@ def _qualifier(ref: str) -> str | None:
     """What tells a reference apart from another of the same function name: the file's stem
     ("rewards/a.py:score" -> "a") or the module ("pkg.mod:score" -> "pkg.mod"); None for a built-in."""
     where, sep, _ = ref.rpartition(":")
-    if not sep:
+    if not sep or is_url(ref):
         return None
     is_file = where.endswith(".py") or "/" in where or "\\" in where
     return Path(where).stem if is_file else where
@@ -193,8 +224,9 @@ def unique_reward_names(names: Sequence[str], qualifiers: Sequence[str | None] =
     return out
 
 
-def reward_specs(refs: Sequence[str], weights: Sequence[float] = (),
-                 args: dict[str, dict] | None = None, default_timeout: float | None = None) -> list[RewardSpec]:
+def reward_specs(refs: Sequence[str], weights: Sequence[float] = (), args: dict[str, dict] | None = None,
+                 default_timeout: float | None = None, *, on_error: str = "raise",
+                 device: str = "cpu") -> list[RewardSpec]:
     """RewardSpecs for names/references, with optional weights and per-reference keyword arguments.
 
     The argument `timeout` (seconds, 0 = no limit) applies to any reward, references included: it
@@ -217,5 +249,7 @@ def reward_specs(refs: Sequence[str], weights: Sequence[float] = (),
     for r, name, w in zip(refs, names, weights):
         kwargs = dict(args.get(r, args.get(name, args.get(reward_name(r), {}))))
         timeout = _timeout_of(r, kwargs, default_timeout)
-        specs.append(RewardSpec(name, resolve_reward(r, **kwargs), float(w), timeout))
+        if is_url(r):
+            kwargs.setdefault("name", name)  # its rewards/<name>/ungraded count goes with its other metrics
+        specs.append(RewardSpec(name, resolve_reward(r, on_error=on_error, device=device, **kwargs), float(w), timeout))
     return specs

@@ -51,6 +51,7 @@ def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts
     draws: list[Draw] = []
     tool_stats = []  # multi-turn rollouts: what the tools did in each draw
     t_rollout = t_reward = 0.0
+    logged: dict[str, list[float]] = {}  # what reward functions report (TRL's log_metric): averaged over draws
     for _ in range(1 + (algo.max_resample_rounds if algo.dynamic_sampling else 0)):
         indices = stream.next_batch()  # B row indices
         rows = [prompts.rows[i] for i in indices]
@@ -64,7 +65,8 @@ def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts
         tool_stats += [stats] if stats is not None else []
         draws.append(grade(rollout, rows, tokenizer, specs, G,
                            conversations=None if stats is None else stats.conversations,
-                           environments=None if environments is None else environments.active))
+                           environments=None if environments is None else environments.active,
+                           log_metric=lambda name, value: logged.setdefault(name, []).append(float(value))))
         t_rollout, t_reward = t_rollout + t1 - t0, t_reward + time.perf_counter() - t1
         # several processes: every one draws as often as the one that needs most (streams stay in step)
         if not algo.dynamic_sampling or all_ranks(sum(d.with_signal(G).size for d in draws) >= B * G):
@@ -80,7 +82,8 @@ def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts
         loss_mask[rollout.truncated] = 0
     metrics = {**reward_summary(draw.total, G), **reward_metrics(specs, draw.per_fn),
                **completion_metrics(rollout.action_mask, rollout.truncated),
-               "time/rollout": t_rollout, "time/reward": t_reward, **(tool_metrics(tool_stats) if tool_stats else {})}
+               "time/rollout": t_rollout, "time/reward": t_reward, **(tool_metrics(tool_stats) if tool_stats else {}),
+               **{name: sum(values) / len(values) for name, values in logged.items()}}
     if algo.dynamic_sampling:  # what the filter saw before it dropped groups
         metrics["frac_reward_zero_std"] = seen["frac_reward_zero_std"]
         metrics["dynamic_sampling/groups_kept"] = draw.size / G

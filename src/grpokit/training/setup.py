@@ -69,30 +69,36 @@ def prepare_data(config: Config, rows: Iterable[dict] | None = None) -> Prepared
                                      split=d.split or "train"), None)
 
 
-def resolve_reward_specs(config: Config, task, functions: Sequence[Callable] | None = None, *,
+def resolve_reward_specs(config: Config, task, functions: Sequence[Callable | str] | None = None, *,
                          optional: bool = False) -> list[RewardSpec]:
     """Python callables given to `train`, else `rewards.functions`, else the task's verifier (none, when
     `optional`: an environment's own reward is there).
 
     A callable is named by its `__name__` (`reward_<i>` without one); callables sharing a name are
     told apart by their module (`mod_a.score`, `mod_b.score`), else numbered (`score`, `score_2`):
-    see `unique_reward_names`."""
+    see `unique_reward_names`. A string among the callables is what `rewards.functions` takes (a
+    built-in name, a reference, a reward-model folder, a grader URL)."""
     r = config.rewards
     weights = list(r.weights) or [1.0] * len(functions or r.functions)
     timeout = r.timeout_s or None  # your own functions are bounded (rewards.timeout_s); built-ins bound themselves
+    context = dict(on_error=r.on_error, device=str(resolve_device(config.model.device)))
     if functions:
+        built = [reward_specs([f], (), r.args, timeout, **context)[0] if isinstance(f, str) else f for f in functions]
         names = unique_reward_names(
-            [getattr(f, "__name__", None) or f"reward_{i}" for i, f in enumerate(functions)],
-            [m if (m := getattr(f, "__module__", None)) not in (None, "__main__") else None for f in functions])
-        return [RewardSpec(n, f, w, timeout) for n, f, w in zip(names, functions, weights)]
+            [f.name if isinstance(f, RewardSpec) else getattr(f, "__name__", None) or f"reward_{i}"
+             for i, f in enumerate(built)],
+            [None if isinstance(f, RewardSpec) else m if (m := getattr(f, "__module__", None)) != "__main__" else None
+             for f in built])
+        return [RewardSpec(n, f.fn, w, f.timeout) if isinstance(f, RewardSpec) else RewardSpec(n, f, w, timeout)
+                for n, f, w in zip(names, built, weights)]
     if r.functions:
-        return reward_specs(list(r.functions), weights, r.args, default_timeout=timeout)
+        return reward_specs(list(r.functions), weights, r.args, default_timeout=timeout, **context)
     if task is not None:
         return task.reward_functions()
     if optional:
         return []
     raise SetupError("no reward functions: set rewards.functions (a built-in name such as 'numeric_match', "
-                     "or 'file.py:function'), or use a built-in data.task")
+                     "'file.py:function', a reward-model folder or a grader URL), or use a built-in data.task")
 
 
 def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,

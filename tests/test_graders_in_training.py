@@ -1,0 +1,133 @@
+"""Remote graders and reward models as entries of `rewards.functions` in a real run (config, CLI, Python).
+
+The units are tested in test_remote_grader.py and test_reward_model.py; here: the registry routes an
+entry to them, their scores are logged under their names like any function's, a grader that fails for
+good either stops the run with its one line or (rewards.on_error = "skip") leaves answers ungraded and
+counted, and a grader that refuses connections fails before the model loads (CLI: one error line, exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from conftest import make_config, parity
+from grpokit.config.schema import RewardConfig
+from grpokit.errors import RewardError, RewardLoadError
+from grpokit.training.loop import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class _Grader(BaseHTTPRequestHandler):
+    """/len: 1.0 for an answer of 3+ characters; /fail: 500 always."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.seen.append(body)
+        if self.path == "/fail":
+            self.send_response(500)
+            self.end_headers()
+            return
+        out = json.dumps({"scores": [float(len(c) >= 3) for c in body["completions"]]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(out)))
+        self.end_headers()
+        self.wfile.write(out)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture(scope="module")
+def grader():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Grader)
+    server.seen = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server
+    server.shutdown()
+
+
+def _url(server, path: str) -> str:
+    return f"http://127.0.0.1:{server.server_address[1]}{path}"
+
+
+def _metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _with_rewards(config, **fields):
+    from dataclasses import replace
+
+    return replace(config, rewards=RewardConfig(**fields))
+
+
+def test_a_grader_url_grades_the_run_and_its_columns_reach_it(grader, tiny_model_dir, tmp_path):
+    url = _url(grader, "/len")
+    config = _with_rewards(make_config(tiny_model_dir, tmp_path / "run"), functions=(url, "addition"))
+    run = train(config)
+    name = f"127.0.0.1_{grader.server_address[1]}_len"
+    rows = _metrics(run)
+    assert all(f"rewards/{name}/mean" in r and "rewards/addition/mean" in r for r in rows)
+    body = grader.seen[-1]
+    assert len(body["completions"]) == 16 and "answer" in body  # 4 prompts x 4 answers, with the task's column
+
+
+def test_a_failing_grader_stops_the_run_or_with_skip_leaves_answers_ungraded(grader, tiny_model_dir, tmp_path):
+    url = _url(grader, "/fail")
+    args = {url: {"retries": 1, "backoff_s": 0.01}}
+    config = make_config(tiny_model_dir, tmp_path / "raise")
+    with pytest.raises(RewardError, match=f"{url}.*2 time"):
+        train(_with_rewards(config, functions=(url,), args=args))
+
+    config = make_config(tiny_model_dir, tmp_path / "skip", steps=2)
+    run = train(_with_rewards(config, functions=(url, "addition"), args=args, on_error="skip"))
+    name = f"127.0.0.1_{grader.server_address[1]}_fail"
+    for row in _metrics(run):
+        assert row[f"rewards/{name}/ungraded"] == 16  # every answer of the step
+        assert row["rewards/addition/mean"] == row["rewards/addition/mean"]  # the other reward still graded
+
+
+def test_python_reward_functions_may_name_a_grader_beside_callables(grader, tiny_model_dir, tmp_path):
+    run = train(make_config(tiny_model_dir, tmp_path / "run", steps=1),
+                reward_functions=[parity, _url(grader, "/len")])
+    row = _metrics(run)[0]
+    assert "rewards/parity/mean" in row and f"rewards/127.0.0.1_{grader.server_address[1]}_len/mean" in row
+
+
+def test_a_grader_that_refuses_connections_fails_before_the_model_loads(tiny_model_dir, tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}/score"
+    config = _with_rewards(make_config(tiny_model_dir, tmp_path / "run"), functions=(url,))
+    with pytest.raises(RewardLoadError, match=f"{url}"):
+        train(config)
+    assert not (tmp_path / "run").exists()
+
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'[model]\npath = "{tiny_model_dir}"\n[data]\ntask = "addition"\n'
+                    f'[rewards]\nfunctions = ["{url}"]\n[output]\ndir = "{tmp_path / "cli"}"\n')
+    proc = subprocess.run([sys.executable, "-m", "grpokit.cli", "train", str(toml)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and url in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "cli").exists()
+
+
+def test_unknown_grader_arguments_are_one_line_naming_what_it_accepts(grader, tiny_model_dir, tmp_path):
+    url = _url(grader, "/len")
+    config = make_config(tiny_model_dir, tmp_path / "run")
+    with pytest.raises(RewardLoadError, match="concurency.*it accepts: .*concurrency"):
+        train(_with_rewards(config, functions=(url,), args={url: {"concurency": 8}}))
+    with pytest.raises(RewardLoadError, match="url is set by grpokit"):
+        train(_with_rewards(config, functions=(url,), args={url: {"url": "http://x"}}))
