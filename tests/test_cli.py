@@ -24,12 +24,14 @@ def grpokit(*args, cwd=ROOT) -> subprocess.CompletedProcess:
 def test_train_example_config_end_to_end(tiny_model_dir, tmp_path):
     run = tmp_path / "run"
     r = grpokit("train", "examples/addition.toml", "--set", f"model.path={json.dumps(str(tiny_model_dir))}",
-                "--set", f"output.dir={json.dumps(str(run))}", *FAST)
+                "--set", f"output.dir={json.dumps(str(run))}", "--set", "eval.num_prompts=4", *FAST)
     assert r.returncode == 0, r.stderr
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [row["step"] for row in rows] == [1, 2] and "reward" in rows[0]
     assert (run / "checkpoint-2" / "model.safetensors").is_file()
     assert (run / "checkpoint-2" / "tokenizer.json").is_file()
+    assert "eval/accuracy" in rows[1] and "eval/greedy_accuracy" in rows[1]  # [eval]: after the last step
+    assert json.loads((run / "best.json").read_text())["checkpoint"] == "checkpoint-2"
 
 
 def test_train_on_user_jsonl_with_custom_reward(tiny_model_dir, tmp_path):
