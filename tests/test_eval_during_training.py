@@ -14,7 +14,7 @@ import pytest
 
 from conftest import make_config, parity
 from grpokit.config.schema import Config, DataConfig, EvalConfig, ModelConfig, OutputConfig
-from grpokit.errors import ConfigError, DataError
+from grpokit.errors import ConfigError, DataError, SetupError
 from grpokit.training.loop import train
 
 EVAL = dict(every=2, num_prompts=6, samples_per_prompt=3, greedy=True, correct_threshold=0.5, seed=5)
@@ -82,8 +82,13 @@ def test_keep_best_keeps_the_best_checkpoint_past_keep_last_and_across_a_resume(
 
 def test_bad_eval_inputs_fail_before_the_model_loads(tiny_model_dir, tmp_path):
     model = ModelConfig(path=str(tiny_model_dir))
-    with pytest.raises(ConfigError, match="eval.path: is needed"):
-        Config(model=model, data=DataConfig(path=str(tmp_path / "a.jsonl")), eval=EvalConfig(every=5))
+    own = tmp_path / "own.jsonl"
+    own.write_text('{"prompt": "1+1="}\n')
+    config = Config(model=model, data=DataConfig(path=str(own)), eval=EvalConfig(every=5),
+                    output=OutputConfig(dir=str(tmp_path / "run")))
+    with pytest.raises(SetupError, match="eval.path: is needed"):
+        train(config, reward_functions=[parity])
+    assert not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match="output.keep_best: got 'eval/pass@8'.*eval/pass@4"):
         Config(model=model, data=DataConfig(task="addition"), eval=EvalConfig(every=5),
                output=OutputConfig(keep_best="eval/pass@8"))
@@ -99,7 +104,18 @@ def test_bad_eval_inputs_fail_before_the_model_loads(tiny_model_dir, tmp_path):
         train(config, reward_functions=[parity])
     assert not (tmp_path / "run").exists()  # nothing written before the error
 
+    with pytest.raises(DataError, match="eval_rows.*prompt"):
+        train(config, reward_functions=[parity], eval_rows=[{"question": "1+1="}])
+    assert not (tmp_path / "run").exists()
+
     held_out.write_text(json.dumps({"prompt": "1+" * 400 + "1="}) + "\n")
     with pytest.raises(DataError, match="eval.path .*held_out.jsonl.*prompt row 1 has"):
         train(config, reward_functions=[parity])
     assert not (tmp_path / "run").exists()
+
+
+def test_held_out_rows_from_python(tiny_model_dir, tmp_path):
+    config = make_config(tiny_model_dir, tmp_path / "run", steps=1, eval={"every": 1, "samples_per_prompt": 2})
+    run = train(config, reward_functions=[parity], eval_rows=[{"prompt": f"{i}+1="} for i in range(3)])
+    row = _rows(run)[0]
+    assert 0 <= row["eval/accuracy"] <= 1 and "eval/pass@2" in row

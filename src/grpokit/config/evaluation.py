@@ -54,10 +54,7 @@ class EvalConfig:
 def check_eval(config) -> None:
     """The checks across sections: where held-out prompts come from, and what `output.keep_best` names."""
     e, keep = config.eval, config.output.keep_best
-    if e.every:
-        _check(bool(e.path) or bool(config.data.task), "eval.path",
-               "is needed with eval.every > 0 when data.path is a file of your own: point it at held-out prompts "
-               "(a built-in data.task brings its own eval split)")
+    if e.every:  # held-out prompts: eval.path, train(eval_rows=...), or a built-in task's eval split (setup.py)
         _check(not config.tools.environment, "eval.every",
                "evaluation during training does not run tools.environment yet; set eval.every = 0 and evaluate "
                "the checkpoints afterwards")

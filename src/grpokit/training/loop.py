@@ -45,11 +45,13 @@ def train(
     command: str | None = None,
     tools: Sequence[Callable] | None = None,
     environment_factory: Callable | dict | None = None,
+    eval_rows: Iterable[dict] | None = None,
 ) -> Path:
     """Run GRPO as `config` says; returns the run folder. Python-side callables and
     rows may replace the config's `rewards.functions` and data source, `tools` and `environment_factory`
     its `tools.functions` and `tools.environment` (TRL's: multi-turn rollouts), and `engine(config,
-    model, tokenizer)` the rollout engine (rollout/engines.py). Under torchrun every process runs
+    model, tokenizer)` the rollout engine (rollout/engines.py), and `eval_rows` the held-out prompts of
+    `[eval]` (its `eval.path`). Under torchrun every process runs
     this together (models/parallel.py): each takes its share of every batch, rank 0 writes the
     files. `command` is how the run was started (the CLI's own words); stop messages build the
     exact command that continues the run from it."""
@@ -59,7 +61,7 @@ def train(
     try:
         with stop_messages(config.output.dir, hint):  # Ctrl-C, a full disk: one line saying how to continue
             inputs = check_inputs(config, dist, lock, rows=rows, reward_functions=reward_functions, resume=resume,
-                                  tools=tools, environment_factory=environment_factory)
+                                  tools=tools, environment_factory=environment_factory, eval_rows=eval_rows)
             if dist.is_main:
                 for note in inputs.folder.notes:
                     print(note, flush=True)

@@ -155,19 +155,28 @@ def eval_max_new_tokens(config: Config) -> int:
 
 
 def prepare_held_out(config: Config, task, tokenizer, max_positions: int | None, tools: ToolBox | None,
-                     dist: DistributedContext) -> PromptTable | None:
+                     dist: DistributedContext, rows: Iterable[dict] | None = None) -> PromptTable | None:
     """The `[eval]` section's prompts, this process's share (every process scores its own; the counts
-    are summed), read or generated and tokenized before the model loads: a file without the prompt
-    column, or a prompt too long for the context, is an error naming `eval.path`."""
+    are summed): `rows` from Python, else `eval.path`, else the built-in task's eval split; read or
+    generated and tokenized before the model loads: a file without the prompt column, or a prompt too
+    long for the context, is an error naming `eval.path`."""
     e = config.eval
     if not e.every:
         return None
-    if e.path:
+    if rows is not None:
+        try:
+            rows = load_prompts(rows, prompt_column=config.data.prompt_column)[:e.num_prompts]
+        except DataError as err:
+            raise DataError(f"eval_rows: {err}") from None
+    elif e.path:
         split = e.split or ("train" if Path(e.path).is_file() else "test")
         rows = load_prompts(e.path, prompt_column=config.data.prompt_column, name=e.name or None, split=split,
                             field="eval.path")[:e.num_prompts]
-    else:
+    elif task is not None:
         rows = task.generate(e.num_prompts, seed=e.seed, split="eval")
+    else:
+        raise SetupError("eval.path: is needed with eval.every > 0 when the training prompts are your own: point it "
+                         "at held-out prompts (or pass train(eval_rows=...); a built-in data.task brings its own)")
     budget = replace(config, rollout=replace(config.rollout, max_new_tokens=eval_max_new_tokens(config)))
     try:
         table = tokenize_prompts(budget, PreparedData(rows, task), tokenizer, max_positions, tools)
@@ -240,7 +249,8 @@ class Run:
 
 
 def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward_functions, resume: bool,
-                 tools: Sequence[Callable] | None = None, environment_factory: Callable | dict | None = None) -> Inputs:
+                 tools: Sequence[Callable] | None = None, environment_factory: Callable | dict | None = None,
+                 eval_rows: Iterable[dict] | None = None) -> Inputs:
     """Every check that can run before the model loads, in the order a user would fix them."""
     local = dist.local_config(config)  # B % world, minibatch splits: ConfigError before anything loads
     folder = check_model_folder(config.model.path)  # for a Hub id, its snapshot in the Hugging Face cache
@@ -262,7 +272,7 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
     tokenizer = load_tokenizer(config.model.path)
     max_positions = max_positions_of(config.model.path)
     prompts = tokenize_prompts(config, data, tokenizer, max_positions, toolbox, environments)
-    held_out = prepare_held_out(config, data.task, tokenizer, max_positions, toolbox, dist)
+    held_out = prepare_held_out(config, data.task, tokenizer, max_positions, toolbox, dist, eval_rows)
     folder = dist.run_on_main(prepare_run_folder, config, resume=resume, lock=lock)
     return Inputs(local, data, specs, tokenizer, prompts, folder, resume, toolbox, environments, held_out)
 
