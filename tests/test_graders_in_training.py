@@ -131,3 +131,34 @@ def test_unknown_grader_arguments_are_one_line_naming_what_it_accepts(grader, ti
         train(_with_rewards(config, functions=(url,), args={url: {"concurency": 8}}))
     with pytest.raises(RewardLoadError, match="url is set by grpokit"):
         train(_with_rewards(config, functions=(url,), args={url: {"url": "http://x"}}))
+
+
+@pytest.fixture(scope="module")
+def reward_model(tmp_path_factory):
+    """examples/make_reward_model.py's reward model: +1 for a text ending in a digit, else -1."""
+    folder = tmp_path_factory.mktemp("rm") / "digit-rm"
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "make_reward_model.py"), str(folder)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return folder
+
+
+def test_a_reward_model_folder_grades_the_run_under_its_name(reward_model, tiny_model_dir, tmp_path):
+    config = _with_rewards(make_config(tiny_model_dir, tmp_path / "run", steps=1), functions=(str(reward_model),),
+                           args={str(reward_model): {"batch_size": 3}})
+    rows = _metrics(train(config))
+    assert -1 <= rows[0]["rewards/digit-rm/mean"] <= 1
+    completions = tmp_path / "c"
+    run = train(make_config(tiny_model_dir, completions, steps=1, output={"completions_every": 1}),
+                reward_functions=[parity, str(reward_model)])
+    for line in (run / "completions.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        ends_in_digit = row["completion"][-1:].isdigit()
+        assert row["rewards"]["digit-rm"] == pytest.approx(1.0 if ends_in_digit else -1.0, abs=1e-5), row
+
+
+def test_a_folder_that_is_no_reward_model_fails_before_the_policy_loads(tiny_model_dir, tmp_path):
+    config = _with_rewards(make_config(tiny_model_dir, tmp_path / "run"), functions=(str(tiny_model_dir),))
+    with pytest.raises(RewardLoadError, match="is a causal LM"):
+        train(config)
+    assert not (tmp_path / "run").exists()
