@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_config, parity
+from conftest import comparable, make_config, parity
 from grpokit.config.schema import Config, DataConfig, EvalConfig, ModelConfig, OutputConfig
 from grpokit.errors import ConfigError, DataError, SetupError
 from grpokit.training.loop import train
@@ -50,6 +50,11 @@ def test_eval_metrics_are_logged_when_due_and_equal_evaluate_on_the_checkpoint(t
                      eos_token_ids=table.eos_token_ids)
     for key in ("accuracy", "pass@3", "mean_reward", "greedy_accuracy"):
         assert logged[3][f"eval/{key}"] == pytest.approx(again[key], abs=1e-6), key
+
+    # the evaluation has its own sampler: the training run is the one it would be without it
+    plain = train(make_config(tiny_model_dir, tmp_path / "plain", steps=3), reward_functions=[parity])
+    without_eval = [{k: v for k, v in r.items() if not k.startswith(("eval/", "time/eval"))} for r in rows]
+    assert comparable(without_eval) == comparable(_rows(plain))
 
     html = build_report(run).read_text()
     assert "Held-out evaluation" in html and "not logged: no evaluation during training" not in html
