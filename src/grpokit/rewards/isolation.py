@@ -1,0 +1,400 @@
+"""Reward functions in worker processes (`rewards.isolation = "process"`): a time limit that really stops them.
+
+`core._call` bounds a call with a thread, which cannot be killed. Here calls run in warm worker processes:
+past `spec.timeout` the worker's process group is killed and the worker replaced; a crash in native code
+(segfault, os._exit, the OOM killer) costs a worker, not the trainer; such answers raise, or score None with
+`on_error="skip"`. Workers are fresh interpreters (fork+exec: a forked trainer would inherit locks its torch
+threads hold) in their own session (one killpg stops what the function started), dying with the trainer
+(PR_SET_PDEATHSIG), importing `grpokit.rewards` without its `__init__` (no torch: seconds and ~200 MB each,
+unless the function needs it). A batch is cut into chunks of whole groups, one per worker, run in parallel.
+`log_metric`/`log_extra` calls are replayed in the trainer; `environments` (live objects) are not sent,
+other arguments that do not pickle arrive as None. Limits: processes the function starts outlive a
+SIGKILLed trainer; a function's state is per worker; POSIX only (the module still imports elsewhere).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+import math
+import os
+import pickle
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import types
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+
+from grpokit.errors import RewardError, RewardLoadError, RewardTimeoutError
+
+if TYPE_CHECKING:
+    from grpokit.rewards.core import RewardSpec
+
+BUILD_LIMIT_S = 300.0  # for a fresh worker to import the function; not part of the call's timeout
+_WORKER_ENV = "GRPOKIT_REWARD_WORKER"
+_ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", _WORKER_ENV: "1"}
+_BOOT = ("import importlib.util as u, sys; sys.path[:] = sys.argv[4:]; "
+         "s = u.spec_from_file_location('grpokit_reward_worker', sys.argv[1]); m = u.module_from_spec(s); "
+         "sys.modules[s.name] = m; s.loader.exec_module(m); m._serve(int(sys.argv[2]), int(sys.argv[3]))")
+
+
+class RewardWorkerError(RewardTimeoutError):
+    """A worker died (segfault, os._exit, OOM kill) or could not load the function. A RewardTimeoutError only
+    so that `compute_rewards` passes it on instead of re-running one sample at a time (crashing fresh workers)."""
+
+
+class _Source(NamedTuple):
+    kind: str  # "ref": the pickle of (reference, kwargs) for the registry; "pickle": of the callable
+    blob: bytes  # also the key a worker caches the built function under
+    label: str  # how messages name it
+
+
+def _pickles(value: Any) -> bytes | None:
+    with contextlib.suppress(Exception):
+        return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    return None
+
+
+def _importable(module: str) -> bool:
+    """Whether a fresh interpreter finds `module`; a file loaded by reference is in sys.modules, not there."""
+    with contextlib.suppress(Exception):
+        return any(hasattr(f, "find_spec") and f.find_spec(module.partition(".")[0], None) for f in sys.meta_path)
+    return False
+
+
+def _source(name: str, source: Any) -> _Source:
+    """`source` checked and ready to send; RewardLoadError (one line, with the fix) if it cannot be."""
+    source = (source, {}) if isinstance(source, str) else source
+    where = f"reward function '{name}' cannot run in a worker process:"
+    if isinstance(source, tuple):
+        if len(source) != 2 or not isinstance(source[0], str) or not isinstance(source[1], dict):
+            raise RewardLoadError(f"{where} source {source!r} must be (reference, kwargs), e.g. "
+                                  f"('my_rewards.py:score', {{}}) or ('countdown', {{'format_score': 0.1}})")
+        (ref, kwargs), (module, sep, attr) = source, source[0].rpartition(":")
+        if sep and (module.endswith(".py") or "/" in module or "\\" in module):
+            if not Path(module).is_file():
+                raise RewardLoadError(f"{where} file {module!r} not found from {Path.cwd()}; fix the path")
+            ref = f"{Path(module).resolve()}:{attr}"  # the trainer may chdir
+        if (blob := _pickles((ref, kwargs))) is None:
+            raise RewardLoadError(f"{where} its arguments {kwargs!r} do not pickle; give plain values")
+        return _Source("ref", blob, ref)
+    if not callable(source):
+        raise RewardLoadError(f"{where} source must be a reference or a function, not {type(source).__name__}")
+    label = getattr(source, "__qualname__", None) or type(source).__qualname__
+    where = f"reward function '{name}' ({label}) cannot run in a worker process:"
+    module = getattr(source, "__module__", None) or type(source).__module__
+    try:
+        blob = pickle.dumps(source, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # noqa: BLE001 - lambdas, local functions, objects holding them
+        raise RewardLoadError(f"{where} it does not pickle ({type(e).__name__}: {e}); define it with `def` at the "
+                              f"top of a .py file, or pass source=('file.py:fn', {{}}) or (built-in, kwargs)") from None
+    if module == "__main__":  # a worker loads the script as a file (where its __name__ is not "__main__")
+        path = getattr(sys.modules["__main__"], "__file__", None)
+        if not path or not isinstance(source, types.FunctionType) or "." in label:
+            raise RewardLoadError(f"{where} it is in __main__ but no function of a script; move it into a .py file")
+        if not re.search(r"^if\s+__name__\s*==\s*['\"]__main__['\"]\s*:", Path(path).read_text(), re.M):
+            raise RewardLoadError(f"{where} the script {path} has no `if __name__ == \"__main__\":` guard, and a "
+                                  f"worker loads the script to find the function (running its code); put the "
+                                  f"script's code under that guard or move the function into its own file")
+        return _source(name, (f"{path}:{label}", {}))
+    if not _importable(module):
+        raise RewardLoadError(f"{where} its module {module!r} is a file loaded by reference, which a worker "
+                              f"cannot import by name; pass that reference 'path/to/file.py:fn' as the source")
+    return _Source("pickle", blob, label)
+
+
+def check_isolatable(spec: RewardSpec, source: Any = None) -> None:
+    """At start-up, RewardLoadError (one line: the function, the fix) if `spec` cannot run in a worker from
+    `source` (default `spec.fn`): lambdas, nested functions, functions of a file loaded by reference (pass the
+    reference), code typed into a notebook or `python -c`, a script without `if __name__ == "__main__":`."""
+    _source(spec.name, spec.fn if source is None else source)
+
+
+def _stop(slots: list, grace: float = 0.0, launcher: ThreadPoolExecutor | None = None) -> list[int]:
+    """Empty `slots`: close pipes, let idle workers exit on EOF for `grace` s, kill process groups, reap."""
+    live, slots[:] = [w for w in slots if w is not None], [None] * len(slots)
+    for w in live:
+        w.conn.close()
+    deadline, codes = time.monotonic() + grace, []
+    for w in live:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            w.proc.wait(max(0.0, deadline - time.monotonic()))
+        with contextlib.suppress(OSError):
+            os.killpg(w.proc.pid, signal.SIGKILL)
+        codes.append(w.proc.wait())
+    if launcher is not None:
+        launcher.shutdown(wait=False)
+    return codes
+
+
+def _how(code: int) -> str:
+    name = signal.Signals(-code).name if -code in set(signal.Signals) else f"signal {-code}"
+    return f"exit code {code}" if code >= 0 else name + (", out of memory?" if code == -signal.SIGKILL else "")
+
+
+class RewardPool:
+    """Warm worker processes for isolated rewards; a context manager, or `close()`. Workers start at first use
+    (or `start()`), keep the functions they built, are replaced when killed or dead; one call at a time."""
+
+    def __init__(self, workers: int = 2):
+        if type(workers) is not int or workers < 1:
+            raise ValueError(f"RewardPool: workers must be an integer >= 1, got {workers!r}")
+        self.workers, self._slots, self._lock = workers, [None] * workers, threading.Lock()
+        # PR_SET_PDEATHSIG fires when the *thread* that started a child ends: start them from one the pool keeps.
+        self._launcher = ThreadPoolExecutor(1, thread_name_prefix="reward-pool")
+        self._close = weakref.finalize(self, _stop, self._slots, 1.0, self._launcher)
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop and reap every worker (and what its functions started); the pool cannot be used again."""
+        with self._lock:
+            self._close()
+
+    def start(self) -> RewardPool:
+        """Start the missing workers now rather than at first use."""
+        with self._lock:
+            for i in range(self.workers):
+                self._worker(i)
+        return self
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self._slots if w is not None]
+
+    def _worker(self, i: int) -> types.SimpleNamespace:
+        if self._slots[i] is not None and self._slots[i].proc.poll() is None:
+            return self._slots[i]
+        if self._slots[i] is not None:  # died between batches
+            self._discard(i)
+        if not self._close.alive:
+            raise RuntimeError("this RewardPool is closed; make a new one")
+        if os.environ.get(_WORKER_ENV):  # a script without a guard, loaded by a worker, would start one
+            raise RewardError("a reward worker started a RewardPool: the script it loaded to find a function "
+                              "trains at import; put the script's code under `if __name__ == \"__main__\":`")
+        ours, theirs = socket.socketpair()
+        with theirs:
+            cmd = [sys.executable, "-c", _BOOT, __file__, str(theirs.fileno()), str(os.getpid()), *sys.path]
+            proc = self._launcher.submit(subprocess.Popen, cmd, stdin=subprocess.DEVNULL, start_new_session=True,
+                                         env=dict(os.environ, **_ONE_THREAD), pass_fds=(theirs.fileno(),)).result()
+        self._slots[i] = types.SimpleNamespace(proc=proc, conn=Connection(ours.detach()), known=set())
+        return self._slots[i]
+
+    def _discard(self, i: int) -> int:
+        (code,), self._slots[i] = _stop([self._slots[i]]), None
+        return code
+
+    def _run(self, source: _Source, jobs: list[dict], collect: tuple, timeout: float | None) -> list[tuple]:
+        """`jobs` (one per worker) in parallel; one reply each: ("ok", out, records), ("raise", pickle, type,
+        message, traceback), ("unbuilt", type, message), ("timeout", pid, building), ("died", pid, how)."""
+        limit, replies = math.inf if timeout is None else float(timeout), [None] * len(jobs)
+        busy: dict = {}  # conn -> [chunk, worker, deadline, building]
+        with self._lock:
+            try:
+                for i, job in enumerate(jobs):
+                    w = self._worker(i)
+                    building = source.blob not in w.known
+                    try:
+                        w.conn.send((source.kind, source.blob, job, collect))
+                    except OSError:  # it died just now
+                        replies[i] = ("died", w.proc.pid, _how(self._discard(i)))
+                        continue
+                    busy[w.conn] = [i, w, time.monotonic() + (BUILD_LIMIT_S if building else limit), building]
+                while busy:
+                    soonest = min(entry[2] for entry in busy.values()) - time.monotonic()
+                    for conn in wait(list(busy), None if soonest == math.inf else max(0.0, soonest)):
+                        entry = busy[conn]
+                        try:
+                            msg = conn.recv()
+                        except (EOFError, OSError):
+                            msg = ("died", entry[1].proc.pid, _how(self._discard(entry[0])))
+                        if msg[0] == "ready":  # built: the call's own limit starts now
+                            entry[1].known.add(source.blob)
+                            entry[2:] = [time.monotonic() + limit, False]
+                            continue
+                        replies[entry[0]] = msg
+                        del busy[conn]
+                    for conn, (i, w, deadline, building) in list(busy.items()):
+                        if time.monotonic() >= deadline:
+                            replies[i] = ("timeout", w.proc.pid, building)
+                            self._discard(i)
+                            del busy[conn]
+            except BaseException:  # Ctrl-C, a failed send: no worker may keep a stale answer
+                for i, *_ in busy.values():
+                    self._discard(i)
+                raise
+        return replies
+
+
+def _chunks(n: int, group_size: int | None, workers: int) -> list[tuple[int, int]]:
+    """[start, end) ranges of whole groups, as even as can be, one per worker at most."""
+    if not group_size or n == 0 or n % group_size:
+        return [(0, n)]  # groups unknown (core re-running one sample): one chunk
+    k = min(workers, n // group_size)
+    return [(group_size * (n // group_size * j // k), group_size * (n // group_size * (j + 1) // k)) for j in range(k)]
+
+
+def _exception(name: str, reply: tuple) -> Exception:
+    """The worker's exception as itself when it unpickles, else a RewardError with its text."""
+    exc = None
+    with contextlib.suppress(Exception):  # e.g. an exception whose __init__ does not take its args back
+        exc = pickle.loads(reply[1]) if reply[1] else None
+    if not isinstance(exc, Exception):  # SystemExit and the like must not stop the trainer as such
+        exc = RewardError(f"reward function '{name}' raised {reply[2]}: {reply[3]} (in its worker process)")
+    exc.add_note("traceback in the reward worker process:\n" + reply[4].rstrip())
+    return exc
+
+
+class _IsolatedReward:
+    """The `fn` of an isolated RewardSpec. Its signature is the function's (so `compute_rewards` passes the
+    same arguments) plus `log_metric`, which counts the answers a skip leaves ungraded."""
+
+    def __init__(self, name: str, pool: RewardPool, source: _Source, timeout: float | None, on_error: str,
+                 group_size: int | None, fn: Callable):
+        self.name, self.pool, self.source, self.timeout = name, pool, source, timeout
+        self.on_error, self.group_size, self.ungraded = on_error, group_size, 0
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):  # no signature: like core, pass everything
+            sig = inspect.Signature([inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
+        params = list(sig.parameters.values())
+        self._takes = {"*"} if any(p.kind is p.VAR_KEYWORD for p in params) else {p.name for p in params}
+        if not {"*", "log_metric"} & self._takes:
+            params.append(inspect.Parameter("log_metric", inspect.Parameter.KEYWORD_ONLY, default=None))
+        self.__signature__ = sig.replace(parameters=params)
+
+    def __call__(self, **kwargs):
+        callbacks = {k: kwargs.pop(k) for k in ("log_metric", "log_extra") if k in kwargs}
+        collect = tuple(k for k in callbacks if {"*", k} & self._takes)
+        n = next((len(v) for k, v in kwargs.items() if isinstance(v, (list, tuple)) and k != "trainer_state"), 0)
+        sliced = {k: v for k, v in kwargs.items() if isinstance(v, (list, tuple)) and len(v) == n}
+        shared = {k: v if k != "environments" and _pickles(v) is not None else None  # environments: live objects
+                  for k, v in kwargs.items() if k not in sliced or k == "environments"}
+        ranges = _chunks(n, self.group_size, self.pool.workers)
+        jobs = [dict(shared, **{k: v[a:b] for k, v in sliced.items() if k not in shared}) for a, b in ranges]
+        replies = self.pool._run(self.source, jobs, collect, self.timeout)
+        outs = []
+        for (a, b), reply in zip(ranges, replies):
+            if reply[0] == "raise":
+                raise _exception(self.name, reply)
+            if reply[0] == "unbuilt" or (reply[0] != "ok" and (reply[2] is True or self.on_error == "raise")):
+                raise self._fault(reply, a, b, n)  # (a failed import is never skipped)
+            outs.append(reply[1] if reply[0] == "ok" else [None] * (b - a))
+        for kind, key, value in (r for reply in replies if reply[0] == "ok" for r in reply[2]):
+            callbacks[kind](key, value)  # in order: TRL's log_extra extends its column, its log_metric averages
+        if skipped := sum(b - a for (a, b), reply in zip(ranges, replies) if reply[0] != "ok"):
+            self.ungraded += skipped
+            if callbacks.get("log_metric"):
+                callbacks["log_metric"](f"rewards/{self.name}/ungraded", skipped)
+        if len(outs) > 1 and all(isinstance(o, (list, tuple)) for o in outs):
+            return [v for o in outs for v in o]
+        return next((o for o in outs if not isinstance(o, (list, tuple))), outs[0])  # core reports a bad one
+
+    def _fault(self, reply: tuple, a: int, b: int, n: int) -> RewardTimeoutError:
+        what, load = f"reward function '{self.name}'", f"loading {self.source.label} in a worker process"
+        if reply[0] == "unbuilt" or reply[2] is True:
+            why = f"raised {reply[1]}: {reply[2]}" if reply[0] == "unbuilt" else f"took over {BUILD_LIMIT_S:g} s"
+            return RewardWorkerError(f"{what}: {load} {why}; check that it imports, quickly, in a fresh Python")
+        where, skip = f"on samples {a}-{b - 1} of {n} in worker process {reply[1]}", \
+            "or set rewards.on_error = \"skip\" to score such answers None"
+        if reply[0] == "timeout":
+            return RewardTimeoutError(
+                f"{what} took longer than {float(self.timeout):g} s (its timeout) {where}; the worker was killed "
+                f"and replaced. Make the function faster, raise its timeout (rewards.timeout_s, or "
+                f"rewards.args = {{{self.name} = {{timeout = ...}}}}), {skip}")
+        return RewardWorkerError(f"{what} crashed its worker ({reply[2]}) {where}; the worker was replaced. "
+                                 f"Fix the code it runs (try it on those samples alone), {skip}")
+
+
+def isolate(spec: RewardSpec, pool: RewardPool, *, source: Any = None, on_error: str = "raise",
+            group_size: int | None = None) -> RewardSpec:
+    """`spec` with its function run in `pool`, `spec.timeout` the limit of each chunk (the returned spec has
+    no thread timeout). `source`: (reference, kwargs) as `registry.resolve_reward` takes them, a reference,
+    or a callable that pickles by reference (default `spec.fn`). `group_size` G: batches of whole groups are
+    split over the workers; None runs each batch in one worker. `on_error`: "raise", or "skip" to score the
+    answers of a timeout or a crash None; an exception raised by the function is re-raised as itself."""
+    from grpokit.rewards.core import RewardSpec  # not at the top: workers import this module without torch
+
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"isolate: on_error must be 'raise' or 'skip', got {on_error!r}")
+    if group_size is not None and (type(group_size) is not int or group_size < 1):
+        raise ValueError(f"isolate: group_size must be an integer >= 1 or None, got {group_size!r}")
+    fn = _IsolatedReward(spec.name, pool, _source(spec.name, spec.fn if source is None else source),
+                         spec.timeout, on_error, group_size, spec.fn)
+    return RewardSpec(spec.name, fn, spec.weight, None)
+
+
+def _defer_package_init(name: str) -> None:
+    """Make package `name` run its `__init__` at the first attribute it lacks, so that importing one of its
+    submodules (`grpokit.rewards.verifiers`) does not import everything `__init__` does (torch)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None or name in sys.modules:
+        return
+    module = importlib.util.module_from_spec(spec)
+
+    def __getattr__(attr):
+        if attr.startswith("__") or importlib.util.find_spec(f"{name}.{attr}") is not None:
+            raise AttributeError(attr)  # a probe, or `from package import submodule`: no __init__ needed
+        del module.__getattr__
+        spec.loader.exec_module(module)
+        return getattr(module, attr)
+
+    module.__getattr__ = __getattr__
+    sys.modules[name] = module
+    setattr(sys.modules[name.rpartition(".")[0]], name.rpartition(".")[2], module)
+
+
+def _serve(fd: int, parent: int) -> None:
+    """A worker: die with the trainer, build each function once, answer calls until the pipe closes."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the trainer died before that
+        os._exit(0)
+    import faulthandler
+    faulthandler.enable()  # a segfault prints the Python stack to the trainer's stderr
+    conn, functions = Connection(fd), {}
+    _defer_package_init("grpokit.rewards")
+    while True:
+        try:
+            kind, blob, kwargs, collect = conn.recv()
+        except EOFError:
+            return
+        if blob not in functions:
+            try:
+                fn = pickle.loads(blob)
+                if kind == "ref":  # (reference, factory kwargs)
+                    from grpokit.rewards.registry import resolve_reward
+                    fn = resolve_reward(fn[0], **fn[1])
+                functions[blob] = fn
+                if hasattr(sys.modules.get("torch"), "set_num_threads"):
+                    sys.modules["torch"].set_num_threads(1)
+            except BaseException as e:  # noqa: BLE001 - reported to the trainer
+                conn.send(("unbuilt", type(e).__name__, str(e)))
+                continue
+            conn.send(("ready",))
+        records: list = []
+        for name in collect:
+            kwargs[name] = lambda key, value, _name=name: records.append((_name, key, value))
+        try:
+            out = functions[blob](**kwargs)
+            if inspect.iscoroutine(out):
+                import asyncio
+                out = asyncio.run(out)
+            conn.send(("ok", out.tolist() if hasattr(out, "tolist") else out, records))  # numpy, tensors
+        except BaseException as e:  # noqa: BLE001 - the function's raise (or an unpicklable answer) goes back
+            conn.send(("raise", _pickles(e), type(e).__name__, str(e), traceback.format_exc()))
