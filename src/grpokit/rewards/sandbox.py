@@ -1,69 +1,100 @@
 """Sandboxed code-execution reward: run the answer's Python against the row's tests.
 
     code_execution(completions, tests, **kwargs) -> list[float | None]
+    sandbox_isolation(sandbox="auto") -> (level, one-line message)
 
 TRL's calling convention (see `rewards.core`); `tests` is a dataset column that
 holds, per row, either a list of test statements (usually `assert f(2) == 4`)
 or one string of test code. Registered as "code_execution"; its options are
 factory arguments: `rewards.args = {code_execution = {time_limit = 5.0,
-memory_mb = 512, workers = 4}}`.
+memory_mb = 512, workers = 4, sandbox = "auto", python = "..."}}`.
+
+During RL the model writes whatever earns reward, so each answer runs at the
+strongest isolation level the machine offers (`sandbox = "auto"`; the option is not
+named `isolation` because `rewards.isolation` already means where reward functions run):
+
+- "bubblewrap" (`bwrap` on PATH and able to create namespaces): read-only
+  system files, a private 64 MiB tmpfs as the only writable folder, no network,
+  its own PID namespace, uid 65534; the run folder, the home directory and /tmp
+  are not visible. Details in `rewards.bwrap`.
+- "unprivileged-uid" (no bubblewrap, trainer running as root): the answer runs
+  as uid 65534 in its own temporary folder: it cannot write or read root's
+  files, signal the trainer or fork past its process limit, but it sees the
+  file system as any user does (/tmp is writable) and has the network. The
+  interpreter must be readable by uid 65534 (a pyenv under /root is not: set `python`).
+- "rlimits-only" (no bubblewrap, not root, or `sandbox = "none"`): the
+  resource limits below and nothing else; the answer has the trainer's rights.
+
+`sandbox = "bubblewrap"` (or "uid") requires that level: the reward fails to
+load, naming the fix, when the machine cannot give it. `sandbox_isolation()`
+names the level in force and how to get a stronger one, in one line. docs/SANDBOX.md
+has the guarantees and the limits.
 
 What an answer runs:
 
 - The code is the last ```python (or ```py) fenced block of the completion,
   else its last plain ``` block, else the whole text.
 - Each answer runs in a fresh `python -I -B` process (isolated mode: no user
-  site, no PYTHON* variables), in its own empty temporary working directory,
-  with a minimal environment (no inherited variables such as API keys), stdin,
-  stdout and stderr on /dev/null, and in its own session so that any process it
-  forks is killed with it.
+  site, no PYTHON* variables), in its own empty working directory, with a
+  minimal environment (no inherited variables such as API keys; BLAS/OpenMP
+  pools set to one thread), stdin, stdout and stderr on /dev/null, and in its
+  own session so that any process it forks is killed with it. `python` chooses
+  the interpreter (default: the trainer's own).
 - Limits: `time_limit` seconds of CPU (RLIMIT_CPU) and the same wall-clock time
   plus a 1 s start-up allowance (the parent kills the process group);
   `memory_mb` of address space (RLIMIT_AS); 16 MiB per written file
-  (RLIMIT_FSIZE); no core dumps.
+  (RLIMIT_FSIZE); no core dumps; a process/thread limit (RLIMIT_NPROC) against
+  fork bombs: 64 in the answer's own user namespace, 256 shared by the answers
+  running at once where they share uid 65534 without one, 64 above the user's
+  current count at "rlimits-only" (the kernel counts per uid; root is exempt).
 - Samples run in parallel, `workers` at a time (threads that wait on processes).
 
 Reward: the fraction of tests that passed, if the program ran to its end.
 A list of N tests gives k/N; one string of test code gives 1.0 or 0.0. An answer
-whose own code raises (SyntaxError included) passes no test: 0.0. An answer that
-hangs, runs out of memory, crashes the interpreter or exits early (`sys.exit`,
-`os._exit`, a signal), in its code or in any test, gets 0.0. A row whose `tests`
-is None or empty is not graded (None). Nothing an answer does raises here; only a
-failure of the machinery itself (no `python` to start) raises.
+whose own code raises (SyntaxError and PermissionError included) passes no test:
+0.0. An answer that hangs, runs out of memory, crashes the interpreter or exits
+early (`sys.exit`, `os._exit`, a signal), in its code or in any test, gets 0.0. A
+row whose `tests` is None or empty is not graded (None). Nothing an answer does
+raises here; only a failure of the machinery itself (no `python` to start) raises.
 
 Deviations and limits, on purpose:
 
 - The limits are set by the harness inside the child, before the answer's code
   runs, rather than with `subprocess`'s `preexec_fn`: the samples start from a
   thread pool, and Python documents `preexec_fn` as unsafe (it can deadlock the
-  child) when the parent has threads. The effect is the same: the answer never
-  runs without its limits.
-- This is resource containment, not a security boundary. There is no network or
-  file-system isolation; code running as root can raise its own hard limits; an
-  answer that deliberately inspects the interpreter could find the per-run
-  secret with which the harness marks its results. Against deliberately hostile
-  code, run the trainer inside a container (or under nsjail / gVisor).
+  child) when the parent has threads. The uid switch of "unprivileged-uid" uses
+  Popen's `user=`/`group=`, which run in C in the child and are safe.
+- Grading is lazy about the level: "auto" is probed (one test answer) at first use or
+  at `sandbox_isolation()`, so that importing this module starts no process.
+- The harness marks its result line with a per-run secret; the answer runs in the
+  same interpreter, so one that deliberately inspects it could find the secret and
+  forge a result. The sandbox protects the machine, not the grade.
 - RLIMIT_AS counts virtual memory: importing numpy or torch in an answer may
   need more than 512 MB; raise `memory_mb` for such tasks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
+from grpokit.errors import RewardLoadError
+from grpokit.rewards import bwrap
 from grpokit.rewards.graders import completion_text
 
-__all__ = ["code_execution", "code_execution_reward", "extract_code", "run_tests"]
+__all__ = ["code_execution", "code_execution_reward", "extract_code", "run_tests", "sandbox_isolation"]
 
 
 _STARTUP_GRACE = 1.0  # seconds of wall clock for the interpreter to start, on top of time_limit
@@ -72,7 +103,16 @@ _STARTUP_GRACE = 1.0  # seconds of wall clock for the interpreter to start, on t
 _FILE_LIMIT = 16 * 2**20  # bytes per file the answer (and the harness's result file) may write
 
 
-_RESULT_FILE = ".grpokit-result"
+_NPROC = 64  # processes + threads of one answer where it has a uid (namespace) of its own
+
+
+_NPROC_SHARED = 256  # the same, for all answers at once where they share uid 65534 without a user namespace
+
+
+_SANDBOXES = ("auto", "bubblewrap", "uid", "none")  # the `sandbox` option
+
+
+_ONE_THREAD = {name: "1" for name in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
 
 
 _FENCED = re.compile(r"```(?:python|py|python3)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
@@ -81,13 +121,19 @@ _FENCED = re.compile(r"```(?:python|py|python3)[ \t]*\n(.*?)```", re.DOTALL | re
 _ANY_FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
 
 
-# Runs in the child. Reads the job from stdin, opens the result file, puts stdin/stdout/stderr
-# on /dev/null, sets the limits, then runs the answer and the tests in one namespace. Every
+# Runs in the child. Reads the job from stdin, keeps the result file (stdout) on a private fd,
+# becomes uid 65534 when started as root inside bubblewrap, puts stdin/stdout/stderr on
+# /dev/null, sets the limits, then runs the answer and the tests in one namespace. Every
 # result line starts with the nonce, which the answer's code is never given.
 _HARNESS = r"""
 import json, os, resource, sys
 job = json.loads(sys.stdin.read())
-out = open(job["result"], "w", encoding="utf-8")
+out = os.fdopen(os.dup(1), "w", encoding="utf-8")
+if job["uid"] is not None:
+    os.chown(".", job["uid"], job["uid"])
+    os.setgroups([])
+    os.setgid(job["uid"])
+    os.setuid(job["uid"])
 null = os.open(os.devnull, os.O_RDWR)
 for fd in (0, 1, 2):
     os.dup2(null, fd)
@@ -96,6 +142,16 @@ def limit(kind, value):
     if hard != resource.RLIM_INFINITY:
         value = min(value, hard)
     resource.setrlimit(kind, (value, value))
+nproc = job["nproc"]
+if job["nproc_above_mine"]:
+    me = os.getuid()
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and os.stat("/proc/" + pid).st_uid == me:
+                nproc += len(os.listdir("/proc/%s/task" % pid))
+        except OSError:
+            pass
+limit(resource.RLIMIT_NPROC, nproc)
 limit(resource.RLIMIT_CPU, job["cpu"])
 limit(resource.RLIMIT_FSIZE, job["fsize"])
 limit(resource.RLIMIT_CORE, 0)
@@ -149,28 +205,44 @@ def _as_tests(tests: Any) -> list[str] | None:
 
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the answer and anything it forked
+        os.killpg(proc.pid, signal.SIGKILL)  # the answer and anything it forked (bubblewrap: its whole PID namespace)
     except (ProcessLookupError, PermissionError):
         pass
 
 
-def run_tests(code: str, tests: Sequence[str], *, time_limit: float = 5.0, memory_mb: int | None = 512) -> float:
-    """Run `code` then each of `tests` in a fresh limited interpreter; the fraction that passed.
-
-    0.0 when the program does not run to its end (timeout, memory, crash, early exit).
-    """
-    if not tests:
-        raise ValueError("run_tests needs at least one test")
+def _run(mode: bwrap.Mode, code: str, tests: Sequence[str], time_limit: float, memory_mb: int | None,
+         errors: list[str] | None = None) -> float:
+    """One answer at `mode`'s level; `errors` (the probe's) collects what the child wrote on stderr."""
     nonce = secrets.token_hex(16)
-    with tempfile.TemporaryDirectory(prefix="grpokit-sandbox-") as work:
-        result = os.path.join(work, _RESULT_FILE)
-        job = {"nonce": nonce, "code": code, "tests": list(tests), "result": result,
-               "cpu": max(1, math.ceil(time_limit)),
-               "fsize": _FILE_LIMIT, "memory": int(memory_mb * 2**20) if memory_mb else 0}
-        env = {"PATH": os.environ.get("PATH", os.defpath), "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8"}
-        proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", _HARNESS], cwd=work, env=env,
-                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True, close_fds=True)
+    job = {"nonce": nonce, "code": code, "tests": list(tests), "uid": None, "nproc": _NPROC,
+           "nproc_above_mine": False, "cpu": max(1, math.ceil(time_limit)),
+           "fsize": _FILE_LIMIT, "memory": int(memory_mb * 2**20) if memory_mb else 0}
+    popen: dict[str, Any] = {}
+    with contextlib.ExitStack() as stack:
+        result = stack.enter_context(tempfile.TemporaryFile(prefix="grpokit-result-"))
+        err = stack.enter_context(tempfile.TemporaryFile()) if errors is not None else subprocess.DEVNULL
+        argv = [mode.python, "-I", "-B", "-c", _HARNESS]
+        if mode.level == "bubblewrap":  # the working folder is a tmpfs inside the sandbox
+            argv = bwrap.bwrap_argv(mode.bwrap, mode.python, userns=mode.userns) + argv
+            work, path = "/", "/usr/local/bin:/usr/bin:/bin"
+            env = {"HOME": bwrap.WORKDIR, "TMPDIR": bwrap.WORKDIR}
+            if mode.as_root and mode.userns:
+                popen = {"user": bwrap.SANDBOX_UID, "group": bwrap.SANDBOX_UID, "extra_groups": []}
+            elif mode.as_root:
+                job.update(uid=bwrap.SANDBOX_UID, nproc=_NPROC_SHARED)
+        else:
+            work = stack.enter_context(tempfile.TemporaryDirectory(prefix="grpokit-sandbox-"))
+            path = os.environ.get("PATH", os.defpath)
+            env = {"HOME": work, "TMPDIR": work}
+            if mode.level == "unprivileged-uid":
+                os.chown(work, bwrap.SANDBOX_UID, bwrap.SANDBOX_UID)
+                popen = {"user": bwrap.SANDBOX_UID, "group": bwrap.SANDBOX_UID, "extra_groups": []}
+                job["nproc"] = _NPROC_SHARED
+            else:
+                job["nproc_above_mine"] = True
+        env.update(PATH=path, LANG="C.UTF-8", **_ONE_THREAD)
+        proc = subprocess.Popen(argv, cwd=work, env=env, stdin=subprocess.PIPE, stdout=result, stderr=err,
+                                start_new_session=True, close_fds=True, **popen)
         try:
             proc.communicate(json.dumps(job).encode("utf-8"), timeout=time_limit + _STARTUP_GRACE)
         except subprocess.TimeoutExpired:
@@ -180,13 +252,13 @@ def run_tests(code: str, tests: Sequence[str], *, time_limit: float = 5.0, memor
         finally:
             _kill_group(proc)
             proc.wait()
+            if errors is not None:
+                err.seek(0)
+                errors.extend(err.read(1 << 14).decode("utf-8", "replace").strip().splitlines())
         if proc.returncode != 0:
             return 0.0
-        try:
-            with open(result, encoding="utf-8", errors="replace") as f:
-                lines = f.read(1 << 16).splitlines()
-        except OSError:
-            return 0.0
+        result.seek(0)
+        lines = result.read(1 << 16).decode("utf-8", "replace").splitlines()
     done = [line.split() for line in lines if line.startswith(nonce + " done ")]
     if len(done) != 1 or len(done[0]) != 4:
         return 0.0
@@ -194,23 +266,110 @@ def run_tests(code: str, tests: Sequence[str], *, time_limit: float = 5.0, memor
     return passed / total if total == len(tests) else 0.0
 
 
-def code_execution_reward(time_limit: float = 5.0, memory_mb: int = 512, workers: int = 4) -> Callable:
-    """A `code_execution` reward function with these limits (the registry's factory)."""
+_PROBE_CODE = "import os, fractions, decimal\nuid = os.getuid()\n"
+
+
+def _probe(mode: bwrap.Mode) -> str | None:
+    """None when `mode` runs a small answer correctly here (as uid 65534 where it should); else why not."""
+    tests = ["assert fractions.Fraction(1, 2) == decimal.Decimal('0.5')"]
+    if mode.level != "rlimits-only":
+        tests.append(f"assert uid == {bwrap.SANDBOX_UID}")
+    errors: list[str] = []
+    try:
+        score = _run(mode, _PROBE_CODE, tests, time_limit=10.0, memory_mb=512, errors=errors)
+    except (OSError, ValueError, subprocess.SubprocessError) as e:
+        return f"{type(e).__name__}: {e}"
+    if score == 1.0:
+        return None
+    return errors[-1] if errors else f"a test answer scored {score} instead of 1.0"
+
+
+_MODES: dict[tuple, bwrap.Mode | Exception] = {}
+
+
+_MODES_LOCK = threading.Lock()
+
+
+def _resolve(sandbox: str, python: str | None) -> bwrap.Mode:
+    """The mode for option `sandbox` on this machine, probed once per process (and per bwrap, python, euid)."""
+    python = python or sys.executable
+    key = (sandbox, python, bwrap.find_bwrap(), os.geteuid() == 0)
+    with _MODES_LOCK:
+        if key not in _MODES:
+            try:
+                _MODES[key] = bwrap.choose_mode(sandbox, *key[1:], probe=_probe)
+            except RewardLoadError as e:
+                _MODES[key] = e
+        mode = _MODES[key]
+    if isinstance(mode, Exception):
+        raise RewardLoadError(str(mode))
+    return mode
+
+
+def sandbox_isolation(sandbox: str = "auto", python: str | None = None) -> tuple[str, str]:
+    """(level, one-line message) for `code_execution` with these options on this machine.
+
+    level: "bubblewrap", "unprivileged-uid" or "rlimits-only"; the message says what
+    that means and, below bubblewrap, how to get it. Raises RewardLoadError when
+    `sandbox` requires a level the machine cannot give.
+    """
+    mode = _resolve(_check_sandbox(sandbox), python)
+    return mode.level, mode.message
+
+
+def _check_sandbox(sandbox: str) -> str:
+    if sandbox not in _SANDBOXES:
+        raise RewardLoadError(f"code_execution: sandbox must be one of {', '.join(map(repr, _SANDBOXES))}, "
+                              f"got {sandbox!r}")
+    return sandbox
+
+
+def run_tests(code: str, tests: Sequence[str], *, time_limit: float = 5.0, memory_mb: int | None = 512,
+              sandbox: str = "auto", python: str | None = None) -> float:
+    """Run `code` then each of `tests` in a fresh limited interpreter; the fraction that passed.
+
+    0.0 when the program does not run to its end (timeout, memory, crash, early exit).
+    """
+    if not tests:
+        raise ValueError("run_tests needs at least one test")
+    return _run(_resolve(_check_sandbox(sandbox), python), code, tests, time_limit, memory_mb)
+
+
+def code_execution_reward(time_limit: float = 5.0, memory_mb: int = 512, workers: int = 4,
+                          sandbox: str = "auto", python: str | None = None) -> Callable:
+    """A `code_execution` reward function with these limits (the registry's factory).
+
+    sandbox: "auto" (the strongest level available, see `sandbox_isolation`),
+    "bubblewrap" or "uid" (require that level: RewardLoadError here when the machine
+    cannot give it), "none" (resource limits only). python: the interpreter answers
+    run under (default: the trainer's). "auto" is probed on first use, so that
+    importing this module starts no process.
+    """
     if not (isinstance(time_limit, (int, float)) and time_limit > 0):
         raise ValueError(f"code_execution: time_limit must be > 0 seconds, got {time_limit!r}")
     if not (isinstance(memory_mb, int) and memory_mb >= 32):
         raise ValueError(f"code_execution: memory_mb must be an integer >= 32, got {memory_mb!r}")
     if not (isinstance(workers, int) and workers >= 1):
         raise ValueError(f"code_execution: workers must be an integer >= 1, got {workers!r}")
+    _check_sandbox(sandbox)
+    if python is not None:
+        found = shutil.which(str(python))
+        if not found:
+            raise ValueError(f"code_execution: python {python!r} is not an executable file; "
+                             f"give the path of a Python 3 interpreter")
+        python = os.path.abspath(found)
+    if sandbox != "auto":
+        _resolve(sandbox, python)  # a required level fails here, at start-up, not at the first batch
 
     def code_execution(completions: Sequence, tests: Sequence, **kwargs) -> list[float | None]:
+        mode = _resolve(sandbox, python)
         jobs = [(extract_code(completion_text(c)), _as_tests(t)) for c, t in zip(completions, tests, strict=True)]
 
         def grade(job: tuple[str, list[str] | None]) -> float | None:
             code, row_tests = job
             if row_tests is None:
                 return None
-            return run_tests(code, row_tests, time_limit=time_limit, memory_mb=memory_mb)
+            return _run(mode, code, row_tests, time_limit, memory_mb)
 
         with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as pool:
             return list(pool.map(grade, jobs))
