@@ -6,5 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/bootstrap.sh test
 # chromium for the HTML-report browser test; once it is there, that test may not skip
 if bash scripts/ensure_chromium.sh; then export GRPOKIT_REQUIRE_BROWSER="${GRPOKIT_REQUIRE_BROWSER:-1}"; fi
+# bubblewrap for the code sandbox's hostile-answer tests; once it is there, they may not skip
+if bash scripts/ensure_bubblewrap.sh; then export GRPOKIT_REQUIRE_SANDBOX="${GRPOKIT_REQUIRE_SANDBOX:-1}"; fi
 .venv/bin/ruff check src tests bench scripts
 exec .venv/bin/python -m pytest -q "$@"

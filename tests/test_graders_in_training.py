@@ -162,3 +162,15 @@ def test_a_folder_that_is_no_reward_model_fails_before_the_policy_loads(tiny_mod
     with pytest.raises(RewardLoadError, match="is a causal LM"):
         train(config)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_code_sandbox_in_force_is_said_once_at_start_up(tiny_model_dir, tmp_path, capsys):
+    from dataclasses import replace
+
+    config = make_config(tiny_model_dir, tmp_path / "run", steps=1, prompts_per_step=2)
+    config = replace(config, data=replace(config.data, task="", path=str(ROOT / "examples/data/code_tests.jsonl")),
+                     rewards=RewardConfig(functions=("code_execution",), args={"code_execution": {"workers": 2}}))
+    run = train(config)
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("code_execution:")]
+    assert len(said) == 1 and ("bubblewrap" in said[0] or "uid 65534" in said[0] or "rlimits" in said[0])
+    assert _metrics(run)[0]["rewards/code_execution/mean"] == 0.0  # a random model writes no passing code

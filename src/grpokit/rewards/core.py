@@ -28,8 +28,9 @@ Deviations from TRL, all in the user's favour:
   and waits at most that long; past it, `RewardTimeoutError` names the function
   and the limit. A Python thread cannot be killed, so the hung call is abandoned
   (it runs on in the background until the process exits) and the run stops with
-  the error. For untrusted code use the sandboxed "code_execution" reward, whose
-  answers run in separate, killable processes.
+  the error. With `rewards.isolation = "process"` (rewards/isolation.py) functions
+  run in worker processes instead, which a timeout or a crash kills and replaces.
+  For untrusted code use the sandboxed "code_execution" reward.
 - Reward *models* (`nn.Module`) are not handled here; wrap one in a function.
 """
 
@@ -65,12 +66,15 @@ class RewardSpec:
 
     `timeout` (seconds): `compute_rewards` stops with `RewardTimeoutError` when
     one call takes longer (the call itself is abandoned in a daemon thread).
+    `source`: how a worker process rebuilds `fn` (rewards.isolation = "process"):
+    (reference or registered name, its arguments); None: `fn` itself, pickled.
     """
 
     name: str
     fn: Callable
     weight: float = 1.0
     timeout: float | None = None
+    source: tuple[str, dict] | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:

@@ -14,14 +14,16 @@ import importlib.util
 import inspect
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from grpokit.errors import RewardLoadError
-from grpokit.rewards.core import RewardSpec
 from grpokit.rewards.graders import format_reward, math_equivalence, numeric_match, soft_overlong_penalty
 from grpokit.rewards.remote import RemoteGrader, is_url, url_reward_name
 from grpokit.rewards.sandbox import code_execution_reward
 from grpokit.rewards.verifiers import addition_reward, countdown_reward_fn
+
+if TYPE_CHECKING:
+    from grpokit.rewards.core import RewardSpec
 
 
 def _constant(fn: Callable) -> Callable[[], Callable]:
@@ -236,6 +238,8 @@ def reward_specs(refs: Sequence[str], weights: Sequence[float] = (), args: dict[
     share a function name are told apart by `unique_reward_names` (`a.py:score`, `b.py:score` ->
     `a.score`, `b.score`). `args` may be keyed by the reference, the function name or that name.
     """
+    from grpokit.rewards.core import RewardSpec  # torch: not at the top (reward workers import this module)
+
     if weights and len(weights) != len(refs):
         raise RewardLoadError(f"{len(weights)} reward weights for {len(refs)} reward functions; give one per function")
     args = args or {}
@@ -251,5 +255,7 @@ def reward_specs(refs: Sequence[str], weights: Sequence[float] = (), args: dict[
         timeout = _timeout_of(r, kwargs, default_timeout)
         if is_url(r):
             kwargs.setdefault("name", name)  # its rewards/<name>/ungraded count goes with its other metrics
-        specs.append(RewardSpec(name, resolve_reward(r, on_error=on_error, device=device, **kwargs), float(w), timeout))
+        fn = resolve_reward(r, on_error=on_error, device=device, **kwargs)
+        source = None if is_url(r) or not (":" in r or r in _REGISTRY) else (r, kwargs)  # a worker rebuilds it so
+        specs.append(RewardSpec(name, fn, float(w), timeout, source))
     return specs

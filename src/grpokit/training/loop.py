@@ -58,12 +58,13 @@ def train(
     dist = DistributedContext.from_env()  # alone: rank 0 of 1, and every collective is a no-op
     lock = RunFolderLock(config.output.dir, command) if dist.is_main else None  # rank 0 holds the folder
     hint = continue_command(command)
+    inputs = None
     try:
         with stop_messages(config.output.dir, hint):  # Ctrl-C, a full disk: one line saying how to continue
             inputs = check_inputs(config, dist, lock, rows=rows, reward_functions=reward_functions, resume=resume,
                                   tools=tools, environment_factory=environment_factory, eval_rows=eval_rows)
             if dist.is_main:
-                for note in inputs.folder.notes:
+                for note in inputs.folder.notes + inputs.notes:
                     print(note, flush=True)
             if inputs.complete:
                 if dist.is_main:
@@ -76,6 +77,8 @@ def train(
             run = build_run(config, inputs, dist, engine)
             return _loop(config, run, dist, hint, command)
     finally:
+        if inputs is not None and inputs.reward_pool is not None:
+            inputs.reward_pool.close()  # the isolated rewards' worker processes
         if lock is not None:
             lock.release()
 

@@ -12,7 +12,7 @@ functions, the output folder, and prompts too long for the model's context.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -30,7 +30,11 @@ from grpokit.models.loading import check_model_folder, load_model, load_tokenize
 from grpokit.models.lora import AdapterDisabled, apply_lora
 from grpokit.models.parallel import DistributedContext
 from grpokit.rewards.core import RewardSpec
+from grpokit.rewards.isolation import RewardPool, check_isolatable, isolate
 from grpokit.rewards.registry import load_reward, reward_specs, unique_reward_names
+from grpokit.rewards.remote import RemoteGrader
+from grpokit.rewards.reward_model import RewardModel
+from grpokit.rewards.sandbox import sandbox_isolation
 from grpokit.rollout.engines import RolloutEngine, build_engine
 from grpokit.rollout.environments import Environments
 from grpokit.rollout.multiturn import check_full_attention
@@ -99,6 +103,30 @@ def resolve_reward_specs(config: Config, task, functions: Sequence[Callable | st
         return []
     raise SetupError("no reward functions: set rewards.functions (a built-in name such as 'numeric_match', "
                      "'file.py:function', a reward-model folder or a grader URL), or use a built-in data.task")
+
+
+SELF_BOUNDED = ("code_execution",)  # run their answers in their own killable processes already
+
+
+def isolate_rewards(config: Config, specs: list[RewardSpec]) -> tuple[list[RewardSpec], RewardPool | None]:
+    """With `rewards.isolation = "process"`, the Python reward functions moved into a pool of worker
+    processes (rewards/isolation.py): `rewards.timeout_s` (or a function's own timeout) then kills a
+    call that hangs, and a crash costs a worker, not the run. Reward models, remote graders and the
+    self-bounded built-ins stay as they are. Whether each function can be rebuilt in a worker is checked
+    here, before the model loads; the workers start at the first batch."""
+    r = config.rewards
+    if r.isolation != "process":
+        return specs, None
+    pool, out = RewardPool(r.workers), []
+    for spec in specs:
+        if isinstance(spec.fn, (RemoteGrader, RewardModel)) or (spec.source and spec.source[0] in SELF_BOUNDED):
+            out.append(spec)
+            continue
+        limited = replace(spec, timeout=spec.timeout or r.timeout_s or None)
+        check_isolatable(limited, spec.source)
+        out.append(isolate(limited, pool, source=spec.source, on_error=r.on_error,
+                           group_size=config.rollout.group_size))
+    return out, pool
 
 
 def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
@@ -218,6 +246,8 @@ class Inputs:
     tools: ToolBox | None = None  # multi-turn rollouts with tool calls
     environments: Environments | None = None  # one instance per answer, their methods as tools
     held_out: PromptTable | None = None  # [eval]: this process's share of the held-out prompts
+    reward_pool: RewardPool | None = None  # rewards.isolation = "process": the workers (closed by train)
+    notes: list[str] = field(default_factory=list)  # said once at start-up (the code sandbox in force)
 
     @property
     def complete(self) -> bool:
@@ -263,7 +293,11 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
         except ValueError as e:
             raise SetupError(f"{config.model.path}: {e}") from None
     own = environments.reward_specs() if environments is not None else []  # environments' get_reward
-    specs = resolve_reward_specs(config, data.task, reward_functions, optional=bool(own)) + own
+    specs, reward_pool = isolate_rewards(config, resolve_reward_specs(config, data.task, reward_functions,
+                                                                      optional=bool(own)))
+    specs += own  # an environment's reward reads its live instances: in this process
+    notes = [sandbox_isolation(s.source[1].get("sandbox", "auto"), s.source[1].get("python"))[1]
+             for s in specs if s.source and s.source[0] == "code_execution"]  # which sandbox is in force
     if environments is not None:
         try:
             environments.check_rows(data.rows)
@@ -274,7 +308,8 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
     prompts = tokenize_prompts(config, data, tokenizer, max_positions, toolbox, environments)
     held_out = prepare_held_out(config, data.task, tokenizer, max_positions, toolbox, dist, eval_rows)
     folder = dist.run_on_main(prepare_run_folder, config, resume=resume, lock=lock)
-    return Inputs(local, data, specs, tokenizer, prompts, folder, resume, toolbox, environments, held_out)
+    return Inputs(local, data, specs, tokenizer, prompts, folder, resume, toolbox, environments, held_out,
+                  reward_pool, notes)
 
 
 def build_policy(config: Config) -> Policy:

@@ -1,0 +1,85 @@
+"""rewards.isolation = "process" in a real run: the same numbers as in-process, and a reward function that
+hangs or crashes in native code is killed (its answers ungraded with on_error = "skip", or one error line)
+while training goes on. The pool itself is tested in test_reward_isolation.py."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from conftest import PARITY_SOURCE, comparable, make_config
+from grpokit.config.schema import RewardConfig
+from grpokit.errors import RewardTimeoutError
+from grpokit.training.loop import train
+
+REWARDS = PARITY_SOURCE + '''
+
+def hangs(completions, **kwargs):
+    import time
+    time.sleep(1000)
+
+
+def crashes(completions, **kwargs):
+    import ctypes
+    return [ctypes.string_at(0)] * len(completions)  # a segfault in native code
+'''
+
+
+@pytest.fixture
+def rewards_file(tmp_path) -> Path:
+    path = tmp_path / "my_rewards.py"
+    path.write_text(REWARDS)
+    return path
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _config(model_dir, out, rewards_file, functions, **rewards):
+    config = make_config(model_dir, out, steps=2)
+    return replace(config, rewards=RewardConfig(functions=tuple(f if f == "addition" else f"{rewards_file}:{f}"
+                                                               for f in functions), **rewards))
+
+
+def test_isolated_rewards_give_the_numbers_of_in_process_ones(tiny_model_dir, tmp_path, rewards_file):
+    one = train(_config(tiny_model_dir, tmp_path / "none", rewards_file, ["parity", "addition"]))
+    two = train(_config(tiny_model_dir, tmp_path / "process", rewards_file, ["parity", "addition"],
+                        isolation="process", workers=2))
+    assert comparable(_rows(two)) == comparable(_rows(one))
+    assert _rows(one)[0]["rewards/parity/std"] > 0  # something to compare
+
+
+def test_a_hung_or_crashing_reward_is_killed_and_training_goes_on(tiny_model_dir, tmp_path, rewards_file):
+    config = _config(tiny_model_dir, tmp_path / "skip", rewards_file, ["hangs", "crashes", "addition"],
+                     isolation="process", timeout_s=0.5, on_error="skip")
+    run = train(config)
+    for row in _rows(run):
+        assert row["rewards/hangs/ungraded"] == 16 and row["rewards/crashes/ungraded"] == 16
+        assert row["rewards/addition/mean"] == row["rewards/addition/mean"]  # graded: not NaN
+    assert (run / "checkpoint-2").is_dir()
+    assert not [p for p in _children(os.getpid())]  # every worker gone with the run
+
+    config = _config(tiny_model_dir, tmp_path / "raise", rewards_file, ["hangs"], isolation="process",
+                     timeout_s=0.5)
+    with pytest.raises(RewardTimeoutError, match="hangs.*0.5"):
+        train(config)
+
+
+def _children(pid: int) -> list[int]:
+    """Live (not zombie) child processes of `pid`."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(entry.name))
+    return out
