@@ -72,7 +72,9 @@ def test_keep_best_keeps_the_best_checkpoint_past_keep_last_and_across_a_resume(
     config = make_config(tiny_model_dir, out, steps=3, learning_rate=5e-2, eval=every_step,
                          output={"keep_last": 1, "keep_best": "eval/mean_reward"})
     train(config, reward_functions=[parity])
-    config = replace(config, train=replace(config.train, steps=5))
+    # a resume may change the evaluation (it does not change the training) and the isolation of the rewards
+    config = replace(config, train=replace(config.train, steps=5), eval=replace(config.eval, num_prompts=5),
+                     rewards=replace(config.rewards, isolation="process"))
     train(config, reward_functions=[parity], resume=True)
     values = {r["step"]: r["eval/mean_reward"] for r in _rows(out)}
     assert sorted(values) == [1, 2, 3, 4, 5]

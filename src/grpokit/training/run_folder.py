@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpokit.config.loading import to_toml
-from grpokit.config.schema import SECTIONS, Config
+from grpokit.config.schema import SECTIONS, Config, EvalConfig
 from grpokit.data.hub import hub_id
 from grpokit.errors import RunFolderError
 from grpokit.observe.tracking import HISTORY, append_jsonl, read_jsonl
@@ -48,8 +48,11 @@ RESUMABLE_FIELDS = frozenset({
     "train.fused_logprobs", "train.fused_backward", "train.skip_zero_advantage", "train.shared_prompt_forward",
     "train.keep_freed_memory", "rollout.preallocated_kv_cache", "rollout.shared_prefill",
     "model.device", "rollout.vllm", "rewards.timeout_s", "tools.timeout_s",
+    "rewards.isolation", "rewards.workers", "rewards.on_error",  # where graders run, what a failure does
     "output.dir", "output.save_every", "output.keep_last", "output.overwrite", "output.completions_every",
-    "output.console", "output.tensorboard", "output.wandb",
+    "output.console", "output.tensorboard", "output.wandb", "output.keep_best",
+    # [eval] samples with its own generator: the training run is the same with or without it
+    *(f"eval.{f.name}" for f in dataclasses.fields(EvalConfig)),
 })
 
 
