@@ -20,6 +20,7 @@ from grpokit.rewards.graders import (
     overlong_penalty_value,
     soft_overlong_penalty,
 )
+from grpokit.rewards.isolation import RewardPool, check_isolatable, isolate
 from grpokit.rewards.registry import (
     available_rewards,
     get_reward,
@@ -29,10 +30,14 @@ from grpokit.rewards.registry import (
     reward_name,
     reward_specs,
 )
-from grpokit.rewards.sandbox import code_execution, code_execution_reward, extract_code
+from grpokit.rewards.remote import RemoteGrader, is_url
+from grpokit.rewards.reward_model import RewardModel, check_reward_model_folder, load_reward_model
+from grpokit.rewards.sandbox import code_execution, code_execution_reward, extract_code, sandbox_isolation
 
 __all__ = [
-    "DEFAULT_FORMAT", "RewardError", "RewardLoadError", "RewardSpec", "RewardTimeoutError", "answer_span",
+    "DEFAULT_FORMAT", "RemoteGrader", "RewardError", "RewardLoadError", "RewardModel", "RewardPool", "RewardSpec",
+    "RewardTimeoutError", "answer_span", "check_isolatable", "check_reward_model_folder", "is_url", "isolate",
+    "load_reward_model", "sandbox_isolation",
     "as_trl_completions", "code_execution", "code_execution_reward", "extract_code",
     "available_rewards", "completion_text", "compute_rewards", "final_number", "format_reward", "get_reward",
     "is_conversational", "load_reward", "math_equivalence", "numeric_match", "overlong_penalty_value",
