@@ -66,9 +66,10 @@ def test_quickstart_script_trains(tiny_model_dir, tmp_path):
     assert not (tmp_path / "final" / "trainer_state.pt").exists()
 
 
-def mapped(num_rows: int = 64, dtype: str = "float32", **trl_args) -> dict:
+def mapped(num_rows: int = 64, dtype: str = "float32", num_eval_rows: int = 5, **trl_args) -> dict:
     """The grpokit config (flat "section.field" dict) that these TRL arguments give."""
-    config = grpokit_config(GRPOConfig(**trl_args), model_path="model", dtype=dtype, num_rows=num_rows)
+    config = grpokit_config(GRPOConfig(**trl_args), model_path="model", dtype=dtype, num_rows=num_rows,
+                            num_eval_rows=num_eval_rows)
     return {f"{s}.{k}": v for s, fields in config.to_dict().items() for k, v in fields.items()}
 
 
@@ -134,6 +135,21 @@ MAPPING = [
     (dict(report_to="none"), {"output.tensorboard": False, "output.wandb": False}),
     (dict(use_cpu=True), {"model.device": "cpu"}),
     (dict(bf16=True, dtype="bfloat16"), {"model.dtype": "bfloat16"}),
+    # evaluation: eval_steps counts optimizer steps (converted like save_steps); eval_dataset has 5 rows here
+    (dict(eval_strategy="steps", eval_steps=4, num_iterations=2, max_steps=8),
+     {"eval.every": 2, "eval.num_prompts": 5, "eval.samples_per_prompt": 8, "eval.temperature": 1.0,
+      "eval.seed": 42, "eval.greedy": False, "output.keep_best": ""}),
+    (dict(eval_strategy="steps", logging_steps=3, max_steps=9, num_generations_eval=4, per_device_eval_batch_size=4,
+          temperature=0.7), {"eval.every": 3, "eval.samples_per_prompt": 4, "eval.temperature": 0.7}),
+    (dict(eval_strategy="steps", eval_steps=0.25, save_steps=0.5, max_steps=100, load_best_model_at_end=True,
+          metric_for_best_model="reward"), {"eval.every": 25, "output.save_every": 50,
+                                            "output.keep_best": "eval/mean_reward"}),
+    (dict(eval_strategy="steps", eval_steps=10, save_steps=20, max_steps=100, load_best_model_at_end=True,
+          metric_for_best_model="eval_reward", greater_is_better=True),
+     {"eval.every": 10, "output.keep_best": "eval/mean_reward"}),
+    (dict(metric_for_best_model="reward"), {"eval.every": 0, "output.keep_best": ""}),  # no evaluation: no effect
+    (dict(load_best_model_at_end=True, metric_for_best_model="reward", save_strategy="no"),
+     {"eval.every": 0, "output.keep_best": "", "output.save_every": 0}),
     # accepted, and change nothing in grpokit (docs/TRL.md says why)
     (dict(gradient_checkpointing=False, disable_dropout=True, pad_to_multiple_of=64, do_train=True),
      {"train.steps": 3 * 64}),
@@ -167,10 +183,10 @@ def test_vllm_options_map_when_vllm_is_installed():
 
 def test_refused_fields_and_values_are_listed_in_one_error():
     with pytest.raises(ConfigError) as e:
-        GRPOConfig(push_to_hub=True, eval_strategy="steps", sync_ref_model=True, loss_type="sapo",
+        GRPOConfig(push_to_hub=True, eval_strategy="epoch", sync_ref_model=True, loss_type="sapo",
                    lr_scheduler_type="linear", weight_decay=0.1, use_vllm=True, vllm_mode="server")
     message = str(e.value)
-    for part in ("push_to_hub=True", "eval_strategy='steps'", "sync_ref_model=True", "loss_type='sapo'",
+    for part in ("push_to_hub=True", "eval_strategy='epoch'", "sync_ref_model=True", "loss_type='sapo'",
                  "lr_scheduler_type='linear'", "weight_decay=0.1", "vllm_mode='server'",
                  "vllm_importance_sampling_mode='sequence_mask'"):
         assert part in message, part
@@ -186,6 +202,23 @@ def test_refused_fields_and_values_are_listed_in_one_error():
     (dict(loss_type="cispo"), "epsilon_high > 1"),
     (dict(entropy_coef=0.1, gradient_accumulation_steps=2), "entropy_coef=0.1"),
     (dict(bf16=True, fp16=True), "fp16=True"),
+    (dict(eval_strategy="epoch"), "eval_strategy='epoch' \\(grpokit counts steps, not epochs"),
+    (dict(eval_strategy="steps", load_best_model_at_end=True), "metric_for_best_model='loss' \\(transformers' "
+                                                                "default"),
+    (dict(eval_strategy="steps", load_best_model_at_end=True, metric_for_best_model="rewards/f/mean"),
+     "use 'reward', TRL's eval_reward = grpokit's eval/mean_reward"),
+    (dict(eval_strategy="steps", load_best_model_at_end=True, metric_for_best_model="reward",
+          greater_is_better=False), "greater_is_better=False"),
+    (dict(load_best_model_at_end=True, metric_for_best_model="reward"), "save and eval strategy to match"),
+    (dict(eval_strategy="steps", eval_steps=3, save_steps=10, load_best_model_at_end=True,
+          metric_for_best_model="reward"), "save_steps to be a multiple of eval_steps"),
+    (dict(eval_strategy="steps", top_p=0.9), "top_p=0.9 \\(grpokit's evaluation samples from the whole"),
+    (dict(eval_strategy="steps", per_device_eval_batch_size=6), r"global eval batch size \(6 \* 1\) must be "
+                                                                 r"divisible by the number of generations used for "
+                                                                 r"evaluation \(8\)"),
+    (dict(eval_on_start=True), r"eval_on_start=True \(grpokit evaluates after training steps only; call "
+                               r"trainer.evaluate\(\) before trainer.train\(\)\)"),
+    (dict(eval_strategy="steps", eval_steps=2.5), "eval_steps must be an integer if bigger than 1"),
 ])
 def test_refused_configs(trl_args, match):
     with pytest.raises(ConfigError, match=match):
@@ -199,6 +232,9 @@ def test_refused_configs(trl_args, match):
      "steps_per_generation \\(1\\) must be a multiple of gradient_accumulation_steps"),
     (dict(bf16=True), "bf16=True: grpokit has no mixed precision"),
     (dict(save_steps=3, num_iterations=2, max_steps=10), "save_steps=3"),
+    (dict(eval_strategy="steps", eval_steps=3, num_iterations=2, max_steps=10),
+     r"eval_steps=3 optimizer steps is not a whole number of generation batches \(2 optimizer steps each"),
+    (dict(eval_strategy="steps", num_eval_rows=0), "eval_strategy='steps': evaluation needs held-out prompts"),
 ])
 def test_refused_mappings(trl_args, match):
     with pytest.raises(ConfigError, match=match):
@@ -219,11 +255,16 @@ def test_trainer_refusals_before_anything_loads(tmp_path):
     args = GRPOConfig(output_dir=str(tmp_path / "o"), max_steps=1)
     rows = [{"prompt": "1+1="}] * 8
     cases = [(dict(callbacks=[object()]), "does not support callbacks"),
-             (dict(eval_dataset=rows), "does not support eval_dataset"),
              (dict(optimizers=(object(), None)), "does not support optimizers"),
-             (dict(reward_funcs="org/reward-model"), "names a reward model"),
+             (dict(reward_funcs="./no-such-reward-model"), "is neither a local folder .* nor a Hugging Face Hub id"),
+             (dict(reward_funcs=[len, 3]), "entry of type int is not a reward function"),
              (dict(reward_funcs=None), "reward_funcs is required"),
-             (dict(train_dataset=None), "train_dataset is required")]
+             (dict(reward_processing_classes=[None, None]), "reward_processing_classes: 2 given for 1 reward "
+                                                            "functions"),
+             (dict(train_dataset=None), "train_dataset is required"),
+             (dict(eval_dataset={"a": rows, "b": rows}), "eval_dataset: grpokit evaluates one dataset, not a dict"),
+             (dict(args=GRPOConfig(output_dir=str(tmp_path / "o"), max_steps=1, eval_strategy="steps")),
+              "eval_strategy='steps' needs an eval_dataset")]
     for kwargs, match in cases:
         given = {"model": "no-such-folder", "reward_funcs": len, "args": args, "train_dataset": rows, **kwargs}
         with pytest.raises(ConfigError, match=match):
@@ -313,5 +354,6 @@ def test_trl_accepts_the_same_arguments(trl_args, tmp_path):
     ours = GRPOConfig(output_dir=str(tmp_path), **{k: v for k, v in trl_args.items() if k != "output_dir"})
     theirs = trl.GRPOConfig(output_dir=str(tmp_path), use_cpu=True,
                             **{k: v for k, v in trl_args.items() if k not in ("output_dir", "use_cpu")})
-    for name in ("steps_per_generation", "generation_batch_size", "scale_rewards", "num_generations"):
+    for name in ("steps_per_generation", "generation_batch_size", "scale_rewards", "num_generations", "eval_steps",
+                 "metric_for_best_model", "greater_is_better", "do_eval"):
         assert getattr(ours, name) == getattr(theirs, name), name

@@ -1,18 +1,23 @@
 """`GRPOConfig`: TRL 1.16's GRPOConfig, field for field, checked for what grpokit can run.
 
 Every one of TRL's 191 field names is accepted with TRL's default, so a TRL script's arguments never
-fail as unknown (an unknown name is a TypeError, as with any dataclass). The 63 in `SUPPORTED` map onto
-grpokit's `Config` with the same meaning (trl/mapping.py); the other 128 (`REFUSED`: evaluation, the
-Hub, DeepSpeed/FSDP options, SAPO/VESPO, reference-model sync, adaptive entropy, vLLM server mode, ...)
+fail as unknown (an unknown name is a TypeError, as with any dataclass). The 70 in `SUPPORTED` map onto
+grpokit's `Config` with the same meaning (trl/mapping.py); the other 121 (`REFUSED`: the Hub,
+DeepSpeed/FSDP options, SAPO/VESPO, reference-model sync, adaptive entropy, vLLM server mode, ...)
 are accepted only at TRL's default: any of them set to another value, and any supported field set to a
 value grpokit has no equivalent for (`loss_type="sapo"`, `lr_scheduler_type="linear"`), is one
 ConfigError listing them all, when the config is built. Nothing is silently ignored; the few fields
 that change nothing in grpokit (`gradient_checkpointing`, `logging_steps`, `pad_to_multiple_of`,
-`disable_dropout`, `do_train`/`do_eval`/`do_predict`, `local_rank`) say why in docs/TRL.md.
+`disable_dropout`, `do_train`/`do_eval`/`do_predict`, `local_rank`, `per_device_eval_batch_size`) say
+why in docs/TRL.md.
 
 One default differs: `lr_scheduler_type` is "constant" here ("linear" in TRL), since grpokit has no
 linear decay; "linear" given explicitly is refused. The batch fields are resolved as TRL's own
-`__post_init__` resolves them (`steps_per_generation`, `generation_batch_size`, with TRL's errors).
+`__post_init__` resolves them (`steps_per_generation`, `generation_batch_size`, with TRL's errors), and
+the evaluation fields as transformers' TrainingArguments resolves them (`eval_steps` from
+`logging_steps`, `metric_for_best_model` "loss" with `load_best_model_at_end`, `greater_is_better`,
+the save/eval step rule). grpokit's evaluation scores the held-out mean reward, so the only best-model
+metric is TRL's `eval_reward` (`BEST_METRICS`).
 """
 
 from __future__ import annotations
@@ -99,6 +104,14 @@ class _Supported:
     save_strategy: str = "steps"
     save_steps: float = 500
     save_total_limit: int | None = None
+    # evaluation (trl/mapping.py: eval_steps counts optimizer steps, converted as save_steps)
+    eval_strategy: str = "no"
+    eval_steps: float | None = None  # None: logging_steps (transformers' rule)
+    per_device_eval_batch_size: int = 8  # checked as TRL checks it; grpokit's evaluation batches its own way
+    num_generations_eval: int | None = None
+    load_best_model_at_end: bool = False
+    metric_for_best_model: str | None = None  # None with load_best_model_at_end: transformers' "loss"
+    greater_is_better: bool | None = None
     do_train: bool = False  # not read by TRL's trainer either
     do_eval: bool = False
     do_predict: bool = False
@@ -108,9 +121,10 @@ class _Supported:
         if self.output_dir is None:
             self.output_dir = "trainer_output"  # TrainingArguments' default
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        self._resolve_evaluation()
         self._resolve_batch()
-        problems = [f"{name}={getattr(self, name)!r}" for name, default in REFUSED.items()
-                    if getattr(self, name) != default]
+        problems = [f"{name}={getattr(self, name)!r}" + (f" ({REFUSED_WHY[name]})" if name in REFUSED_WHY else "")
+                    for name, default in REFUSED.items() if getattr(self, name) != default]
         problems += _value_problems(self)
         if problems:
             raise ConfigError("grpokit.trl.GRPOConfig: grpokit does not support "
@@ -122,6 +136,33 @@ class _Supported:
     def world_size(self) -> int:
         """Processes in the run (torchrun's WORLD_SIZE; 1 alone)."""
         return int(os.environ.get("WORLD_SIZE", "1"))
+
+    def _resolve_evaluation(self) -> None:
+        """transformers' own resolution of the evaluation fields (TrainingArguments.__post_init__), with its
+        errors: eval_steps falls back to logging_steps, load_best_model_at_end picks "loss" when no metric is
+        named, greater_is_better follows the metric's name, and save and eval steps must line up."""
+        if self.eval_strategy != "no":
+            self.do_eval = True
+        if self.eval_strategy == "steps":
+            if not self.eval_steps:
+                if not self.logging_steps > 0:
+                    raise ConfigError("eval_strategy='steps' requires either non-zero eval_steps or logging_steps")
+                self.eval_steps = self.logging_steps
+            if self.eval_steps > 1:
+                if self.eval_steps != int(self.eval_steps):
+                    raise ConfigError(f"eval_steps must be an integer if bigger than 1: {self.eval_steps}")
+                self.eval_steps = int(self.eval_steps)
+        if self.load_best_model_at_end and self.metric_for_best_model is None:
+            self.metric_for_best_model = "loss"
+        if self.greater_is_better is None and self.metric_for_best_model is not None:
+            self.greater_is_better = not self.metric_for_best_model.endswith("loss")
+        if self.load_best_model_at_end:
+            if self.eval_strategy != self.save_strategy:
+                raise ConfigError(f"load_best_model_at_end requires the save and eval strategy to match (TRL's rule), "
+                                  f"but eval_strategy={self.eval_strategy!r} and save_strategy={self.save_strategy!r}")
+            if self.eval_strategy == "steps" and _not_multiple(self.save_steps, self.eval_steps):
+                raise ConfigError(f"load_best_model_at_end requires save_steps to be a multiple of eval_steps (TRL's "
+                                  f"rule), but save_steps={self.save_steps} and eval_steps={self.eval_steps}")
 
     def _resolve_batch(self) -> None:
         """TRL's own resolution of the generation batch, with its errors (ValueError, here ConfigError)."""
@@ -142,6 +183,12 @@ class _Supported:
         if self.num_generations is None or self.num_generations < 2:
             raise ConfigError("GRPO requires at least 2 generations per prompt to calculate the advantages; "
                               f"num_generations = {self.num_generations}")
+        if self.do_eval and self.eval_strategy != "no":
+            generations = self.num_generations_eval or self.num_generations
+            if (self.per_device_eval_batch_size * self.world_size) % generations:
+                raise ConfigError(f"The global eval batch size ({self.per_device_eval_batch_size} * {self.world_size}) "
+                                  f"must be divisible by the number of generations used for evaluation "
+                                  f"({generations})")
         if self.generation_batch_size % self.num_generations:
             raise ConfigError(f"generation_batch_size ({self.generation_batch_size}) must be divisible by "
                               f"num_generations ({self.num_generations}): per_device_train_batch_size counts "
@@ -185,7 +232,51 @@ def _value_problems(c) -> list[str]:
          "TRL adds the plain token mean of the entropy, grpokit aggregates it like the loss: the same only for "
          "bnpo, and for dapo with gradient_accumulation_steps=1 on one process"),
     ]
-    return [f"{name}={getattr(c, name)!r} ({why})" for name, ok, why in checks if not ok]
+    return [f"{name}={getattr(c, name)!r} ({why})" for name, ok, why in checks if not ok] + _eval_problems(c)
+
+
+# TRL's evaluation metrics (as metric_for_best_model names them, "eval_" optional) -> grpokit's [eval] metric of
+# the same meaning: the mean total (weighted) reward of num_generations_eval answers per held-out prompt.
+BEST_METRICS = {"eval_reward": "eval/mean_reward"}
+
+
+def best_metric(c) -> str | None:
+    """grpokit's `output.keep_best` for TRL's metric_for_best_model; None when grpokit has no such metric."""
+    name = c.metric_for_best_model or ""
+    return BEST_METRICS.get(name if name.startswith("eval_") else f"eval_{name}")
+
+
+def _eval_problems(c) -> list[str]:
+    """The evaluation fields at values grpokit cannot run as TRL does."""
+    problems = []
+    if c.eval_strategy not in ("no", "steps"):
+        problems.append(f"eval_strategy={c.eval_strategy!r} (grpokit counts steps, not epochs: use "
+                        "eval_strategy='steps' with eval_steps)")
+    looked_up = c.metric_for_best_model is not None and (c.eval_strategy != "no" or c.load_best_model_at_end)
+    if looked_up and best_metric(c) is None:
+        default = " (transformers' default with load_best_model_at_end)" if c.metric_for_best_model == "loss" else ""
+        problems.append(f"metric_for_best_model={c.metric_for_best_model!r}{default} (grpokit's evaluation scores "
+                        f"the held-out mean reward: use 'reward', TRL's eval_reward = grpokit's eval/mean_reward; "
+                        f"eval_loss and the per-function eval rewards are not computed)")
+    elif c.greater_is_better is False:
+        problems.append("greater_is_better=False (grpokit's evaluation metrics are higher-is-better; leave it unset)")
+    if c.eval_strategy != "no":
+        for name, default in (("top_p", 1.0), ("top_k", 0)):
+            if getattr(c, name) != default:
+                problems.append(f"{name}={getattr(c, name)!r} (grpokit's evaluation samples from the whole "
+                                f"distribution; with eval_strategy={c.eval_strategy!r} leave {name} at {default})")
+    if c.num_generations_eval is not None and c.num_generations_eval < 1:
+        problems.append(f"num_generations_eval={c.num_generations_eval!r} (must be >= 1, or None = num_generations)")
+    return problems
+
+
+def _not_multiple(save_steps: float, eval_steps: float) -> bool:
+    """transformers' test that save_steps is no multiple of eval_steps (ratios below 1 both, or counts both)."""
+    if save_steps % eval_steps == 0:
+        return False
+    if save_steps < 1 and eval_steps < 1:
+        return round(save_steps * 1_000_000) % round(eval_steps * 1_000_000) != 0
+    return True
 
 
 def _report_to(value) -> list[str]:
@@ -199,43 +290,46 @@ def _report_to(value) -> list[str]:
 REFUSED: dict[str, Any] = {
     "lr_scheduler_kwargs": None, "optim_args": None, "optim_target_modules": None,
     "average_tokens_across_devices": True, "label_smoothing_factor": 0.0, "bf16_full_eval": False,
-    "fp16_full_eval": False, "tf32": None, "activation_checkpointing": None,
-    "activation_checkpointing_kwargs": None, "gradient_checkpointing_kwargs": None, "torch_compile": False,
-    "torch_compile_backend": None, "torch_compile_mode": None, "use_liger_kernel": False,
-    "liger_kernel_config": None, "use_cache": False, "neftune_noise_alpha": None, "torch_empty_cache_steps": None,
-    "auto_find_batch_size": False, "logging_strategy": "steps", "logging_first_step": False,
-    "log_on_each_node": True, "logging_nan_inf_filter": True, "include_num_input_tokens_seen": "no",
-    "log_level": "passive", "log_level_replica": "warning", "run_name": None, "project": "huggingface",
-    "trackio_space_id": None, "trackio_bucket_id": None, "trackio_static_space_id": None, "eval_strategy": "no",
-    "eval_steps": None, "eval_delay": 0, "per_device_eval_batch_size": 8, "prediction_loss_only": False,
-    "eval_on_start": False, "eval_do_concat_batches": True, "eval_use_gather_object": False,
-    "eval_accumulation_steps": None, "include_for_metrics": [], "batch_eval_metrics": False,
-    "save_only_model": False, "save_on_each_node": False, "enable_jit_checkpoint": False, "push_to_hub": False,
-    "hub_token": None, "hub_private_repo": None, "hub_model_id": None, "hub_strategy": "every_save",
-    "hub_always_push": False, "hub_revision": None, "load_best_model_at_end": False, "metric_for_best_model": None,
-    "greater_is_better": None, "ignore_data_skip": False, "restore_callback_states_from_checkpoint": False,
-    "full_determinism": False, "accelerator_config": None, "parallelism_config": None,
-    "dataloader_drop_last": False, "dataloader_num_workers": 0, "dataloader_pin_memory": True,
-    "dataloader_persistent_workers": False, "dataloader_prefetch_factor": None,
+    "fp16_full_eval": False, "tf32": None, "activation_checkpointing": None, "activation_checkpointing_kwargs": None,
+    "gradient_checkpointing_kwargs": None, "torch_compile": False, "torch_compile_backend": None,
+    "torch_compile_mode": None, "use_liger_kernel": False, "liger_kernel_config": None, "use_cache": False,
+    "neftune_noise_alpha": None, "torch_empty_cache_steps": None, "auto_find_batch_size": False,
+    "logging_strategy": "steps", "logging_first_step": False, "log_on_each_node": True, "logging_nan_inf_filter": True,
+    "include_num_input_tokens_seen": "no", "log_level": "passive", "log_level_replica": "warning", "run_name": None,
+    "project": "huggingface", "trackio_space_id": None, "trackio_bucket_id": None, "trackio_static_space_id": None,
+    "eval_delay": 0, "prediction_loss_only": False, "eval_on_start": False, "eval_do_concat_batches": True,
+    "eval_use_gather_object": False, "eval_accumulation_steps": None, "include_for_metrics": [],
+    "batch_eval_metrics": False, "save_only_model": False, "save_on_each_node": False, "enable_jit_checkpoint": False,
+    "push_to_hub": False, "hub_token": None, "hub_private_repo": None, "hub_model_id": None,
+    "hub_strategy": "every_save", "hub_always_push": False, "hub_revision": None, "ignore_data_skip": False,
+    "restore_callback_states_from_checkpoint": False, "full_determinism": False, "accelerator_config": None,
+    "parallelism_config": None, "dataloader_drop_last": False, "dataloader_num_workers": 0,
+    "dataloader_pin_memory": True, "dataloader_persistent_workers": False, "dataloader_prefetch_factor": None,
     "dataloader_multiprocessing_context": None, "dataloader_in_order": True, "label_names": None,
     "train_sampling_strategy": "random", "length_column_name": "length", "ddp_find_unused_parameters": None,
     "ddp_bucket_cap_mb": None, "ddp_broadcast_buffers": None, "ddp_static_graph": None, "ddp_backend": None,
-    "ddp_timeout": 1800, "fsdp": None, "fsdp_config": None, "deepspeed": None, "debug": "",
-    "skip_memory_metrics": True, "data_seed": None, "resume_from_checkpoint": None, "trust_remote_code": False,
-    "router_aux_loss_coef": None, "cast_lm_head_to_fp32": False, "num_generations_eval": None,
-    "ds3_gather_for_generation": True, "shuffle_dataset": True, "min_p": None, "generation_kwargs": None,
-    "chat_template_kwargs": None, "repetition_penalty": 1.0, "cache_implementation": None,
+    "ddp_timeout": 1800, "fsdp": None, "fsdp_config": None, "deepspeed": None, "debug": "", "skip_memory_metrics": True,
+    "data_seed": None, "resume_from_checkpoint": None, "trust_remote_code": False, "router_aux_loss_coef": None,
+    "cast_lm_head_to_fp32": False, "ds3_gather_for_generation": True, "shuffle_dataset": True, "min_p": None,
+    "generation_kwargs": None, "chat_template_kwargs": None, "repetition_penalty": 1.0, "cache_implementation": None,
     "vllm_model_impl": "vllm", "vllm_structured_outputs_regex": None, "vllm_server_base_url": None,
-    "vllm_server_host": "0.0.0.0", "vllm_server_port": 8000, "vllm_server_timeout": 240.0,
-    "vllm_group_port": 51216, "vllm_tensor_parallel_size": 1, "delta": None, "sapo_temperature_neg": 1.05,
-    "sapo_temperature_pos": 1.0, "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0,
-    "vespo_lambda_neg": 2.0, "multi_objective_aggregation": "sum_then_normalize", "sync_ref_model": False,
-    "ref_model_mixup_alpha": 0.6, "ref_model_sync_steps": 512, "use_adaptive_entropy": False,
-    "entropy_coef_min": 0.0, "entropy_coef_max": 1.0, "entropy_coef_delta": 0.005, "entropy_target": 0.2,
-    "off_policy_mask_threshold": None, "log_multimodal": True, "num_completions_to_print": None,
-    "log_unique_prompts": False, "log_completions_hub_repo": None, "use_transformers_continuous_batching": False,
-    "transformers_continuous_batching_config": None, "use_transformers_paged": False,
-    "vllm_importance_sampling_cap": None,
+    "vllm_server_host": "0.0.0.0", "vllm_server_port": 8000, "vllm_server_timeout": 240.0, "vllm_group_port": 51216,
+    "vllm_tensor_parallel_size": 1, "delta": None, "sapo_temperature_neg": 1.05, "sapo_temperature_pos": 1.0,
+    "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0,
+    "multi_objective_aggregation": "sum_then_normalize", "sync_ref_model": False, "ref_model_mixup_alpha": 0.6,
+    "ref_model_sync_steps": 512, "use_adaptive_entropy": False, "entropy_coef_min": 0.0, "entropy_coef_max": 1.0,
+    "entropy_coef_delta": 0.005, "entropy_target": 0.2, "off_policy_mask_threshold": None, "log_multimodal": True,
+    "num_completions_to_print": None, "log_unique_prompts": False, "log_completions_hub_repo": None,
+    "use_transformers_continuous_batching": False, "transformers_continuous_batching_config": None,
+    "use_transformers_paged": False, "vllm_importance_sampling_cap": None,
+}
+
+# What the ConfigError says about some refused fields: the way to get what they ask for.
+REFUSED_WHY = {
+    "eval_on_start": "grpokit evaluates after training steps only; call trainer.evaluate() before trainer.train()",
+    "eval_delay": "grpokit evaluates every eval_steps from the start",
+    "bf16_full_eval": "grpokit evaluates in the dtype it trains in", "fp16_full_eval": "grpokit evaluates in the "
+    "dtype it trains in",
 }
 
 SUPPORTED = tuple(f.name for f in dataclasses.fields(_Supported))

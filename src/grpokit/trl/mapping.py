@@ -14,8 +14,10 @@ the batch is reused `num_iterations` times. grpokit's step is one generation bat
     train.micro_batch_size = per_device_train_batch_size (0 when gradient_accumulation_steps = 1)
     train.steps            = max_steps / (num_iterations * steps_per_generation / gradient_accumulation_steps)
 
-TRL's `max_steps`, `save_steps`, `warmup_steps` and `logging_steps` count optimizer steps; they are
-converted, and a count that is not a whole number of generation batches is refused. With `max_steps`
+TRL's `max_steps`, `save_steps`, `eval_steps`, `warmup_steps` and `logging_steps` count optimizer
+steps; they are converted, and a count that is not a whole number of generation batches is refused:
+
+    eval.every = eval_steps / (num_iterations * steps_per_generation / gradient_accumulation_steps) With `max_steps`
 unset, `num_train_epochs` over the dataset gives the count, as TRL's Trainer computes it (TRL's sampler
 drops the last incomplete batch of prompts of each pass).
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import math
 
+from grpokit.config.evaluation import EvalConfig
 from grpokit.config.schema import (
     AlgorithmConfig,
     Config,
@@ -42,7 +45,7 @@ from grpokit.config.schema import (
     TrainConfig,
 )
 from grpokit.errors import ConfigError
-from grpokit.trl.config import _report_to
+from grpokit.trl.config import _report_to, best_metric
 
 DATA_PATH = "train_dataset"  # what the run's config.toml names as the data source (the rows come from Python)
 KEEP_ALL = 1_000_000  # save_total_limit = None: keep every checkpoint
@@ -86,9 +89,10 @@ def _absolute(value: float, total: int) -> int:
 
 
 def grpokit_config(args, *, model_path: str, dtype: str, lora: dict | None = None,
-                   num_rows: int | None = None) -> Config:
+                   num_rows: int | None = None, num_eval_rows: int | None = None) -> Config:
     """The grpokit Config that runs what `args` (a grpokit.trl.GRPOConfig) describes. `dtype` is the
-    dtype the model loads in (trainer.py resolves TRL's rules), `lora` the mapped peft_config."""
+    dtype the model loads in (trainer.py resolves TRL's rules), `lora` the mapped peft_config,
+    `num_rows` / `num_eval_rows` the lengths of train_dataset / eval_dataset."""
     _check_precision(args, dtype)
     per_step = optimizer_steps_per_generation(args)
     total = total_optimizer_steps(args, num_rows)
@@ -128,9 +132,25 @@ def grpokit_config(args, *, model_path: str, dtype: str, lora: dict | None = Non
             overwrite=True,  # TRL writes into an existing output_dir; grpokit removes only what it wrote there
             completions_every=max(1, round(_absolute(args.logging_steps, total) / per_step))
             if args.log_completions else 0,
-            console=not args.disable_tqdm, tensorboard="tensorboard" in report, wandb="wandb" in report),
+            console=not args.disable_tqdm, tensorboard="tensorboard" in report, wandb="wandb" in report,
+            keep_best=best_metric(args) if args.load_best_model_at_end and args.eval_strategy == "steps" else ""),
+        eval=eval_config(args, total, per_step, num_eval_rows),
         tools=ToolsConfig(max_calls=args.max_tool_calling_iterations or args.max_completion_length),
     )
+
+
+def eval_config(args, total: int, per_step: int, num_eval_rows: int | None) -> EvalConfig:
+    """TRL's evaluation during training as grpokit's [eval]: every eval_steps optimizer steps (converted to
+    generation batches like save_steps), each prompt of eval_dataset answered num_generations_eval times at
+    the training temperature. grpokit also evaluates after the last step."""
+    if args.eval_strategy != "steps":
+        return EvalConfig()
+    if not num_eval_rows:
+        raise ConfigError("eval_strategy='steps': evaluation needs held-out prompts; pass eval_dataset (rows with "
+                          "a 'prompt' column), or set eval_strategy='no'")
+    return EvalConfig(every=_in_steps("eval_steps", _absolute(args.eval_steps, total), per_step),
+                      num_prompts=num_eval_rows, samples_per_prompt=args.num_generations_eval or args.num_generations,
+                      temperature=args.temperature, seed=args.seed)
 
 
 def _epsilon_high(args) -> float:

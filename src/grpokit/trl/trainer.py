@@ -11,20 +11,24 @@
   with its tokenizer) to `<output_dir>/trl-model/` and loaded from there; so is a folder given with
   another `processing_class` (its other files are linked, not copied). A peft model object is refused:
   pass the base model and `peft_config`.
-- `reward_funcs`: a callable or a list of them, with TRL's signature (grpokit calls them with
-  `prompts`, `completions`, `completion_ids` and the dataset's other columns; TRL's `trainer_state`,
-  `log_extra` and `log_metric` are not passed). Reward-model ids (strings) and reward-model objects
-  are refused for now.
+- `reward_funcs`: a callable, a reward model (a folder, a Hub id or a sequence-classification
+  `PreTrainedModel`, trl/rewards.py), or a list of them, as in TRL. Functions get `prompts`,
+  `completions`, `completion_ids` and the dataset's other columns; TRL's `log_metric` values reach the
+  step's metrics, `trainer_state` is None and `log_extra` does nothing. `reward_processing_classes`:
+  the reward models' tokenizers, as in TRL.
 - `train_dataset`: a `datasets.Dataset` or a list of dicts with a "prompt" column (text or chat
-  messages); the other columns reach the reward functions. `eval_dataset` is refused (grpokit does not
-  evaluate during training: `grpokit eval` after).
+  messages); the other columns reach the reward functions.
+- `eval_dataset`: the same; with `eval_strategy="steps"` grpokit's `[eval]` scores it every `eval_steps`
+  (trl/mapping.py), and `trainer.evaluate()` scores it on demand (trl/evaluation.py).
 - `peft_config`: a peft `LoraConfig` -> `model.lora` (trl/mapping.py `lora_options`).
 - `tools`, `environment_factory`: passed to grpokit's `train` unchanged (docs/TOOLS.md).
-- `callbacks`, `optimizers`, `quantization_config`, `rollout_func`, `reward_processing_classes`:
-  refused when given.
+- `callbacks`, `optimizers`, `quantization_config`, `rollout_func`: refused when given.
 
 `train()` returns transformers' `TrainOutput` (global_step in TRL's optimizer steps, the mean loss);
-`trainer.state.log_history` holds grpokit's metrics rows; `trainer.run_dir` is the run folder.
+`trainer.state.log_history` holds grpokit's metrics rows (evaluations: their `eval/...` columns), and
+with `load_best_model_at_end` `trainer.state.best_metric` / `best_global_step` / `best_model_checkpoint`
+come from best.json and `trainer.model` / `save_model()` are the best checkpoint's; `trainer.run_dir` is
+the run folder.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ from types import SimpleNamespace
 
 from grpokit.errors import ConfigError
 from grpokit.trl.config import GRPOConfig
+from grpokit.trl.evaluation import best_checkpoint, run_evaluation
 from grpokit.trl.mapping import grpokit_config, lora_options, optimizer_steps_per_generation
+from grpokit.trl.rewards import processing_classes, reward_callables, reward_list, training_device
 
 MODEL_FOLDER = "trl-model"  # under output_dir: a model object (or a folder with another tokenizer) saved for grpokit
 _TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
@@ -57,8 +63,7 @@ class GRPOTrainer:
                  eval_dataset=None, processing_class=None, reward_processing_classes=None, callbacks=None,
                  optimizers=(None, None), quantization_config=None, peft_config=None, tools=None, rollout_func=None,
                  environment_factory=None):
-        given = {"eval_dataset": eval_dataset, "reward_processing_classes": reward_processing_classes,
-                 "callbacks": callbacks, "quantization_config": quantization_config, "rollout_func": rollout_func}
+        given = {"callbacks": callbacks, "quantization_config": quantization_config, "rollout_func": rollout_func}
         refused = [name for name, value in given.items() if value is not None]
         refused += ["optimizers"] if tuple(optimizers or (None, None)) != (None, None) else []
         if refused:
@@ -70,18 +75,25 @@ class GRPOTrainer:
             raise TypeError(f"args must be a grpokit.trl.GRPOConfig (same arguments as TRL's), got "
                             f"{type(args).__module__}.{type(args).__name__}")
         self.args = args
-        self.reward_funcs = _reward_functions(reward_funcs, environment_factory)
+        funcs = reward_list(reward_funcs, environment_factory)
+        reward_classes = processing_classes(reward_processing_classes, len(funcs))
         self.train_dataset, self.rows = train_dataset, _rows(train_dataset, args.remove_unused_columns)
+        self.eval_dataset, self.eval_rows = eval_dataset, _eval_rows(eval_dataset, args, environment_factory)
         self.tools, self.environment_factory = tools, environment_factory
         path, dtype, model_type = _model_folder(model, processing_class, args)
         lora = lora_options(peft_config, model_type) if peft_config is not None else None
-        self.config = grpokit_config(args, model_path=path, dtype=dtype, lora=lora, num_rows=len(self.rows))
+        self.config = grpokit_config(args, model_path=path, dtype=dtype, lora=lora, num_rows=len(self.rows),
+                                     num_eval_rows=len(self.eval_rows) if self.eval_rows is not None else None)
         if args.reward_weights is not None:
-            self.config = _with_weights(self.config, args.reward_weights, len(self.reward_funcs or ()))
+            self.config = _with_weights(self.config, args.reward_weights, len(funcs))
+        # Reward models load last, once every check has passed (TRL loads them in its constructor too).
+        self.reward_funcs = reward_callables(funcs, reward_classes, dtype=_reward_dtype(args),
+                                             device=training_device(self.config.model.device)) or None
         self._given_model, self._given_tokenizer = model, processing_class
         self._trained_model = None
         self.run_dir: Path | None = None
-        self.state = SimpleNamespace(global_step=0, log_history=[])
+        self.state = SimpleNamespace(global_step=0, log_history=[], best_metric=None, best_global_step=None,
+                                     best_model_checkpoint=None)
 
     # ---- TRL's methods -------------------------------------------------------------------------
 
@@ -101,26 +113,49 @@ class GRPOTrainer:
         started = time.perf_counter()
         self.run_dir = train(self.config, reward_functions=self.reward_funcs, rows=self.rows,
                              resume=bool(resume_from_checkpoint), tools=self.tools,
-                             environment_factory=self.environment_factory)
+                             environment_factory=self.environment_factory,
+                             eval_rows=self.eval_rows if self.config.eval.every else None)
         self._trained_model = None
         rows = read_metrics(self.run_dir)
         losses = [r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))]
         loss = sum(losses) / len(losses) if losses else float("nan")
-        step = self.config.train.steps * optimizer_steps_per_generation(self.args)
-        self.state = SimpleNamespace(global_step=step, log_history=rows)
+        per_step = optimizer_steps_per_generation(self.args)
+        step = self.config.train.steps * per_step
+        best = best_checkpoint(self.run_dir) if self.config.output.keep_best else None
+        checkpoint, record = best or (None, {})
+        self.state = SimpleNamespace(global_step=step, log_history=rows, best_metric=record.get("value"),
+                                     best_global_step=record["step"] * per_step if best else None,
+                                     best_model_checkpoint=str(checkpoint) if best else None)
         runtime = time.perf_counter() - started
         return TrainOutput(step, loss, {"train_runtime": runtime, "train_loss": loss, "epoch": None})
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Write the trained model (its final checkpoint's weights and tokenizer; with LoRA the adapter, as
-        TRL's peft save does) to output_dir (default: args.output_dir)."""
-        from grpokit.training.checkpoint import list_checkpoints
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Score the current model (the trained one after train(), else the one given) on eval_dataset (default:
+        the trainer's) with grpokit's evaluation (trl/evaluation.py); returns TRL-named metrics: `eval_reward`
+        (the mean total reward of num_generations_eval answers per prompt), `eval_accuracy` (answers whose
+        reward reaches 1.0), `eval_pass@K`, `eval_runtime`. Every process evaluates all of the rows."""
+        if ignore_keys is not None:
+            raise ConfigError("GRPOTrainer.evaluate(ignore_keys=...): not supported (grpokit returns no model outputs)")
+        rows = self.eval_rows if eval_dataset is None else _eval_rows(eval_dataset, self.args, None)
+        if rows is None:
+            raise ConfigError("GRPOTrainer.evaluate: no eval_dataset; pass one here or to "
+                              "GRPOTrainer(eval_dataset=...)")
+        if self.run_dir is None:
+            from grpokit.models.loading import load_model
 
+            model = load_model(self.config.model.path, dtype=self.config.model.dtype, device=self.config.model.device)
+        else:
+            model = self.model
+        metrics = run_evaluation(self, model, rows, metric_key_prefix)
+        self.state.log_history.append({**metrics, "step": self.state.global_step})
+        return metrics
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Write the trained model (the final checkpoint's weights and tokenizer, or the best one's with
+        load_best_model_at_end; with LoRA the adapter, as TRL's peft save does) to output_dir (default:
+        args.output_dir)."""
         target = Path(output_dir or self.args.output_dir)
-        checkpoints = list_checkpoints(self.run_dir) if self.run_dir is not None else []
-        if not checkpoints:
-            raise ConfigError("GRPOTrainer.save_model: nothing trained yet; call trainer.train() first")
-        final = checkpoints[-1]
+        final = self._result_checkpoint()
         target.mkdir(parents=True, exist_ok=True)
         if self.config.model.lora:
             files = [*(final / "adapter").iterdir(), *(p for p in final.iterdir() if p.name in _TOKENIZER_FILES)]
@@ -133,16 +168,27 @@ class GRPOTrainer:
 
     @property
     def model(self):
-        """Before train(): the model given; after: the trained model, loaded from the final checkpoint."""
+        """Before train(): the model given; after: the trained model, loaded from the final checkpoint (with
+        load_best_model_at_end, the best one's, as transformers' Trainer loads it at the end)."""
         if self.run_dir is None:
             return self._given_model
         if self._trained_model is None:
             from grpokit.models.loading import load_model
-            from grpokit.training.checkpoint import list_checkpoints
 
-            self._trained_model = load_model(list_checkpoints(self.run_dir)[-1], dtype=self.config.model.dtype,
+            self._trained_model = load_model(self._result_checkpoint(), dtype=self.config.model.dtype,
                                              device=self.config.model.device)
         return self._trained_model
+
+    def _result_checkpoint(self) -> Path:
+        """The checkpoint train() leaves as the model: best.json's with load_best_model_at_end (when an
+        evaluation scored), else the final one."""
+        from grpokit.training.checkpoint import list_checkpoints
+
+        checkpoints = list_checkpoints(self.run_dir) if self.run_dir is not None else []
+        if not checkpoints:
+            raise ConfigError("GRPOTrainer: nothing trained yet; call trainer.train() first")
+        best = best_checkpoint(self.run_dir) if self.args.load_best_model_at_end else None
+        return best[0] if best else checkpoints[-1]
 
     @property
     def processing_class(self):
@@ -157,28 +203,36 @@ def _model_name(model) -> str:
     return model if isinstance(model, str) else getattr(getattr(model, "config", None), "_name_or_path", "model")
 
 
-def _reward_functions(reward_funcs, environment_factory) -> list | None:
-    funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
-        else [reward_funcs]
-    if not funcs and environment_factory is None:
-        raise ConfigError("GRPOTrainer: reward_funcs is required (a callable or a list of callables)")
-    for f in funcs:
-        if isinstance(f, str):
-            raise ConfigError(f"reward_funcs: {f!r} names a reward model; grpokit does not load reward models yet: "
-                              "pass a Python function f(prompts, completions, **kwargs) -> list[float]")
-        if not callable(f) or hasattr(f, "config"):
-            raise ConfigError(f"reward_funcs: {type(f).__name__} is not a reward function; grpokit takes Python "
-                              "callables only (no reward-model objects yet)")
-    return funcs or None
+def _reward_dtype(args) -> str | None:
+    """The dtype reward models given by name load in: model_init_kwargs' (TRL loads them with it too), None
+    (the checkpoint's own: transformers' "auto") when it names none."""
+    kwargs = args.model_init_kwargs or {}
+    wanted = kwargs.get("dtype", kwargs.get("torch_dtype", "auto"))
+    return None if str(wanted) == "auto" else _dtype(wanted)
 
 
-def _rows(dataset, prompt_only: bool | None) -> list[dict]:
+def _eval_rows(dataset, args, environment_factory) -> list[dict] | None:
+    """eval_dataset's rows (None without one); eval_strategy='steps' needs them, as in transformers."""
+    if dataset is None:
+        if args.eval_strategy != "no":
+            raise ConfigError(f"eval_strategy={args.eval_strategy!r} needs an eval_dataset (the held-out prompts); "
+                              "pass one, or set eval_strategy='no'")
+        return None
+    if environment_factory is not None and args.eval_strategy != "no":
+        raise ConfigError("eval_dataset: grpokit does not evaluate with environment_factory's environments yet; set "
+                          "eval_strategy='no' and evaluate the saved model afterwards")
+    if type(dataset) is dict:  # TRL's several named eval datasets (eval_<name>_... metrics)
+        raise ConfigError("eval_dataset: grpokit evaluates one dataset, not a dict of them; pass one")
+    return _rows(dataset, args.remove_unused_columns, field="eval_dataset")
+
+
+def _rows(dataset, prompt_only: bool | None, field: str = "train_dataset") -> list[dict]:
     """The dataset's rows as dicts (a datasets.Dataset, or any sized iterable of dicts)."""
     if dataset is None:
         raise ConfigError("GRPOTrainer: train_dataset is required (rows with a 'prompt' column)")
-    if type(dataset).__name__ in ("IterableDataset", "IterableDatasetDict", "DatasetDict") or \
+    if type(dataset).__name__ in ("IterableDataset", "IterableDatasetDict", "DatasetDict", "dict") or \
             not hasattr(dataset, "__len__"):
-        raise ConfigError(f"train_dataset: grpokit takes a datasets.Dataset or a list of dicts, not a "
+        raise ConfigError(f"{field}: grpokit takes a datasets.Dataset or a list of dicts, not a "
                           f"{type(dataset).__name__} (for a DatasetDict pick a split: dataset['train'])")
     rows = [dict(row) for row in dataset]
     if prompt_only:  # TRL's remove_unused_columns=True: only the prompt reaches the reward functions

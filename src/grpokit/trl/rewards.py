@@ -1,0 +1,166 @@
+"""TRL 1.16's `reward_funcs` and `reward_processing_classes`, as the reward callables grpokit's `train` takes.
+
+An entry of `reward_funcs` is, as in TRL:
+
+- a callable with TRL's signature: passed to grpokit as it is;
+- a string: a reward model (a sequence-classification model with one label). A local folder, or a Hub
+  id (its snapshot in the Hugging Face cache, downloaded when online: grpokit's own model cache code,
+  `models/loading.py`), loaded by grpokit's `load_reward_model` (its folder checks; TRL's scoring) in
+  the dtype of `model_init_kwargs` (TRL loads reward models with them too; unset: the checkpoint's);
+- a `PreTrainedModel` object (sequence classification, one label): wrapped in grpokit's `RewardModel`.
+
+A reward model is named as TRL names it (`config._name_or_path.split("/")[-1]`: a Hub id's last part,
+not its cache folder's commit hash), scores on the training device, and reads its text with
+`reward_processing_classes[i]` when given, else its own tokenizer (a folder's; an object's from
+`AutoTokenizer.from_pretrained(config._name_or_path)`, as TRL loads it), with TRL's fix-up: EOS pads
+when the tokenizer has no pad token, and the model's pad_token_id is the tokenizer's (it scores the last
+token that is not padding). `reward_processing_classes` is one per entry or a single one (TRL's rule);
+an entry given for a callable is ignored, as TRL ignores it.
+
+The models are loaded here, when the trainer is built, as TRL loads them, and not by grpokit's `train`
+from a folder name: a given processing class, the dtype of `model_init_kwargs` and TRL's name of a Hub
+id all need the loaded object, and `trainer.evaluate()` reuses it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from grpokit.errors import ConfigError
+
+_WHAT = "a reward model is an AutoModelForSequenceClassification with num_labels = 1"
+
+
+def reward_list(reward_funcs, environment_factory) -> list:
+    """`reward_funcs` as a list, each entry checked for its kind (a folder's config.json read, a Hub id
+    spelled as one); nothing is loaded or downloaded yet."""
+    funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
+        else [reward_funcs]
+    if not funcs and environment_factory is None:
+        raise ConfigError("GRPOTrainer: reward_funcs is required (a callable, a reward model's folder or Hub id, or "
+                          "a list of them)")
+    for f in funcs:
+        if isinstance(f, str):
+            _check_name(f)
+        elif not _is_module(f) and not callable(f):
+            raise ConfigError(f"reward_funcs: an entry of type {type(f).__name__} is not a reward function; give "
+                              "a callable f(prompts, completions, **kwargs) -> list[float], a reward model's folder "
+                              "or Hub id, or a PreTrainedModel")
+    return funcs
+
+
+def processing_classes(classes, n: int) -> list:
+    """`reward_processing_classes` as one entry per reward function (TRL's rule: a list, or a single one)."""
+    if classes is None:
+        return [None] * n
+    if not isinstance(classes, list):
+        classes = [classes]
+    if len(classes) != n:
+        raise ConfigError(f"reward_processing_classes: {len(classes)} given for {n} reward functions; give one per "
+                          "entry of reward_funcs (None where it is a function), as TRL requires")
+    return list(classes)
+
+
+def reward_callables(funcs: list, classes: list, *, dtype: str | None, device: str) -> list:
+    """Each entry as a callable: reward models loaded (strings) or wrapped (objects) on `device`."""
+    out = []
+    for i, (f, tokenizer) in enumerate(zip(funcs, classes)):
+        if isinstance(f, str):
+            out.append(_from_name(f, tokenizer, dtype, device))
+        elif _is_module(f):
+            out.append(_from_object(f, tokenizer, device, i))
+        else:
+            out.append(f)  # TRL ignores a processing class given for a function
+    return out
+
+
+def training_device(model_device: str) -> str:
+    """Where the policy trains: grpokit's `model.device`, and under torchrun this process's own GPU."""
+    from grpokit.models.loading import resolve_device
+
+    device = resolve_device(model_device)
+    if device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    return str(device)
+
+
+def _is_module(f) -> bool:
+    import torch
+
+    return isinstance(f, torch.nn.Module)
+
+
+def _trl_name(name_or_path: str, fallback: str) -> str:
+    """TRL's metric name of a reward model: the last part of its name or path ("" or "." only when the path
+    ends in a slash or is "."; then the folder's own name)."""
+    name = str(name_or_path).split("/")[-1]
+    return name if name not in ("", ".", "..") else fallback
+
+
+def _check_name(ref: str) -> None:
+    """A local folder that can be a reward model (RewardLoadError otherwise), or a Hub id's spelling."""
+    from grpokit.data.hub import hub_id
+    from grpokit.rewards.reward_model import check_reward_model_folder
+
+    if Path(ref).is_dir():
+        check_reward_model_folder(ref)
+    elif hub_id(ref) is None:
+        raise ConfigError(f"reward_funcs: {ref!r} is neither a local folder (nothing at {Path(ref).resolve()}) nor a "
+                          "Hugging Face Hub id; give a reward model's folder or Hub id, or a callable")
+
+
+def _local_folder(ref: str) -> str:
+    """The folder a reward model's name means: a local folder, or a Hub id's snapshot in the Hugging Face
+    cache (downloaded when online)."""
+    from grpokit.models.loading import model_folder
+
+    return ref if Path(ref).is_dir() else str(model_folder(ref, field="reward_funcs"))
+
+
+def _from_name(ref: str, tokenizer, dtype: str | None, device: str):
+    from grpokit.rewards.reward_model import load_reward_model
+
+    reward_model = load_reward_model(_local_folder(ref), device=device, dtype=dtype)
+    name = _trl_name(ref, reward_model.__name__)
+    if tokenizer is not None:
+        return _wrap(reward_model.model, tokenizer, name, device)
+    reward_model.__name__ = name
+    return reward_model
+
+
+def _from_object(model, tokenizer, device: str, i: int):
+    from transformers import AutoTokenizer, PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise ConfigError(f"reward_funcs: a {type(model).__name__} is a torch module but no transformers "
+                          f"PreTrainedModel; {_WHAT} (a peft model: merge it first, merge_and_unload())")
+    kind, labels = type(model).__name__, getattr(model.config, "num_labels", None)
+    if not kind.endswith("ForSequenceClassification") or labels != 1:
+        raise ConfigError(f"reward_funcs: a {kind} with num_labels = {labels} is not a reward model; {_WHAT}")
+    source = getattr(model.config, "_name_or_path", "") or ""
+    if tokenizer is None:
+        if not source:
+            raise ConfigError(f"reward_processing_classes[{i}]: the reward model {kind} names no folder "
+                              "(config._name_or_path is empty) to load its tokenizer from; pass its tokenizer")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)  # TRL's rule (its trust_remote_code default: off)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"reward_processing_classes[{i}]: loading the reward model's tokenizer from {source!r} "
+                              f"failed ({type(e).__name__}); pass its tokenizer") from e
+    model.to(device)
+    model.eval()  # TRL leaves an object in the mode it came in; dropout off scores it deterministically
+    return _wrap(model, tokenizer, _trl_name(source, "reward_model"), device)
+
+
+def _wrap(model, tokenizer, name: str, device: str):
+    """grpokit's RewardModel over a model and tokenizer, after TRL's pad-token fix-up."""
+    from grpokit.rewards.reward_model import RewardModel
+
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.pad_token_id is None:
+        raise ConfigError(f"reward_processing_classes: the tokenizer of reward model {name!r} has neither a pad nor "
+                          "an EOS token, so a batch cannot be padded; set its pad_token")
+    model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+    return RewardModel(model, tokenizer, name=name, device=device)
