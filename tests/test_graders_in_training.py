@@ -174,3 +174,11 @@ def test_the_code_sandbox_in_force_is_said_once_at_start_up(tiny_model_dir, tmp_
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("code_execution:")]
     assert len(said) == 1 and ("bubblewrap" in said[0] or "uid 65534" in said[0] or "rlimits" in said[0])
     assert _metrics(run)[0]["rewards/code_execution/mean"] == 0.0  # a random model writes no passing code
+
+
+def test_names_among_python_callables_get_their_config_arguments(tiny_model_dir, tmp_path):
+    args = {"format": {"pattern": r"^\d+$"},
+            "soft_overlong_penalty": {"max_completion_length": 5, "overlong_buffer": 2}}
+    config = _with_rewards(make_config(tiny_model_dir, tmp_path / "run", steps=1), args=args)
+    row = _metrics(train(config, reward_functions=["format", "soft_overlong_penalty", parity]))[0]
+    assert {"rewards/format/mean", "rewards/soft_overlong_penalty/mean", "rewards/parity/mean"} <= set(row)

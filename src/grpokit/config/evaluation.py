@@ -26,7 +26,7 @@ class EvalConfig:
     split: str = ""  # the split of a Hub dataset or a saved datasets folder; empty = "test"
     num_prompts: int = 64  # the first N prompts (a task's eval split: N generated ones)
     samples_per_prompt: int = 4  # K answers per prompt: eval/accuracy averages them, eval/pass@K from them
-    temperature: float = 1.0  # sampling temperature of the K answers
+    temperature: float = 1.0  # sampling temperature of the K answers (with rollout.top_p / top_k)
     greedy: bool = False  # also one greedy answer per prompt: eval/greedy_accuracy
     max_new_tokens: int = 0  # tokens per answer at most; 0 = rollout.max_new_tokens
     # An answer counts as correct (eval/accuracy, pass@K) when its total reward reaches this.

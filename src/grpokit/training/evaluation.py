@@ -42,12 +42,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def _grade(model, tokenizer, prompt_ids, rows, specs, *, group_size, temperature, max_new_tokens, generator,
-           batch_prompts, stop_strings, prompt_column, tools, max_tool_turns, eos_token_ids):
+           batch_prompts, stop_strings, prompt_column, tools, max_tool_turns, eos_token_ids, top_p, top_k):
     """Total rewards [num_prompts, group_size] of `group_size` sampled answers per prompt, and with
     tools the calls and failed calls of every answer ([num_prompts * group_size] each)."""
     totals, calls, failures = [torch.zeros(0, group_size)], [], []
     common = dict(group_size=group_size, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                  temperature=temperature, tokenizer=tokenizer, generator=generator)
+                  temperature=temperature, top_p=top_p, top_k=top_k, tokenizer=tokenizer, generator=generator)
     for start in range(0, len(prompt_ids), batch_prompts):
         batch_ids, batch_rows = prompt_ids[start:start + batch_prompts], rows[start:start + batch_prompts]
         conversations = None
@@ -80,6 +80,8 @@ def evaluate(
     *,
     samples_per_prompt: int = 8,
     temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
     max_new_tokens: int = 32,
     correct_threshold: float = 1.0,
     greedy: bool = True,
@@ -103,11 +105,11 @@ def evaluate(
     eos = list(eos_token_ids) if eos_token_ids is not None else [tokenizer.eos_token_id]
     common = dict(max_new_tokens=max_new_tokens, generator=generator, batch_prompts=batch_prompts,
                   stop_strings=stop_strings, prompt_column=prompt_column, tools=tools,
-                  max_tool_turns=max_tool_turns, eos_token_ids=eos)
+                  max_tool_turns=max_tool_turns, eos_token_ids=eos, top_k=top_k)
     with full_params_for_generation(model):  # FSDP: gathered once, each process decodes its own share
         sampled, calls, failures = _grade(model, tokenizer, prompt_ids, rows, specs, group_size=samples_per_prompt,
-                                          temperature=temperature, **common)  # [P, k]
-        best = _grade(model, tokenizer, prompt_ids, rows, specs, group_size=1, temperature=0.0,
+                                          temperature=temperature, top_p=top_p, **common)  # [P, k]
+        best = _grade(model, tokenizer, prompt_ids, rows, specs, group_size=1, temperature=0.0, top_p=1.0,
                       **common)[0] if greedy else torch.zeros(0, 1)  # [P, 1]
     k = samples_per_prompt
     correct = torch.nan_to_num(sampled, nan=0.0) >= correct_threshold  # [P, k]
@@ -150,6 +152,7 @@ class HeldOut:
         e, was_training = self.config.eval, model.training
         result = evaluate(model, tokenizer, self.prompts.rows, self.prompts.ids, specs,
                           samples_per_prompt=e.samples_per_prompt, temperature=e.temperature,
+                          top_p=self.config.rollout.top_p, top_k=self.config.rollout.top_k,
                           max_new_tokens=eval_max_new_tokens(self.config), correct_threshold=e.correct_threshold,
                           greedy=e.greedy, seed=e.seed, stop_strings=self.config.rollout.stop_strings,
                           tools=self.tools, max_tool_turns=self.config.tools.max_calls,

@@ -87,7 +87,9 @@ def resolve_reward_specs(config: Config, task, functions: Sequence[Callable | st
     timeout = r.timeout_s or None  # your own functions are bounded (rewards.timeout_s); built-ins bound themselves
     context = dict(on_error=r.on_error, device=str(resolve_device(config.model.device)))
     if functions:
-        built = [reward_specs([f], (), r.args, timeout, **context)[0] if isinstance(f, str) else f for f in functions]
+        named = [f for f in functions if isinstance(f, str)]  # resolved with their rewards.args, as in the config
+        specs = iter(reward_specs(named, (), r.args, timeout, **context) if named else [])
+        built = [next(specs) if isinstance(f, str) else f for f in functions]
         names = unique_reward_names(
             [f.name if isinstance(f, RewardSpec) else getattr(f, "__name__", None) or f"reward_{i}"
              for i, f in enumerate(built)],
