@@ -212,7 +212,6 @@ def test_refused_fields_and_values_are_listed_in_one_error():
     (dict(load_best_model_at_end=True, metric_for_best_model="reward"), "save and eval strategy to match"),
     (dict(eval_strategy="steps", eval_steps=3, save_steps=10, load_best_model_at_end=True,
           metric_for_best_model="reward"), "save_steps to be a multiple of eval_steps"),
-    (dict(eval_strategy="steps", top_p=0.9), "top_p=0.9 \\(grpokit's evaluation samples from the whole"),
     (dict(eval_strategy="steps", per_device_eval_batch_size=6), r"global eval batch size \(6 \* 1\) must be "
                                                                  r"divisible by the number of generations used for "
                                                                  r"evaluation \(8\)"),

@@ -260,11 +260,6 @@ def _eval_problems(c) -> list[str]:
                         f"eval_loss and the per-function eval rewards are not computed)")
     elif c.greater_is_better is False:
         problems.append("greater_is_better=False (grpokit's evaluation metrics are higher-is-better; leave it unset)")
-    if c.eval_strategy != "no":
-        for name, default in (("top_p", 1.0), ("top_k", 0)):
-            if getattr(c, name) != default:
-                problems.append(f"{name}={getattr(c, name)!r} (grpokit's evaluation samples from the whole "
-                                f"distribution; with eval_strategy={c.eval_strategy!r} leave {name} at {default})")
     if c.num_generations_eval is not None and c.num_generations_eval < 1:
         problems.append(f"num_generations_eval={c.num_generations_eval!r} (must be >= 1, or None = num_generations)")
     return problems

@@ -48,9 +48,6 @@ def run_evaluation(trainer, model, rows: list[dict], prefix: str) -> dict[str, f
     if trainer.environment_factory is not None:
         raise ConfigError("GRPOTrainer.evaluate: grpokit's evaluation does not run environment_factory's environments "
                           "yet; evaluate without them")
-    if args.top_p != 1.0 or args.top_k != 0:
-        raise ConfigError("GRPOTrainer.evaluate: grpokit's evaluation samples from the whole distribution; leave "
-                          "top_p at 1.0 and top_k at 0 to evaluate as TRL does")
     try:
         rows = load_prompts(rows, prompt_column="prompt")
     except DataError as e:
@@ -64,7 +61,8 @@ def run_evaluation(trainer, model, rows: list[dict], prefix: str) -> dict[str, f
     samples = args.num_generations_eval or args.num_generations
     started, was_training = time.perf_counter(), model.training
     result = evaluate(model, tokenizer, table.rows, table.ids, specs, samples_per_prompt=samples,
-                      temperature=args.temperature, max_new_tokens=eval_max_new_tokens(config),
+                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                      max_new_tokens=eval_max_new_tokens(config),
                       correct_threshold=config.eval.correct_threshold, greedy=False, seed=args.seed,
                       stop_strings=config.rollout.stop_strings, tools=tools, max_tool_turns=config.tools.max_calls,
                       eos_token_ids=table.eos_token_ids)
