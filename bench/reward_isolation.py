@@ -5,9 +5,9 @@
 A batch is 16 prompts x G = 8 sampled answers (right, off by one, padded, junk), graded by the task's own
 reward spec through `compute_rewards`. Each variant: the median of `--batches` timed batches after 5 warm-up
 ones, and its cold start (pool creation to the first batch's rewards: interpreter start, imports, building the
-function). The reward is resolved in the worker by name ("addition", through the registry: imports torch) and,
-for comparison, sent as the function itself (pickled by reference: no torch). The machine's load average is
-printed with the figures: on a busy machine they are upper bounds. Runs in well under a minute.
+function). The reward is resolved in the worker by name ("addition", through the registry) and, for comparison,
+sent as the function itself (pickled by reference); neither imports torch in the worker. The machine's
+load average is printed with the figures: on a busy machine they are upper bounds. Runs in seconds.
 """
 
 from __future__ import annotations
