@@ -17,7 +17,11 @@ import torch
 if TYPE_CHECKING:
     from grpokit.config.schema import Config
 
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: one thread per worker (and per process a test starts)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+else:
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
 def pytest_collection_modifyitems(config, items):

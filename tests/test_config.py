@@ -230,8 +230,8 @@ def test_set_into_a_section_that_is_not_a_table(tmp_path):
 def test_good_vllm_options_are_kept_and_typed():
     r = RolloutConfig.__new__(RolloutConfig)  # engine = "vllm" needs vLLM installed; check the options alone
     object.__setattr__(r, "vllm", {"gpu_memory_utilization": 1, "enforce_eager": True, "dtype": "bfloat16"})
-    from grpokit.config.schema import _check_vllm
+    from grpokit.config.options import check_vllm
 
-    _check_vllm(r)
+    check_vllm(r)
     assert r.vllm == {"gpu_memory_utilization": 1.0, "enforce_eager": True, "dtype": "bfloat16"}
     assert type(r.vllm["gpu_memory_utilization"]) is float

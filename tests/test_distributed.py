@@ -85,6 +85,7 @@ def run_resume(kind: str, model_dir, out: Path) -> None:
     from grpokit.training.loop import train
 
     base = scenario_config("fsdp" if kind == "fsdp" else "dapo", model_dir, out)
+    base = replace(base, eval=type(base.eval)())  # a segment's last step evaluates: the segments would differ
     for name, steps, resume in (("straight", 2, False), ("resumed", 1, False), ("resumed", 2, True)):
         cfg = replace(base, train=replace(base.train, steps=steps),
                       output=replace(base.output, dir=str(out / name), save_every=1, keep_last=3))

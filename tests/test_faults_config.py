@@ -52,7 +52,7 @@ WRONG = {
     dict[str, dict]: ["5", "abc", "[1]", "true", "{a = 1}", '{a = "x"}'],
 }
 STR_IN_FILE = ["2024", "1.5", "true", "[1]", '["runs"]', "{a = 1}"]  # `--set` would keep these as text
-NEGATIVE_OK = {"data.seed"}  # int fields where -1 is a valid value
+NEGATIVE_OK = {"data.seed", "eval.correct_threshold"}  # fields where -1 is a valid value (rewards may be negative)
 FREE_TEXT = {"model.path", "data.path", "data.prompt_column", "output.dir"}  # any non-empty text is valid
 # Options inside a table field (known keys with their own types and ranges)
 NESTED = {
@@ -89,7 +89,7 @@ def generate_cases() -> list[Case]:
                 cases += [Case(key, "")] if required else []  # `--set key=`: the empty string
                 cases += [Case(key, '"no-such-value"')] if required and key not in FREE_TEXT else []
                 continue
-            values = [v for v in WRONG[kind] if not (v == "-1" and key in NEGATIVE_OK)]
+            values = [v for v in WRONG[kind] if not (v in ("-1", "-1.0") and key in NEGATIVE_OK)]
             cases += [Case(key, v) for v in values + NESTED.get(key, [])]
     return cases
 

@@ -3,6 +3,7 @@ one-line note when other processes keep those cores busy."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -60,7 +61,9 @@ def test_busy_elsewhere_sees_another_process_and_not_this_one():
     finally:
         spinner.kill()
         spinner.wait()
-    assert busy is not None and busy >= 0.6 and busy >= idle + 0.4
+    assert busy is not None and busy >= 0.6
+    if not os.environ.get("PYTEST_XDIST_WORKER"):  # beside another test worker "idle" is busy too
+        assert busy >= idle + 0.4
 
 
 def test_the_run_prints_the_note_once(tiny_model_dir, tmp_path, monkeypatch, capsys):

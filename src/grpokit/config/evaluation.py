@@ -41,6 +41,7 @@ class EvalConfig:
         _check(self.temperature > 0, "eval.temperature",
                "must be > 0 (set eval.greedy = true for one greedy answer per prompt)")
         _check(self.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0 (0 = rollout.max_new_tokens)")
+        _check(0 <= self.seed < 2**63, "eval.seed", "must be in [0, 2**63)")
         for key in ("name", "split"):
             _check(not getattr(self, key) or bool(self.path), f"eval.{key}",
                    f"{getattr(self, key)!r} applies to eval.path (a Hub dataset); drop it or set eval.path")

@@ -95,7 +95,7 @@ def resolve_reward_specs(config: Config, task, functions: Sequence[Callable | st
              for i, f in enumerate(built)],
             [None if isinstance(f, RewardSpec) else m if (m := getattr(f, "__module__", None)) != "__main__" else None
              for f in built])
-        return [RewardSpec(n, f.fn, w, f.timeout) if isinstance(f, RewardSpec) else RewardSpec(n, f, w, timeout)
+        return [replace(f, name=n, weight=w) if isinstance(f, RewardSpec) else RewardSpec(n, f, w, timeout)
                 for n, f, w in zip(names, built, weights)]
     if r.functions:
         return reward_specs(list(r.functions), weights, r.args, default_timeout=timeout, **context)
