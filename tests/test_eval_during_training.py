@@ -115,7 +115,7 @@ def test_bad_eval_inputs_fail_before_the_model_loads(tiny_model_dir, tmp_path):
         train(config, reward_functions=[parity], eval_rows=[{"question": "1+1="}])
     assert not (tmp_path / "run").exists()
 
-    held_out.write_text(json.dumps({"prompt": "1+" * 400 + "1="}) + "\n")
+    held_out.write_text(json.dumps({"prompt": "1+" * 400 + "1=", "answer": 401}) + "\n")
     with pytest.raises(DataError, match="eval.path .*held_out.jsonl.*prompt row 1 has"):
         train(config, reward_functions=[parity])
     assert not (tmp_path / "run").exists()
@@ -123,6 +123,34 @@ def test_bad_eval_inputs_fail_before_the_model_loads(tiny_model_dir, tmp_path):
 
 def test_held_out_rows_from_python(tiny_model_dir, tmp_path):
     config = make_config(tiny_model_dir, tmp_path / "run", steps=1, eval={"every": 1, "samples_per_prompt": 2})
-    run = train(config, reward_functions=[parity], eval_rows=[{"prompt": f"{i}+1="} for i in range(3)])
+    run = train(config, reward_functions=[parity], eval_rows=[{"prompt": f"{i}+1=", "answer": i + 1} for i in range(3)])
     row = _rows(run)[0]
     assert 0 <= row["eval/accuracy"] <= 1 and "eval/pass@2" in row
+
+
+@pytest.mark.parametrize("damage", ["[]", "null", "{", '{"metric": "eval/mean_reward", "value": NaN, "step": 1, '
+                                     '"checkpoint": "checkpoint-1"}'])
+def test_a_damaged_best_json_is_forgotten_and_rewritten(tiny_model_dir, tmp_path, damage):
+    out = tmp_path / "run"
+    config = make_config(tiny_model_dir, out, steps=1, eval={**EVAL, "every": 1},
+                         output={"keep_best": "eval/mean_reward"})
+    train(config, reward_functions=[parity])
+    (out / "best.json").write_text(damage)
+    train(replace(config, train=replace(config.train, steps=2)), reward_functions=[parity], resume=True)
+    best = json.loads((out / "best.json").read_text())
+    assert best["value"] == best["value"] and best["step"] == 2  # rewritten at the next evaluation
+
+
+def test_overwrite_removes_best_json_and_eval_rows_must_have_the_training_columns(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    config = make_config(tiny_model_dir, out, steps=1, eval={**EVAL, "every": 1},
+                         output={"keep_best": "eval/mean_reward"})
+    train(config, reward_functions=[parity])
+    train(make_config(tiny_model_dir, out, steps=1, output={"overwrite": True}), reward_functions=[parity])
+    assert not (out / "best.json").exists()
+
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text('{"prompt": "1+1="}\n')  # the addition task's rows also have "answer"
+    config = make_config(tiny_model_dir, tmp_path / "other", eval={"every": 1, "path": str(held_out)})
+    with pytest.raises(DataError, match=r"eval.path .*held_out.jsonl: the held-out rows lack .*\['answer'\]"):
+        train(config, reward_functions=[parity])

@@ -129,6 +129,8 @@ def test_unknown_grader_arguments_are_one_line_naming_what_it_accepts(grader, ti
     config = make_config(tiny_model_dir, tmp_path / "run")
     with pytest.raises(RewardLoadError, match="concurency.*it accepts: .*concurrency"):
         train(_with_rewards(config, functions=(url,), args={url: {"concurency": 8}}))
+    with pytest.raises(RewardLoadError, match="unknown URL scheme 'htp'"):
+        train(_with_rewards(config, functions=("htp://127.0.0.1:1/score",)))
     with pytest.raises(RewardLoadError, match="url is set by grpokit"):
         train(_with_rewards(config, functions=(url,), args={url: {"url": "http://x"}}))
 

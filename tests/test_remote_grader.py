@@ -7,6 +7,7 @@ whole file runs in a few seconds; nothing leaves 127.0.0.1.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import socket
@@ -101,6 +102,15 @@ class _Handler(BaseHTTPRequestHandler):
             with state.lock:  # before the answer goes out, so a finished client never counts twice
                 state.active -= 1
         data = text.encode()
+        if mode == "trickle":  # a whole answer promised, one byte every 0.05 s: each read is quick
+            self.send_response(200)
+            self.send_header("Content-Length", "100000")
+            self.end_headers()
+            with contextlib.suppress(OSError):
+                while not state.release.wait(0.05):
+                    self.wfile.write(b" ")
+                    self.wfile.flush()
+            return
         try:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
@@ -320,3 +330,11 @@ def test_example_grader_server():
     finally:
         proc.terminate()
         proc.wait(timeout=5)
+
+
+def test_timeout_s_bounds_the_whole_request_not_each_read(server):
+    url, _ = server
+    start = time.monotonic()
+    with pytest.raises(RewardError, match="no complete answer within 0.4 s"):
+        RemoteGrader(f"{url}/trickle", retries=0, timeout_s=0.4)(**_batch(2))
+    assert time.monotonic() - start < 3

@@ -299,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_data_args(p, "prompts")
     p.add_argument("--reward", action="append", default=[],
-                   help="reward name or file.py:function (repeatable; with --data)")
+                   help="reward: a built-in name, file.py:function, a reward-model folder or an http(s):// grader "
+                        "URL (repeatable; needed with --data, replaces a --task's own)")
     p.add_argument("--num-prompts", type=int, default=200, help="prompts evaluated, >= 1")
     p.add_argument("--data-seed", type=int, default=12345, help="seed of generated task prompts (held out by default)")
     p.add_argument("--samples", type=int, default=8, help="answers per prompt (k of pass@k), >= 1")

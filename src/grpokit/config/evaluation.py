@@ -61,5 +61,6 @@ def check_eval(config) -> None:
                "the checkpoints afterwards")
     if keep:
         _check(bool(e.every), "output.keep_best", f"{keep!r} needs evaluation during training: set eval.every > 0")
+        greedy = "; eval/greedy_accuracy needs eval.greedy = true" if keep == "eval/greedy_accuracy" else ""
         _check(keep in e.metric_names(), "output.keep_best",
-               f"got {keep!r}; with this [eval] section choose one of {', '.join(e.metric_names())}")
+               f"got {keep!r}; with this [eval] section choose one of {', '.join(e.metric_names())}{greedy}")

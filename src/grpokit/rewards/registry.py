@@ -151,6 +151,10 @@ def resolve_reward(ref: str, *, on_error: str = "raise", device: str = "cpu", **
     - a local folder of a sequence-classification model: a reward model (rewards/reward_model.py) on
       `device`, scoring prompt + completion with its own tokenizer.
     """
+    scheme, sep, _ = ref.partition("://")
+    if sep and scheme.isalpha() and not is_url(ref):  # "htp://...": a mistyped URL, not a file
+        raise RewardLoadError(f"reward {ref!r}: unknown URL scheme {scheme!r}; a remote grader's URL starts with "
+                              f"http:// or https://")
     if is_url(ref):
         grader = _build(ref, RemoteGrader, {"on_error": on_error, **kwargs}, {"url": ref})
         grader.check_reachable()

@@ -20,7 +20,7 @@ with one number or null per completion of the request; null means "not graded by
 None does for a Python function (true/false count as 1/0, as they do there).
 
 Failures are retried because graders are services that restart, queue and time out: a connection
-error, no answer within `timeout_s` (urllib's timeout: on the connection and on each read), HTTP 429
+error, no complete answer within `timeout_s` (the whole request; over 64 MiB is a fault too), HTTP 429
 or >= 500, an answer that is not JSON, the wrong number of scores, or a score that is not a finite
 number or null is retried up to `retries` times, waiting `backoff_s * 2**attempt` seconds before each
 retry. Any other 4xx is the grader refusing the request itself and is not retried. After the last
@@ -47,6 +47,7 @@ import re
 import socket
 import ssl
 import threading
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -58,6 +59,7 @@ from grpokit.errors import RewardError, RewardLoadError
 _CONNECT_TIMEOUT_S = 5.0  # check_reachable's limit: a start-up check must not hang the launch
 _PREVIEW_CHARS = 120
 _DROPPED = ("trainer_state", "log_extra")  # TRL's extras that mean nothing to a remote service
+MAX_RESPONSE_BYTES = 64 * 2**20  # a grader's answer is a list of numbers: anything this large is a fault
 
 
 def is_url(ref: str) -> bool:
@@ -89,8 +91,7 @@ def _port_or_none(parts) -> int | None:
 
 def _preview(raw: bytes | str) -> str:
     """A short one-line repr of what a grader sent back."""
-    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
-    text = " ".join(text.split())
+    text = " ".join((raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw).split())
     return repr(text if len(text) <= _PREVIEW_CHARS else text[: _PREVIEW_CHARS - 3] + "...")
 
 
@@ -120,10 +121,8 @@ def _json_columns(columns: dict[str, Sequence]) -> tuple[dict[str, list], list[s
 
 
 def _is_loopback(host: str) -> bool:
-    if host.lower() == "localhost":
-        return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return host.lower() == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
 
@@ -140,6 +139,21 @@ class _GaveUp(Exception):
     def __init__(self, failure: _Failed, attempts: int):
         super().__init__(failure.what)
         self.failure, self.attempts = failure, attempts
+
+
+def _read_until(response, deadline: float, timeout_s: float) -> bytes:
+    """The response body, read in chunks until `deadline` (a grader trickling bytes cannot hold the run:
+    urllib's own timeout applies to each read) and at most MAX_RESPONSE_BYTES; `_Failed` otherwise."""
+    parts, size = [], 0
+    while True:
+        if time.monotonic() > deadline:
+            raise _Failed(f"no complete answer within {timeout_s:g} s (timeout_s)")
+        chunk = response.read1(65536) if hasattr(response, "read1") else response.read(65536)
+        if not chunk:
+            return b"".join(parts)
+        if (size := size + len(chunk)) > MAX_RESPONSE_BYTES:
+            raise _Failed(f"an answer larger than {MAX_RESPONSE_BYTES >> 20} MiB")
+        parts.append(chunk)
 
 
 def _check_int(name: str, value: Any, low: int) -> int:
@@ -298,6 +312,9 @@ class RemoteGrader:
                         stop.set()
                         raise RewardError(self._message(e, b - a, sorted(fields))) from None
                     ungraded += b - a
+        except BaseException:  # a RewardError, or Ctrl-C: never wait for a request still hanging
+            stop.set()
+            raise
         finally:
             pool.shutdown(wait=not stop.is_set(), cancel_futures=True)
         self.ungraded = ungraded
@@ -339,8 +356,9 @@ class RemoteGrader:
     def _post(self, body: bytes, k: int) -> list[float | None]:
         request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
         try:
+            deadline = time.monotonic() + self.timeout_s  # the whole request, not each read
             with self._opener.open(request, timeout=self.timeout_s) as response:
-                raw = response.read()
+                raw = _read_until(response, deadline, self.timeout_s)
         except urllib.error.HTTPError as e:
             try:
                 detail = e.read()

@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import torch
 
 from grpokit.config.schema import Config
+from grpokit.errors import RewardError
 from grpokit.models.fsdp import full_params_for_generation
 from grpokit.models.parallel import global_sum
 from grpokit.rewards.core import RewardSpec
@@ -150,16 +151,23 @@ class HeldOut:
     def run(self, model, tokenizer, specs: Sequence[RewardSpec]) -> dict[str, float]:
         """`eval/...` metrics of the model as it is now (every process takes part)."""
         e, was_training = self.config.eval, model.training
-        result = evaluate(model, tokenizer, self.prompts.rows, self.prompts.ids, specs,
-                          samples_per_prompt=e.samples_per_prompt, temperature=e.temperature,
-                          top_p=self.config.rollout.top_p, top_k=self.config.rollout.top_k,
-                          max_new_tokens=eval_max_new_tokens(self.config), correct_threshold=e.correct_threshold,
-                          greedy=e.greedy, seed=e.seed, stop_strings=self.config.rollout.stop_strings,
-                          tools=self.tools, max_tool_turns=self.config.tools.max_calls,
-                          eos_token_ids=self.prompts.eos_token_ids, reduce=global_sum)
+        try:
+            result = self._evaluate(model, tokenizer, specs)
+        except RewardError as err:  # name the evaluation: the training data is not where it failed
+            raise type(err)(f"evaluation during training ([eval], {e.path or 'the task eval split'}): {err}") from err
         model.train(was_training)
         skip = ("num_prompts", "samples_per_prompt", "temperature")
         return {f"eval/{k}": float(v) for k, v in result.items() if k not in skip}
+
+    def _evaluate(self, model, tokenizer, specs: Sequence[RewardSpec]) -> dict:
+        e = self.config.eval
+        return evaluate(model, tokenizer, self.prompts.rows, self.prompts.ids, specs,
+                        samples_per_prompt=e.samples_per_prompt, temperature=e.temperature,
+                        top_p=self.config.rollout.top_p, top_k=self.config.rollout.top_k,
+                        max_new_tokens=eval_max_new_tokens(self.config), correct_threshold=e.correct_threshold,
+                        greedy=e.greedy, seed=e.seed, stop_strings=self.config.rollout.stop_strings,
+                        tools=self.tools, max_tool_turns=self.config.tools.max_calls,
+                        eos_token_ids=self.prompts.eos_token_ids, reduce=global_sum)
 
 
 BEST_FILE = "best.json"
@@ -176,10 +184,12 @@ class BestCheckpoint:
         self.step, self.value = None, -math.inf
         try:
             saved = json.loads(self.path.read_text(encoding="utf-8"))
-            if saved.get("metric") == metric and (Path(run_dir) / saved["checkpoint"]).is_dir():
-                self.step, self.value = int(saved["step"]), float(saved["value"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass  # none yet, or unreadable: the next evaluation writes a fresh one
+            value = float(saved["value"])
+            if saved.get("metric") == metric and math.isfinite(value) \
+                    and (Path(run_dir) / str(saved["checkpoint"])).is_dir():
+                self.step, self.value = int(saved["step"]), value
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            pass  # none yet, or damaged: the next evaluation writes a fresh one
 
     def improves(self, metrics: dict) -> bool:
         value = metrics.get(self.metric)

@@ -58,7 +58,7 @@ RESUMABLE_FIELDS = frozenset({
 
 # What grpokit writes into a run folder; `output.overwrite` removes exactly these, nothing else.
 RUN_FILES = ("config.toml", "config_history.jsonl", "metrics.jsonl", "completions.jsonl", "tensorboard",
-             "report.html", "wandb")
+             "best.json", "report.html", "wandb")
 
 
 LOCK_FILE = ".grpokit.lock"

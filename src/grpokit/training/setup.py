@@ -185,7 +185,8 @@ def eval_max_new_tokens(config: Config) -> int:
 
 
 def prepare_held_out(config: Config, task, tokenizer, max_positions: int | None, tools: ToolBox | None,
-                     dist: DistributedContext, rows: Iterable[dict] | None = None) -> PromptTable | None:
+                     dist: DistributedContext, rows: Iterable[dict] | None = None,
+                     train_rows: list[dict] | None = None) -> PromptTable | None:
     """The `[eval]` section's prompts, this process's share (every process scores its own; the counts
     are summed): `rows` from Python, else `eval.path`, else the built-in task's eval split; read or
     generated and tokenized before the model loads: a file without the prompt column, or a prompt too
@@ -200,13 +201,20 @@ def prepare_held_out(config: Config, task, tokenizer, max_positions: int | None,
             raise DataError(f"eval_rows: {err}") from None
     elif e.path:
         split = e.split or ("train" if Path(e.path).is_file() else "test")
-        rows = load_prompts(e.path, prompt_column=config.data.prompt_column, name=e.name or None, split=split,
-                            field="eval.path")[:e.num_prompts]
+        try:
+            rows = load_prompts(e.path, prompt_column=config.data.prompt_column, name=e.name or None, split=split,
+                                field="eval.path")[:e.num_prompts]
+        except DataError as err:
+            raise DataError(f"eval.path: {err} (the column is data.prompt_column)") from None
     elif task is not None:
         rows = task.generate(e.num_prompts, seed=e.seed, split="eval")
     else:
         raise SetupError("eval.path: is needed with eval.every > 0 when the training prompts are your own: point it "
                          "at held-out prompts (or pass train(eval_rows=...); a built-in data.task brings its own)")
+    missing = sorted(set(train_rows[0]) - set(rows[0])) if train_rows and rows else []
+    if missing:  # the reward functions read them: found now, not at the first evaluation hours in
+        raise DataError(f"{'eval_rows' if e.path == '' else 'eval.path ' + e.path}: the held-out rows lack the "
+                        f"column(s) {missing} the training rows have (the reward functions receive them); add them")
     budget = replace(config, rollout=replace(config.rollout, max_new_tokens=eval_max_new_tokens(config)))
     try:
         table = tokenize_prompts(budget, PreparedData(rows, task), tokenizer, max_positions, tools)
@@ -308,7 +316,7 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
     tokenizer = load_tokenizer(config.model.path)
     max_positions = max_positions_of(config.model.path)
     prompts = tokenize_prompts(config, data, tokenizer, max_positions, toolbox, environments)
-    held_out = prepare_held_out(config, data.task, tokenizer, max_positions, toolbox, dist, eval_rows)
+    held_out = prepare_held_out(config, data.task, tokenizer, max_positions, toolbox, dist, eval_rows, data.rows)
     folder = dist.run_on_main(prepare_run_folder, config, resume=resume, lock=lock)
     return Inputs(local, data, specs, tokenizer, prompts, folder, resume, toolbox, environments, held_out,
                   reward_pool, notes)
