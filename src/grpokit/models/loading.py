@@ -238,10 +238,22 @@ def _load_errors() -> tuple[type[BaseException], ...]:
     return errors
 
 
+def _raised_by_torch_load(e: BaseException) -> bool:
+    """True when `e` came out of `torch.load`: its weights-only unpickler, fed a damaged file, raises
+    whatever the garbage provokes (IndexError, EOFError, struct.error, ...), not only UnpicklingError."""
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.replace("\\", "/").endswith(("torch/serialization.py",
+                                                                     "torch/_weights_only_unpickler.py")):
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _load_failed(p: Path, field: str, what: str, e: BaseException) -> ModelLoadError:
     import pickle
 
-    if isinstance(e, pickle.UnpicklingError):  # torch.load(weights_only=True) of a damaged or foreign file
+    if isinstance(e, pickle.UnpicklingError) or _raised_by_torch_load(e):
         return ModelLoadError(f"{field} {str(p)!r}: pytorch_model.bin is not a readable PyTorch checkpoint (damaged, "
                               f"or it holds objects that only an unsafe torch.load would accept); {_REFETCH}")
     text = " ".join(str(e).split()) or type(e).__name__
@@ -320,7 +332,9 @@ def load_model(path: str | Path, *, dtype: str = "float32", device: str = "auto"
     target = resolve_device(device, "--device" if field.startswith("--") else "model.device")  # before the load
     try:
         model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype])
-    except _load_errors() as e:
+    except Exception as e:
+        if not (isinstance(e, _load_errors()) or _raised_by_torch_load(e)):
+            raise
         raise _load_failed(p, field, "model", e) from e
     model.to(target)
     model.config.use_cache = False  # the training forward needs no cache; rollout passes its own
