@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import make_config, parity
-from grpokit.algorithms.objectives import policy_loss, truncated_importance_weights
+from grpokit.algorithms.mismatch import truncated_importance_weights
+from grpokit.algorithms.objectives import policy_loss
 from grpokit.config.schema import AlgorithmConfig, RolloutConfig
 from grpokit.errors import ConfigError
 from grpokit.models.loading import load_model_and_tokenizer
@@ -101,10 +102,11 @@ def test_tis_weights_golden():
     w, stats = truncated_importance_weights(trainer, sampler, mask, cap=1.5)
     want = [[1.5, math.exp(-1.0), 1.0], [math.exp(-0.3), 1.0, 1.0]]  # min(exp(0.5), 1.5); padding: 1
     torch.testing.assert_close(w, torch.tensor(want))
-    assert stats["sampling/tis_clipped_ratio"] == pytest.approx(1 / 4)
+    assert stats["sampling/is_truncated_share"] == pytest.approx(1 / 4)
     assert stats["sampling/logprob_gap_mean"] == pytest.approx((0.5 + 1.0 + 0.0 + 0.3) / 4)
     assert stats["sampling/logprob_gap_max"] == pytest.approx(1.0)
-    assert stats["sampling/tis_weight_mean"] == pytest.approx((1.5 + math.exp(-1) + 1 + math.exp(-0.3)) / 4)
+    assert stats["sampling/is_ratio_mean"] == pytest.approx((1.5 + math.exp(-1) + 1 + math.exp(-0.3)) / 4)
+    assert (stats["sampling/is_ratio_min"], stats["sampling/is_ratio_max"]) == (pytest.approx(math.exp(-1)), 1.5)
 
 
 def test_tis_weights_multiply_each_tokens_policy_term_not_the_kl():
@@ -127,12 +129,12 @@ def test_tis_through_the_trainer_weights_every_token_by_the_gap(tiny_model_dir, 
     run = train(run_config(tiny_model_dir, tmp_path / "t", algorithm={"tis_cap": 2.0}, train={"steps": 1}),
                 reward_functions=[parity], engine=lambda *a: FakeEngine(*a, logprob=-30.0))
     row = read_metrics(run)[0]
-    assert row["sampling/tis_clipped_ratio"] == 1.0 and row["sampling/tis_weight_mean"] == pytest.approx(2.0)
+    assert row["sampling/is_truncated_share"] == 1.0 and row["sampling/is_ratio_mean"] == pytest.approx(2.0)
     # the built-in engine is the trainer: the gap is float noise and TIS changes nothing
     run = train(run_config(tiny_model_dir, tmp_path / "h", algorithm={"tis_cap": 2.0}, train={"steps": 1}),
                 reward_functions=[parity])
     row = read_metrics(run)[0]
-    assert row["sampling/logprob_gap_max"] < 1e-4 and row["sampling/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert row["sampling/logprob_gap_max"] < 1e-4 and row["sampling/is_ratio_mean"] == pytest.approx(1.0, abs=1e-4)
 
 
 def test_tis_config_checks():

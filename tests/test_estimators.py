@@ -254,7 +254,8 @@ def _both(loss_type, level, beta, on_policy, *, seed=0, bias_kl=False, quantile=
 
     logp, ent = logp0.clone().requires_grad_(), ent0.clone().requires_grad_()
     loss, stats = policy_loss(logp, old, adv, mask, ref_logp=ref if beta else None, beta=beta, epsilon=EPS,
-                              epsilon_high=EPS_HIGH, loss_type=loss_type, importance_sampling_level=level,
+                              epsilon_high=1.0 + EPS_HIGH if loss_type == "cispo" else EPS_HIGH,
+                              loss_type=loss_type, importance_sampling_level=level,
                               max_completion_length=MAX_LEN, num_items_in_batch=num_items,
                               kl_bias_correction=bias_kl, entropy=ent, entropy_coef=entropy_coef,
                               top_entropy_quantile=quantile)

@@ -193,12 +193,13 @@ def test_kl_is_absent_when_beta_is_zero_and_ref_is_ignored():
 
 
 def test_cispo_hand_derived():
-    # weight = sg(min(rho, 1 + 0.2)): answer 0: 1.0 1.2 0.5; answer 1: 0.5 1.2; answer 2: 1.1 0.9 1.2 1.0
+    # weight = sg(min(rho, 1.2)) (epsilon_high = 1.2 is the cap itself)
+    # answer 0: 1.0 1.2 0.5; answer 1: 0.5 1.2; answer 2: 1.1 0.9 1.2 1.0
     # per-token loss -w * A * logp with logp = log(0.5 * rho); dapo normaliser 9 tokens
     logp, old, adv, mask = _batch()
     w = [[1.0, 1.2, 0.5], [0.5, 1.2], [1.1, 0.9, 1.2, 1.0]]
     total = sum(-w[i][t] * ADV[i] * math.log(0.5 * RHO[i][t]) for i in range(3) for t in range(len(w[i])))
-    loss, _ = policy_loss(logp, old, adv, mask, loss_type="cispo")
+    loss, _ = policy_loss(logp, old, adv, mask, loss_type="cispo", epsilon_high=1.2)  # the cap itself (TRL)
     assert abs(loss.item() - total / 9) < 1e-12
     loss.backward()
     # gradient -w * A / 9 everywhere, clipped tokens included (CISPO never drops a token's gradient)
@@ -300,7 +301,8 @@ def test_errors_name_argument_and_expected_shape():
 
 def test_error_unknown_loss_type_lists_choices():
     logp, old, adv, mask = _batch()
-    with pytest.raises(ValueError, match=r"loss_type must be one of \['bnpo', 'cispo', 'dapo', 'dr_grpo', 'grpo'\]"):
+    with pytest.raises(ValueError, match=r"loss_type must be one of \['bnpo', 'cispo', 'dapo', 'dr_grpo', 'grpo', "
+                                         r"'luspo', 'sapo', 'vespo'\]"):
         policy_loss(logp, old, adv, mask, loss_type="ppo")
 
 

@@ -45,7 +45,13 @@ def test_the_presets_say_what_the_papers_say():
     assert (c["dapo"].epsilon, c["dapo"].clip_high, c["dapo"].dynamic_sampling, c["dapo"].loss_type,
             c["dapo"].beta) == (0.2, 0.28, True, "dapo", 0.0)
     assert (c["gspo"].importance_sampling_level, c["gspo"].epsilon, c["gspo"].clip_high) == ("sequence", 3e-4, 4e-4)
-    assert (c["cispo"].loss_type, c["cispo"].clip_high) == ("cispo", 4.0)  # cap 1 + 4 = ScaleRL's eps_max 5
+    assert (c["cispo"].loss_type, c["cispo"].cispo_cap) == ("cispo", 5.0)  # ScaleRL's eps_max, TRL's epsilon_high
+    assert (c["sapo"].loss_type, c["sapo"].sapo_temperature_pos, c["sapo"].sapo_temperature_neg) == ("sapo", 1.0, 1.05)
+    assert (c["luspo"].loss_type, c["luspo"].importance_sampling_level, c["luspo"].epsilon) == ("luspo", "sequence",
+                                                                                                3e-4)
+    assert (c["vespo"].loss_type, c["vespo"].vespo_k_pos, c["vespo"].vespo_lambda_pos, c["vespo"].vespo_k_neg,
+            c["vespo"].vespo_lambda_neg, c["vespo"].importance_sampling_level) == ("vespo", 2.0, 3.0, 3.0, 2.0, "token")
+    assert all(not a.warnings for a in c.values())  # no preset sets something its own start-up note would question
 
 
 def test_fields_you_set_win_over_the_preset():

@@ -41,7 +41,7 @@ def test_the_configs_variant_names_are_the_ones_the_math_implements():
 
 @pytest.mark.parametrize("loss_type", variants.LOSS_TYPES)
 def test_which_losses_sum_over_the_global_token_count(loss_type):
-    assert AlgorithmConfig(loss_type=loss_type).sums_over_global_tokens == (loss_type in ("dapo", "cispo"))
+    assert AlgorithmConfig(loss_type=loss_type).sums_over_global_tokens == (loss_type in ("dapo", "cispo", "vespo"))
 
 
 @pytest.mark.parametrize("beta, entropy_coef, quantile, skip, expected", [
@@ -104,7 +104,7 @@ def test_the_gumbel_sampler_draws_exact_samples_with_the_same_log_probs(tiny):
     ("grpokit.modeling", "grpokit.models.loading", "load_model"),
     ("grpokit.modeling", "grpokit.models.forward", "completion_logprobs"),
     ("grpokit.engines", "grpokit.rollout.vllm", "VLLMEngine"),
-    ("grpokit.engines", "grpokit.algorithms.objectives", "truncated_importance_weights"),
+    ("grpokit.engines", "grpokit.algorithms.mismatch", "truncated_importance_weights"),
     ("grpokit.distributed", "grpokit.observe.metrics", "reduce_metrics"),
     ("grpokit.tiny", "grpokit.models.tiny", "build_tiny_model"),
     ("grpokit.tracking", "grpokit.observe.metrics", "reward_summary"),

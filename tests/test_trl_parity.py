@@ -12,8 +12,8 @@ Conventions set equal on purpose (each a documented difference, not a bug):
   TRL's dapo/cispo then divides by ``num_items_in_batch`` exactly as grpokit does
   (TRL: num_items_in_batch / num_processes * grad_accum / steps_per_generation), and
   its grpo/bnpo/dr_grpo divide by grad_accum = 1.
-- CISPO: TRL caps the ratio at ``epsilon_high`` (ScaleRL's eps_max); grpokit at
-  ``1 + epsilon_high`` (MiniMax-M1). TRL gets ``1 + ours``.
+- CISPO: both cap the ratio at ``epsilon_high`` itself (ScaleRL's eps_max); the tests give
+  cispo a cap above 1 (1 + EPS_HIGH), as a real run would.
 - GSPO clip metrics: TRL averages over sequences, grpokit over tokens (the sequence
   ratio broadcast), so clip stats are compared at token level only.
 """
@@ -109,7 +109,8 @@ def test_loss_gradient_and_stats_match_trl(loss_type, level, beta, on_policy):
 
     logp = logp0.clone().requires_grad_()
     loss, stats = policy_loss(
-        logp, old, adv, mask, ref_logp=ref if beta else None, beta=beta, epsilon=EPS, epsilon_high=EPS_HIGH,
+        logp, old, adv, mask, ref_logp=ref if beta else None, beta=beta, epsilon=EPS,
+        epsilon_high=fake.epsilon_high,
         loss_type=loss_type, importance_sampling_level=level, max_completion_length=MAX_LEN,
         num_items_in_batch=num_items,
     )

@@ -56,7 +56,7 @@ _MOVED = {
     "grpokit.distributed": ("grpokit.models.parallel", "grpokit.models.fsdp", "grpokit.observe.metrics",
                             "grpokit.training.checkpoint"),
     "grpokit.engines": ("grpokit.rollout.engines", "grpokit.rollout.vllm", "grpokit.rollout.batch",
-                        "grpokit.algorithms.objectives"),
+                        "grpokit.algorithms.objectives", "grpokit.algorithms.mismatch"),
     "grpokit.grading": ("grpokit.rollout.grading", "grpokit.observe.tracking"),
     "grpokit.tracking": ("grpokit.observe.tracking", "grpokit.observe.metrics", "grpokit.errors"),
     "grpokit.diagnostics": ("grpokit.observe.diagnostics",),

@@ -13,11 +13,27 @@ and the scalar loss aggregates loss_t over the mask (``loss_type``):
     dr_grpo  sum / (N * max_completion_length)                       (Dr. GRPO)
     dapo     sum / num_items_in_batch, the token count of the whole generation
              batch, so gradient accumulation does not change the scale (DAPO)
-    cispo    loss_t = -sg(min(rho_t, 1 + eps_high)) * A_i * logp_t, aggregated as
-             dapo (MiniMax-M1 CISPO: clip the importance weight, never drop a
-             token's gradient)
+    cispo    loss_t = -sg(min(rho_t, eps_high)) * A_i * logp_t, aggregated as dapo
+             (MiniMax-M1 CISPO: clip the importance weight, never drop a token's
+             gradient; the cap is eps_high itself, TRL's and ScaleRL's eps_max)
+    sapo     loss_t = -sigmoid(tau * (rho_t - 1)) * 4 / tau * A_i, tau = tau_pos if
+             A_i > 0 else tau_neg, aggregated as grpo (SAPO: a smooth gate instead of
+             the hard clip; its gradient at rho = 1 is the plain policy gradient's)
+    luspo    the clipped loss_t, summed over each answer's tokens, then the mean over
+             answers (LUSPO: with sequence ratios, GSPO scaled by each answer's length)
+    vespo    loss_i = -sg(phi(w_i)) * A_i * logp_t, aggregated as dapo, with w_i the
+             answer's sequence ratio prod_t rho_t and phi(w) = e^lam * w^k * e^(-lam * w)
+             (VESPO: a smooth gamma-shaped gate, phi(1) = 1; (k, lam) by the sign of A_i)
 
 Options beside the loss type, each off by default:
+
+- ``delta`` (two-sided clipping, INTELLECT-2): the unclipped ratio is capped at delta in the
+  clipped losses, min(min(rho, delta) A, clip(rho) A): a negative-advantage token whose ratio ran
+  far above 1 no longer has an unbounded loss. TRL's ``delta``.
+- ``off_policy_mask_threshold`` (DeepSeek-V3.2's off-policy sequence masking): an answer with
+  A < 0 whose mean token KL from the sampling policy, mean_t(sampling_logp_t - logp_t), exceeds the
+  threshold is dropped from the policy term (not from the KL term). The sampling log-probs are the
+  sampler's own when given, else the old ones. TRL's ``off_policy_mask_threshold``.
 
 - ``kl_bias_correction``: KL_t is multiplied by the (differentiable) ratio rho_t (GSPO: the
   sequence ratio), so that its gradient is the unbiased gradient of the reverse KL
@@ -46,10 +62,10 @@ Deviations from the papers (all but the CISPO one shared with TRL 1.16):
   on by default there) is ``kl_bias_correction``, off by default here.
 - grpo averages over answers including those with no completion token (they
   contribute 0), as TRL does.
-- CISPO's cap is ``1 + eps_high`` (the MiniMax-M1 paper's clip(r, ., 1 + eps_high),
-  consistent with what eps_high means for every other loss type here). TRL 1.16
-  instead caps at ``epsilon_high`` itself (ScaleRL's eps_max, recommended 5.0):
-  TRL's epsilon_high = e is our epsilon_high = e - 1. Like TRL, no lower cap.
+- CISPO's cap is ``eps_high`` itself, as TRL 1.16 (ScaleRL's eps_max, recommended 5.0),
+  not the MiniMax-M1 paper's 1 + eps_high: a config moved from TRL means the same. (The
+  config reads an ``epsilon_high`` below 1 the earlier way, as 1 + value: config/algorithm.py.)
+  Like TRL, no lower cap.
 - Clip metrics use the sequence ratio broadcast over tokens for GSPO, so they
   are token means everywhere (TRL takes a mean over sequences in that case).
 - Padding positions never reach the loss: log-ratios and the KL argument are
@@ -61,7 +77,9 @@ Pure torch; no function modifies its inputs.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -99,14 +117,36 @@ def sequence_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
     return log_ratio.sum(-1).exp()  # [N]
 
 
-def _clipped_surrogate(ratio: Tensor, adv: Tensor, logp: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    clipped = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)  # [N, T] or [N, 1]
+@dataclass(frozen=True)
+class Gate:
+    """The knobs of the per-token surrogates: the clip range, two-sided clipping, SAPO's temperatures."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    delta: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+
+
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, logp: Tensor, gate: Gate) -> Tensor:
+    clipped = ratio.clamp(1.0 - gate.eps_low, 1.0 + gate.eps_high)  # [N, T] or [N, 1]
+    if gate.delta is not None:  # two-sided clipping: the unclipped term's ratio is capped too
+        ratio = ratio.clamp(max=gate.delta)
     return -torch.min(ratio * adv, clipped * adv)
 
 
-def _cispo_surrogate(ratio: Tensor, adv: Tensor, logp: Tensor, eps_low: float, eps_high: float) -> Tensor:
-    weight = ratio.clamp(max=1.0 + eps_high).detach()  # [N, T] or [N, 1]
+def _cispo_surrogate(ratio: Tensor, adv: Tensor, logp: Tensor, gate: Gate) -> Tensor:
+    weight = ratio.clamp(max=gate.eps_high).detach()  # [N, T] or [N, 1]
     return -weight * adv * logp  # [N, T]
+
+
+def _sapo_surrogate(ratio: Tensor, adv: Tensor, logp: Tensor, gate: Gate) -> Tensor:
+    tau = torch.where(adv > 0, gate.sapo_temperature_pos, gate.sapo_temperature_neg).to(ratio.dtype)  # [N, 1]
+    return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv  # [N, T] or [N, 1]
+
+
+def _vespo_surrogate(ratio: Tensor, adv: Tensor, logp: Tensor, gate: Gate) -> Tensor:
+    return -adv * logp  # [N, T]; policy_loss multiplies by the sequence weight phi
 
 
 def _agg_grpo(loss: Tensor, maskf: Tensor, max_len: int | None, n_items) -> Tensor:
@@ -129,6 +169,10 @@ def _agg_dapo(loss: Tensor, maskf: Tensor, max_len: int | None, n_items) -> Tens
     return loss.sum() / total.clamp(min=1.0)
 
 
+def _agg_luspo(loss: Tensor, maskf: Tensor, max_len: int | None, n_items) -> Tensor:
+    return loss.sum(-1).mean()  # each answer's sum over its tokens, mean over answers
+
+
 # loss_type -> (per-token surrogate, aggregation of the masked per-token loss [N, T] to a scalar)
 LOSS_TYPES: dict[str, tuple[Callable, Callable]] = {
     "grpo": (_clipped_surrogate, _agg_grpo),
@@ -136,7 +180,41 @@ LOSS_TYPES: dict[str, tuple[Callable, Callable]] = {
     "dr_grpo": (_clipped_surrogate, _agg_dr_grpo),
     "dapo": (_clipped_surrogate, _agg_dapo),
     "cispo": (_cispo_surrogate, _agg_dapo),
+    "sapo": (_sapo_surrogate, _agg_grpo),
+    "luspo": (_clipped_surrogate, _agg_luspo),
+    "vespo": (_vespo_surrogate, _agg_dapo),
 }
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the losses with a clip range (and its statistics)
+
+
+@torch.no_grad()
+def vespo_weights(adv: Tensor, token_log_ratio: Tensor, maskf: Tensor, token_weights: Tensor | None = None, *,
+                  k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0
+                  ) -> Tensor:
+    """VESPO's sequence weight phi(w) = e^lam * w^k * e^(-lam * w) ``[N, 1]`` (no gradient), in log space.
+
+    w is the answer's whole ratio exp(sum_t log rho_t) (a sum, not GSPO's mean), times the product of the
+    sampler-mismatch weights when given (``token_weights``: they are folded in here, not multiplied into
+    the loss). Log-ratios are clamped to [-20, 20] and log w to [log 1e-8, 20], as the reference code."""
+    floor = math.log(1e-8)
+    log_w = (token_log_ratio.clamp(-20.0, 20.0) * maskf).sum(-1, keepdim=True)  # [N, 1]
+    if token_weights is not None:
+        log_w = log_w + (token_weights.log().clamp(floor, 20.0) * maskf).sum(-1, keepdim=True)
+    log_w = log_w.clamp(floor, 20.0)
+    nonneg = adv >= 0  # [N, 1]
+    k = torch.where(nonneg, k_pos, k_neg).to(log_w.dtype)
+    lam = torch.where(nonneg, lambda_pos, lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+    return (lam + k * log_w - lam * log_w.exp()).exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # [N, 1]
+
+
+def off_policy_mask(adv: Tensor, logp: Tensor, sampling_logp: Tensor, maskf: Tensor, threshold: float) -> Tensor:
+    """DeepSeek-V3.2's off-policy sequence mask ``[N, 1]`` (1 keep, 0 drop): keep an answer when A >= 0 or
+    its mean token KL from the sampling policy, mean_t(sampling_logp - logp), is at most `threshold`.
+    A token whose sampling log-prob is NaN (unscored) counts as no evidence (0)."""
+    kl = torch.nan_to_num(sampling_logp - logp.detach(), nan=0.0)  # [N, T]
+    mean_kl = (kl * maskf).sum(-1, keepdim=True) / maskf.sum(-1, keepdim=True).clamp(min=1.0)  # [N, 1]
+    return ((adv >= 0) | (mean_kl <= threshold)).to(maskf.dtype)  # [N, 1]
+
 
 
 def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
@@ -191,10 +269,14 @@ def _masked_mean(x: Tensor, maskf: Tensor) -> Tensor:
     return ((x * maskf).sum() / maskf.sum().clamp(min=1.0)).detach()
 
 
-def _clip_stats(ratio: Tensor, adv: Tensor, maskf: Tensor, eps_low: float, eps_high: float) -> dict[str, Tensor]:
+def _clip_stats(ratio: Tensor, adv: Tensor, maskf: Tensor, loss_type: str, gate: Gate) -> dict[str, Tensor]:
     ratio = ratio.detach().expand_as(maskf)  # [N, T] (GSPO's [N, 1] broadcast)
-    low = (ratio < 1.0 - eps_low) & (adv < 0)  # [N, T]
-    high = (ratio > 1.0 + eps_high) & (adv > 0)  # [N, T]
+    if loss_type == "cispo":  # the share of tokens whose weight the cap lowered (TRL's cispo_clip_ratio)
+        return {"clip_ratio/high_mean": _masked_mean(((ratio > gate.eps_high) & (adv > 0)).to(maskf.dtype), maskf)}
+    if loss_type not in CLIPPED:
+        return {}
+    low = (ratio < 1.0 - gate.eps_low) & (adv < 0)  # [N, T]
+    high = (ratio > 1.0 + gate.eps_high) & (adv > 0)  # [N, T]
     return {
         "clip_ratio/low_mean": _masked_mean(low.to(maskf.dtype), maskf),
         "clip_ratio/high_mean": _masked_mean(high.to(maskf.dtype), maskf),
@@ -221,29 +303,48 @@ def policy_loss(
     entropy_coef: float = 0.0,
     top_entropy_quantile: float = 1.0,
     token_weights: Tensor | None = None,
+    delta: float | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo: dict | None = None,
+    off_policy_mask_threshold: float | None = None,
+    sampling_logp: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Scalar policy loss and detached stats; see the module docstring for the math.
 
-    logp, old_logp, ref_logp, mask, entropy: ``[N, T]``; advantages: ``[N]``. ``old_logp=None``
-    means on-policy (``logp.detach()``: ratio 1, gradient still flows). ``entropy`` (with its
-    gradient, for the bonus) is needed only when ``entropy_coef > 0`` or ``top_entropy_quantile < 1``.
-    ``token_weights`` ``[N, T]`` (no gradient) multiply each token's policy term: truncated importance
-    sampling for a sampler other than the trainer (``truncated_importance_weights`` below).
+    logp, old_logp, ref_logp, mask, entropy, sampling_logp: ``[N, T]``; advantages: ``[N]``.
+    ``old_logp=None`` means on-policy (``logp.detach()``: ratio 1, gradient still flows). ``entropy``
+    (with its gradient, for the bonus) is needed only when ``entropy_coef > 0`` or
+    ``top_entropy_quantile < 1``. ``token_weights`` ``[N, T]`` or ``[N, 1]`` (no gradient) multiply
+    each token's policy term: the correction for a sampler other than the trainer
+    (``algorithms/mismatch.py``); vespo folds them into its sequence weight instead, as TRL.
+    ``vespo``: its k_pos / lambda_pos / k_neg / lambda_neg (TRL's defaults when omitted).
+    ``sampling_logp``: the sampler's log-probs for the off-policy mask (default: ``old_logp``).
     """
     _check_policy_args(logp, old_logp, advantages, mask, ref_logp, beta, loss_type)
     _check_entropy_args(logp, entropy, entropy_coef, top_entropy_quantile)
     surrogate, aggregate = LOSS_TYPES[loss_type]
-    eps_low, eps_high = epsilon, (epsilon if epsilon_high is None else epsilon_high)
+    gate = Gate(epsilon, epsilon if epsilon_high is None else epsilon_high, delta, sapo_temperature_pos,
+                sapo_temperature_neg)
     old_logp = logp.detach() if old_logp is None else old_logp
     valid = mask != 0  # [N, T]
     maskf = valid.to(logp.dtype)  # [N, T]
     adv = advantages.to(logp.dtype).unsqueeze(-1)  # [N, 1]
 
     ratio = importance_log_ratio(logp, old_logp, mask, level=importance_sampling_level).exp()  # [N, T] | [N, 1]
-    per_token = surrogate(ratio, adv, logp, eps_low, eps_high).expand_as(logp)  # [N, T]
-    if token_weights is not None:  # TIS: constant per-token weights of the policy term, before KL (as TRL)
+    per_token = surrogate(ratio, adv, logp, gate).expand_as(logp)  # [N, T]
+    stats = _clip_stats(ratio, adv, maskf, loss_type, gate)
+    if loss_type == "vespo":  # the smooth sequence gate, with the sampler correction folded in
+        phi = vespo_weights(adv, torch.where(valid, logp - old_logp, 0.0), maskf, token_weights, **(vespo or {}))
+        per_token = per_token * phi
+        stats["vespo/phi_seq_mean"] = phi.mean().detach()
+    elif token_weights is not None:  # constant per-answer or per-token weights of the policy term, before KL (TRL)
         per_token = per_token * token_weights.detach().to(logp.dtype)
-    stats = _clip_stats(ratio, adv, maskf, eps_low, eps_high)
+    if off_policy_mask_threshold is not None:
+        sampled = old_logp if sampling_logp is None else sampling_logp
+        keep = off_policy_mask(adv, logp, sampled, maskf, off_policy_mask_threshold)  # [N, 1]
+        per_token = per_token * keep
+        stats["off_policy/masked_share"] = _masked_mean((1.0 - keep).expand_as(maskf), maskf)
     if top_entropy_quantile < 1.0:  # the policy term only on the high-entropy tokens
         acting = high_entropy_mask(entropy, mask, top_entropy_quantile).to(logp.dtype)  # [N, T]
         per_token = per_token * acting
@@ -252,8 +353,8 @@ def policy_loss(
     if entropy_coef > 0:
         per_token = per_token - entropy_coef * torch.where(valid, entropy, 0.0).to(logp.dtype) * acting
     if beta > 0:
-        delta = torch.where(valid, ref_logp - logp, 0.0)  # [N, T]
-        kl = delta.exp() - delta - 1.0  # [N, T], k3 >= 0
+        log_ratio_ref = torch.where(valid, ref_logp - logp, 0.0)  # [N, T]
+        kl = log_ratio_ref.exp() - log_ratio_ref - 1.0  # [N, T], k3 >= 0
         if kl_bias_correction:  # DeepSeek-V3.2: KL_t * rho_t (rho not detached), as TRL
             kl = kl * ratio
         per_token = per_token + beta * kl
@@ -263,24 +364,8 @@ def policy_loss(
     return loss, stats
 
 
-def truncated_importance_weights(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor, cap: float
-                                 ) -> tuple[Tensor, dict[str, float]]:
-    """TIS weights `min(exp(trainer - sampler), cap)` [N, T] (1 on padding), and their statistics.
-
-    trainer_logp, sampler_logp, mask: [N, T]. The weights are constants (no gradient)."""
-    if cap <= 0:
-        raise ValueError(f"tis cap must be > 0, got {cap}")
-    valid = mask != 0  # [N, T]
-    T = min(trainer_logp.shape[1], sampler_logp.shape[1], mask.shape[1])
-    valid = valid[:, :T]
-    gap = torch.where(valid, trainer_logp[:, :T].detach().float() - sampler_logp[:, :T].float(), 0.0)  # [N, T]
-    raw = gap.exp()  # [N, T]
-    weights = raw.clamp(max=cap)
-    count = valid.sum().clamp(min=1)
-    stats = {
-        "sampling/logprob_gap_mean": float(gap.abs().sum() / count),
-        "sampling/logprob_gap_max": float(gap.abs().max()) if valid.any() else 0.0,
-        "sampling/tis_weight_mean": float((weights * valid).sum() / count),
-        "sampling/tis_clipped_ratio": float(((raw > cap) & valid).sum() / count),
-    }
-    return weights, stats
+def adapt_entropy_coef(coef: float, entropy: float, *, target: float, delta: float, low: float, high: float
+                       ) -> float:
+    """One step of the adaptive entropy coefficient (TRL's use_adaptive_entropy): up by `delta` while the
+    measured token entropy is at or below `target`, down by `delta` above it, kept within [low, high]."""
+    return min(coef + delta, high) if entropy <= target else max(coef - delta, low)

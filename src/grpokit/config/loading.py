@@ -6,9 +6,10 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from grpokit.config.algorithm import _check_preset
 from grpokit.config.checks import _checked, _did_you_mean, _example, _hints, _toml_value
 from grpokit.config.presets import apply_preset
-from grpokit.config.schema import SECTIONS, Config, _check_preset
+from grpokit.config.schema import SECTIONS, Config
 from grpokit.errors import ConfigError, PresetError
 
 

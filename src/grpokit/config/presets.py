@@ -5,17 +5,20 @@ range, advantage scaling, ratio level, dynamic sampling, advantage estimator), s
 the same thing whatever the defaults are, and two presets differ exactly where the papers do.
 Everything else (learning rate, group size, μ, entropy options, ...) stays yours.
 
-| field                     | grpo   | dr_grpo | dapo   | gspo     | cispo  |
-|---------------------------|--------|---------|--------|----------|--------|
-| loss_type                 | grpo   | dr_grpo | dapo   | grpo     | cispo  |
-| beta                      | 0.04   | 0.0     | 0.0    | 0.0      | 0.0    |
-| epsilon                   | 0.2    | 0.2     | 0.2    | 3e-4     | 0.2    |
-| epsilon_high (0 = eps)    | 0.0    | 0.0     | 0.28   | 4e-4     | 4.0    |
-| scale_rewards             | group  | none    | group  | group    | group  |
-| importance_sampling_level | token  | token   | token  | sequence | token  |
-| dynamic_sampling          | false  | false   | true   | false    | false  |
-| advantage_estimator       | grpo   | grpo    | grpo   | grpo     | grpo   |
-| rewards                   |        |         | + soft_overlong_penalty |  |  |
+| field                     | grpo   | dr_grpo | dapo   | gspo     | cispo  | sapo   | luspo    | vespo  |
+|---------------------------|--------|---------|--------|----------|--------|--------|----------|--------|
+| loss_type                 | grpo   | dr_grpo | dapo   | grpo     | cispo  | sapo   | luspo    | vespo  |
+| beta                      | 0.04   | 0.0     | 0.0    | 0.0      | 0.0    | 0.0    | 0.0      | 0.0    |
+| epsilon                   | 0.2    | 0.2     | 0.2    | 3e-4     | 0.2    | 0.2    | 3e-4     | 0.2    |
+| epsilon_high (0 = eps)    | 0.0    | 0.0     | 0.28   | 4e-4     | 5.0    | 0.0    | 4e-4     | 0.0    |
+| scale_rewards             | group  | none    | group  | group    | group  | group  | group    | group  |
+| importance_sampling_level | token  | token   | token  | sequence | token  | token  | sequence | token  |
+| dynamic_sampling          | false  | false   | true   | false    | false  | false  | false    | false  |
+| advantage_estimator       | grpo   | grpo    | grpo   | grpo     | grpo   | grpo   | grpo     | grpo   |
+| rewards                   |        |         | + soft_overlong_penalty |  |  |  |  |  |
+
+``sapo`` also writes ``sapo_temperature_pos = 1.0`` and ``sapo_temperature_neg = 1.05``; ``vespo`` writes
+``vespo_k_pos = 2``, ``vespo_lambda_pos = 3``, ``vespo_k_neg = 3``, ``vespo_lambda_neg = 2``.
 
 - ``grpo`` — DeepSeekMath (Shao et al. 2024): per-answer token mean, then mean over answers;
   k3 KL to the reference with β = 0.04; A = (r − mean) / std per group.
@@ -35,10 +38,18 @@ Everything else (learning rate, group size, μ, entropy options, ...) stays your
   off-policy: with μ = 1 and one minibatch per generation batch every ratio is 1 and GSPO's update
   equals GRPO's without KL; split the batch (``train.minibatch_size``) or set μ > 1 to see it.
 - ``cispo`` — CISPO (MiniMax-M1, 2025): REINFORCE with the importance weight clipped and detached,
-  so no token's gradient is dropped; token-level aggregation, no KL. grpokit caps the weight at
-  ``1 + epsilon_high`` (see ``objectives``); MiniMax-M1 does not publish its tuned ε_high^IS, so
-  the preset takes ScaleRL's ε_max = 5 (Khatri et al. 2025; TRL's recommended ``epsilon_high=5.0``
-  for cispo), which in grpokit's convention is ``epsilon_high = 4.0``. Like the paper, no lower cap.
+  so no token's gradient is dropped; token-level aggregation, no KL. ``epsilon_high`` is the cap on
+  the weight itself, as in TRL; MiniMax-M1 does not publish its tuned ε_high^IS, so the preset takes
+  ScaleRL's ε_max = 5 (Khatri et al. 2025; TRL's recommended ``epsilon_high=5.0``). No lower cap.
+- ``sapo`` — SAPO (Gao et al. 2025, Qwen): the hard clip becomes a smooth gate,
+  sigmoid(τ(r − 1)) · 4/τ, so a token far off-policy fades out instead of being cut; a slightly higher
+  τ for negative advantages (1.05) damps them faster, as the paper sets it. Per-answer token mean.
+- ``luspo`` — LUSPO (2026, "Length-Unbiased Sequence Policy Optimization"): GSPO's sequence ratio and
+  clip range, but each answer's term is summed over its tokens (scaled by its length) instead of
+  averaged, which removes GSPO's bias towards short answers.
+- ``vespo`` — VESPO (2026, "Variational Sequence-Level Soft Policy Optimization"): REINFORCE weighted by
+  a smooth gamma-shaped function of the answer's whole sequence ratio, φ(w) = e^λ · w^k · e^(−λw)
+  (φ(1) = 1), with TRL's (k, λ) = (2, 3) for non-negative and (3, 2) for negative advantages.
 
 Presets are resolved when a config is built from a dict or TOML (``load_config``,
 ``config_from_dict``, ``grpokit train --set algorithm.preset=dapo``), under the values you give,
@@ -59,10 +70,10 @@ from grpokit.errors import PresetError
 OVERLONG_BUFFER_FRACTION = 0.2  # DAPO: L_cache = 4096 of L_max = 20480
 
 
-def _fields(loss_type, beta, epsilon, epsilon_high, scale_rewards, level, dynamic_sampling) -> dict:
+def _fields(loss_type, beta, epsilon, epsilon_high, scale_rewards, level, dynamic_sampling, **extra) -> dict:
     return {"loss_type": loss_type, "beta": beta, "epsilon": epsilon, "epsilon_high": epsilon_high,
             "scale_rewards": scale_rewards, "importance_sampling_level": level,
-            "dynamic_sampling": dynamic_sampling, "advantage_estimator": "grpo"}
+            "dynamic_sampling": dynamic_sampling, "advantage_estimator": "grpo", **extra}
 
 
 # name -> {"algorithm": fields, "rewards": a function of the raw config -> its [rewards] table (optional)}
@@ -72,7 +83,12 @@ PRESETS: dict[str, dict] = {
     "dapo": {"algorithm": _fields("dapo", 0.0, 0.2, 0.28, "group", "token", True),
              "rewards": "soft_overlong_penalty"},
     "gspo": {"algorithm": _fields("grpo", 0.0, 3e-4, 4e-4, "group", "sequence", False)},
-    "cispo": {"algorithm": _fields("cispo", 0.0, 0.2, 4.0, "group", "token", False)},
+    "cispo": {"algorithm": _fields("cispo", 0.0, 0.2, 5.0, "group", "token", False)},
+    "sapo": {"algorithm": _fields("sapo", 0.0, 0.2, 0.0, "group", "token", False,
+                                  sapo_temperature_pos=1.0, sapo_temperature_neg=1.05)},
+    "luspo": {"algorithm": _fields("luspo", 0.0, 3e-4, 4e-4, "group", "sequence", False)},
+    "vespo": {"algorithm": _fields("vespo", 0.0, 0.2, 0.0, "group", "token", False, vespo_k_pos=2.0,
+                                   vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0)},
 }
 
 

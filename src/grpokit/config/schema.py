@@ -13,22 +13,16 @@ import dataclasses
 import re
 from dataclasses import dataclass, field
 
+from grpokit.config.algorithm import AlgorithmConfig
 from grpokit.config.checks import _check, _check_fields, _did_you_mean, _installed, _one_of, _show
 from grpokit.config.evaluation import EvalConfig, check_eval
 from grpokit.config.options import check_lora, check_vllm
 from grpokit.config.variants import (
-    ADVANTAGE_ESTIMATORS,
     ENGINES,
-    GLOBAL_TOKEN_LOSSES,
-    IMPORTANCE_SAMPLING_LEVELS,
-    LOSS_TYPES,
-    OLD_LOGPROBS,
-    PRESET_NAMES,
+    REWARD_AGGREGATIONS,
     REWARD_ISOLATION,
     REWARD_ON_ERROR,
     SAMPLERS,
-    SCALE_REWARDS,
-    STD_KINDS,
     TASK_NAMES,
 )
 
@@ -101,9 +95,15 @@ class RewardConfig:
     # out or crashed): "raise" stops the run with an error naming it; "skip" leaves those answers ungraded
     # (None) and counts them in rewards/<name>/ungraded.
     on_error: str = "raise"
+    # Several reward functions: "sum_then_normalize" weights and sums them, then forms the advantages
+    # (algorithm.scale_rewards); "normalize_then_sum" (GDPO) normalizes each function within its group
+    # first, sums them with their weights, then normalizes the sum over the batch (TRL's
+    # multi_objective_aggregation)
+    aggregation: str = "sum_then_normalize"
 
     def __post_init__(self):
         _check_fields(self, "rewards")
+        _one_of(self.aggregation, REWARD_AGGREGATIONS, "rewards.aggregation")
         _check(self.timeout_s >= 0, "rewards.timeout_s", "must be >= 0 seconds (0 = no limit); 600 is the default")
         _one_of(self.isolation, REWARD_ISOLATION, "rewards.isolation")
         _one_of(self.on_error, REWARD_ON_ERROR, "rewards.on_error")
@@ -152,79 +152,6 @@ class RolloutConfig:
         _check(self.temperature > 0, "rollout.temperature", "must be > 0 for sampling (GRPO needs diverse answers)")
         _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
         _check(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")
-
-
-@dataclass(frozen=True)
-class AlgorithmConfig:
-    loss_type: str = "dapo"  # grpo | bnpo | dr_grpo | dapo | cispo
-    beta: float = 0.0  # KL coefficient; 0 = no reference model is loaded
-    epsilon: float = 0.2
-    epsilon_high: float = 0.0  # 0 = same as epsilon (DAPO uses 0.28)
-    scale_rewards: str = "group"  # group | batch | none (Dr. GRPO)
-    std: str = "population"  # population | sample (TRL)
-    importance_sampling_level: str = "token"  # token | sequence (GSPO)
-    num_iterations: int = 1  # mu: passes over one generation batch
-    mask_truncated_completions: bool = False
-    dynamic_sampling: bool = False  # DAPO: drop zero-std groups, draw more prompts
-    max_resample_rounds: int = 4  # extra prompt batches drawn per step at most
-    # Old log-probs when μ > 1 (or several minibatches): "recompute" (a no-grad pass, as TRL),
-    # "first_pass" (kept from the first pass's forward: exact, no extra pass; needs one minibatch),
-    # "sampler" (the rollout's log-probs: no extra pass, differs from a recompute by float noise).
-    old_logprobs: str = "recompute"
-    # Variants (docs/VARIANTS.md): a named preset (grpo | dr_grpo | dapo | gspo | cispo; see presets.py),
-    # resolved when the config is built from TOML/dict, under the fields you set yourself.
-    preset: str = ""
-    advantage_estimator: str = "grpo"  # grpo (group mean/std) | rloo (leave-one-out) | reinforce_pp
-    entropy_coef: float = 0.0  # entropy bonus: loss -= coef * H_t, aggregated like the loss
-    top_entropy_quantile: float = 1.0  # < 1: policy term only on this top share of tokens by entropy
-    kl_bias_correction: bool = False  # KL_t * ratio_t (DeepSeek-V3.2; TRL's use_bias_correction_kl)
-    # Truncated importance sampling for a sampler that is not the trainer (vLLM): each token's loss is
-    # weighted by min(exp(trainer_logp - sampler_logp), tis_cap); 0 = off (rollout/engines.py). 2.0 is usual.
-    tis_cap: float = 0.0
-
-    def __post_init__(self):
-        _check_fields(self, "algorithm")
-        _check_preset(self.preset)
-        _one_of(self.advantage_estimator, ADVANTAGE_ESTIMATORS, "algorithm.advantage_estimator")
-        _check(self.advantage_estimator == "grpo" or self.scale_rewards == "group", "algorithm.scale_rewards",
-               f"{self.scale_rewards!r} applies to advantage_estimator = 'grpo' only; "
-               f"{self.advantage_estimator!r} sets its own scale (leave scale_rewards at 'group')")
-        _check(self.entropy_coef >= 0, "algorithm.entropy_coef", "must be >= 0 (0 = no entropy bonus)")
-        _check(0 <= self.top_entropy_quantile <= 1, "algorithm.top_entropy_quantile",
-               "must be in [0, 1] (1 = every token; 0.2 = the 20% highest-entropy tokens)")
-        _one_of(self.loss_type, LOSS_TYPES, "algorithm.loss_type")
-        _one_of(self.scale_rewards, SCALE_REWARDS, "algorithm.scale_rewards")
-        _one_of(self.std, STD_KINDS, "algorithm.std")
-        _one_of(self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS, "algorithm.importance_sampling_level")
-        _check(self.beta >= 0, "algorithm.beta", "must be >= 0 (0 disables the KL term)")
-        _check(0 < self.epsilon < 1, "algorithm.epsilon", "must be in (0, 1); 0.2 is usual")
-        _check(self.epsilon_high >= 0, "algorithm.epsilon_high", "must be >= 0 (0 = same as epsilon)")
-        _check(self.num_iterations >= 1, "algorithm.num_iterations", "must be >= 1")
-        _check(self.max_resample_rounds >= 0, "algorithm.max_resample_rounds", "must be >= 0")
-        _one_of(self.old_logprobs, OLD_LOGPROBS, "algorithm.old_logprobs")
-        _check(self.tis_cap >= 0, "algorithm.tis_cap",
-               "must be >= 0 (0 = off; 2.0 is usual with rollout.engine = vllm)")
-
-    @property
-    def clip_high(self) -> float:
-        return self.epsilon_high or self.epsilon
-
-    @property
-    def sums_over_global_tokens(self) -> bool:
-        """The loss divides by the token count of the whole minibatch over all processes (dapo, cispo):
-        micro-batch losses and the processes' gradients add up, with no 1/n or 1/W scaling."""
-        return self.loss_type in GLOBAL_TOKEN_LOSSES
-
-    @property
-    def uses_entropy(self) -> bool:
-        """The loss reads per-token entropies (bonus or top-entropy mask)."""
-        return self.entropy_coef > 0 or self.top_entropy_quantile < 1
-
-
-def _check_preset(name) -> None:
-    _check(name == "" or (isinstance(name, str) and name in PRESET_NAMES), "algorithm.preset",
-           f"unknown preset {name!r}{_did_you_mean(str(name), PRESET_NAMES)}; choose one of {', '.join(PRESET_NAMES)} "
-           "(or leave it empty)")
 
 
 @dataclass(frozen=True)

@@ -10,20 +10,32 @@ torch: the CLI reads them before torch is imported.
 from __future__ import annotations
 
 # algorithm.loss_type: how per-token losses become one number (algorithms/objectives.py)
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 # These divide by the token count of the whole minibatch (all processes together), not of a
 # micro-batch or an answer: the trainer all-reduces that count before the loss, gradient
 # accumulation does not rescale them, and the processes' gradients simply add up.
-GLOBAL_TOKEN_LOSSES = ("dapo", "cispo")
+GLOBAL_TOKEN_LOSSES = ("dapo", "cispo", "vespo")
+# Loss types whose terms act on a whole answer (a sequence weight or sum): each answer's loss depends on all
+# its tokens' log-probs together, so the fused head's one-pass backward (per-token gradients) cannot serve.
+SEQUENCE_LOSSES = ("vespo",)
+# Loss types built for sequence-level ratios (GSPO, LUSPO); with the token-sum losses a sequence ratio weights
+# each answer by its length instead (TRL warns the same way).
+SEQUENCE_RATIO_LOSSES = ("grpo", "sapo", "luspo")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")  # algorithms/advantages.py
 SCALE_REWARDS = ("group", "batch", "none")
 STD_KINDS = ("population", "sample")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # sequence = GSPO
 OLD_LOGPROBS = ("recompute", "first_pass", "sampler")
-PRESET_NAMES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")  # config/presets.py; a test keeps them equal
+# algorithm.is_correction: how a sampler's log-probs that are not the trainer's are corrected (TRL's
+# vllm_importance_sampling_mode); "none" = off
+IS_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# config/presets.py; a test keeps them equal
+PRESET_NAMES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "luspo", "vespo")
 ENGINES = ("hf", "vllm")  # rollout/engines.py
 SAMPLERS = ("inverse_cdf", "gumbel")  # rollout/sampling.py
 # The built-in task names (tasks.TASKS; not imported here: that imports torch). A test keeps them equal.
 TASK_NAMES = ("addition", "countdown", "multiplication")
 REWARD_ISOLATION = ("none", "process")  # rewards/isolation.py
 REWARD_ON_ERROR = ("raise", "skip")
+# rewards.aggregation: how several reward functions become one advantage (TRL's multi_objective_aggregation)
+REWARD_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")

@@ -60,14 +60,14 @@ def tool_metrics(stats: list) -> dict[str, float]:
     return out
 
 
-_MAX = ("completions/max_length", "sampling/logprob_gap_max")
-_MIN = ("completions/min_length",)
+_MAX = ("completions/max_length", "sampling/logprob_gap_max", "sampling/is_ratio_max")
+_MIN = ("completions/min_length", "sampling/is_ratio_min")
 _SUM = ("tokens_per_sec", "dynamic_sampling/groups_kept")
 _SUM_SUFFIXES = ("/ungraded",)  # rewards/<name>/ungraded: answers a failing grader left ungraded, a count
 
 
 def _token_weighted(key: str) -> bool:
-    return key == "kl" or key.startswith(("clip_ratio/", "cispo/", "sampling/"))
+    return key == "kl" or key.startswith(("clip_ratio/", "cispo/", "sampling/", "off_policy/", "vespo/"))
 
 
 def reduce_metrics(metrics: dict, batch, specs, config) -> dict:

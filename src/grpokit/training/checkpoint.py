@@ -158,7 +158,8 @@ def trainer_state(step: int, policy, sampler: torch.Generator, stream) -> dict:
     every process's sampling generator, the prompt stream's position. A collective under torchrun."""
     return {"step": step, "optimizer": optimizer_state(policy.model, policy.optimizer),
             "scheduler": policy.scheduler.state_dict(), "rng": rng_state(),
-            "sampler": gather_states(sampler.get_state()), "stream": stream.state_dict()}
+            "sampler": gather_states(sampler.get_state()), "stream": stream.state_dict(),
+            "entropy": policy.entropy_state()}
 
 
 def restore_checkpoint(checkpoint: Path, policy, sampler: torch.Generator, stream) -> int:
@@ -168,6 +169,7 @@ def restore_checkpoint(checkpoint: Path, policy, sampler: torch.Generator, strea
     load_optimizer_state(policy.model, policy.optimizer, state["optimizer"])
     policy.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
+    policy.load_entropy_state(state.get("entropy"))
     sampler.set_state(local_state(state["sampler"]))  # this process's generator
     try:
         stream.load_state_dict(state["stream"])

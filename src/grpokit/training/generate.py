@@ -33,7 +33,7 @@ class GenerationBatch:
     loss_mask: torch.Tensor  # [N, T] completion mask, truncated answers zeroed if asked
     old_logp: torch.Tensor | None = None  # [N, T] only when μ > 1 or several minibatches
     ref_logp: torch.Tensor | None = None  # [N, T] only when β > 0
-    tis_weight: torch.Tensor | None = None  # [N, T] only with algorithm.tis_cap (a sampler other than the trainer)
+    is_weight: torch.Tensor | None = None  # [N, T] or [N, 1], only with algorithm.is_correction (sampler != trainer)
 
     @property
     def rollout(self) -> Rollout:

@@ -32,7 +32,7 @@ from grpokit.training.generate import generate_and_grade
 from grpokit.training.run_folder import RunFolderLock, record_segment, with_resolved_paths
 from grpokit.training.setup import Run, build_run, check_inputs
 from grpokit.training.stopping import GracefulStop, continue_command, diverged_message, stop_messages
-from grpokit.training.update import optimize, score_old_and_ref, with_tis_weights
+from grpokit.training.update import optimize, score_old_and_ref, with_is_weights
 
 
 def train(
@@ -117,9 +117,9 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
                 t1 = time.perf_counter()
                 # update: old / reference log-probs, then μ passes of clipped-surrogate steps
                 batch = score_old_and_ref(local, policy, batch)
-                if local.algorithm.tis_cap:  # the sampler is not the trainer (vLLM): weight tokens by their gap
-                    batch, tis_metrics = with_tis_weights(local, policy, batch)
-                    gen_metrics.update(tis_metrics)
+                if local.algorithm.is_correction != "none":  # the sampler's log-probs are not the trainer's
+                    batch, is_metrics = with_is_weights(local, policy, batch)
+                    gen_metrics.update(is_metrics)
                 train_metrics, _ = optimize(local, policy, batch)
                 run.engine.sync_weights(policy.model)  # vLLM: push the new weights; HF: the sampler is the model
                 t2 = time.perf_counter()

@@ -274,6 +274,17 @@ class Policy:
     linear_head: bool  # logits == lm_head(hidden): the fused log-prob head applies
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
+    # algorithm.adaptive_entropy: the coefficient now, and the token entropy the last optimizer step measured
+    # (inf before the first: the bonus starts off, as TRL's); part of the checkpoint
+    entropy_coef: float = 0.0
+    last_entropy: float = float("inf")
+
+    def entropy_state(self) -> dict:
+        return {"coef": self.entropy_coef, "last_entropy": self.last_entropy}
+
+    def load_entropy_state(self, state: dict | None) -> None:
+        if state is not None:  # checkpoints written before adaptive entropy existed have none
+            self.entropy_coef, self.last_entropy = float(state["coef"]), float(state["last_entropy"])
 
 
 @dataclass
@@ -342,7 +353,7 @@ def build_policy(config: Config) -> Policy:
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.learning_rate,
                                   betas=t.adam_betas, weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
-    return Policy(model, ref_model, linear_head, optimizer, scheduler)
+    return Policy(model, ref_model, linear_head, optimizer, scheduler, entropy_coef=config.algorithm.entropy_coef)
 
 
 def build_run(config: Config, inputs: Inputs, dist: DistributedContext, engine=None) -> Run:

@@ -1,7 +1,7 @@
 """The policy update of one step: old / reference log-probs, then μ passes of clipped-surrogate steps.
 
     batch = score_old_and_ref(config, policy, batch)      # old_logp only when needed, ref_logp when β > 0
-    batch, stats = with_tis_weights(config, policy, batch)  # only for a sampler other than the trainer
+    batch, stats = with_is_weights(config, policy, batch)   # only with algorithm.is_correction
     metrics, old_logp = optimize(config, policy, batch)    # μ × minibatches × micro-batches
 
 Each function returns what it computed (a new `GenerationBatch`, metrics) instead of filling in the
@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from grpokit.algorithms.objectives import policy_loss, truncated_importance_weights
+from grpokit.algorithms.mismatch import importance_correction
+from grpokit.algorithms.objectives import adapt_entropy_coef, policy_loss
 from grpokit.config.schema import Config
 from grpokit.models.forward import completion_logprobs
 from grpokit.models.parallel import global_sum, reduce_gradients
@@ -52,16 +53,19 @@ def _score(config: Config, model, batch: GenerationBatch, linear_head: bool) -> 
     return torch.cat(out)  # [N, T]
 
 
-def with_tis_weights(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[GenerationBatch, dict]:
-    """Truncated importance sampling (rollout/engines.py): per-token weights min(exp(trainer - sampler), cap),
+def with_is_weights(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[GenerationBatch, dict]:
+    """The sampler-trainer mismatch correction (`algorithm.is_correction`, algorithms/mismatch.py): per-token
+    or per-answer weights from exp(trainer - sampler), truncated or masked into [is_cap_min, is_cap_max],
     with the trainer's log-probs before the update (the old ones when the trainer computed them, else a
     no-grad pass; never the sampler's own, which algorithm.old_logprobs = "sampler" would reuse)."""
+    algo = config.algorithm
     own = batch.old_logp is not None and batch.old_logp is not batch.rollout.logprobs
     with torch.no_grad():
         trainer_logp = batch.old_logp if own else _score(config, policy.model, batch, policy.linear_head)
-    weights, stats = truncated_importance_weights(trainer_logp, batch.rollout.logprobs, batch.loss_mask,
-                                                  config.algorithm.tis_cap)
-    return dataclasses.replace(batch, tis_weight=weights), stats
+    weights, stats = importance_correction(trainer_logp, batch.rollout.logprobs, batch.loss_mask,
+                                           algo.is_correction, cap_max=algo.is_cap_max or None,
+                                           cap_min=algo.is_cap_min or None)
+    return dataclasses.replace(batch, is_weight=weights), stats
 
 
 def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[dict, torch.Tensor | None]:
@@ -83,9 +87,12 @@ def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[di
             policy.optimizer.zero_grad(set_to_none=True)
             micro_batches = minibatch.split(config.micro_batch_size)
             n_items = global_sum(batch.loss_mask[minibatch].sum()).clamp(min=1)  # dapo: minibatch tokens, all ranks
-            loss = 0.0
+            loss, entropy_sum, entropy_tokens = 0.0, 0.0, 0.0
+            coef = _entropy_coef_now(algo, policy)
             for rows in micro_batches:
-                micro_loss, stats, logp = _micro_step(config, policy, batch, old, rows, n_items, len(micro_batches))
+                micro_loss, stats, logp = _micro_step(config, policy, batch, old, rows, n_items, len(micro_batches),
+                                                      coef)
+                entropy_sum, entropy_tokens = entropy_sum + stats["entropy"], entropy_tokens + stats["_entropy_tokens"]
                 if first_logp is not None and iteration == 0:
                     first_logp[rows, :logp.shape[1]] = logp
                 loss += micro_loss
@@ -100,6 +107,12 @@ def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[di
             else:  # a NaN/inf gradient must never reach the weights
                 skipped += 1
             policy.scheduler.step()
+            if algo.adaptive_entropy:  # steer the next step's coefficient by this step's token entropy (all ranks)
+                entropy = global_sum(torch.tensor([entropy_sum, entropy_tokens], dtype=torch.float64))
+                policy.last_entropy = float(entropy[0] / entropy[1].clamp(min=1))
+                policy.entropy_coef = adapt_entropy_coef(
+                    policy.entropy_coef, policy.last_entropy, target=algo.entropy_target,
+                    delta=algo.entropy_coef_delta, low=algo.entropy_coef_min, high=algo.entropy_coef_max)
         if first_logp is not None and iteration == 0:
             old = first_logp
     tokens, entropy_tokens = sums.pop("_tokens"), sums.pop("_entropy_tokens")
@@ -109,10 +122,21 @@ def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[di
     metrics["loss"] = sum(losses) / len(losses)
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     metrics["skipped_updates"] = skipped
+    if algo.adaptive_entropy:
+        metrics["entropy_coef"] = policy.entropy_coef  # for the next step, as TRL logs it
     return metrics, old
 
 
-def _micro_step(config: Config, policy: Policy, batch: GenerationBatch, old_logp, rows, n_items, n_micro):
+def _entropy_coef_now(algo, policy: Policy) -> float:
+    """The entropy bonus's coefficient for this optimizer step: fixed, or (adaptive) the controller's
+    coefficient while the last measured entropy is at or below the target, else 0 (TRL's rule)."""
+    if not algo.adaptive_entropy:
+        return algo.entropy_coef
+    return policy.entropy_coef if policy.last_entropy <= algo.entropy_target else 0.0
+
+
+def _micro_step(config: Config, policy: Policy, batch: GenerationBatch, old_logp, rows, n_items, n_micro,
+                entropy_coef: float):
     """Forward + backward on one micro-batch; returns its share of the minibatch loss, token-weighted
     sums of its stats, and its log-probs [n, T] (detached).
 
@@ -124,15 +148,22 @@ def _micro_step(config: Config, policy: Policy, batch: GenerationBatch, old_logp
     mask, adv = batch.loss_mask[rows, :T], batch.advantages[rows]
     old = None if old_logp is None else old_logp[rows, :T]
     ref = None if batch.ref_logp is None else batch.ref_logp[rows, :T]
-    tis = None if batch.tis_weight is None else batch.tis_weight[rows, :T]
+    weights = None if batch.is_weight is None else batch.is_weight[rows, :T]  # [n, T] or [n, 1]
+    # the off-policy mask measures the drift from the sampler: its own log-probs (vLLM: not the trainer's)
+    sampled = r.logprobs[rows, :T] if algo.off_policy_mask_threshold else None
 
     def loss_of(logp, entropy=None):  # [n, T] -> this micro-batch's share of the minibatch loss, stats
         loss, stats = policy_loss(
-            logp, old, adv, mask, ref_logp=ref, beta=algo.beta, epsilon=algo.epsilon, epsilon_high=algo.clip_high,
+            logp, old, adv, mask, ref_logp=ref, beta=algo.beta, epsilon=algo.epsilon,
+            epsilon_high=algo.cispo_cap if algo.loss_type == "cispo" else algo.clip_high,
             loss_type=algo.loss_type, importance_sampling_level=algo.importance_sampling_level,
             max_completion_length=config.rollout.max_new_tokens, num_items_in_batch=n_items,
-            kl_bias_correction=algo.kl_bias_correction, entropy=entropy, entropy_coef=algo.entropy_coef,
-            top_entropy_quantile=algo.top_entropy_quantile, token_weights=tis)
+            kl_bias_correction=algo.kl_bias_correction, entropy=entropy, entropy_coef=entropy_coef,
+            top_entropy_quantile=algo.top_entropy_quantile, token_weights=weights, delta=algo.delta or None,
+            sapo_temperature_pos=algo.sapo_temperature_pos, sapo_temperature_neg=algo.sapo_temperature_neg,
+            vespo={"k_pos": algo.vespo_k_pos, "lambda_pos": algo.vespo_lambda_pos, "k_neg": algo.vespo_k_neg,
+                   "lambda_neg": algo.vespo_lambda_neg},
+            off_policy_mask_threshold=algo.off_policy_mask_threshold or None, sampling_logp=sampled)
         # a global-token normaliser already spans the minibatch; the others average the micro-batches
         return (loss if algo.sums_over_global_tokens else loss / n_micro), stats
 
@@ -142,8 +173,9 @@ def _micro_step(config: Config, policy: Policy, batch: GenerationBatch, old_logp
     keep = keep.to(mask.device)
     constant = old is None and algo.beta == 0  # on-policy, no KL: dLoss/dlogp does not depend on logp
     grad_fn = None
+    # one-pass backward: the gradient must be per token (or constant), so no sequence term may read logp values
     if len(keep) and linear_head and train.fused_logprobs and train.fused_backward and not algo.uses_entropy and \
-            (constant or algo.importance_sampling_level == "token"):  # one-pass: the loss must depend on logp only
+            (algo.per_token_loss or (constant and not algo.off_policy_mask_threshold)):
         grad_fn = _logp_grad_fn(loss_of, n, T, keep, constant)
     if len(keep):
         sel = rows if len(keep) == n else rows[keep.to(rows.device)]
