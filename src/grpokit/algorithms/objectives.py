@@ -141,8 +141,8 @@ def _cispo_surrogate(ratio: Tensor, adv: Tensor, logp: Tensor, gate: Gate) -> Te
 
 
 def _sapo_surrogate(ratio: Tensor, adv: Tensor, logp: Tensor, gate: Gate) -> Tensor:
-    tau = torch.where(adv > 0, gate.sapo_temperature_pos, gate.sapo_temperature_neg).to(ratio.dtype)  # [N, 1]
-    return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv  # [N, T] or [N, 1]
+    tau = torch.where(adv > 0, ratio.new_tensor(gate.sapo_temperature_pos), ratio.new_tensor(gate.sapo_temperature_neg))
+    return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv  # tau [N, 1]; [N, T] or [N, 1]
 
 
 def _vespo_surrogate(ratio: Tensor, adv: Tensor, logp: Tensor, gate: Gate) -> Tensor:
@@ -202,8 +202,8 @@ def vespo_weights(adv: Tensor, token_log_ratio: Tensor, maskf: Tensor, token_wei
         log_w = log_w + (token_weights.log().clamp(floor, 20.0) * maskf).sum(-1, keepdim=True)
     log_w = log_w.clamp(floor, 20.0)
     nonneg = adv >= 0  # [N, 1]
-    k = torch.where(nonneg, k_pos, k_neg).to(log_w.dtype)
-    lam = torch.where(nonneg, lambda_pos, lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+    k = torch.where(nonneg, log_w.new_tensor(k_pos), log_w.new_tensor(k_neg))  # [N, 1]
+    lam = torch.where(nonneg, log_w.new_tensor(lambda_pos), log_w.new_tensor(lambda_neg)).clamp(min=1e-4)
     return (lam + k * log_w - lam * log_w.exp()).exp().nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # [N, 1]
 
 
