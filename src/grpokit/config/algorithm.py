@@ -21,8 +21,8 @@ from grpokit.config.variants import (
     PRESET_NAMES,
     SCALE_REWARDS,
     SEQUENCE_LOSSES,
-    SEQUENCE_RATIO_LOSSES,
     STD_KINDS,
+    TOKEN_SUM_LOSSES,
 )
 
 
@@ -201,7 +201,7 @@ class AlgorithmConfig:
                                      f"{self.cispo_cap:g} on the importance weight. epsilon_high is now the cap "
                                      f"itself (TRL's meaning; ScaleRL recommends 5.0): write epsilon_high = "
                                      f"{self.cispo_cap:g} to keep this cap; the old spelling will be removed."))
-        if self.importance_sampling_level == "sequence" and self.loss_type not in SEQUENCE_RATIO_LOSSES:
+        if self.importance_sampling_level == "sequence" and self.loss_type in TOKEN_SUM_LOSSES:
             out.append(("sequence_ratio", f"algorithm.importance_sampling_level = 'sequence' with loss_type = "
                                           f"{self.loss_type!r}: that loss sums per-token terms, so each answer is "
                                           f"weighted by its length instead of optimizing the per-answer objective; "

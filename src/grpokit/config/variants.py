@@ -18,9 +18,9 @@ GLOBAL_TOKEN_LOSSES = ("dapo", "cispo", "vespo")
 # Loss types whose terms act on a whole answer (a sequence weight or sum): each answer's loss depends on all
 # its tokens' log-probs together, so the fused head's one-pass backward (per-token gradients) cannot serve.
 SEQUENCE_LOSSES = ("vespo",)
-# Loss types built for sequence-level ratios (GSPO, LUSPO); with the token-sum losses a sequence ratio weights
-# each answer by its length instead (TRL warns the same way).
-SEQUENCE_RATIO_LOSSES = ("grpo", "sapo", "luspo")
+# Loss types that sum per-token terms over the batch: with a sequence-level ratio they weight each answer by its
+# length instead of optimizing the per-answer objective (TRL warns for the same ones).
+TOKEN_SUM_LOSSES = ("bnpo", "dr_grpo", "dapo", "cispo")
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "reinforce_pp")  # algorithms/advantages.py
 SCALE_REWARDS = ("group", "batch", "none")
 STD_KINDS = ("population", "sample")

@@ -71,7 +71,7 @@ class Diagnostics:
     # ---- static checks --------------------------------------------------------------
 
     def check_config(self, config) -> list[str]:
-        """Problems visible before any step runs (today: the group size)."""
+        """Problems visible before any step runs (the group size, questionable algorithm settings)."""
         return self._once(check_config(config, self.t))
 
     # ---- per-step checks ------------------------------------------------------------
@@ -187,16 +187,18 @@ class Diagnostics:
 
 
 def check_config(config, thresholds: Thresholds = Thresholds()) -> list[tuple[str, str]]:
-    """(key, message) for the static problems of a config."""
+    """(key, message) for the static problems of a config: the group size, and the algorithm settings
+    that run but are probably not what was meant (`AlgorithmConfig.warnings`)."""
+    found = list(config.algorithm.warnings)
     G = config.rollout.group_size
     if G >= thresholds.min_group_size:
-        return []
+        return found
     example = ("with 2 answers the advantages are always +1 and -1 whatever the gap: a score difference of 0.01, "
                "grader noise, becomes a full +1 / -1 signal" if G == 2 else
                f"with {G} answers a tiny score difference still becomes a full-size advantage (about +1.41 / -0.71)")
-    return [("group_size", f"rollout.group_size = {G}: {example}. "
-                           f"Fix: use 4-16 answers per prompt (8 is common); lower train.prompts_per_step "
-                           f"to keep the batch size.")]
+    return found + [("group_size", f"rollout.group_size = {G}: {example}. "
+                                   f"Fix: use 4-16 answers per prompt (8 is common); lower train.prompts_per_step "
+                                   f"to keep the batch size.")]
 
 
 def replay(rows: list[dict], config=None, *, window: int | None = None) -> list[tuple[int, str]]:
