@@ -42,6 +42,10 @@ Deviations from the paper's bare formula, all of which TRL also makes:
 - NaN rewards (every reward function returned None) are left out of the group's
   mean and std and get A = 0; a group with a single valid reward gets A = 0.
 
+Several reward functions are summed (with their weights) before any of this. The other way,
+``decoupled_advantages`` (GDPO, ``rewards.aggregation = "normalize_then_sum"``), normalizes each
+function within its group first, sums, then normalizes the sum over the batch.
+
 Pure torch; never modifies its input.
 """
 
@@ -50,7 +54,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["ESTIMATORS", "group_advantages"]
+__all__ = ["ESTIMATORS", "decoupled_advantages", "group_advantages"]
 
 
 _STD_DDOF = {"population": 0, "sample": 1}
@@ -108,20 +112,31 @@ def _reinforce_pp(grouped: Tensor, valid: Tensor, scale_rewards: str, ddof: int,
 ESTIMATORS = {"grpo": _grpo, "rloo": _rloo, "reinforce_pp": _reinforce_pp}
 
 
+def _varies(grouped: Tensor, valid: Tensor) -> Tensor:
+    """The valid entries of groups (dim 1) holding at least two different valid values; same shape."""
+    lo = torch.where(valid, grouped, float("inf")).amin(dim=1, keepdim=True)  # [B, 1, ...]
+    hi = torch.where(valid, grouped, float("-inf")).amax(dim=1, keepdim=True)  # [B, 1, ...]
+    return valid & (hi > lo)
+
+
+def _check_groups(n: int, group_size: int, std: str) -> None:
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
+    if n % group_size != 0:
+        raise ValueError(
+            f"the number of rewards ({n}) is not divisible by group_size ({group_size}): "
+            "rewards must hold whole groups, laid out group by group"
+        )
+    if std not in _STD_DDOF:
+        raise ValueError(f"std must be one of {sorted(_STD_DDOF)}, got {std!r}")
+
+
 def _check(rewards: Tensor, group_size: int, scale_rewards: str, std: str, estimator: str) -> None:
     if rewards.dim() != 1:
         raise ValueError(f"rewards must have shape [N] (N = B*G, group by group), got {tuple(rewards.shape)}")
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
-        raise ValueError(f"group_size must be an integer >= 1, got {group_size!r}")
-    if rewards.numel() % group_size != 0:
-        raise ValueError(
-            f"the number of rewards ({rewards.numel()}) is not divisible by group_size ({group_size}): "
-            "rewards must hold whole groups, laid out group by group"
-        )
+    _check_groups(rewards.numel(), group_size, std)
     if scale_rewards not in _SCALERS:
         raise ValueError(f"scale_rewards must be one of {sorted(_SCALERS)}, got {scale_rewards!r}")
-    if std not in _STD_DDOF:
-        raise ValueError(f"std must be one of {sorted(_STD_DDOF)}, got {std!r}")
     if estimator not in ESTIMATORS:
         raise ValueError(f"estimator must be one of {sorted(ESTIMATORS)}, got {estimator!r}")
     if estimator != "grpo" and scale_rewards != "group":
@@ -148,7 +163,72 @@ def group_advantages(
     valid = ~torch.isnan(grouped)  # [B, G]
     adv = ESTIMATORS[estimator](grouped, valid, scale_rewards, _STD_DDOF[std], eps)  # [B, G]
     # All valid rewards equal (or a single one): no signal, exactly 0.
-    lo = torch.where(valid, grouped, float("inf")).amin(dim=1, keepdim=True)  # [B, 1]
-    hi = torch.where(valid, grouped, float("-inf")).amax(dim=1, keepdim=True)  # [B, 1]
-    informative = valid & (hi > lo)  # [B, G]
+    return torch.where(_varies(grouped, valid), adv, 0.0).reshape(-1)  # [N]
+
+
+def decoupled_advantages(
+    per_fn: Tensor,
+    weights: Tensor | list[float],
+    group_size: int,
+    *,
+    std: str = "population",
+    eps: float = 1e-4,
+) -> Tensor:
+    """GDPO: normalize each reward function within its group, sum, then normalize over the batch.
+
+    For answers i (N = B*G, group by group), reward functions k with weights w_k and
+    rewards r_ik (``per_fn`` [N, F], NaN where function k returned None for answer i):
+
+        z_ik = (r_ik - mean_g(r_.k)) / (std_g(r_.k) + eps)    per group g, per function k
+        s_i  = sum_k w_k z_ik
+        A_i  = (s_i - mean(s)) / (std(s) + eps)               over the whole batch
+
+    (GDPO, Liu et al. 2026, arXiv 2601.05242; TRL's ``multi_objective_aggregation =
+    "normalize_then_sum"``, grpo_trainer.py ~2790.) Why: normalizing the weighted total lets a
+    function with a wide spread in a group drown one with a narrow spread (the weights would have
+    to match the functions' units, and those spreads change from group to group), and distinct
+    combinations of rewards that reach the same total get the same advantage. Normalized one by
+    one, each function counts by its weight alone, whatever its units; the batch step gives the
+    sum a scale that does not grow with the number of functions.
+
+    Choices (the same as ``group_advantages``'s, where TRL's differ only by rounding):
+
+    - ``std``: ``"population"`` [default] (ddof=0) or ``"sample"`` (Bessel: TRL's ``nanstd``),
+      for both the per-group and the batch std; ``eps`` in both denominators.
+    - No signal, per function: a function whose valid rewards in a group are all equal (or
+      fewer than two) contributes exactly 0 to every answer of that group (TRL: 0 up to a ulp
+      divided by eps, or NaN that its nansum skips). A group where no function varies gets
+      A = 0 exactly (TRL: the batch mean of s, which is 0 up to rounding): the trainer skips
+      answers whose advantage is exactly 0 (``train.skip_zero_advantage``). Equal totals do
+      not mean no signal here: r_.1 = 2, 0, 1 and r_.2 = 0, 1, 0.5 with weights 1, 2 total
+      2, 2, 2, yet A = -1.22, +1.22, 0 (dynamic sampling, which reads the total, drops it).
+    - NaN: r_ik = NaN is left out of function k's group mean and std and adds 0 to s_i (TRL's
+      nansum); an answer that every function left NaN is unscorable: it is left out of the
+      batch mean and std and gets A = 0.
+
+    With one function, z has batch mean 0 and A = sign(w) * z / (std(z) + eps / |w|): GRPO's
+    advantage (``group_advantages`` with ``scale_rewards="group"``) times one positive factor
+    for the whole batch, about 1 / sqrt(share of answers in groups with signal); the weight's
+    size cancels, its sign stays.
+
+    The batch is what the caller passes (in training, this process's share of the step).
+    Returns floating advantages [N]: ``per_fn``'s dtype if floating, else float32.
+    """
+    if per_fn.dim() != 2 or per_fn.shape[1] < 1:
+        raise ValueError(f"per_fn must have shape [N, F] (N = B*G, F >= 1 functions), got {tuple(per_fn.shape)}")
+    _check_groups(per_fn.shape[0], group_size, std)
+    dtype = per_fn.dtype if per_fn.is_floating_point() else torch.float32
+    w = torch.as_tensor(weights, dtype=dtype, device=per_fn.device)  # [F]
+    if w.shape != (per_fn.shape[1],):
+        raise ValueError(f"weights must have shape [F] = [{per_fn.shape[1]}] (one per function), got {tuple(w.shape)}")
+    ddof = _STD_DDOF[std]
+    grouped = per_fn.detach().to(dtype).reshape(-1, group_size, per_fn.shape[1])  # [B, G, F]
+    valid = ~torch.isnan(grouped)  # [B, G, F]
+    z = (grouped - _group_mean(grouped, valid)) / (_masked_std(grouped, valid, ddof, dim=1) + eps)  # [B, G, F]
+    signal = _varies(grouped, valid)  # [B, G, F]
+    summed = (torch.where(signal, z, 0.0) * w).sum(dim=2)  # [B, G]
+    scorable = valid.any(dim=2)  # [B, G]
+    mean = torch.where(scorable, summed, 0.0).sum() / scorable.sum().clamp(min=1)  # []
+    adv = (summed - mean) / (_masked_std(summed, scorable, ddof, dim=None) + eps)  # [B, G]
+    informative = scorable & signal.flatten(1).any(dim=1, keepdim=True)  # [B, G]
     return torch.where(informative, adv, 0.0).reshape(-1)  # [N]

@@ -274,6 +274,16 @@ class Config:
                f"{mb} must divide the generation batch of {n} answers (prompts_per_step * group_size)")
         _check(mb % self.micro_batch_size == 0, "train.micro_batch_size",
                f"{self.micro_batch_size} must divide train.minibatch_size ({mb})")
+        # GDPO sets the whole advantage itself (per-function group std, then batch std; algorithms/advantages.py)
+        algo, gdpo = self.algorithm, self.rewards.aggregation == "normalize_then_sum"
+        _check(not gdpo or algo.advantage_estimator == "grpo", "rewards.aggregation",
+               "\"normalize_then_sum\" forms its own advantages from the group means, so algorithm.advantage_estimator"
+               f" = {algo.advantage_estimator!r} cannot apply; set algorithm.advantage_estimator = \"grpo\" or "
+               "rewards.aggregation = \"sum_then_normalize\"")
+        _check(not gdpo or algo.scale_rewards == "group", "rewards.aggregation",
+               "\"normalize_then_sum\" divides each function by its group's std and the sum by the batch's, so "
+               f"algorithm.scale_rewards = {algo.scale_rewards!r} would be ignored (a preset such as dr_grpo sets "
+               "it); set algorithm.scale_rewards = \"group\" or rewards.aggregation = \"sum_then_normalize\"")
         check_eval(self)
 
     @property

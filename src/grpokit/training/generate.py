@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from grpokit.algorithms.advantages import group_advantages
+from grpokit.algorithms.advantages import decoupled_advantages, group_advantages
 from grpokit.config.schema import Config
 from grpokit.data.prompts import render_prompt
 from grpokit.models.parallel import all_ranks
@@ -75,8 +75,11 @@ def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts
     draw = draws[0] if not algo.dynamic_sampling else Draw.join([d.with_signal(G) for d in draws], B * G,
                                                                  tokenizer.pad_token_id, fallback=draws[-1])
     rollout = draw.rollout
-    advantages = group_advantages(draw.total, G, scale_rewards=algo.scale_rewards, std=algo.std,
-                                  estimator=algo.advantage_estimator)
+    if config.rewards.aggregation == "normalize_then_sum":  # GDPO: each function normalized in its group first
+        advantages = decoupled_advantages(draw.per_fn, [s.weight for s in specs], G, std=algo.std)
+    else:  # from the weighted total [N], the reward that dynamic sampling and the metrics see
+        advantages = group_advantages(draw.total, G, scale_rewards=algo.scale_rewards, std=algo.std,
+                                      estimator=algo.advantage_estimator)
     loss_mask = rollout.action_mask.clone()  # tool results (multi-turn) are context: never in the loss
     if algo.mask_truncated_completions:  # truncated answers carry no gradient
         loss_mask[rollout.truncated] = 0
