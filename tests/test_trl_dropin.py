@@ -15,6 +15,7 @@ import math
 import pytest
 
 from conftest import parity
+from grpokit.config.schema import AlgorithmConfig
 from grpokit.errors import ConfigError
 from grpokit.trl import GRPOConfig, GRPOTrainer
 from grpokit.trl.config import REFUSED, SUPPORTED
@@ -81,7 +82,9 @@ MAPPING = [
           "train.max_grad_norm": 1.0, "train.seed": 42, "data.seed": 42, "algorithm.loss_type": "dapo",
           "algorithm.std": "sample", "algorithm.kl_bias_correction": True, "algorithm.beta": 0.0,
           "algorithm.epsilon": 0.2, "algorithm.epsilon_high": 0.0, "algorithm.scale_rewards": "group",
-          "algorithm.tis_cap": 0.0, "output.dir": "trainer_output", "output.save_every": 500,
+          "algorithm.is_correction": "none", "algorithm.delta": 0.0, "algorithm.off_policy_mask_threshold": 0.0,
+          "algorithm.ref_sync_every": 0, "algorithm.adaptive_entropy": False,
+          "rewards.aggregation": "sum_then_normalize", "output.dir": "trainer_output", "output.save_every": 500,
           "output.keep_last": KEEP_ALL, "output.overwrite": True, "output.console": True,
           "output.completions_every": 0, "model.dtype": "float32", "model.device": "auto", "rollout.engine": "hf",
           "tools.max_calls": 512}),
@@ -110,7 +113,22 @@ MAPPING = [
     (dict(loss_type="dr_grpo", scale_rewards="batch"), {"algorithm.loss_type": "dr_grpo",
                                                         "algorithm.scale_rewards": "batch"}),
     (dict(scale_rewards=True), {"algorithm.scale_rewards": "group"}),
-    (dict(loss_type="cispo", epsilon_high=5.0), {"algorithm.loss_type": "cispo", "algorithm.epsilon_high": 4.0}),
+    (dict(loss_type="cispo", epsilon_high=5.0), {"algorithm.loss_type": "cispo", "algorithm.epsilon_high": 5.0}),
+    (dict(loss_type="sapo", sapo_temperature_pos=0.9, sapo_temperature_neg=1.2),
+     {"algorithm.loss_type": "sapo", "algorithm.sapo_temperature_pos": 0.9, "algorithm.sapo_temperature_neg": 1.2}),
+    (dict(loss_type="luspo", importance_sampling_level="sequence"), {"algorithm.loss_type": "luspo"}),
+    (dict(loss_type="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.0, vespo_lambda_neg=1.5),
+     {"algorithm.loss_type": "vespo", "algorithm.vespo_k_pos": 1.5, "algorithm.vespo_lambda_pos": 2.5,
+      "algorithm.vespo_k_neg": 2.0, "algorithm.vespo_lambda_neg": 1.5}),
+    (dict(delta=4.0, off_policy_mask_threshold=0.5), {"algorithm.delta": 4.0,
+                                                     "algorithm.off_policy_mask_threshold": 0.5}),
+    (dict(multi_objective_aggregation="normalize_then_sum"), {"rewards.aggregation": "normalize_then_sum"}),
+    (dict(beta=0.04, sync_ref_model=True, ref_model_sync_steps=20, ref_model_mixup_alpha=0.9, num_iterations=2,
+          max_steps=100), {"algorithm.ref_sync_every": 10, "algorithm.ref_mixup_alpha": 0.9}),
+    (dict(loss_type="bnpo", use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=0.5, entropy_coef_min=0.001,
+          entropy_coef_max=0.1, entropy_coef_delta=0.002),
+     {"algorithm.adaptive_entropy": True, "algorithm.entropy_coef": 0.01, "algorithm.entropy_target": 0.5,
+      "algorithm.entropy_coef_min": 0.001, "algorithm.entropy_coef_max": 0.1, "algorithm.entropy_coef_delta": 0.002}),
     (dict(loss_type="bnpo", entropy_coef=0.01, top_entropy_quantile=0.2, mask_truncated_completions=True),
      {"algorithm.loss_type": "bnpo", "algorithm.entropy_coef": 0.01, "algorithm.top_entropy_quantile": 0.2,
       "algorithm.mask_truncated_completions": True}),
@@ -168,8 +186,8 @@ def test_every_supported_field_is_in_the_mapping_table():
     elsewhere = {"use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode",
                  "vllm_max_model_length", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
                  "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "remove_unused_columns",
-                 "model_init_kwargs", "reward_weights", "fp16", "adam_epsilon", "weight_decay", "do_eval", "do_predict",
-                 "local_rank"}
+                 "vllm_importance_sampling_cap", "model_init_kwargs", "reward_weights", "fp16", "adam_epsilon",
+                 "weight_decay", "do_eval", "do_predict", "local_rank"}
     assert set(SUPPORTED) - used - elsewhere == set()
 
 
@@ -177,18 +195,35 @@ def test_vllm_options_map_when_vllm_is_installed():
     pytest.importorskip("vllm")
     got = mapped(use_vllm=True, vllm_gpu_memory_utilization=0.5, vllm_max_model_length=2048,
                  vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=2.0)
-    assert got["rollout.engine"] == "vllm" and got["algorithm.tis_cap"] == 2.0
+    assert got["rollout.engine"] == "vllm" and got["algorithm.is_correction"] == "token_truncate"
+    assert got["algorithm.is_cap_max"] == 2.0
     assert got["rollout.vllm"] == {"gpu_memory_utilization": 0.5, "enable_sleep_mode": False, "max_model_len": 2048}
+
+
+@pytest.mark.parametrize(("trl_args", "expected"), [
+    ({}, {"is_correction": "none"}),  # TRL corrects the sampler only with use_vllm
+    ({"use_vllm": True}, {"is_correction": "sequence_mask", "is_cap_max": 3.0, "is_cap_min": 0.0}),  # TRL's default
+    ({"use_vllm": True, "vllm_importance_sampling_mode": "token_mask", "vllm_importance_sampling_clip_max": None,
+      "vllm_importance_sampling_clip_min": 0.5}, {"is_correction": "token_mask", "is_cap_max": 0.0, "is_cap_min": 0.5}),
+    ({"use_vllm": True, "vllm_importance_sampling_correction": False}, {"is_correction": "none"}),
+    ({"use_vllm": True, "vllm_importance_sampling_cap": 2.0}, {"is_correction": "sequence_mask", "is_cap_max": 2.0,
+                                                               "is_cap_min": 0.0}),  # TRL's deprecated spelling
+])
+def test_vllm_mismatch_correction_maps_every_trl_mode(trl_args, expected):
+    from grpokit.trl.mapping import _mismatch
+
+    args = GRPOConfig(**trl_args)
+    assert _mismatch(args) == expected
+    AlgorithmConfig(**expected)  # a valid grpokit setting
 
 
 def test_refused_fields_and_values_are_listed_in_one_error():
     with pytest.raises(ConfigError) as e:
-        GRPOConfig(push_to_hub=True, eval_strategy="epoch", sync_ref_model=True, loss_type="sapo",
+        GRPOConfig(push_to_hub=True, eval_strategy="epoch", torch_compile=True, delta=1.1,
                    lr_scheduler_type="linear", weight_decay=0.1, use_vllm=True, vllm_mode="server")
     message = str(e.value)
-    for part in ("push_to_hub=True", "eval_strategy='epoch'", "sync_ref_model=True", "loss_type='sapo'",
-                 "lr_scheduler_type='linear'", "weight_decay=0.1", "vllm_mode='server'",
-                 "vllm_importance_sampling_mode='sequence_mask'"):
+    for part in ("push_to_hub=True", "eval_strategy='epoch'", "torch_compile=True", "delta=1.1",
+                 "lr_scheduler_type='linear'", "weight_decay=0.1", "vllm_mode='server'"):
         assert part in message, part
     assert "max_steps" not in message  # only what was given away from the defaults
 
@@ -199,7 +234,9 @@ def test_refused_fields_and_values_are_listed_in_one_error():
     (dict(generation_batch_size=12, per_device_train_batch_size=8), "must be divisible by the global batch size"),
     (dict(generation_batch_size=16, steps_per_generation=2), "can not be both configured"),
     (dict(num_generations=1, per_device_train_batch_size=1), "at least 2 generations"),
-    (dict(loss_type="cispo"), "epsilon_high > 1"),
+    (dict(loss_type="cispo"), "set epsilon_high >= 1"),
+    (dict(off_policy_mask_threshold=0.0), "grpokit's 0 means off"),
+    (dict(sync_ref_model=True), r"sync_ref_model=True \(there is no reference model to sync with beta=0"),
     (dict(entropy_coef=0.1, gradient_accumulation_steps=2), "entropy_coef=0.1"),
     (dict(bf16=True, fp16=True), "fp16=True"),
     (dict(eval_strategy="epoch"), "eval_strategy='epoch' \\(grpokit counts steps, not epochs"),

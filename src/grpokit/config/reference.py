@@ -23,7 +23,7 @@ import tokenize
 import typing
 from functools import cache
 
-from grpokit.config import evaluation, options, schema, variants
+from grpokit.config import algorithm, evaluation, options, schema, variants
 from grpokit.config.checks import _hints, _toml_value
 from grpokit.config.presets import PRESETS
 
@@ -54,7 +54,27 @@ TRL_NAMES = {
     "algorithm.entropy_coef": "entropy_coef",
     "algorithm.top_entropy_quantile": "top_entropy_quantile",
     "algorithm.kl_bias_correction": "use_bias_correction_kl",
-    "algorithm.tis_cap": "vllm_importance_sampling_clip_max (with vllm_importance_sampling_mode=\"token_truncate\")",
+    "algorithm.tis_cap": "vllm_importance_sampling_cap (TRL's deprecated spelling of its clip_max)",
+    "algorithm.delta": "delta",
+    "algorithm.sapo_temperature_pos": "sapo_temperature_pos",
+    "algorithm.sapo_temperature_neg": "sapo_temperature_neg",
+    "algorithm.vespo_k_pos": "vespo_k_pos",
+    "algorithm.vespo_lambda_pos": "vespo_lambda_pos",
+    "algorithm.vespo_k_neg": "vespo_k_neg",
+    "algorithm.vespo_lambda_neg": "vespo_lambda_neg",
+    "algorithm.off_policy_mask_threshold": "off_policy_mask_threshold",
+    "algorithm.adaptive_entropy": "use_adaptive_entropy",
+    "algorithm.entropy_target": "entropy_target",
+    "algorithm.entropy_coef_min": "entropy_coef_min",
+    "algorithm.entropy_coef_max": "entropy_coef_max",
+    "algorithm.entropy_coef_delta": "entropy_coef_delta",
+    "algorithm.is_correction": "vllm_importance_sampling_mode + vllm_importance_sampling_correction (\"none\" = "
+                               "correction off; TRL corrects only with use_vllm)",
+    "algorithm.is_cap_max": "vllm_importance_sampling_clip_max",
+    "algorithm.is_cap_min": "vllm_importance_sampling_clip_min",
+    "algorithm.ref_sync_every": "sync_ref_model + ref_model_sync_steps (TRL counts optimizer steps)",
+    "algorithm.ref_mixup_alpha": "ref_model_mixup_alpha",
+    "rewards.aggregation": "multi_objective_aggregation",
     "train.steps": "max_steps (TRL counts optimizer steps)",
     "train.prompts_per_step": "generation_batch_size (TRL counts answers: prompts_per_step × group_size)",
     "train.minibatch_size": "gradient_accumulation_steps (minibatch = per_device_train_batch_size × processes × "
@@ -116,7 +136,7 @@ _EXTRA_CHOICES = {"data.task": variants.TASK_NAMES, "algorithm.preset": ("",) + 
 
 
 # The modules that define sections and their checks (schema.py, and sections or checks kept apart).
-SCHEMA_MODULES = (schema, options, evaluation)
+SCHEMA_MODULES = (schema, algorithm, options, evaluation)
 
 
 @cache

@@ -1,11 +1,11 @@
 """`GRPOConfig`: TRL 1.16's GRPOConfig, field for field, checked for what grpokit can run.
 
 Every one of TRL's 191 field names is accepted with TRL's default, so a TRL script's arguments never
-fail as unknown (an unknown name is a TypeError, as with any dataclass). The 70 in `SUPPORTED` map onto
-grpokit's `Config` with the same meaning (trl/mapping.py); the other 121 (`REFUSED`: the Hub,
-DeepSpeed/FSDP options, SAPO/VESPO, reference-model sync, adaptive entropy, vLLM server mode, ...)
+fail as unknown (an unknown name is a TypeError, as with any dataclass). The 88 in `SUPPORTED` map onto
+grpokit's `Config` with the same meaning (trl/mapping.py); the other 103 (`REFUSED`: the Hub,
+DeepSpeed/FSDP options, torch.compile, Liger kernels, vLLM server mode, ...)
 are accepted only at TRL's default: any of them set to another value, and any supported field set to a
-value grpokit has no equivalent for (`loss_type="sapo"`, `lr_scheduler_type="linear"`), is one
+value grpokit has no equivalent for (`lr_scheduler_type="linear"`, `delta=1.1`), is one
 ConfigError listing them all, when the config is built. Nothing is silently ignored; the few fields
 that change nothing in grpokit (`gradient_checkpointing`, `logging_steps`, `pad_to_multiple_of`,
 `disable_dropout`, `do_train`/`do_eval`/`do_predict`, `local_rank`, `per_device_eval_batch_size`) say
@@ -27,9 +27,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from grpokit.config.variants import LOSS_TYPES  # every loss type TRL 1.16 has
 from grpokit.errors import ConfigError
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")  # TRL's others: sapo, luspo, vespo
 LR_SCHEDULES = ("constant", "constant_with_warmup", "cosine")
 REPORT_TO = ("none", "tensorboard", "wandb")
 
@@ -73,6 +73,7 @@ class _Supported:
     vllm_importance_sampling_mode: str = "sequence_mask"
     vllm_importance_sampling_clip_max: float | None = 3.0
     vllm_importance_sampling_clip_min: float | None = None
+    vllm_importance_sampling_cap: float | None = None  # TRL's deprecated spelling of _clip_max
     max_tool_calling_iterations: int | None = None
     # the objective
     beta: float = 0.0
@@ -87,6 +88,23 @@ class _Supported:
     top_entropy_quantile: float = 1.0
     entropy_coef: float = 0.0
     use_bias_correction_kl: bool = True
+    delta: float | None = None
+    sapo_temperature_neg: float = 1.05
+    sapo_temperature_pos: float = 1.0
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None
+    multi_objective_aggregation: str = "sum_then_normalize"
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = 0.6
+    ref_model_sync_steps: int = 512  # optimizer steps, converted like save_steps
+    use_adaptive_entropy: bool = False
+    entropy_coef_min: float = 0.0
+    entropy_coef_max: float = 1.0
+    entropy_coef_delta: float = 0.005
+    entropy_target: float = 0.2
     # model loading and precision
     model_init_kwargs: dict | None = None
     bf16: bool | None = None
@@ -121,6 +139,8 @@ class _Supported:
         if self.output_dir is None:
             self.output_dir = "trainer_output"  # TrainingArguments' default
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
+        if self.vllm_importance_sampling_cap is not None:  # TRL's own resolution of its deprecated spelling
+            self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
         self._resolve_evaluation()
         self._resolve_batch()
         problems = [f"{name}={getattr(self, name)!r}" + (f" ({REFUSED_WHY[name]})" if name in REFUSED_WHY else "")
@@ -201,9 +221,15 @@ def _value_problems(c) -> list[str]:
     checks = [
         ("loss_type", c.loss_type in LOSS_TYPES, f"grpokit has {', '.join(LOSS_TYPES)}"),
         ("epsilon_high", c.epsilon_high is None or c.epsilon_high > 0, "must be > 0 (None = epsilon)"),
-        ("epsilon_high", c.loss_type != "cispo" or (c.epsilon_high or 0) > 1,
-         "cispo caps the weight at epsilon_high in TRL and at 1 + epsilon_high in grpokit, so it needs "
-         "epsilon_high > 1 (ScaleRL: 5.0)"),
+        ("epsilon_high", c.loss_type != "cispo" or (c.epsilon_high or c.epsilon) >= 1,
+         "cispo caps the importance weight at epsilon_high; a cap below 1 scales every token down, and grpokit "
+         "reads a value below 1 the earlier way (1 + value): set epsilon_high >= 1 (ScaleRL: 5.0)"),
+        ("delta", c.delta is None or c.delta > 1 + (c.epsilon_high or c.epsilon),
+         "grpokit needs delta > 1 + epsilon_high (the INTELLECT-2 setting), or None"),
+        ("sync_ref_model", not c.sync_ref_model or c.beta > 0,
+         "there is no reference model to sync with beta=0 (TRL refuses it too): set beta, or sync_ref_model=False"),
+        ("off_policy_mask_threshold", c.off_policy_mask_threshold is None or c.off_policy_mask_threshold > 0,
+         "grpokit's 0 means off: use None, or a threshold > 0"),
         ("scale_rewards", c.scale_rewards in ("group", "batch", "none"), "use 'group', 'batch' or 'none'"),
         ("importance_sampling_level", c.importance_sampling_level in ("token", "sequence"), "token or sequence"),
         ("lr_scheduler_type", c.lr_scheduler_type in LR_SCHEDULES,
@@ -220,14 +246,9 @@ def _value_problems(c) -> list[str]:
          "give the answer budget in tokens"),
         ("model_init_kwargs", set(c.model_init_kwargs or {}) <= {"dtype", "torch_dtype"}, "grpokit reads only dtype"),
         ("vllm_mode", not c.use_vllm or c.vllm_mode == "colocate", "grpokit runs vLLM colocated only"),
-        ("vllm_importance_sampling_mode", not (c.use_vllm and c.vllm_importance_sampling_correction)
-         or c.vllm_importance_sampling_mode == "token_truncate",
-         "grpokit corrects with token_truncate (TIS) only; set it, or vllm_importance_sampling_correction=False"),
-        ("vllm_importance_sampling_clip_min", not c.use_vllm or c.vllm_importance_sampling_clip_min is None,
-         "grpokit's TIS has no lower bound"),
-        ("vllm_importance_sampling_clip_max", not (c.use_vllm and c.vllm_importance_sampling_correction)
-         or (c.vllm_importance_sampling_clip_max or 0) > 0, "the TIS cap must be > 0"),
-        ("entropy_coef", not c.entropy_coef or c.loss_type == "bnpo" or (
+        ("vllm_importance_sampling_clip_max", c.vllm_importance_sampling_clip_max is None
+         or c.vllm_importance_sampling_clip_max > 0, "must be > 0, or None (no upper bound)"),
+        ("entropy_coef", not (c.entropy_coef or c.use_adaptive_entropy) or c.loss_type == "bnpo" or (
             c.loss_type == "dapo" and c.gradient_accumulation_steps == 1 and c.world_size == 1),
          "TRL adds the plain token mean of the entropy, grpokit aggregates it like the loss: the same only for "
          "bnpo, and for dapo with gradient_accumulation_steps=1 on one process"),
@@ -309,14 +330,10 @@ REFUSED: dict[str, Any] = {
     "generation_kwargs": None, "chat_template_kwargs": None, "repetition_penalty": 1.0, "cache_implementation": None,
     "vllm_model_impl": "vllm", "vllm_structured_outputs_regex": None, "vllm_server_base_url": None,
     "vllm_server_host": "0.0.0.0", "vllm_server_port": 8000, "vllm_server_timeout": 240.0, "vllm_group_port": 51216,
-    "vllm_tensor_parallel_size": 1, "delta": None, "sapo_temperature_neg": 1.05, "sapo_temperature_pos": 1.0,
-    "vespo_k_pos": 2.0, "vespo_lambda_pos": 3.0, "vespo_k_neg": 3.0, "vespo_lambda_neg": 2.0,
-    "multi_objective_aggregation": "sum_then_normalize", "sync_ref_model": False, "ref_model_mixup_alpha": 0.6,
-    "ref_model_sync_steps": 512, "use_adaptive_entropy": False, "entropy_coef_min": 0.0, "entropy_coef_max": 1.0,
-    "entropy_coef_delta": 0.005, "entropy_target": 0.2, "off_policy_mask_threshold": None, "log_multimodal": True,
+    "vllm_tensor_parallel_size": 1, "log_multimodal": True,
     "num_completions_to_print": None, "log_unique_prompts": False, "log_completions_hub_repo": None,
     "use_transformers_continuous_batching": False, "transformers_continuous_batching_config": None,
-    "use_transformers_paged": False, "vllm_importance_sampling_cap": None,
+    "use_transformers_paged": False,
 }
 
 # What the ConfigError says about some refused fields: the way to get what they ask for.

@@ -107,19 +107,23 @@ def grpokit_config(args, *, model_path: str, dtype: str, lora: dict | None = Non
     return Config(
         model=ModelConfig(path=model_path, dtype=dtype, device="cpu" if args.use_cpu else "auto", lora=lora or {}),
         data=DataConfig(path=DATA_PATH, seed=args.seed),
-        rewards=RewardConfig(),  # weights: set by trainer.py with the Python reward functions
+        rewards=RewardConfig(aggregation=args.multi_objective_aggregation),  # weights: set by trainer.py
         rollout=RolloutConfig(
             group_size=args.num_generations, max_new_tokens=args.max_completion_length,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
             engine="vllm" if args.use_vllm else "hf", vllm=_vllm_options(args) if args.use_vllm else {}),
         algorithm=AlgorithmConfig(
-            loss_type=args.loss_type, beta=args.beta, epsilon=args.epsilon, epsilon_high=_epsilon_high(args),
-            scale_rewards=args.scale_rewards, std="sample", importance_sampling_level=args.importance_sampling_level,
-            num_iterations=args.num_iterations, mask_truncated_completions=args.mask_truncated_completions,
-            entropy_coef=args.entropy_coef, top_entropy_quantile=args.top_entropy_quantile,
-            kl_bias_correction=args.use_bias_correction_kl,
-            tis_cap=(args.vllm_importance_sampling_clip_max or 0.0)
-            if args.use_vllm and args.vllm_importance_sampling_correction else 0.0),
+            loss_type=args.loss_type, beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high or 0.0,
+            delta=args.delta or 0.0, scale_rewards=args.scale_rewards, std="sample",
+            importance_sampling_level=args.importance_sampling_level, num_iterations=args.num_iterations,
+            mask_truncated_completions=args.mask_truncated_completions, top_entropy_quantile=args.top_entropy_quantile,
+            kl_bias_correction=args.use_bias_correction_kl, sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg, vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg, off_policy_mask_threshold=args.off_policy_mask_threshold or 0.0,
+            **_entropy(args), **_mismatch(args),
+            ref_sync_every=_in_steps("ref_model_sync_steps", args.ref_model_sync_steps, per_step)
+            if args.sync_ref_model else 0, ref_mixup_alpha=args.ref_model_mixup_alpha),
         train=TrainConfig(
             steps=steps, prompts_per_step=generation // args.num_generations,
             minibatch_size=0 if minibatch == generation else minibatch,
@@ -153,10 +157,23 @@ def eval_config(args, total: int, per_step: int, num_eval_rows: int | None) -> E
                       temperature=args.temperature, seed=args.seed)
 
 
-def _epsilon_high(args) -> float:
-    if args.epsilon_high is None:
-        return 0.0  # grpokit: 0 = epsilon, TRL's None
-    return args.epsilon_high - 1 if args.loss_type == "cispo" else args.epsilon_high  # cispo: TRL caps at ε_high
+def _entropy(args) -> dict:
+    """TRL's entropy bonus and its adaptive controller (`use_adaptive_entropy`): the same fields."""
+    fields = {"entropy_coef": args.entropy_coef}
+    if args.use_adaptive_entropy:
+        fields.update(adaptive_entropy=True, entropy_target=args.entropy_target, entropy_coef_min=args.entropy_coef_min,
+                      entropy_coef_max=args.entropy_coef_max, entropy_coef_delta=args.entropy_coef_delta)
+    return fields
+
+
+def _mismatch(args) -> dict:
+    """TRL corrects the vLLM sampler's log-probs (`vllm_importance_sampling_*`) only with use_vllm; None bounds
+    are grpokit's 0 (no bound on that side)."""
+    if not (args.use_vllm and args.vllm_importance_sampling_correction):
+        return {"is_correction": "none"}
+    return {"is_correction": args.vllm_importance_sampling_mode,
+            "is_cap_max": args.vllm_importance_sampling_clip_max or 0.0,
+            "is_cap_min": args.vllm_importance_sampling_clip_min or 0.0}
 
 
 def _vllm_options(args) -> dict:
