@@ -19,13 +19,22 @@ DAPO's dynamic sampling draws more prompts per step than the others: the table c
 sampled per step, and its training reward is over the groups it kept (the held-out curves are the
 like-for-like comparison).
 
-Outputs under --out: `<task>_<metric>.svg` charts (mean over seeds), `table.md`, `results.json`.
-Runs are cached under --work (`summary.json` per run), so an interrupted study resumes.
+The mismatch arms (`mm:*`) study the correction for a sampler whose log-probs are not the trainer's
+(vLLM's situation) on a CPU: the built-in engine samples at temperature MISMATCH["sampler_temperature"]
+while the trainer scores at 1.0, and each arm trains the same objective (dapo's loss without dynamic
+sampling) with `algorithm.is_correction` none / token_truncate / token_mask / sequence_truncate /
+sequence_mask at TRL's default bound (is_cap_max = 3, no lower bound); `mm:matched` is the same objective
+with no mismatch, the ceiling.
+
+Outputs under --out: `<task>_<metric>.svg` charts of the presets and `<task>_mismatch_<metric>.svg` of the
+mismatch arms (mean over seeds), `table.md`, `results.json`. Runs are cached under --work
+(`summary.json` per run), so an interrupted study resumes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import shutil
@@ -48,6 +57,7 @@ from grpokit.models.tiny import build_tiny_model  # noqa: E402
 from grpokit.observe.charts import svg_chart  # noqa: E402
 from grpokit.observe.tracking import read_metrics  # noqa: E402
 from grpokit.rollout.decode import sample_groups  # noqa: E402
+from grpokit.rollout.engines import HFEngine  # noqa: E402
 from grpokit.sft import sft  # noqa: E402
 from grpokit.tasks import get_task  # noqa: E402
 from grpokit.training.loop import train  # noqa: E402
@@ -61,6 +71,33 @@ TASKS = {
 GRPO = dict(prompts_per_step=16, group_size=8, learning_rate=1e-4, warmup_steps=10)
 EVAL = dict(num_prompts=256, samples=8, seed=1234)
 QUICK = dict(sft_steps=40, steps=6, eval_every=3, seeds=[0], num_prompts=16)
+MISMATCH = dict(sampler_temperature=1.3, base={"loss_type": "dapo", "epsilon_high": 0.28}, is_cap_max=3.0)
+MISMATCH_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def arms(presets: list[str], mismatch: bool) -> dict[str, dict]:
+    """Arm name -> {"algorithm": fields, "sampler_temperature": the engine's own (None: the trainer's)}."""
+    out = {p: {"algorithm": {"preset": p}, "sampler_temperature": None} for p in presets}
+    if mismatch:
+        base = MISMATCH["base"]
+        out["mm:matched"] = {"algorithm": base, "sampler_temperature": None}
+        for mode in MISMATCH_MODES:
+            correction = {} if mode == "none" else {"is_correction": mode, "is_cap_max": MISMATCH["is_cap_max"]}
+            out[f"mm:{mode}"] = {"algorithm": {**base, **correction},
+                                 "sampler_temperature": MISMATCH["sampler_temperature"]}
+    return out
+
+
+class MismatchedEngine(HFEngine):
+    """The built-in engine sampling at its own temperature: its log-probs are not the trainer's."""
+
+    def __init__(self, model, tokenizer, temperature: float):
+        super().__init__(model, tokenizer)
+        self.temperature = temperature
+
+    def generate(self, prompt_ids, *, group_size, sampling, generator=None):
+        sampling = dataclasses.replace(sampling, temperature=self.temperature)
+        return super().generate(prompt_ids, group_size=group_size, sampling=sampling, generator=generator)
 
 
 # ---- warm starts ------------------------------------------------------------------------
@@ -134,12 +171,12 @@ def score(model, tokenizer, task, rows, max_new_tokens: int, samples: int, seed:
 # ---- one run ----------------------------------------------------------------------------
 
 
-def run_one(name: str, preset: str, seed: int, model_dir: Path, work: Path, steps: int, eval_every: int,
+def run_one(name: str, preset: str, arm: dict, seed: int, model_dir: Path, work: Path, steps: int, eval_every: int,
             held_out: list[dict]) -> dict:
     spec = TASKS[name]
-    run_dir = work / name / preset / f"seed{seed}"
+    run_dir = work / name / preset.replace(":", "_") / f"seed{seed}"
     summary_path = run_dir / "summary.json"
-    key = {"steps": steps, "eval_every": eval_every, "grpo": GRPO, "eval": EVAL, "task": spec,
+    key = {"steps": steps, "eval_every": eval_every, "grpo": GRPO, "eval": EVAL, "task": spec, "arm": arm,
            "warm_start": json.loads((model_dir / "stamp.json").read_text())}
     if summary_path.is_file():
         summary = json.loads(summary_path.read_text())
@@ -150,14 +187,16 @@ def run_one(name: str, preset: str, seed: int, model_dir: Path, work: Path, step
         "model": {"path": str(model_dir)},
         "data": {"task": name, "task_args": spec["task_args"], "seed": seed},
         "rollout": {"group_size": G, "max_new_tokens": spec["max_new_tokens"], "temperature": 1.0},
-        "algorithm": {"preset": preset},
+        "algorithm": arm["algorithm"],
         "train": {"steps": steps, "prompts_per_step": B, "minibatch_size": B * G // 2, "seed": seed,
                   "learning_rate": GRPO["learning_rate"], "warmup_steps": GRPO["warmup_steps"]},
         "output": {"dir": str(run_dir), "overwrite": True, "console": False, "save_every": eval_every,
                    "keep_last": steps // eval_every + 1},
     })
+    hot = arm["sampler_temperature"]
+    engine = None if hot is None else (lambda config, model, tokenizer: MismatchedEngine(model, tokenizer, hot))
     t0 = time.perf_counter()
-    train(config)
+    train(config, engine=engine)
     seconds = time.perf_counter() - t0
     task = get_task(name, **spec["task_args"])
     evals = []
@@ -167,12 +206,13 @@ def run_one(name: str, preset: str, seed: int, model_dir: Path, work: Path, step
                       **score(model, tokenizer, task, held_out, spec["max_new_tokens"], EVAL["samples"], EVAL["seed"])})
         shutil.rmtree(ckpt)
     keep = ("reward", "frac_reward_zero_std", "completions/mean_length", "entropy", "clip_ratio/region_mean",
-            "kl", "dynamic_sampling/draws", "time/step")
+            "kl", "dynamic_sampling/draws", "time/step", "sampling/logprob_gap_mean", "sampling/is_ratio_mean",
+            "sampling/is_masked_share", "sampling/is_truncated_share", "vespo/phi_seq_mean")
     metrics = [{k: m[k] for k in ("step", *keep) if k in m} for m in read_metrics(run_dir)]
     summary = {"task": name, "preset": preset, "seed": seed, "steps": steps, "eval_every": eval_every, "key": key,
                "seconds": seconds, "evals": evals, "metrics": metrics}
     summary_path.write_text(json.dumps(summary))
-    print(f"[{name}] {preset:8s} seed {seed}: {seconds:5.0f} s, held-out accuracy "
+    print(f"[{name}] {preset:20s} seed {seed}: {seconds:5.0f} s, held-out accuracy "
           f"{evals[-1]['accuracy']:.3f}", flush=True)
     return summary
 
@@ -206,27 +246,41 @@ CHARTS = [  # (file suffix, title, key, source)
 ]
 
 
+def _families(by_arm: dict) -> dict[str, dict]:
+    """The presets and the mismatch arms, charted apart ("" and "mismatch_" in the file names)."""
+    out = {"": {a: r for a, r in by_arm.items() if not a.startswith("mm:")},
+           "mismatch_": {a: r for a, r in by_arm.items() if a.startswith("mm:")}}
+    return {prefix: arms for prefix, arms in out.items() if arms}
+
+
 def charts(results: dict, base: dict, out: Path) -> list[str]:
     files = []
-    for name, by_preset in results.items():
-        for suffix, title, key, source in CHARTS:
-            series = {}
-            for preset, runs in by_preset.items():
-                points = _curve(runs, key, source)
-                if source == "evals" and key in base[name]:
-                    points = [(0, base[name][key])] + points
-                series[preset] = points
-            path = out / f"{name}_{suffix}.svg"
-            path.write_text(svg_chart(f"{name}: {title}, mean of {len(next(iter(by_preset.values())))} seeds",
-                                      series, width=620, height=260))
-            files.append(path.name)
-        # the same held-out accuracy against the answers each preset sampled (DAPO samples more per step)
-        series = {preset: [(0, base[name]["accuracy"])] + _accuracy_by_samples(runs)
-                  for preset, runs in by_preset.items()}
-        svg = svg_chart(f"{name}: held-out accuracy against answers sampled (thousands)", series, width=620, height=260)
-        path = out / f"{name}_accuracy_vs_samples.svg"
-        path.write_text(svg.replace(">step</text>", ">answers sampled (thousands)</text>"))
+    for name, by_arm in results.items():
+        for prefix, by_preset in _families(by_arm).items():
+            files += _family_charts(name, prefix, by_preset, base, out)
+    return files
+
+
+def _family_charts(name: str, prefix: str, by_preset: dict, base: dict, out: Path) -> list[str]:
+    files = []
+    for suffix, title, key, source in CHARTS:
+        series = {}
+        for preset, runs in by_preset.items():
+            points = _curve(runs, key, source)
+            if source == "evals" and key in base[name]:
+                points = [(0, base[name][key])] + points
+            series[preset] = points
+        path = out / f"{name}_{prefix}{suffix}.svg"
+        path.write_text(svg_chart(f"{name}: {title}, mean of {len(next(iter(by_preset.values())))} seeds",
+                                  series, width=620, height=260))
         files.append(path.name)
+    # the same held-out accuracy against the answers each preset sampled (DAPO samples more per step)
+    series = {preset: [(0, base[name]["accuracy"])] + _accuracy_by_samples(runs)
+              for preset, runs in by_preset.items()}
+    svg = svg_chart(f"{name}: held-out accuracy against answers sampled (thousands)", series, width=620, height=260)
+    path = out / f"{name}_{prefix}accuracy_vs_samples.svg"
+    path.write_text(svg.replace(">step</text>", ">answers sampled (thousands)</text>"))
+    files.append(path.name)
     return files
 
 
@@ -252,7 +306,8 @@ def _fmt(values, digits=3):
 def table(results: dict, base: dict) -> str:
     G, B = GRPO["group_size"], GRPO["prompts_per_step"]
     lines = []
-    for name, by_preset in results.items():
+    for name, by_arm in results.items():
+        by_preset = _families(by_arm).get("", {})
         b = base[name]
         lines += [f"**{name}** — warm start: held-out accuracy {b['accuracy']:.3f}, pass@8 {b['pass@8']:.3f}, "
                   f"answer length {b['length']:.2f}, wrong-answer length {b['wrong_length']:.2f}", "",
@@ -272,11 +327,32 @@ def table(results: dict, base: dict) -> str:
                 f"| {_fmt([_mean(half(r, 'clip_ratio/region_mean')) for r in runs], 4)} "
                 f"| {_mean(draws) * B * G:.0f} | {_fmt([r['seconds'] for r in runs], 0)} |")
         lines.append("")
+        lines += _mismatch_table(name, _families(by_arm).get("mismatch_", {}))
     lines.append("Means ± standard deviations over seeds; length in tokens (one per character, EOS included); "
                  "accuracy and pass@8 on the held-out prompts at the last step; 'no-signal groups' and 'clipped "
                  "tokens' averaged over the second half of training; 'best accuracy' is each seed's best "
                  "evaluation.")
     return "\n".join(lines) + "\n"
+
+
+def _mismatch_table(name: str, by_arm: dict) -> list[str]:
+    if not by_arm:
+        return []
+    lines = [f"**{name}, sampler at temperature {MISMATCH['sampler_temperature']} vs trainer at 1.0** "
+             f"(dapo loss, no dynamic sampling; is_cap_max = {MISMATCH['is_cap_max']:g}, no lower bound)", "",
+             "| arm | accuracy (final) | best accuracy | pass@8 (final) | log-prob gap | mean weight "
+             "| masked / truncated | s / run |", "|---|---|---|---|---|---|---|---|"]
+    for arm, runs in by_arm.items():
+        final = [r["evals"][-1] for r in runs]
+        over = lambda k: [_mean([m.get(k) for m in r["metrics"]]) for r in runs]  # noqa: E731
+        cut = [_mean([m.get("sampling/is_masked_share", m.get("sampling/is_truncated_share")) for m in r["metrics"]])
+               for r in runs]
+        lines.append(f"| {arm} | {_fmt([e['accuracy'] for e in final])} "
+                     f"| {_fmt([max(e['accuracy'] for e in r['evals']) for r in runs])} "
+                     f"| {_fmt([e['pass@8'] for e in final])} | {_fmt(over('sampling/logprob_gap_mean'), 3)} "
+                     f"| {_fmt(over('sampling/is_ratio_mean'), 3)} | {_fmt(cut, 4)} "
+                     f"| {_fmt([r['seconds'] for r in runs], 0)} |")
+    return lines + [""]
 
 
 def compact(results: dict) -> dict:
@@ -298,6 +374,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="runs/variants", help="warm starts and run folders (cached)")
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     p.add_argument("--presets", nargs="+", default=list(PRESETS), choices=list(PRESETS))
+    p.add_argument("--no-mismatch", action="store_true", help="leave out the mismatch-correction arms (mm:*)")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--eval-every", type=int, default=25)
@@ -326,12 +403,14 @@ def main(argv=None) -> int:
         base[name] = score(model, tokenizer, task, held_out, spec["max_new_tokens"], EVAL["samples"], EVAL["seed"])
         print(f"[{name}] warm start held-out: {json.dumps({k: round(v, 3) for k, v in base[name].items() if v})}",
               flush=True)
-        results[name] = {preset: [run_one(name, preset, seed, model_dir, work, args.steps, args.eval_every, held_out)
-                                  for seed in args.seeds] for preset in args.presets}
+        results[name] = {arm: [run_one(name, arm, spec_, seed, model_dir, work, args.steps, args.eval_every, held_out)
+                               for seed in args.seeds]
+                         for arm, spec_ in arms(args.presets, not args.no_mismatch).items()}
     files = charts(results, base, out)
     (out / "table.md").write_text(table(results, base))
     settings = {"grpo": GRPO, "eval": EVAL, "tasks": TASKS, "steps": args.steps, "eval_every": args.eval_every,
-                "seeds": args.seeds, "minibatches_per_generation_batch": 2, "threads": args.threads}
+                "seeds": args.seeds, "minibatches_per_generation_batch": 2, "threads": args.threads,
+                "mismatch": None if args.no_mismatch else MISMATCH}
     (out / "results.json").write_text(json.dumps({"settings": settings, "warm_start": base, "runs": compact(results)}))
     print(f"study finished in {time.perf_counter() - started:.0f} s; charts: {', '.join(files)}; "
           f"table: {out / 'table.md'}", flush=True)
