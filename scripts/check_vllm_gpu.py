@@ -10,7 +10,8 @@ character tokenizer), then runs each phase in its own process (a fresh vLLM engi
   engine  VLLMEngine colocated with the trainer's model: vLLM's log-probs of its own samples against
           the trainer's recomputed ones; then the trainer's weights are perturbed, pushed in buckets,
           and the new samples' log-probs must match the *new* weights (and not the old ones).
-  train   5 GRPO steps through grpokit.train with rollout.engine = "vllm" and TIS (tis_cap = 2):
+  train   5 GRPO steps through grpokit.train with rollout.engine = "vllm" and TIS (is_correction =
+          "token_truncate", is_cap_max = 2):
           finite metrics, and the sampler-trainer gap stays small after every update (weights synced).
   lora    the same with model.lora: only the adapter is pushed (a new LoRARequest per update).
   sleep   the train phase with rollout.vllm.enable_sleep_mode = true.
@@ -139,14 +140,14 @@ def phase_train(model_dir: Path, out: Path, *, lora: bool = False, sleep: bool =
                           lora={"r": 8, "alpha": 16} if lora else {}),
         data=DataConfig(task="addition", num_prompts=512),
         rollout=RolloutConfig(group_size=8, max_new_tokens=16, engine="vllm", vllm=options),
-        algorithm=AlgorithmConfig(tis_cap=2.0),
+        algorithm=AlgorithmConfig(is_correction="token_truncate", is_cap_max=2.0),
         train=TrainConfig(steps=5, prompts_per_step=16, learning_rate=1e-2 if lora else 1e-3),
         output=OutputConfig(dir=str(out / name), console=False, overwrite=True),
     )
     t0 = time.perf_counter()
     run = train(config, reward_functions=[parity])
     rows = read_metrics(run)
-    keys = ("reward", "loss", "grad_norm", "sampling/logprob_gap_mean", "sampling/tis_weight_mean")
+    keys = ("reward", "loss", "grad_norm", "sampling/logprob_gap_mean", "sampling/is_ratio_mean")
     finite = all(r[k] is not None and math.isfinite(r[k]) for r in rows for k in keys)
     gaps = [r["sampling/logprob_gap_mean"] for r in rows]
     check(results, f"{name}: 5 GRPO steps, finite metrics", finite and len(rows) == 5,
@@ -154,7 +155,7 @@ def phase_train(model_dir: Path, out: Path, *, lora: bool = False, sleep: bool =
           reward_first=rows[0]["reward"], reward_last=rows[-1]["reward"])
     updated = all(r["grad_norm"] > 0 for r in rows)  # else "after every update" would say nothing
     check(results, f"{name}: sampler-trainer gap stays small after every update", updated and max(gaps) < GAP_MEAN_MAX,
-          gap_step1=gaps[0], gap_max=max(gaps), tis_weight_mean=rows[-1]["sampling/tis_weight_mean"],
+          gap_step1=gaps[0], gap_max=max(gaps), is_ratio_mean=rows[-1]["sampling/is_ratio_mean"],
           grad_norm=rows[-1]["grad_norm"])
     ckpt = run / "checkpoint-5"
     check(results, f"{name}: checkpoint written", (ckpt / "config.json").is_file()

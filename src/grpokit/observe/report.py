@@ -40,6 +40,8 @@ CHARTS = [  # (title, metric names; "*" matches one reward function name)
     ("KL to the reference model", ["kl"]),
     ("Entropy (nats per token)", ["entropy"]),
     ("Clip ratios", ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"]),
+    ("Sampler-trainer mismatch", ["sampling/logprob_gap_mean", "sampling/is_ratio_mean", "sampling/is_masked_share",
+                                  "sampling/is_truncated_share", "off_policy/masked_share"]),
     ("Completion length (tokens)", ["completions/mean_length", "completions/min_length", "completions/max_length",
                                     "completions/mean_terminated_length"]),
     ("Share of answers cut at max_new_tokens", ["completions/clipped_ratio"]),

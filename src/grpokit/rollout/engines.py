@@ -17,10 +17,10 @@ tokens it drew); the trainer never looks behind it.
   adapter moves (saved to a temporary folder, loaded as a new `LoRARequest`). Each `generate` passes
   a seed drawn from the trainer's generator, so `--resume` replays the same sampling seeds.
 - The sampler and the trainer compute log-probs with different kernels (and vLLM often in bf16), so
-  even on-policy their ratio is not exactly 1. `algorithm.tis_cap = C > 0` applies truncated
-  importance sampling (TIS, Yao et al. 2025): each token's loss is multiplied by
-  `w_t = min(exp(logp_trainer_t - logp_sampler_t), C)`, with `logp_trainer` the trainer's log-probs of
-  the sampled tokens before the update (a no-grad pass, as TRL). vLLM runs with
+  even on-policy their ratio is not exactly 1. `algorithm.is_correction` weights each token's (or
+  answer's) loss by `exp(logp_trainer - logp_sampler)`, truncated or masked to [is_cap_min, is_cap_max]
+  (TIS, Yao et al. 2025, and TRL's other modes; algorithms/mismatch.py), with `logp_trainer` the
+  trainer's log-probs of the sampled tokens before the update (a no-grad pass, as TRL). vLLM runs with
   `logprobs_mode="processed_logprobs"` so that its log-probs include the temperature; with top-k/top-p
   they are those of the filtered distribution while the trainer's are unfiltered (as in TRL).
 """
