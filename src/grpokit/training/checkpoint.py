@@ -10,7 +10,9 @@ place, so a crash mid-save leaves the previous checkpoint untouched.
 The whole layout lives here: a plain model is saved as it is; under FSDP the full weights
 and optimizer state are gathered first (every rank takes part, rank 0 writes); with LoRA the
 folder holds the merged model (loadable as a plain one) plus `adapter/`, and a resume loads
-the adapter alone into the frozen base.
+the adapter alone into the frozen base. Once the KL reference has moved toward the policy
+(`algorithm.ref_sync_every`, training/reference.py), `reference/weights.safetensors` holds it: the
+reference's parameters (Hugging Face names), or with LoRA its own delta (`LoraReference`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ import torch
 
 from grpokit.errors import CheckpointError, SetupError
 from grpokit.models.fsdp import full_state_dict, is_fsdp, load_optimizer_state, optimizer_state
-from grpokit.models.lora import adapter_of, import_peft, merged_state_dict
+from grpokit.models.lora import LoraReference, adapter_of, import_peft, merged_state_dict
 from grpokit.models.parallel import gather_states, local_state
+from grpokit.training.reference import resharded
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 
@@ -34,6 +37,7 @@ _NAME = re.compile(r"^checkpoint-(\d+)$")
 CHECKPOINT_CONFIG = "grpokit_config.toml"
 PREFIX, TMP_PREFIX = "checkpoint-", ".tmp-checkpoint-"  # a finished checkpoint; one being written
 ADAPTER_DIR = "adapter"  # with LoRA: the adapter alone, beside the merged model
+REFERENCE_DIR, REFERENCE_FILE = "reference", "weights.safetensors"  # a moved KL reference (algorithm.ref_sync_every)
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -72,10 +76,17 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: d
     tmp = run_dir / f"{TMP_PREFIX}{step}"
     for stale in run_dir.glob(f"{TMP_PREFIX}*"):  # left by a crash mid-save
         shutil.rmtree(stale, ignore_errors=True)
+    trainer_state = dict(trainer_state)
+    reference = trainer_state.pop("reference", None)  # its own file, not in the pickle
     try:
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         torch.save(trainer_state, tmp / "trainer_state.pt")
+        if reference is not None:
+            from safetensors.torch import save_file
+
+            (tmp / REFERENCE_DIR).mkdir()
+            save_file(reference, str(tmp / REFERENCE_DIR / REFERENCE_FILE))
         (tmp / CHECKPOINT_CONFIG).write_text(config_text, encoding="utf-8")
     except Exception as e:
         shutil.rmtree(tmp, ignore_errors=True)  # the partial copy would only take more space
@@ -156,10 +167,44 @@ def load_checkpoint_weights(checkpoint: Path, model) -> None:
 def trainer_state(step: int, policy, sampler: torch.Generator, stream) -> dict:
     """What a checkpoint holds beside the weights: optimizer (gathered under FSDP), schedule, every RNG,
     every process's sampling generator, the prompt stream's position. A collective under torchrun."""
-    return {"step": step, "optimizer": optimizer_state(policy.model, policy.optimizer),
-            "scheduler": policy.scheduler.state_dict(), "rng": rng_state(),
-            "sampler": gather_states(sampler.get_state()), "stream": stream.state_dict(),
-            "entropy": policy.entropy_state()}
+    state = {"step": step, "optimizer": optimizer_state(policy.model, policy.optimizer),
+             "scheduler": policy.scheduler.state_dict(), "rng": rng_state(),
+             "sampler": gather_states(sampler.get_state()), "stream": stream.state_dict(),
+             "entropy": policy.entropy_state()}
+    if policy.ref_moved:  # `save_checkpoint` writes it to reference/; before the first sync it is the initial model
+        state["reference"] = _reference_weights(policy.ref_model)
+    return state
+
+
+def _reference_weights(ref) -> dict[str, torch.Tensor]:
+    """The moved reference's tensors: LoRA, its delta; else its parameters (a tied weight once), gathered
+    onto the CPU under FSDP (a collective). Rank 0 writes them (safetensors copies each to the CPU)."""
+    if isinstance(ref, LoraReference):
+        return {k: v.detach().contiguous() for k, v in ref.delta_state_dict().items()}
+    full = full_state_dict(resharded(ref))
+    return full if full is not None else {n: p.detach() for n, p in ref.named_parameters()}
+
+
+def _load_reference(checkpoint: Path, policy) -> None:
+    """A checkpoint's moved reference back into `policy.ref_model`; nothing when it has none (written
+    before the first sync: the reference is the initial model, as built)."""
+    folder = checkpoint / REFERENCE_DIR
+    if not folder.is_dir():
+        return
+    ref = policy.ref_model
+    if ref is None or (adapter_of(policy.model) is not None and not isinstance(ref, LoraReference)):
+        raise SetupError(f"--resume: {folder} holds a moved KL reference, but this run has none that moves "
+                         "(algorithm.beta, algorithm.ref_sync_every)")
+    if isinstance(ref, LoraReference):
+        from safetensors.torch import load_file
+
+        try:
+            ref.load_delta_state_dict(load_file(str(folder / REFERENCE_FILE)))
+        except ValueError as e:
+            raise SetupError(f"--resume: {folder}: {e}") from None
+    else:
+        load_checkpoint_weights(folder, ref)
+    policy.ref_moved = True
 
 
 def restore_checkpoint(checkpoint: Path, policy, sampler: torch.Generator, stream) -> int:
@@ -170,6 +215,7 @@ def restore_checkpoint(checkpoint: Path, policy, sampler: torch.Generator, strea
     policy.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     policy.load_entropy_state(state.get("entropy"))
+    _load_reference(checkpoint, policy)  # algorithm.ref_sync_every: the reference as it had moved
     sampler.set_state(local_state(state["sampler"]))  # this process's generator
     try:
         stream.load_state_dict(state["stream"])

@@ -29,6 +29,7 @@ from grpokit.observe.tracking import ConsoleProgress, MetricsWriter, drop_rows_a
 from grpokit.training.checkpoint import CheckpointWeights, save_checkpoint, trainer_state
 from grpokit.training.evaluation import BestCheckpoint, HeldOut
 from grpokit.training.generate import generate_and_grade
+from grpokit.training.reference import sync_reference
 from grpokit.training.run_folder import RunFolderLock, record_segment, with_resolved_paths
 from grpokit.training.setup import Run, build_run, check_inputs
 from grpokit.training.stopping import GracefulStop, continue_command, diverged_message, stop_messages
@@ -121,6 +122,7 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
                     batch, is_metrics = with_is_weights(local, policy, batch)
                     gen_metrics.update(is_metrics)
                 train_metrics, _ = optimize(local, policy, batch)
+                train_metrics.update(sync_reference(local, policy, step))  # ref_sync_every: reference -> policy
                 run.engine.sync_weights(policy.model)  # vLLM: push the new weights; HF: the sampler is the model
                 t2 = time.perf_counter()
                 # log

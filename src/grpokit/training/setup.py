@@ -27,7 +27,7 @@ from grpokit.models.allocator import keep_freed_memory
 from grpokit.models.forward import head_is_linear
 from grpokit.models.fsdp import load_device, prepare_model
 from grpokit.models.loading import check_model_folder, load_model, load_tokenizer, max_positions_of, resolve_device
-from grpokit.models.lora import AdapterDisabled, apply_lora
+from grpokit.models.lora import AdapterDisabled, LoraReference, apply_lora
 from grpokit.models.parallel import DistributedContext
 from grpokit.rewards.core import RewardSpec
 from grpokit.rewards.isolation import RewardPool, check_isolatable, isolate
@@ -270,7 +270,8 @@ class Policy:
     """The model being trained, its frozen reference, and what updates it."""
 
     model: torch.nn.Module
-    ref_model: torch.nn.Module | None  # None when β = 0; with LoRA the base model (adapters off)
+    ref_model: torch.nn.Module | None  # None when β = 0; with LoRA the base model (adapters off), LoraReference
+    # when it moves (algorithm.ref_sync_every: the base + a delta of its own)
     linear_head: bool  # logits == lm_head(hidden): the fused log-prob head applies
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -278,6 +279,9 @@ class Policy:
     # (inf before the first: the bonus starts off, as TRL's); part of the checkpoint
     entropy_coef: float = 0.0
     last_entropy: float = float("inf")
+    # algorithm.ref_sync_every (training/reference.py): the reference has moved from the initial weights,
+    # so checkpoints hold it
+    ref_moved: bool = False
 
     def entropy_state(self) -> dict:
         return {"coef": self.entropy_coef, "last_entropy": self.last_entropy}
@@ -347,7 +351,8 @@ def build_policy(config: Config) -> Policy:
     linear_head = head_is_linear(model)
     if config.model.lora:  # adapters only; the KL reference is the same weights with the adapters off
         model = apply_lora(model, config.model.lora)
-        ref_model = AdapterDisabled(model) if config.algorithm.beta > 0 else None
+        if config.algorithm.beta > 0:  # one that moves toward the policy: base + a delta of its own (no copy)
+            ref_model = LoraReference(model) if config.algorithm.ref_sync_every else AdapterDisabled(model)
     model, ref_model, linear_head = prepare_model(model, ref_model, linear_head, fsdp=config.model.fsdp)
     t = config.train
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.learning_rate,
