@@ -70,6 +70,49 @@ def test_a_field_missing_from_an_older_checkpoint_counts_as_its_default(tmp_path
     assert prepare_run_folder(cfg, resume=True).changes == {}
 
 
+def _as_written_before_is_correction(recorded: Path, **algorithm) -> None:
+    """Rewrite a checkpoint's config as a release before `algorithm.is_correction` wrote it."""
+    lines = [line for line in recorded.read_text().splitlines()
+             if not line.startswith(("is_correction", "is_cap_", "tis_cap", *algorithm))]
+    at = lines.index("[algorithm]") + 1
+    recorded.write_text("\n".join(lines[:at] + [f"{k} = {v!r}" for k, v in algorithm.items()] + lines[at:]))
+
+
+def test_a_run_that_used_tis_cap_resumes_with_either_spelling(tmp_path, model):
+    from grpokit.config.schema import AlgorithmConfig
+
+    run = tmp_path / "run"
+    fake_run(run, config(model, run))
+    _as_written_before_is_correction(run / "checkpoint-2" / CHECKPOINT_CONFIG, tis_cap=2.0)
+    for algorithm in (AlgorithmConfig(tis_cap=2.0), AlgorithmConfig(is_correction="token_truncate", is_cap_max=2.0)):
+        cfg = Config(model=ModelConfig(path=str(model)), data=DataConfig(task="addition"), algorithm=algorithm,
+                     output=OutputConfig(dir=str(run), console=False))
+        assert prepare_run_folder(cfg, resume=True).changes == {}
+    with pytest.raises(RunFolderError, match="algorithm.is_cap_max: 2.0 -> 3.0"):
+        prepare_run_folder(Config(model=ModelConfig(path=str(model)), data=DataConfig(task="addition"),
+                                  algorithm=AlgorithmConfig(is_correction="token_truncate"),
+                                  output=OutputConfig(dir=str(run), console=False)), resume=True)
+
+
+def test_an_older_cispo_run_resumes_only_with_the_same_cap(tmp_path, model):
+    # before epsilon_high became the cap itself, cispo's epsilon_high = 4.0 meant a cap of 5.0
+    from grpokit.config.schema import AlgorithmConfig
+
+    run = tmp_path / "run"
+    fake_run(run, config(model, run))
+    _as_written_before_is_correction(run / "checkpoint-2" / CHECKPOINT_CONFIG, loss_type="cispo", epsilon_high=4.0)
+
+    def resume(epsilon_high):
+        cfg = Config(model=ModelConfig(path=str(model)), data=DataConfig(task="addition"),
+                     algorithm=AlgorithmConfig(loss_type="cispo", epsilon_high=epsilon_high),
+                     output=OutputConfig(dir=str(run), console=False))
+        return prepare_run_folder(cfg, resume=True)
+
+    assert resume(5.0).changes == {}  # the same cap, in today's spelling
+    with pytest.raises(RunFolderError, match="algorithm.epsilon_high: 5.0 -> 4.0"):
+        resume(4.0)  # the old number would silently cap at 4: refused, naming the cap the run had
+
+
 def test_a_config_toml_that_no_run_wrote_is_not_taken_for_a_run(tmp_path, model):
     run = tmp_path / "here"
     run.mkdir()

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from grpokit.algorithms.advantages import ESTIMATORS
-from grpokit.algorithms.objectives import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from grpokit.algorithms.objectives import CLIPPED, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from grpokit.config import variants
 from grpokit.config.presets import PRESETS
 from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, RolloutConfig, TrainConfig
@@ -36,6 +36,7 @@ def test_the_configs_variant_names_are_the_ones_the_math_implements():
     assert tuple(PRESETS) == variants.PRESET_NAMES
     assert set(variants.TASK_NAMES) == set(TASKS)
     assert set(variants.GLOBAL_TOKEN_LOSSES) <= set(variants.LOSS_TYPES)
+    assert set(variants.CLIPPED_LOSSES) == set(CLIPPED)
     assert set(variants.SAMPLERS) == set(SAMPLERS)
 
 

@@ -129,9 +129,9 @@ MAPPING = [
           entropy_coef_max=0.1, entropy_coef_delta=0.002),
      {"algorithm.adaptive_entropy": True, "algorithm.entropy_coef": 0.01, "algorithm.entropy_target": 0.5,
       "algorithm.entropy_coef_min": 0.001, "algorithm.entropy_coef_max": 0.1, "algorithm.entropy_coef_delta": 0.002}),
-    (dict(loss_type="bnpo", entropy_coef=0.01, top_entropy_quantile=0.2, mask_truncated_completions=True),
-     {"algorithm.loss_type": "bnpo", "algorithm.entropy_coef": 0.01, "algorithm.top_entropy_quantile": 0.2,
-      "algorithm.mask_truncated_completions": True}),
+    (dict(loss_type="bnpo", entropy_coef=0.01, mask_truncated_completions=True),
+     {"algorithm.loss_type": "bnpo", "algorithm.entropy_coef": 0.01, "algorithm.mask_truncated_completions": True}),
+    (dict(top_entropy_quantile=0.2), {"algorithm.top_entropy_quantile": 0.2}),
     (dict(max_tool_calling_iterations=3), {"tools.max_calls": 3}),
     # optimizer and schedule
     (dict(learning_rate=3e-4, adam_beta1=0.8, adam_beta2=0.95, max_grad_norm=0.5, seed=7, optim="adamw_torch"),
@@ -238,6 +238,8 @@ def test_refused_fields_and_values_are_listed_in_one_error():
     (dict(off_policy_mask_threshold=0.0), "grpokit's 0 means off"),
     (dict(sync_ref_model=True), r"sync_ref_model=True \(there is no reference model to sync with beta=0"),
     (dict(entropy_coef=0.1, gradient_accumulation_steps=2), "entropy_coef=0.1"),
+    (dict(loss_type="bnpo", entropy_coef=0.1, top_entropy_quantile=0.5), "entropy_coef=0.1 .*over the high-entropy"),
+    (dict(loss_type="sapo", delta=4.0), "TRL ignores delta for loss_type='sapo'"),
     (dict(bf16=True, fp16=True), "fp16=True"),
     (dict(eval_strategy="epoch"), "eval_strategy='epoch' \\(grpokit counts steps, not epochs"),
     (dict(eval_strategy="steps", load_best_model_at_end=True), "metric_for_best_model='loss' \\(transformers' "

@@ -109,8 +109,21 @@ def test_mismatch_correction_acts_on_a_real_sampler_trainer_gap(tiny_model_dir, 
 def test_tis_cap_is_the_old_spelling_of_token_truncate():
     algo = AlgorithmConfig(tis_cap=2.0)
     assert (algo.is_correction, algo.is_cap_max, algo.tis_cap) == ("token_truncate", 2.0, 0.0)
-    with pytest.raises(ConfigError, match="algorithm.tis_cap: is the old spelling"):
-        AlgorithmConfig(tis_cap=2.0, is_correction="sequence_mask")
+    for other in ({"is_correction": "sequence_mask"}, {"is_cap_max": 5.0}):
+        with pytest.raises(ConfigError, match="algorithm.tis_cap: is the old spelling"):
+            AlgorithmConfig(tis_cap=2.0, **other)
+
+
+def test_sampler_old_logprobs_do_not_count_the_mismatch_twice(tiny_model_dir, tmp_path):
+    # old_logprobs = "sampler" reuses the rollout's log-probs as the old ones; with a sampler that is not the
+    # trainer, the correction's trainer log-probs must be the old ones instead, so both modes train alike
+    rows = []
+    for mode in ("sampler", "recompute"):
+        cfg = small(tiny_model_dir, tmp_path / mode, algorithm={"is_correction": "token_truncate", "is_cap_max": 2.0,
+                                                                "old_logprobs": mode, "num_iterations": 2},
+                    train={"steps": 1})
+        rows.append(comparable(read_metrics(train(cfg, reward_functions=[parity], engine=hot_engine))))
+    assert rows[0] == rows[1]
 
 
 def test_adaptive_entropy_moves_the_coefficient_and_resumes_exactly(tiny_model_dir, tmp_path):
@@ -150,6 +163,7 @@ def test_adaptive_entropy_applies_no_bonus_while_entropy_is_above_the_target(tin
     ({"loss_type": "vespo", "vespo_k_pos": -1.0}, "algorithm.vespo_k_pos: must be >= 0"),
     ({"delta": 1.1}, r"algorithm.delta: must exceed 1 \+ epsilon_high \(1.2\)"),
     ({"loss_type": "cispo", "delta": 4.0}, "algorithm.delta: two-sided clipping applies to the clipped losses"),
+    ({"loss_type": "cispo", "epsilon_high": 5.0, "delta": 4.0}, "algorithm.delta: two-sided clipping applies"),
     ({"off_policy_mask_threshold": -0.1}, "algorithm.off_policy_mask_threshold: must be >= 0"),
     ({"is_correction": "token"}, "algorithm.is_correction: got 'token'; choose one of"),
     ({"is_correction": "token_mask", "is_cap_max": 0.0}, "algorithm.is_cap_max: is_correction = 'token_mask' "
@@ -177,6 +191,8 @@ def test_settings_that_run_but_were_probably_not_meant_are_said_at_start(tiny_mo
     assert {k for k, _ in AlgorithmConfig(loss_type="vespo", importance_sampling_level="sequence").warnings} == {
         "vespo_level"}
     assert {k for k, _ in AlgorithmConfig(entropy_target=0.5).warnings} == {"adaptive_entropy"}
+    assert {k for k, _ in AlgorithmConfig(loss_type="luspo", importance_sampling_level="sequence",
+                                          entropy_coef=0.01).warnings} == {"luspo_entropy"}
     cfg = small(tiny_model_dir, tmp_path / "w", algorithm={"loss_type": "cispo"}, train={"steps": 1},
                 output={"console": True})
     assert [k for k, _ in check_config(cfg)] == ["cispo_cap"]
@@ -184,3 +200,18 @@ def test_settings_that_run_but_were_probably_not_meant_are_said_at_start(tiny_mo
     out = capsys.readouterr()
     said = " ".join((out.out + out.err).split())  # the console wraps long lines
     assert said.count("read the old way, as a cap of 1.2") == 1 and "write epsilon_high = 1.2" in said
+
+
+def test_the_adaptive_controller_measures_the_tokens_the_bonus_acts_on(tiny_model_dir, tmp_path, monkeypatch):
+    # with top_entropy_quantile < 1 the bonus acts on the high-entropy tokens only, and TRL's controller measures
+    # the entropy there: above the mean over every token
+    import grpokit.training.update as update
+
+    measured = []
+    real = update.adapt_entropy_coef
+    monkeypatch.setattr(update, "adapt_entropy_coef", lambda coef, entropy, **kw: measured.append(entropy) or
+                        real(coef, entropy, **kw))
+    cfg = small(tiny_model_dir, tmp_path / "q", algorithm={"adaptive_entropy": True, "top_entropy_quantile": 0.3},
+                train={"steps": 1})
+    row = read_metrics(train(cfg, reward_functions=[parity]))[0]
+    assert len(measured) == 1 and measured[0] > row["entropy"] + 1e-3

@@ -185,6 +185,7 @@ LOSS_TYPES: dict[str, tuple[Callable, Callable]] = {
     "vespo": (_vespo_surrogate, _agg_dapo),
 }
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the losses with a clip range (and its statistics)
+# (config/variants.py CLIPPED_LOSSES names the same; a test keeps them equal)
 
 
 @torch.no_grad()
@@ -337,7 +338,8 @@ def policy_loss(
     if loss_type == "vespo":  # the smooth sequence gate, with the sampler correction folded in
         phi = vespo_weights(adv, torch.where(valid, logp - old_logp, 0.0), maskf, token_weights, **(vespo or {}))
         per_token = per_token * phi
-        stats["vespo/phi_seq_mean"] = phi.mean().detach()
+        moving = adv.squeeze(-1) != 0  # answers the trainer may have skipped (zero advantage) hold no log-probs
+        stats["vespo/phi_seq_mean"] = (phi[moving] if moving.any() else phi).mean().detach()
     elif token_weights is not None:  # constant per-answer or per-token weights of the policy term, before KL (TRL)
         per_token = per_token * token_weights.detach().to(logp.dtype)
     if off_policy_mask_threshold is not None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from grpokit.config.checks import _check, _check_fields, _did_you_mean, _one_of
 from grpokit.config.variants import (
     ADVANTAGE_ESTIMATORS,
+    CLIPPED_LOSSES,
     GLOBAL_TOKEN_LOSSES,
     IMPORTANCE_SAMPLING_LEVELS,
     IS_CORRECTIONS,
@@ -115,12 +116,12 @@ class AlgorithmConfig:
         self._check_corrections()
 
     def _check_objective(self) -> None:
+        _check(self.delta == 0 or self.loss_type in CLIPPED_LOSSES, "algorithm.delta",
+               f"two-sided clipping applies to the clipped losses ({', '.join(CLIPPED_LOSSES)}), not "
+               f"loss_type = {self.loss_type!r}; set it to 0")
         _check(self.delta == 0 or self.delta > 1 + self.clip_high, "algorithm.delta",
                f"must exceed 1 + epsilon_high ({1 + self.clip_high:g}) to cap only runaway ratios, or be 0 (off); "
                f"4.0 is usual")
-        _check(self.delta == 0 or self.loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"), "algorithm.delta",
-               f"two-sided clipping applies to the clipped losses (grpo, bnpo, dr_grpo, dapo, luspo), not "
-               f"loss_type = {self.loss_type!r}; set it to 0")
         for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
             _check(getattr(self, name) > 0, f"algorithm.{name}", "must be > 0")
         for name in ("vespo_k_pos", "vespo_k_neg"):
@@ -140,9 +141,10 @@ class AlgorithmConfig:
         _check(self.tis_cap >= 0, "algorithm.tis_cap", "must be >= 0 (0 = unset; prefer is_correction = "
                "\"token_truncate\" with is_cap_max)")
         if self.tis_cap:  # the earlier spelling: one value for the token-level truncation
-            _check(self.is_correction in ("none", "token_truncate"), "algorithm.tis_cap",
-                   f"is the old spelling of is_correction = \"token_truncate\" with is_cap_max, and "
-                   f"is_correction = {self.is_correction!r} is set too: keep one of them")
+            _check(self.is_correction in ("none", "token_truncate") and self.is_cap_max in (3.0, self.tis_cap),
+                   "algorithm.tis_cap", f"is the old spelling of is_correction = \"token_truncate\" with is_cap_max, "
+                   f"and is_correction = {self.is_correction!r} / is_cap_max = {self.is_cap_max:g} are set too: "
+                   f"keep one spelling")
             object.__setattr__(self, "is_correction", "token_truncate")
             object.__setattr__(self, "is_cap_max", self.tis_cap)
             object.__setattr__(self, "tis_cap", 0.0)  # recorded (config.toml) in the current spelling
@@ -213,6 +215,10 @@ class AlgorithmConfig:
                                           self.entropy_coef_delta) != (0.2, 0.0, 1.0, 0.005):
             out.append(("adaptive_entropy", "algorithm.entropy_target / entropy_coef_min / _max / _delta are set but "
                                             "adaptive_entropy = false: they steer only the adaptive coefficient."))
+        if self.loss_type == "luspo" and (self.entropy_coef or self.adaptive_entropy):
+            out.append(("luspo_entropy", "algorithm.loss_type = 'luspo' with an entropy bonus: the bonus is aggregated "
+                                         "like the loss, summed over each answer's tokens, so it grows with the "
+                                         "answer length; use a smaller entropy_coef (or entropy_coef_max)."))
         if self.loss_type == "vespo" and self.importance_sampling_level != "token":
             out.append(("vespo_level", "algorithm.loss_type = 'vespo' computes its own sequence weight: "
                                        "importance_sampling_level should stay 'token'."))

@@ -15,6 +15,7 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vesp
 # micro-batch or an answer: the trainer all-reduces that count before the loss, gradient
 # accumulation does not rescale them, and the processes' gradients simply add up.
 GLOBAL_TOKEN_LOSSES = ("dapo", "cispo", "vespo")
+CLIPPED_LOSSES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # a clip range (and two-sided clipping, delta)
 # Loss types whose terms act on a whole answer (a sequence weight or sum): each answer's loss depends on all
 # its tokens' log-probs together, so the fused head's one-pass backward (per-token gradients) cannot serve.
 SEQUENCE_LOSSES = ("vespo",)

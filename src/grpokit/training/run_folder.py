@@ -208,7 +208,7 @@ def _resume_changes(config: Config, checkpoint: Path) -> dict:
     before = _saved_config(checkpoint)
     if before is None:  # written before checkpoints kept their config: nothing to compare against
         return {}
-    before = _resolve_paths({**_defaults(), **before})  # a field added by a later release: its default
+    before = _resolve_paths({**_defaults(), **_in_current_spelling(before)})  # a field added later: its default
     now = _resolve_paths(_flat(tomllib.loads(to_toml(config))))
     changes = {k: [before.get(k), now.get(k)] for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)}
     refused = {k: v for k, v in changes.items() if k not in RESUMABLE_FIELDS}
@@ -219,6 +219,22 @@ def _resume_changes(config: Config, checkpoint: Path) -> dict:
             f"keep these (only train.steps, output.*, and memory/speed knobs may change); restore them, or start "
             f"a new run from these weights with model.path = {str(checkpoint)!r} and another output.dir")
     return changes
+
+
+def _in_current_spelling(saved: dict) -> dict:
+    """A checkpoint's flat config as this release writes the same run: `algorithm.tis_cap = C` is
+    `is_correction = "token_truncate"` with `is_cap_max = C`; and in a config written before
+    `is_correction` existed, cispo's `epsilon_high = e >= 1` meant a cap of 1 + e, which is now
+    `epsilon_high = 1 + e` (below 1 it is still read the old way)."""
+    saved = dict(saved)
+    old = "algorithm.is_correction" not in saved
+    if saved.get("algorithm.tis_cap"):
+        saved.update({"algorithm.is_correction": "token_truncate", "algorithm.is_cap_max": saved["algorithm.tis_cap"],
+                      "algorithm.tis_cap": 0.0})
+    cap = saved.get("algorithm.epsilon_high") or saved.get("algorithm.epsilon", 0.2)
+    if old and saved.get("algorithm.loss_type") == "cispo" and isinstance(cap, (int, float)) and cap >= 1:
+        saved["algorithm.epsilon_high"] = 1.0 + cap
+    return saved
 
 
 def _saved_config(checkpoint: Path) -> dict | None:

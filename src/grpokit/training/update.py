@@ -16,7 +16,7 @@ import math
 import torch
 
 from grpokit.algorithms.mismatch import importance_correction
-from grpokit.algorithms.objectives import adapt_entropy_coef, policy_loss
+from grpokit.algorithms.objectives import adapt_entropy_coef, high_entropy_mask, policy_loss
 from grpokit.config.schema import Config
 from grpokit.models.forward import completion_logprobs
 from grpokit.models.parallel import global_sum, reduce_gradients
@@ -65,7 +65,11 @@ def with_is_weights(config: Config, policy: Policy, batch: GenerationBatch) -> t
     weights, stats = importance_correction(trainer_logp, batch.rollout.logprobs, batch.loss_mask,
                                            algo.is_correction, cap_max=algo.is_cap_max or None,
                                            cap_min=algo.is_cap_min or None)
-    return dataclasses.replace(batch, is_weight=weights), stats
+    # old_logprobs = "sampler" reused the sampler's log-probs as the old policy's; with a sampler that is not
+    # the trainer that would count the mismatch twice (in the ratio and in these weights): the trainer's own
+    # log-probs, computed above at no extra cost, are the old ones (as TRL's)
+    old = trainer_logp if batch.old_logp is batch.rollout.logprobs else batch.old_logp
+    return dataclasses.replace(batch, is_weight=weights, old_logp=old), stats
 
 
 def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[dict, torch.Tensor | None]:
@@ -92,7 +96,8 @@ def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[di
             for rows in micro_batches:
                 micro_loss, stats, logp = _micro_step(config, policy, batch, old, rows, n_items, len(micro_batches),
                                                       coef)
-                entropy_sum, entropy_tokens = entropy_sum + stats["entropy"], entropy_tokens + stats["_entropy_tokens"]
+                entropy_sum += stats.pop("_acting_entropy", 0.0)  # the controller's: over the tokens the bonus acts on
+                entropy_tokens += stats.pop("_acting_tokens", 0.0)
                 if first_logp is not None and iteration == 0:
                     first_logp[rows, :logp.shape[1]] = logp
                 loss += micro_loss
@@ -196,6 +201,10 @@ def _micro_step(config: Config, policy: Policy, batch: GenerationBatch, old_logp
     out["entropy"] = (entropy.detach() * kept_mask).sum().item() if len(keep) else 0.0
     out["_entropy_tokens"] = kept_mask.sum().item()
     out["_tokens"] = tokens
+    if algo.adaptive_entropy:  # (every answer went through the model: uses_entropy turns the skip off)
+        acting = mask if algo.top_entropy_quantile >= 1 else high_entropy_mask(entropy, mask, algo.top_entropy_quantile)
+        out["_acting_entropy"] = (entropy.detach() * acting).sum().item()
+        out["_acting_tokens"] = acting.sum().item()
     return loss.item(), out, logp.detach()
 
 

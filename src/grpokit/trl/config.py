@@ -27,7 +27,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from grpokit.config.variants import LOSS_TYPES  # every loss type TRL 1.16 has
+from grpokit.config.variants import CLIPPED_LOSSES, LOSS_TYPES  # every loss type TRL 1.16 has
 from grpokit.errors import ConfigError
 
 LR_SCHEDULES = ("constant", "constant_with_warmup", "cosine")
@@ -224,6 +224,8 @@ def _value_problems(c) -> list[str]:
         ("epsilon_high", c.loss_type != "cispo" or (c.epsilon_high or c.epsilon) >= 1,
          "cispo caps the importance weight at epsilon_high; a cap below 1 scales every token down, and grpokit "
          "reads a value below 1 the earlier way (1 + value): set epsilon_high >= 1 (ScaleRL: 5.0)"),
+        ("delta", c.delta is None or c.loss_type in CLIPPED_LOSSES,
+         f"TRL ignores delta for loss_type={c.loss_type!r}, grpokit refuses it: leave it None"),
         ("delta", c.delta is None or c.delta > 1 + (c.epsilon_high or c.epsilon),
          "grpokit needs delta > 1 + epsilon_high (the INTELLECT-2 setting), or None"),
         ("sync_ref_model", not c.sync_ref_model or c.beta > 0,
@@ -248,10 +250,12 @@ def _value_problems(c) -> list[str]:
         ("vllm_mode", not c.use_vllm or c.vllm_mode == "colocate", "grpokit runs vLLM colocated only"),
         ("vllm_importance_sampling_clip_max", c.vllm_importance_sampling_clip_max is None
          or c.vllm_importance_sampling_clip_max > 0, "must be > 0, or None (no upper bound)"),
-        ("entropy_coef", not (c.entropy_coef or c.use_adaptive_entropy) or c.loss_type == "bnpo" or (
-            c.loss_type == "dapo" and c.gradient_accumulation_steps == 1 and c.world_size == 1),
-         "TRL adds the plain token mean of the entropy, grpokit aggregates it like the loss: the same only for "
-         "bnpo, and for dapo with gradient_accumulation_steps=1 on one process"),
+        ("entropy_coef", not (c.entropy_coef or c.use_adaptive_entropy) or c.top_entropy_quantile == 1 and (
+            c.loss_type == "bnpo" or c.loss_type == "dapo" and c.gradient_accumulation_steps == 1
+            and c.world_size == 1),
+         "TRL adds the plain token mean of the entropy (over the high-entropy tokens with top_entropy_quantile < 1), "
+         "grpokit aggregates it like the loss: the same only for bnpo, and for dapo with "
+         "gradient_accumulation_steps=1 on one process, with top_entropy_quantile=1"),
     ]
     return [f"{name}={getattr(c, name)!r} ({why})" for name, ok, why in checks if not ok] + _eval_problems(c)
 
