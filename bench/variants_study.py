@@ -189,6 +189,7 @@ def run_one(name: str, preset: str, arm: dict, seed: int, model_dir: Path, work:
         "rollout": {"group_size": G, "max_new_tokens": spec["max_new_tokens"], "temperature": 1.0},
         "algorithm": arm["algorithm"],
         "train": {"steps": steps, "prompts_per_step": B, "minibatch_size": B * G // 2, "seed": seed,
+                  "num_threads": torch.get_num_threads(),  # --threads: the trainer would take every core
                   "learning_rate": GRPO["learning_rate"], "warmup_steps": GRPO["warmup_steps"]},
         "output": {"dir": str(run_dir), "overwrite": True, "console": False, "save_every": eval_every,
                    "keep_last": steps // eval_every + 1},

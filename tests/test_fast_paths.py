@@ -71,7 +71,7 @@ def _loss_and_grads(config, model, batch):
     N = len(batch.advantages)
     n_items = batch.loss_mask.sum().clamp(min=1)
     loss, stats, _ = _micro_step(config, Policy(model, None, True, None, None), batch, batch.old_logp,
-                                 torch.arange(N), n_items, 1)
+                                 torch.arange(N), n_items, 1, config.algorithm.entropy_coef)
     grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     return loss, stats, grads
 

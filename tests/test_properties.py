@@ -135,12 +135,17 @@ def loss_inputs(draw):
 @SETTINGS
 @given(loss_inputs(), st.sampled_from(["dapo", "bnpo", "grpo", "dr_grpo", "cispo"]))
 def test_on_policy_loss_is_the_aggregated_negative_advantage(inputs, loss_type):
-    """old_logp=None: ratio 1, so each token's loss is -A (CISPO: -A * logp), aggregated as the loss type says."""
+    """old_logp=None: ratio 1, so each token's loss is -A (CISPO: -min(1, cap) * A * logp, the cap being
+    epsilon_high itself, as in TRL: unset it is epsilon, 0.2), aggregated as the loss type says."""
     logp, _, _, adv, mask = inputs
     T = logp.shape[1]
     loss, _ = policy_loss(logp, None, adv, mask, loss_type=loss_type, max_completion_length=T)
     m = mask.double()
-    per_token = -adv[:, None] * m if loss_type != "cispo" else -adv[:, None] * logp * m
+    per_token = -adv[:, None] * m if loss_type != "cispo" else -0.2 * adv[:, None] * logp * m
+    if loss_type == "cispo":  # with the usual cap (5.0) the weight at ratio 1 is 1
+        capped, _ = policy_loss(logp, None, adv, mask, loss_type=loss_type, epsilon_high=5.0, max_completion_length=T)
+        torch.testing.assert_close(capped, (-adv[:, None] * logp * m).sum() / m.sum().clamp(min=1),
+                                   atol=1e-10, rtol=1e-10)
     expected = {
         "dapo": per_token.sum() / m.sum().clamp(min=1),
         "bnpo": per_token.sum() / m.sum().clamp(min=1),
@@ -163,9 +168,13 @@ def test_loss_is_finite_and_clip_stats_partition_the_region(inputs, loss_type, l
     assert torch.isfinite(loss)
     loss.backward()
     assert torch.isfinite(logp.grad).all()
-    low, high, region = (stats[f"clip_ratio/{k}_mean"].item() for k in ("low", "high", "region"))
-    assert all(0.0 <= v <= 1.0 for v in (low, high, region))
-    assert math.isclose(region, low + high, abs_tol=1e-12)  # low needs A < 0, high needs A > 0: disjoint
+    if loss_type == "cispo":  # one statistic: the share of tokens whose weight the cap lowered (TRL's)
+        assert set(k for k in stats if k.startswith("clip_ratio/")) == {"clip_ratio/high_mean"}
+        assert 0.0 <= stats["clip_ratio/high_mean"].item() <= 1.0
+    else:
+        low, high, region = (stats[f"clip_ratio/{k}_mean"].item() for k in ("low", "high", "region"))
+        assert all(0.0 <= v <= 1.0 for v in (low, high, region))
+        assert math.isclose(region, low + high, abs_tol=1e-12)  # low needs A < 0, high needs A > 0: disjoint
     if beta > 0:
         assert stats["kl"].item() >= 0  # k3 is non-negative
 

@@ -129,6 +129,7 @@ class AlgorithmConfig:
         _check(self.off_policy_mask_threshold >= 0, "algorithm.off_policy_mask_threshold",
                "must be >= 0 (0 = off; 0.5 is an example)")
         _check(self.entropy_target >= 0, "algorithm.entropy_target", "must be >= 0 (nats per token)")
+        _check(self.entropy_coef_max >= 0, "algorithm.entropy_coef_max", "must be >= 0 (1.0 is TRL's)")
         _check(0 <= self.entropy_coef_min <= self.entropy_coef_max, "algorithm.entropy_coef_min",
                f"must be in [0, entropy_coef_max = {self.entropy_coef_max:g}]")
         _check(self.entropy_coef_delta > 0, "algorithm.entropy_coef_delta", "must be > 0 (0.005 is usual)")
