@@ -37,9 +37,13 @@ SCENARIOS = {
     # grpo with a reference model (β > 0) and μ = 2 (old log-probs, clipping)
     "grpo_kl": dict(algorithm={"loss_type": "grpo", "beta": 0.04, "num_iterations": 2, "epsilon": 0.1}),
     # LoRA adapters (only they are all-reduced) with the adapters-off reference
-    "lora": dict(model={"lora": {"r": 4, "alpha": 8}}, algorithm={"beta": 0.04}, train={"learning_rate": 1e-2}),
-    # FSDP2 on 2 CPU processes against the plain 1-process run
-    "fsdp": dict(model={"fsdp": True}, train={"micro_batch_size": 4}, eval={"every": 1, "num_prompts": 5,
+    # (and activation checkpointing: the layers run again inside the backward, adapters and all)
+    "lora": dict(model={"lora": {"r": 4, "alpha": 8}}, algorithm={"beta": 0.04},
+                 train={"learning_rate": 1e-2, "gradient_checkpointing": True}),
+    # FSDP2 on 2 CPU processes against the plain 1-process run, with activation checkpointing: the replay in
+    # the backward runs on the gathered weights of each layer
+    "fsdp": dict(model={"fsdp": True}, train={"micro_batch_size": 4, "gradient_checkpointing": True},
+                 eval={"every": 1, "num_prompts": 5,
                                                                           "greedy": True, "correct_threshold": 0.5}),
 }
 

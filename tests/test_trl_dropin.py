@@ -168,9 +168,10 @@ MAPPING = [
     (dict(metric_for_best_model="reward"), {"eval.every": 0, "output.keep_best": ""}),  # no evaluation: no effect
     (dict(load_best_model_at_end=True, metric_for_best_model="reward", save_strategy="no"),
      {"eval.every": 0, "output.keep_best": "", "output.save_every": 0}),
+    (dict(gradient_checkpointing=False), {"train.gradient_checkpointing": False}),
+    (dict(max_steps=10), {"train.gradient_checkpointing": True}),  # TRL's default: on
     # accepted, and change nothing in grpokit (docs/TRL.md says why)
-    (dict(gradient_checkpointing=False, disable_dropout=True, pad_to_multiple_of=64, do_train=True),
-     {"train.steps": 3 * 64}),
+    (dict(disable_dropout=True, pad_to_multiple_of=64, do_train=True), {"train.steps": 3 * 64}),
 ]
 
 

@@ -178,6 +178,10 @@ class TrainConfig:
     skip_zero_advantage: bool = True
     shared_prompt_forward: bool = True
     keep_freed_memory: bool = True  # CPU, glibc: reuse freed pages, do not fault them in again (models/allocator.py)
+    # Activation checkpointing per decoder layer (models/checkpointing.py): each layer keeps only its input
+    # and runs again in the backward. Less memory for long answers / large models, about a third more compute;
+    # the training forward then runs each answer's whole sequence (no shared prompt forward). Same gradient.
+    gradient_checkpointing: bool = False
 
     def __post_init__(self):
         _check_fields(self, "train")

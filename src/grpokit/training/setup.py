@@ -24,6 +24,7 @@ from grpokit.data.files import load_prompts
 from grpokit.data.prompts import PromptStream, render_prompt
 from grpokit.errors import DataError, SetupError
 from grpokit.models.allocator import keep_freed_memory
+from grpokit.models.checkpointing import enable_activation_checkpointing
 from grpokit.models.forward import head_is_linear
 from grpokit.models.fsdp import load_device, prepare_model
 from grpokit.models.loading import check_model_folder, load_model, load_tokenizer, max_positions_of, resolve_device
@@ -353,6 +354,9 @@ def build_policy(config: Config) -> Policy:
         model = apply_lora(model, config.model.lora)
         if config.algorithm.beta > 0:  # one that moves toward the policy: base + a delta of its own (no copy)
             ref_model = LoraReference(model) if config.algorithm.ref_sync_every else AdapterDisabled(model)
+    if config.train.gradient_checkpointing and not enable_activation_checkpointing(model):
+        raise SetupError(f"train.gradient_checkpointing: {config.model.path} has no decoder layers transformers marks "
+                         f"as checkpointable (GradientCheckpointingLayer); set it to false for this model")
     model, ref_model, linear_head = prepare_model(model, ref_model, linear_head, fsdp=config.model.fsdp)
     t = config.train
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.learning_rate,

@@ -188,7 +188,8 @@ def _micro_step(config: Config, policy: Policy, batch: GenerationBatch, old_logp
             model, r.prompt_ids[sel], r.prompt_mask[sel], r.completion_ids[sel, :T], r.completion_mask[sel, :T],
             temperature=config.rollout.temperature, chunk_size=train.logprob_chunk_size, with_entropy=True,
             linear_head=linear_head, fused=train.fused_logprobs, grad_fn=grad_fn,
-            share_prompts=train.shared_prompt_forward)  # [k, T]
+            share_prompts=train.shared_prompt_forward and not train.gradient_checkpointing)  # [k, T]
+        # (a checkpointed layer cannot write the shared prompt's KV cache: its replay would write it twice)
         logp = logp_kept if len(keep) == n else logp_kept.new_zeros(n, T).index_copy(0, keep, logp_kept)
     else:  # nothing carries a gradient: no model call at all
         logp = torch.zeros(n, T, device=mask.device)

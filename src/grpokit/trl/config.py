@@ -7,7 +7,7 @@ DeepSpeed/FSDP options, torch.compile, Liger kernels, vLLM server mode, ...)
 are accepted only at TRL's default: any of them set to another value, and any supported field set to a
 value grpokit has no equivalent for (`lr_scheduler_type="linear"`, `delta=1.1`), is one
 ConfigError listing them all, when the config is built. Nothing is silently ignored; the few fields
-that change nothing in grpokit (`gradient_checkpointing`, `logging_steps`, `pad_to_multiple_of`,
+that change nothing in grpokit (`logging_steps`, `pad_to_multiple_of`,
 `disable_dropout`, `do_train`/`do_eval`/`do_predict`, `local_rank`, `per_device_eval_batch_size`) say
 why in docs/TRL.md.
 
@@ -110,7 +110,7 @@ class _Supported:
     bf16: bool | None = None
     fp16: bool = False
     use_cpu: bool = False
-    gradient_checkpointing: bool = True  # accepted; grpokit never checkpoints activations (same numbers)
+    gradient_checkpointing: bool = True  # train.gradient_checkpointing (TRL's default: on)
     disable_dropout: bool = False  # accepted; grpokit always runs with dropout off
     # data, logging, saving
     remove_unused_columns: bool | None = False

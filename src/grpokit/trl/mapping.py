@@ -129,7 +129,8 @@ def grpokit_config(args, *, model_path: str, dtype: str, lora: dict | None = Non
             minibatch_size=0 if minibatch == generation else minibatch,
             micro_batch_size=0 if ga == 1 else args.per_device_train_batch_size,
             learning_rate=args.learning_rate, weight_decay=0.0, adam_betas=(args.adam_beta1, args.adam_beta2),
-            warmup_steps=warmup, lr_schedule=schedule, max_grad_norm=args.max_grad_norm, seed=args.seed),
+            warmup_steps=warmup, lr_schedule=schedule, max_grad_norm=args.max_grad_norm, seed=args.seed,
+            gradient_checkpointing=args.gradient_checkpointing),
         output=OutputConfig(
             dir=args.output_dir, save_every=save,
             keep_last=KEEP_ALL if args.save_total_limit is None else args.save_total_limit,
