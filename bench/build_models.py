@@ -6,6 +6,13 @@ what a real model's would. Nothing is downloaded. Results are cached under
 ``bench/out/models`` and rebuilt only when missing.
 
     .venv/bin/python bench/build_models.py        # builds tokenizer, S and M models
+    .venv/bin/python bench/build_models.py L      # also L: Qwen2.5-0.5B's architecture (2 GB on disk)
+
+L is Qwen2.5-0.5B's architecture exactly (hidden 896, intermediate 4864, 24 layers, 14 attention heads,
+2 KV heads, q/k/v biases, tied embeddings, RoPE theta 1e6, RMSNorm eps 1e-6, vocabulary 151,936),
+random init. It uses the same 32k BPE tokenizer as S and M, with the model's vocabulary padded to
+151,936 (the ids above 32k are never sampled often enough to matter, but the output projection and
+the log-softmax over 151,936 entries cost what Qwen's do).
 """
 
 from __future__ import annotations
@@ -21,6 +28,11 @@ SIZES = {  # name -> (hidden, layers, heads, kv heads)
     "S": (64, 2, 4, 2),
     "M": (256, 6, 4, 2),
 }
+# Qwen2.5-0.5B's config.json, less what does not change the cost (random init instead of its weights)
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, rope_theta=1000000.0,
+                  rms_norm_eps=1e-6, hidden_act="silu", max_position_embeddings=32768, use_sliding_window=False)
+LARGE = {"L": QWEN25_05B}
 PROMPT_TOKENS = 32  # every prompt is cut to this many tokens (before the chat-free raw text)
 NUM_PROMPTS = 512
 
@@ -77,7 +89,22 @@ def build_prompts(tok, path: Path) -> list[dict]:
     return rows
 
 
-def build_all() -> dict[str, str]:
+def build_large(path: Path, tok, spec: dict) -> None:
+    """A random-init Qwen2 model with `spec`'s config (the vocabulary padded past the tokenizer's)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    assert spec["vocab_size"] >= len(tok)
+    config = AutoConfig.for_model("qwen2", **spec, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                                  eos_token_id=tok.eos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path))
+    tok.save_pretrained(str(path))
+
+
+def build_all(large: tuple[str, ...] = ()) -> dict[str, str]:
     from transformers import AutoTokenizer
 
     from grpokit.models.tiny import build_tiny_model
@@ -89,6 +116,11 @@ def build_all() -> dict[str, str]:
         if not (path / "config.json").is_file():
             build_tiny_model(path, tokenizer=tok, hidden_size=hidden, num_layers=layers, num_heads=heads,
                              num_kv_heads=kv, max_positions=1024, seed=0)
+        paths[name] = str(path)
+    for name in large:
+        path = OUT / name
+        if not (path / "config.json").is_file():
+            build_large(path, tok, LARGE[name])
         paths[name] = str(path)
     # Prompts are cut with the tokenizer both trainers load (AutoTokenizer on the model folder picks the
     # Qwen2 tokenizer class, whose pre-tokenizer differs from the training one), so all have the same length.
@@ -109,5 +141,7 @@ def count_params(path: str) -> dict:
 
 
 if __name__ == "__main__":
-    for name, p in build_all().items():
+    import sys
+
+    for name, p in build_all(tuple(sys.argv[1:])).items():
         print(name, p, count_params(p))

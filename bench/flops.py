@@ -68,3 +68,20 @@ def matmul_peak(threads: int, n: int = 2048, repeats: int = 12) -> float:
             torch.mm(a, b, out=out)
         best = min(best, (time.perf_counter() - t) / 3)
     return 2 * n ** 3 / best / 1e9
+
+
+def copy_bandwidth(threads: int, mb: int = 1024, repeats: int = 6) -> float:
+    """Best GB/s (bytes read + bytes written) of copying an `mb`-MB fp32 tensor with `threads` threads:
+    the memory-bandwidth bound of a decode step, which reads every weight once."""
+    import torch
+
+    torch.set_num_threads(threads)
+    src = torch.randn(mb * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best / 1e9

@@ -31,7 +31,7 @@ ROOT = HERE.parent
 PY = sys.executable
 sys.path.insert(0, str(HERE))
 
-from flops import matmul_peak, model_shape, step_flops  # noqa: E402
+from flops import copy_bandwidth, matmul_peak, model_shape, step_flops  # noqa: E402
 
 COMMON = dict(G=8, temperature=1.0, lr=1e-6, loss_type="dapo", reward="letter_fraction", num_prompts=256,
               threads=2, seed=0)
@@ -41,7 +41,12 @@ CONFIGS = {
     "M": dict(model="M", B=8, L=128, beta=0.0, mu=1, runs=3, steps=2, trl_steps=2, micro=8),
     "R": dict(model="M", B=8, L=128, beta=0.04, mu=2, runs=3, steps=2, trl_steps=1, micro=8),
     "X": dict(model="M", B=8, L=512, beta=0.0, mu=1, runs=3, steps=1, trl_steps=1, micro=8, trl_runs=1),
+    # Qwen2.5-0.5B's architecture (bench/build_models.py), the whole batch per micro-step in both systems; TRL
+    # runs every (checkpointing, allocator) setting once and its fastest is "TRL at its best"
+    "L": dict(model="L", G=4, B=4, L=128, beta=0.0, mu=1, runs=2, steps=2, trl_steps=1, micro=0, trl_runs=1,
+              trl_per_device=16, trl_allocators="both"),
 }
+LARGE_MODELS = ("L",)  # built only when a configuration asks for them (2 GB each)
 PROMPT_TOKENS = 32
 # Ablations (grpokit only): (label, config, spec changes); each fast path is a config option (train.*, rollout.*)
 ABLATIONS = [
@@ -65,12 +70,17 @@ ABLATIONS = [
     ("R: old log-probs recomputed (TRL's way)", "R", {"grpokit_algorithm": {"old_logprobs": "recompute"}}),
     ("R: old log-probs from the sampler", "R", {"grpokit_algorithm": {"old_logprobs": "sampler"}}),
 ]
+# Memory levers (grpokit only, --levers): what each costs in time and saves in peak RSS, against the main row
+CHECKPOINTING = {"grpokit_train": {"gradient_checkpointing": True}}
+LEVERS = [(f"activation checkpointing (train.gradient_checkpointing) on {name}", name, CHECKPOINTING) for name in "XL"]
 
 
 def spec_for(name: str, **changes) -> dict:
     c = CONFIGS[name]
     spec = {**COMMON, "name": name, "model": c["model"], "B": c["B"], "L": c["L"], "beta": c["beta"],
-            "mu": c["mu"], "warmup": 1}
+            "mu": c["mu"], "warmup": 1, "G": c.get("G", COMMON["G"])}
+    if "trl_per_device" in c:
+        spec["trl_per_device"] = c["trl_per_device"]
     train = {"micro_batch_size": c["micro"]} if c["micro"] else {}
     spec["grpokit_train"] = train
     spec["grpokit_algorithm"] = {"old_logprobs": "first_pass"} if c["mu"] > 1 else {}
@@ -161,12 +171,22 @@ def median_of(runs: list[dict], key: str) -> float:
 TRL_ENV: dict = {}  # --trl-malloc-tuned: MALLOC_TUNED for every TRL run of the main table
 
 
+def trl_label(gc: bool, tuned: bool) -> str:
+    return f"TRL (gc={'on' if gc else 'off'}{', allocator setting' if tuned else ''})"
+
+
+def trl_settings(c: dict) -> list[tuple[bool, bool]]:
+    """(gradient checkpointing, allocator setting) pairs TRL runs in the first round."""
+    allocators = (False, True) if c.get("trl_allocators") == "both" else (bool(TRL_ENV),)
+    return [(gc, tuned) for tuned in allocators for gc in (True, False)]
+
+
 def bench_config(name: str, log_runs: list) -> dict:
     c = CONFIGS[name]
     g_spec = spec_for(name, steps=c["steps"])
     t_spec = spec_for(name, steps=c["trl_steps"])
-    grp, trl = [], {True: [], False: []}
-    best_gc = None
+    grp, trl = [], {s: [] for s in trl_settings(c)}
+    best = None
     for i in range(c["runs"]):
         r = run_worker("grpokit", g_spec)
         grp.append(r)
@@ -174,38 +194,50 @@ def bench_config(name: str, log_runs: list) -> dict:
             f"others {r['others_cores']:.2f} cores")
         if i >= c.get("trl_runs", c["runs"]):
             continue
-        # TRL: both gradient-checkpointing settings in the first round, then the faster one only
-        for gc in ((True, False) if best_gc is None else (best_gc,)):
-            r = run_worker("trl", {**t_spec, "gc": gc}, extra_env=TRL_ENV)
-            trl[gc].append(r)
-            log(f"{name} TRL (gc={gc}) run {len(trl[gc])}: {r['s_per_opt_step']:.3f} s/step, "
+        # TRL: every setting in the first round, then the fastest one only
+        for gc, tuned in (list(trl) if best is None else [best]):
+            r = run_worker("trl", {**t_spec, "gc": gc}, extra_env=MALLOC_TUNED if tuned else {})
+            r["allocator_setting"] = tuned
+            trl[(gc, tuned)].append(r)
+            log(f"{name} {trl_label(gc, tuned)} run {len(trl[(gc, tuned)])}: {r['s_per_opt_step']:.3f} s/step, "
                 f"rss {r['peak_rss_mb']:.0f} MB, others {r['others_cores']:.2f} cores")
-        if best_gc is None:
-            best_gc = min((True, False), key=lambda g: trl[g][0]["s_per_opt_step"])
-    log_runs.extend(grp + trl[True] + trl[False])
-    return {"grpokit": grp, "trl": trl[best_gc], "trl_gc": best_gc, "trl_other": trl[not best_gc]}
+        if best is None:
+            best = min(trl, key=lambda s: trl[s][0]["s_per_opt_step"])
+    log_runs.extend(grp + [r for runs in trl.values() for r in runs])
+    return {"grpokit": grp, "trl": trl[best], "trl_gc": best[0], "trl_tuned": best[1],
+            "trl_other": {trl_label(*s): runs for s, runs in trl.items() if s != best and runs}}
 
 
-def summarize(name: str, res: dict, peak: float) -> dict:
+def summarize(name: str, res: dict, peak: float, bandwidth: float) -> dict:
+    """Medians per system; `bandwidth` (GB/s, bytes read + written by a large copy) bounds the decode:
+    each decode step reads every weight once, so T steps cannot take less than T * weight bytes / bandwidth."""
     c = CONFIGS[name]
+    G = c.get("G", COMMON["G"])
     shape = model_shape(str(HERE / "out" / "models" / c["model"]))
-    fl = step_flops(shape, B=c["B"], G=COMMON["G"], P=PROMPT_TOKENS, T=c["L"], beta=c["beta"], mu=c["mu"])
-    out = {"config": name, "flops_per_opt_step": fl["per_opt_step"], "trl_gc": res["trl_gc"]}
+    fl = step_flops(shape, B=c["B"], G=G, P=PROMPT_TOKENS, T=c["L"], beta=c["beta"], mu=c["mu"])
+    weight_bytes = 4 * (shape["P_body"] + shape["P_head"])  # fp32, read once per decode step (tied head: once)
+    out = {"config": name, "flops_per_opt_step": fl["per_opt_step"], "trl_gc": res["trl_gc"],
+           "trl_tuned": res.get("trl_tuned", bool(TRL_ENV)), "params": shape["P_body"] + shape["P_head"],
+           "tokens_per_step": c["B"] * G * (PROMPT_TOKENS + c["L"]), "weight_bytes": weight_bytes}
     for system in ("grpokit", "trl"):
         runs = res[system]
         s = median_of(runs, "s_per_opt_step")
         out[system] = {
             "runs": len(runs), "s_per_opt_step": s, "rollout_s": median_of(runs, "rollout_s"),
             "train_s": median_of(runs, "train_s"),
-            "tokens_per_s": c["B"] * COMMON["G"] * c["L"] / median_of(runs, "s_per_generation"),
+            "tokens_per_s": c["B"] * G * c["L"] / median_of(runs, "s_per_generation"),
             "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "mfu": fl["per_opt_step"] / s / (peak * 1e9),
             "all_s": [round(r["s_per_opt_step"], 3) for r in runs],
             "others_cores_max": max(r["others_cores"] for r in runs),
         }
-    other = res["trl_other"]
-    out["trl_other"] = {"s_per_opt_step": median_of(other, "s_per_opt_step"),
-                        "peak_rss_mb": max(r["peak_rss_mb"] for r in other)} if other else None
-    trl_rss = min([out["trl"]["peak_rss_mb"]] + ([out["trl_other"]["peak_rss_mb"]] if other else []))
+        # the decode's share of the memory-bandwidth bound (prefill time, a small part, is included)
+        decode_s = out[system]["rollout_s"] * c["mu"] / c["L"]  # seconds per decode step
+        out[system]["decode_gb_s"] = weight_bytes / decode_s / 1e9
+        out[system]["decode_of_bandwidth"] = out[system]["decode_gb_s"] / bandwidth
+    out["trl_other"] = {label: {"s_per_opt_step": median_of(runs, "s_per_opt_step"),
+                                "peak_rss_mb": max(r["peak_rss_mb"] for r in runs)}
+                        for label, runs in res["trl_other"].items()}
+    trl_rss = min([out["trl"]["peak_rss_mb"]] + [o["peak_rss_mb"] for o in out["trl_other"].values()])
     out["speedup"] = out["trl"]["s_per_opt_step"] / out["grpokit"]["s_per_opt_step"]
     out["memory_ratio"] = out["grpokit"]["peak_rss_mb"] / trl_rss
     return out
@@ -218,13 +250,12 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         for system in ("grpokit", "trl"):
             x = r[system]
-            label = "grpokit" if system == "grpokit" else f"TRL (gc={'on' if r['trl_gc'] else 'off'})"
+            label = "grpokit" if system == "grpokit" else trl_label(r["trl_gc"], r["trl_tuned"])
             lines.append(f"| {r['config']} | {label} | {x['s_per_opt_step']:.3f} ({', '.join(map(str, x['all_s']))}) "
                          f"| {x['rollout_s']:.3f} | {x['train_s']:.3f} | {x['tokens_per_s']:.0f} | {x['mfu']:.0%} "
                          f"| {x['peak_rss_mb']:.0f} | {x['others_cores_max']:.2f} |")
-        o = r["trl_other"]
-        if o:
-            lines.append(f"| {r['config']} | TRL (gc={'off' if r['trl_gc'] else 'on'}) | {o['s_per_opt_step']:.3f} "
+        for label, o in r["trl_other"].items():
+            lines.append(f"| {r['config']} | {label} | {o['s_per_opt_step']:.3f} "
                          f"| | | | | {o['peak_rss_mb']:.0f} | |")
     lines += ["", "| config | speed-up (TRL s / grpokit s) | memory (grpokit / lower TRL peak RSS) |", "|---|---|---|"]
     lines += [f"| {r['config']} | {r['speedup']:.2f}x | {r['memory_ratio']:.2f}x |" for r in rows]
@@ -254,6 +285,66 @@ def run_ablations(peak: float, runs: int) -> list[dict]:
                      "mfu": fl["per_opt_step"] / s / (peak * 1e9),
                      "all_s": [round(r["s_per_opt_step"], 3) for r in runs_i]})
     return rows
+
+
+def decode_table(rows: list[dict], bandwidth: float) -> str:
+    lines = [f"| config | weights read per decode step | system | s per decode step | weights GB/s | share of the "
+             f"copy bandwidth ({bandwidth:.1f} GB/s) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        c = CONFIGS[r["config"]]
+        for system in ("grpokit", "trl"):
+            x = r[system]
+            label = "grpokit" if system == "grpokit" else trl_label(r["trl_gc"], r["trl_tuned"])
+            lines.append(f"| {r['config']} | {r['weight_bytes'] / 1e9:.2f} GB | {label} "
+                         f"| {x['rollout_s'] * c['mu'] / c['L']:.4f} | {x['decode_gb_s']:.1f} "
+                         f"| {x['decode_of_bandwidth']:.0%} |")
+    return "\n".join(lines)
+
+
+def growth_table(rows: list[dict]) -> str:
+    """Seconds per step against parameters x tokens: how each system's cost grows with the work."""
+    lines = ["| config | parameters | tokens / step (prompt + answer) | params x tokens | grpokit s / step "
+             "| grpokit s per 1e12 | TRL s / step | TRL s per 1e12 | speed-up |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: r["params"] * r["tokens_per_step"]):
+        work = r["params"] * r["tokens_per_step"]
+        g, t = r["grpokit"]["s_per_opt_step"], r["trl"]["s_per_opt_step"]
+        lines.append(f"| {r['config']} | {r['params'] / 1e6:.1f}M | {r['tokens_per_step']} | {work:.2e} | {g:.2f} "
+                     f"| {g / work * 1e12:.2f} | {t:.2f} | {t / work * 1e12:.2f} | {r['speedup']:.2f}x |")
+    return "\n".join(lines)
+
+
+def run_levers(rows: list[dict], runs: int) -> list[dict]:
+    """Each lever on its configuration `runs` times, beside that configuration's main grpokit row (run here,
+    as many times, when the main table did not have the configuration)."""
+    out = []
+    for label, name, changes in LEVERS:
+        c = CONFIGS[name]
+        got = [run_worker("grpokit", spec_for(name, steps=c["steps"], **changes)) for _ in range(runs)]
+        base = next((r["grpokit"] for r in rows if r["config"] == name), None)
+        if base is None:
+            plain = [run_worker("grpokit", spec_for(name, steps=c["steps"])) for _ in range(runs)]
+            base = {"s_per_opt_step": median_of(plain, "s_per_opt_step"),
+                    "peak_rss_mb": max(x["peak_rss_mb"] for x in plain)}
+        r = {"label": label, "config": name, "s_per_opt_step": median_of(got, "s_per_opt_step"),
+             "rollout_s": median_of(got, "rollout_s"), "train_s": median_of(got, "train_s"),
+             "peak_rss_mb": max(x["peak_rss_mb"] for x in got), "loss": got[0].get("loss"),
+             "all_s": [round(x["s_per_opt_step"], 3) for x in got], "base": base}
+        log(f"lever [{name}] {label}: {r['s_per_opt_step']:.3f} s/step, rss {r['peak_rss_mb']:.0f} MB")
+        out.append(r)
+    return out
+
+
+def lever_table(rows: list[dict]) -> str:
+    lines = ["| config | lever | s / opt. step (runs) | train s | peak RSS MB | against the main grpokit row |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        b = r["base"]
+        vs = (f"{r['s_per_opt_step'] / b['s_per_opt_step']:.2f}x the time, {r['peak_rss_mb'] / b['peak_rss_mb']:.2f}x "
+              f"the memory ({b['s_per_opt_step']:.3f} s, {b['peak_rss_mb']:.0f} MB)") if b else "(not run)"
+        lines.append(f"| {r['config']} | {r['label']} | {r['s_per_opt_step']:.3f} ({', '.join(map(str, r['all_s']))}) "
+                     f"| {r['train_s']:.3f} | {r['peak_rss_mb']:.0f} | {vs} |")
+    return "\n".join(lines)
 
 
 def ablation_table(rows: list[dict]) -> str:
@@ -313,6 +404,8 @@ def main() -> None:
     ap.add_argument("--ablation-runs", type=int, default=3, help="runs per ablation row (the median is reported)")
     ap.add_argument("--malloc-study", action="store_true",
                     help="also S and M with glibc malloc tuned for both systems (MALLOC_TUNED)")
+    ap.add_argument("--levers", action="store_true", help="also the memory levers (LEVERS) on X and L, grpokit only")
+    ap.add_argument("--lever-runs", type=int, default=1)
     ap.add_argument("--trl-malloc-tuned", action="store_true",
                     help="TRL runs with glibc's freed memory kept (MALLOC_TUNED), as grpokit does by itself")
     args = ap.parse_args()
@@ -320,33 +413,42 @@ def main() -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     start_load = load()
     log("building models (cached in bench/out/models)")
-    subprocess.run([PY, str(HERE / "build_models.py")], check=True, capture_output=True,
+    wanted = set(args.only.split(",")) | ({name for _, name, _ in LEVERS} if args.levers else set())
+    large = [CONFIGS[n]["model"] for n in sorted(wanted) if CONFIGS[n]["model"] in LARGE_MODELS]
+    subprocess.run([PY, str(HERE / "build_models.py"), *large], check=True, capture_output=True,
                    env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     wait_quiet()
     peak_start = matmul_peak(COMMON["threads"])
-    log(f"fp32 matmul peak ({COMMON['threads']} threads): {peak_start:.1f} GFLOP/s")
+    bw_start = copy_bandwidth(COMMON["threads"])
+    log(f"fp32 matmul peak ({COMMON['threads']} threads): {peak_start:.1f} GFLOP/s; copy bandwidth {bw_start:.1f} GB/s")
     results, runs = [], []
     if not args.ablations_only:
         for name in args.only.split(","):
             results.append(bench_config(name, runs))
     wait_quiet()
     peak_end = matmul_peak(COMMON["threads"])
-    peak = max(peak_start, peak_end)  # the higher peak: the conservative MFU
-    log(f"fp32 matmul peak at the end: {peak_end:.1f} GFLOP/s; MFU uses {peak:.1f}")
+    bw_end = copy_bandwidth(COMMON["threads"])
+    peak, bandwidth = max(peak_start, peak_end), max(bw_start, bw_end)  # the higher: the conservative MFU / share
+    log(f"fp32 matmul peak at the end: {peak_end:.1f} GFLOP/s; MFU uses {peak:.1f}; copy bandwidth {bw_end:.1f} GB/s")
     names = [] if args.ablations_only else args.only.split(",")
-    rows = [summarize(n, r, peak) for n, r in zip(names, results)]
+    rows = [summarize(n, r, peak, bandwidth) for n, r in zip(names, results)]
+    levers = run_levers(rows, args.lever_runs) if args.levers else []
     abl = run_ablations(peak, args.ablation_runs) if args.ablations or args.ablations_only else []
     mal = malloc_study(rows) if args.malloc_study else []
     report = {"trl_env": TRL_ENV, "machine": machine(), "load_start": start_load, "load_end": load(),
-              "peak_gflops": peak, "peak_start": peak_start, "peak_end": peak_end, "rows": rows, "ablations": abl,
-              "malloc": mal, "runs": runs, "configs": CONFIGS, "common": COMMON}
+              "peak_gflops": peak, "peak_start": peak_start, "peak_end": peak_end, "bandwidth_gb_s": bandwidth,
+              "bandwidth_start": bw_start, "bandwidth_end": bw_end, "rows": rows, "levers": levers,
+              "ablations": abl, "malloc": mal, "runs": runs, "configs": CONFIGS, "common": COMMON}
     out = HERE / "out"
     (out / f"results-{stamp}.json").write_text(json.dumps(report, indent=1))
     md = [f"TRL environment: {TRL_ENV or 'default'}", f"machine: {report['machine']}",
           f"load average (1/5/15 min) at start: {start_load}; at end: {load()}",
-          f"fp32 matmul peak: {peak_start:.1f} GFLOP/s at start, {peak_end:.1f} at end", ""]
+          f"fp32 matmul peak: {peak_start:.1f} GFLOP/s at start, {peak_end:.1f} at end",
+          f"copy bandwidth: {bw_start:.1f} GB/s at start, {bw_end:.1f} at end", ""]
     if rows:
-        md.append(table(rows))
+        md += [table(rows), "", decode_table(rows, bandwidth), "", growth_table(rows)]
+    if levers:
+        md += ["", lever_table(levers)]
     if abl:
         md += ["", ablation_table(abl)]
     if mal:

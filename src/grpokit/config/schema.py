@@ -182,6 +182,9 @@ class TrainConfig:
     # and runs again in the backward. Less memory for long answers / large models, about a third more compute;
     # the training forward then runs each answer's whole sequence (no shared prompt forward). Same gradient.
     gradient_checkpointing: bool = False
+    # AdamW's update of each parameter inside the backward, its gradient freed at once (training/optimizer.py):
+    # about 4 bytes per parameter less at the peak. Needs max_grad_norm = 0, no micro-batches, one process.
+    optimizer_in_backward: bool = False
 
     def __post_init__(self):
         _check_fields(self, "train")
@@ -278,6 +281,14 @@ class Config:
                f"{mb} must divide the generation batch of {n} answers (prompts_per_step * group_size)")
         _check(mb % self.micro_batch_size == 0, "train.micro_batch_size",
                f"{self.micro_batch_size} must divide train.minibatch_size ({mb})")
+        if self.train.optimizer_in_backward:  # each parameter is updated as soon as its gradient is complete
+            _check(self.train.max_grad_norm == 0, "train.optimizer_in_backward",
+                   f"updates each parameter before the others' gradients exist, so it cannot clip their norm: set "
+                   f"train.max_grad_norm = 0 (now {self.train.max_grad_norm:g}) or optimizer_in_backward = false")
+            _check(self.micro_batch_size == mb, "train.optimizer_in_backward",
+                   f"needs the whole minibatch in one backward, but train.micro_batch_size = "
+                   f"{self.micro_batch_size} splits its {mb} answers: set micro_batch_size = 0 or "
+                   f"optimizer_in_backward = false")
         # GDPO sets the whole advantage itself (per-function group std, then batch std; algorithms/advantages.py)
         algo, gdpo = self.algorithm, self.rewards.aggregation == "normalize_then_sum"
         _check(not gdpo or algo.advantage_estimator == "grpo", "rewards.aggregation",

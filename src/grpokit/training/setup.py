@@ -42,6 +42,7 @@ from grpokit.rollout.multiturn import check_full_attention
 from grpokit.rollout.tools import ToolBox, check_tool_template
 from grpokit.tasks import get_task, task_tools
 from grpokit.training.checkpoint import list_checkpoints, restore_checkpoint
+from grpokit.training.optimizer import build_optimizer
 from grpokit.training.run_folder import RunFolder, prepare_run_folder
 
 
@@ -309,6 +310,10 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
                  eval_rows: Iterable[dict] | None = None) -> Inputs:
     """Every check that can run before the model loads, in the order a user would fix them."""
     local = dist.local_config(config)  # B % world, minibatch splits: ConfigError before anything loads
+    if config.train.optimizer_in_backward and dist.world_size > 1:
+        raise SetupError(f"train.optimizer_in_backward: each process would update its weights from its own share of "
+                         f"the gradient (the all-reduce comes after the backward), and this run has "
+                         f"{dist.world_size} processes: set it to false, or run one process")
     folder = check_model_folder(config.model.path)  # for a Hub id, its snapshot in the Hugging Face cache
     resolve_device(config.model.device)  # a device this machine lacks fails here, not after the folder is prepared
     data = prepare_data(config, rows)
@@ -359,8 +364,8 @@ def build_policy(config: Config) -> Policy:
                          f"as checkpointable (GradientCheckpointingLayer); set it to false for this model")
     model, ref_model, linear_head = prepare_model(model, ref_model, linear_head, fsdp=config.model.fsdp)
     t = config.train
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=t.learning_rate,
-                                  betas=t.adam_betas, weight_decay=t.weight_decay)
+    optimizer = build_optimizer(model.parameters(), lr=t.learning_rate, betas=t.adam_betas,
+                                weight_decay=t.weight_decay, in_backward=t.optimizer_in_backward)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     return Policy(model, ref_model, linear_head, optimizer, scheduler, entropy_coef=config.algorithm.entropy_coef)
 

@@ -21,6 +21,7 @@ from grpokit.config.schema import Config
 from grpokit.models.forward import completion_logprobs
 from grpokit.models.parallel import global_sum, reduce_gradients
 from grpokit.training.generate import GenerationBatch
+from grpokit.training.optimizer import AdamWInBackward
 from grpokit.training.setup import Policy
 
 
@@ -104,9 +105,13 @@ def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[di
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
             losses.append(loss)
-            reduce_gradients(model, algo.sums_over_global_tokens)  # several processes: the whole batch's gradient
-            norm = _clip_grad(model, config.train.max_grad_norm)
-            if math.isfinite(norm):
+            if isinstance(policy.optimizer, AdamWInBackward):  # the backward already updated each parameter
+                norm, finite = policy.optimizer.finish_step()
+            else:
+                reduce_gradients(model, algo.sums_over_global_tokens)  # several processes: the whole batch's gradient
+                norm = _clip_grad(model, config.train.max_grad_norm)
+                finite = math.isfinite(norm)
+            if finite:
                 policy.optimizer.step()
                 grad_norms.append(norm)
             else:  # a NaN/inf gradient must never reach the weights

@@ -1,0 +1,83 @@
+"""The optimizer: AdamW, stepped after the backward (the default) or inside it (`train.optimizer_in_backward`).
+
+fp32 AdamW holds 16 bytes per trained parameter at the peak of a step: the weight, its gradient and the
+two moments. Stepping inside the backward removes the gradient from that sum: each parameter is
+updated the moment its gradient is complete (a post-accumulate-grad hook) and the gradient is freed
+right away, so at most a layer's worth of gradients exists at any time (about 4 bytes per parameter
+saved: 2 GB at 0.5B parameters). torchtune calls this optimizer-in-backward.
+
+What it needs: the whole minibatch's gradient must be complete when the hook fires, so one backward per
+optimizer step (no micro-batches), no gradient clipping across parameters (the norm is known only after
+every gradient: `train.max_grad_norm = 0`) and one process (the all-reduce runs after the backward).
+`config/schema.py` refuses the rest.
+
+The update is AdamW's own (`torch.optim.AdamW` per parameter) and its state is one ordinary AdamW state:
+checkpoints are the same as the default's, and a run may resume with either setting. A parameter whose
+gradient is not finite is left as it is (its moments too), as the default path skips a whole update;
+since the others are already updated by then, such a step counts as skipped and is partial.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def build_optimizer(params, *, lr: float, betas: tuple[float, float], weight_decay: float,
+                    in_backward: bool) -> torch.optim.Optimizer:
+    params = [p for p in params if p.requires_grad]
+    if in_backward:
+        return AdamWInBackward(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+
+
+class AdamWInBackward(torch.optim.AdamW):
+    """AdamW whose update of each parameter runs inside the backward; `step()` only closes the step.
+
+    It is an AdamW to the schedule and the checkpoint code (param_groups, state, state_dict); each
+    parameter's update is a one-parameter AdamW sharing this optimizer's state and learning rate."""
+
+    def __init__(self, params, **kwargs):
+        params = list(params)
+        super().__init__(params, **kwargs)
+        self._single = {p: torch.optim.AdamW([p], **kwargs) for p in params}
+        self._link_state()
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._update)
+        self._norm_sq, self._finite = 0.0, True
+
+    def _link_state(self) -> None:
+        for single in self._single.values():
+            single.state = self.state  # one state dict: this optimizer's state_dict is a plain AdamW's
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)  # replaces self.state
+        self._link_state()
+
+    @torch.no_grad()
+    def _update(self, p: torch.Tensor) -> None:
+        grad = p.grad
+        p.grad = None  # freed whatever happens: nothing else reads it
+        sq = float(grad.float().pow(2).sum())
+        if not math.isfinite(sq):
+            self._finite = False
+            return
+        self._norm_sq += sq
+        single = self._single[p]
+        single.param_groups[0]["lr"] = self.param_groups[0]["lr"]  # the schedule sets this optimizer's lr
+        p.grad = grad
+        single.step()
+        p.grad = None
+
+    def finish_step(self) -> tuple[float, bool]:
+        """The gradient norm of the updates the backward just made, and whether every gradient was finite."""
+        norm, finite = math.sqrt(self._norm_sq), self._finite
+        self._norm_sq, self._finite = 0.0, True
+        return norm, finite
+
+    def step(self, closure=None):  # the updates happened in the backward
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:  # every gradient is freed in the backward
+        return None
