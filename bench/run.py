@@ -72,7 +72,13 @@ ABLATIONS = [
 ]
 # Memory levers (grpokit only, --levers): what each costs in time and saves in peak RSS, against the main row
 CHECKPOINTING = {"grpokit_train": {"gradient_checkpointing": True}}
-LEVERS = [(f"activation checkpointing (train.gradient_checkpointing) on {name}", name, CHECKPOINTING) for name in "XL"]
+LEVERS = [
+    ("activation checkpointing (train.gradient_checkpointing)", "X", CHECKPOINTING),
+    ("activation checkpointing (train.gradient_checkpointing)", "L", CHECKPOINTING),
+    ("checkpointing + AdamW step in the backward (train.optimizer_in_backward; needs max_grad_norm = 0)", "L",
+     {"grpokit_train": {"gradient_checkpointing": True, "optimizer_in_backward": True, "max_grad_norm": 0.0}}),
+    ("bfloat16 weights, rollout and training (model.dtype)", "L", {"grpokit_model": {"dtype": "bfloat16"}}),
+]
 
 
 def spec_for(name: str, **changes) -> dict:
@@ -229,6 +235,7 @@ def summarize(name: str, res: dict, peak: float, bandwidth: float) -> dict:
             "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "mfu": fl["per_opt_step"] / s / (peak * 1e9),
             "all_s": [round(r["s_per_opt_step"], 3) for r in runs],
             "others_cores_max": max(r["others_cores"] for r in runs),
+            "first_step": runs[0].get("first_step", {}),
         }
         # the decode's share of the memory-bandwidth bound (prefill time, a small part, is included)
         decode_s = out[system]["rollout_s"] * c["mu"] / c["L"]  # seconds per decode step
@@ -317,33 +324,37 @@ def growth_table(rows: list[dict]) -> str:
 def run_levers(rows: list[dict], runs: int) -> list[dict]:
     """Each lever on its configuration `runs` times, beside that configuration's main grpokit row (run here,
     as many times, when the main table did not have the configuration)."""
-    out = []
+    out, bases = [], {r["config"]: r["grpokit"] for r in rows}
     for label, name, changes in LEVERS:
         c = CONFIGS[name]
         got = [run_worker("grpokit", spec_for(name, steps=c["steps"], **changes)) for _ in range(runs)]
-        base = next((r["grpokit"] for r in rows if r["config"] == name), None)
-        if base is None:
-            plain = [run_worker("grpokit", spec_for(name, steps=c["steps"])) for _ in range(runs)]
-            base = {"s_per_opt_step": median_of(plain, "s_per_opt_step"),
-                    "peak_rss_mb": max(x["peak_rss_mb"] for x in plain)}
-        r = {"label": label, "config": name, "s_per_opt_step": median_of(got, "s_per_opt_step"),
-             "rollout_s": median_of(got, "rollout_s"), "train_s": median_of(got, "train_s"),
-             "peak_rss_mb": max(x["peak_rss_mb"] for x in got), "loss": got[0].get("loss"),
-             "all_s": [round(x["s_per_opt_step"], 3) for x in got], "base": base}
+        if name not in bases:
+            bases[name] = summarize_grpokit(name, [run_worker("grpokit", spec_for(name, steps=c["steps"]))
+                                                   for _ in range(runs)])
+        base = bases[name]
+        r = {"label": label, "config": name, **summarize_grpokit(name, got), "base": base}
         log(f"lever [{name}] {label}: {r['s_per_opt_step']:.3f} s/step, rss {r['peak_rss_mb']:.0f} MB")
         out.append(r)
     return out
 
 
+def summarize_grpokit(name: str, runs: list[dict]) -> dict:
+    return {"s_per_opt_step": median_of(runs, "s_per_opt_step"), "rollout_s": median_of(runs, "rollout_s"),
+            "train_s": median_of(runs, "train_s"), "peak_rss_mb": max(x["peak_rss_mb"] for x in runs),
+            "first_step": runs[0].get("first_step", {}), "all_s": [round(x["s_per_opt_step"], 3) for x in runs]}
+
+
 def lever_table(rows: list[dict]) -> str:
-    lines = ["| config | lever | s / opt. step (runs) | train s | peak RSS MB | against the main grpokit row |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| config | grpokit with | s / opt. step (runs) | rollout s | train s | peak RSS MB "
+             "| against plain grpokit | first step's grad norm (plain) |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = r["base"]
         vs = (f"{r['s_per_opt_step'] / b['s_per_opt_step']:.2f}x the time, {r['peak_rss_mb'] / b['peak_rss_mb']:.2f}x "
-              f"the memory ({b['s_per_opt_step']:.3f} s, {b['peak_rss_mb']:.0f} MB)") if b else "(not run)"
+              f"the memory ({b['s_per_opt_step']:.3f} s, {b['peak_rss_mb']:.0f} MB)")
+        gn, gb = r["first_step"].get("grad_norm"), b.get("first_step", {}).get("grad_norm")
+        norms = f"{gn:.6g} ({gb:.6g})" if gn is not None and gb is not None else ""
         lines.append(f"| {r['config']} | {r['label']} | {r['s_per_opt_step']:.3f} ({', '.join(map(str, r['all_s']))}) "
-                     f"| {r['train_s']:.3f} | {r['peak_rss_mb']:.0f} | {vs} |")
+                     f"| {r['rollout_s']:.3f} | {r['train_s']:.3f} | {r['peak_rss_mb']:.0f} | {vs} | {norms} |")
     return "\n".join(lines)
 
 

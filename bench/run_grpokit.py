@@ -31,7 +31,7 @@ def main(spec: dict) -> None:
     steps = spec["warmup"] + spec["steps"]
     with tempfile.TemporaryDirectory() as tmp:
         config = Config(
-            model=ModelConfig(path=str(MODELS / spec["model"]), device="cpu"),
+            model=ModelConfig(path=str(MODELS / spec["model"]), device="cpu", **spec.get("grpokit_model", {})),
             data=DataConfig(path="rows.jsonl"),  # replaced by rows= below
             rollout=RolloutConfig(group_size=spec["G"], max_new_tokens=spec["L"], temperature=spec["temperature"],
                                   ignore_eos=True, **spec.get("grpokit_rollout", {})),  # ablations: speed options
@@ -62,6 +62,8 @@ def main(spec: dict) -> None:
         "frac_reward_zero_std": per("frac_reward_zero_std"),
         "loss": measured[-1].get("loss"),
         "peak_rss_mb": peak_rss_mb(), "wall_s": wall, "per_step": [m["time/step"] for m in measured],
+        # the first (warm-up) step, from the same weights and prompts in every run: what a lever changes
+        "first_step": {k: lines[0].get(k) for k in ("loss", "grad_norm", "entropy")},
     })
 
 

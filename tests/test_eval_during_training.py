@@ -116,7 +116,14 @@ def test_bad_eval_inputs_fail_before_the_model_loads(tiny_model_dir, tmp_path):
     assert not (tmp_path / "run").exists()
 
     held_out.write_text(json.dumps({"prompt": "1+" * 400 + "1=", "answer": 401}) + "\n")
-    with pytest.raises(DataError, match="eval.path .*held_out.jsonl.*prompt row 1 has"):
+    with pytest.raises(DataError, match="eval.path .*held_out.jsonl.*prompt row 1 has.*rollout.max_new_tokens = 5"):
+        train(config, reward_functions=[parity])
+    assert not (tmp_path / "run").exists()
+    # the eval's own answer length is the one named when it is set
+    held_out.write_text(json.dumps({"prompt": "1+1=", "answer": 2}) + "\n")
+    config = make_config(tiny_model_dir, tmp_path / "run", eval={"every": 1, "path": str(held_out),
+                                                                 "max_new_tokens": 600})
+    with pytest.raises(DataError, match="with eval.max_new_tokens = 600 it exceeds .* lower eval.max_new_tokens"):
         train(config, reward_functions=[parity])
     assert not (tmp_path / "run").exists()
 
@@ -154,3 +161,26 @@ def test_overwrite_removes_best_json_and_eval_rows_must_have_the_training_column
     config = make_config(tiny_model_dir, tmp_path / "other", eval={"every": 1, "path": str(held_out)})
     with pytest.raises(DataError, match=r"eval.path .*held_out.jsonl: the held-out rows lack .*\['answer'\]"):
         train(config, reward_functions=[parity])
+
+
+def test_a_failing_evaluation_keeps_the_step_that_finished(tiny_model_dir, tmp_path, capsys):
+    from grpokit.errors import RewardError
+
+    def fails_on_held_out(completions, prompts, **kwargs):  # the training prompts are 2-digit sums
+        if any(p.startswith("held out") for p in prompts):
+            raise ValueError("no grade for this prompt")
+        return parity(completions)
+
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text('{"prompt": "held out 1+1=", "answer": "2"}\n')
+    out = tmp_path / "run"
+    config = make_config(tiny_model_dir, out, steps=3, eval={"every": 2, "path": str(held_out)},
+                         output={"save_every": 2})
+    with pytest.raises(RewardError, match="evaluation during training"):
+        train(config, reward_functions=[fails_on_held_out])
+    assert [r["step"] for r in _rows(out)] == [1, 2]  # step 2 finished before its evaluation failed
+    assert (out / "checkpoint-2").is_dir()
+    assert "step 2 finished and is saved" in capsys.readouterr().out
+    # with the reward fixed, the run continues from there
+    train(config, reward_functions=[parity], resume=True)
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3]

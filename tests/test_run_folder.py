@@ -113,6 +113,23 @@ def test_an_older_cispo_run_resumes_only_with_the_same_cap(tmp_path, model):
         resume(4.0)  # the old number would silently cap at 4: refused, naming the cap the run had
 
 
+@pytest.mark.parametrize("written", [0.5, 1.5])
+def test_a_cispo_run_resumes_with_the_cap_in_either_spelling(tmp_path, model, written):
+    # epsilon_high = 0.5 is read the old way (a cap of 1.5), and its start-up note says to write 1.5
+    from grpokit.config.schema import AlgorithmConfig
+
+    def cfg(epsilon_high):
+        return Config(model=ModelConfig(path=str(model)), data=DataConfig(task="addition"),
+                      algorithm=AlgorithmConfig(loss_type="cispo", epsilon_high=epsilon_high),
+                      output=OutputConfig(dir=str(tmp_path / "run"), console=False))
+
+    fake_run(tmp_path / "run", cfg(written))
+    for same in (0.5, 1.5):
+        assert prepare_run_folder(cfg(same), resume=True).changes == {}
+    with pytest.raises(RunFolderError, match="algorithm.epsilon_high: 1.5 -> 2.0"):
+        prepare_run_folder(cfg(2.0), resume=True)
+
+
 def test_a_config_toml_that_no_run_wrote_is_not_taken_for_a_run(tmp_path, model):
     run = tmp_path / "here"
     run.mkdir()

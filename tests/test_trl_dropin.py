@@ -258,6 +258,10 @@ def test_refused_fields_and_values_are_listed_in_one_error():
     (dict(eval_on_start=True), r"eval_on_start=True \(grpokit evaluates after training steps only; call "
                                r"trainer.evaluate\(\) before trainer.train\(\)\)"),
     (dict(eval_strategy="steps", eval_steps=2.5), "eval_steps must be an integer if bigger than 1"),
+    (dict(use_adaptive_entropy=True, loss_type="grpo"), r"use_adaptive_entropy=True \(TRL adds the plain token mean"),
+    (dict(epsilon_high="5"), r"epsilon_high='5' \(must be a number\)$"),
+    (dict(delta="4"), r"delta='4' \(must be a number\)$"),
+    (dict(use_vllm="yes"), r"use_vllm='yes' \(must be True or False\)$"),
 ])
 def test_refused_configs(trl_args, match):
     with pytest.raises(ConfigError, match=match):

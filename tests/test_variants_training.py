@@ -168,7 +168,10 @@ def test_adaptive_entropy_applies_no_bonus_while_entropy_is_above_the_target(tin
     ({"is_correction": "token"}, "algorithm.is_correction: got 'token'; choose one of"),
     ({"is_correction": "token_mask", "is_cap_max": 0.0}, "algorithm.is_cap_max: is_correction = 'token_mask' "
                                                          "needs a bound"),
-    ({"is_correction": "token_mask", "is_cap_min": 3.0}, r"algorithm.is_cap_min: must be below is_cap_max \(3\)"),
+    ({"is_correction": "token_mask", "is_cap_min": 3.0}, r"algorithm.is_cap_min: must be in \[0, 1\]"),
+    ({"is_correction": "token_mask", "is_cap_max": 0.9}, "algorithm.is_cap_max: must be >= 1 .* masks or scales down"),
+    ({"is_correction": "token_mask", "is_cap_max": 1.0, "is_cap_min": 1.0},
+     r"algorithm.is_cap_min: must be below is_cap_max \(1\)"),
     ({"loss_type": "vespo", "is_correction": "sequence_mask"}, "algorithm.is_correction: loss_type = 'vespo' folds"),
     ({"ref_sync_every": 10}, "algorithm.ref_sync_every: syncs the reference model, which exists only with beta"),
     ({"beta": 0.04, "ref_sync_every": 10, "ref_mixup_alpha": 0.0}, r"algorithm.ref_mixup_alpha: must be in \(0, 1\]"),
@@ -193,6 +196,16 @@ def test_settings_that_run_but_were_probably_not_meant_are_said_at_start(tiny_mo
     assert {k for k, _ in AlgorithmConfig(entropy_target=0.5).warnings} == {"adaptive_entropy"}
     assert {k for k, _ in AlgorithmConfig(loss_type="luspo", importance_sampling_level="sequence",
                                           entropy_coef=0.01).warnings} == {"luspo_entropy"}
+    # options only one setting reads, set where that setting is off
+    for fields, key in (({"is_cap_max": 5.0}, "is_bounds"), ({"is_cap_min": 0.5}, "is_bounds"),
+                        ({"ref_mixup_alpha": 0.5}, "ref_mixup"), ({"sapo_temperature_pos": 5.0}, "sapo_temperature"),
+                        ({"vespo_k_neg": 1.0}, "vespo_gate")):
+        assert {k for k, _ in AlgorithmConfig(**fields).warnings} == {key}, fields
+    assert AlgorithmConfig(is_correction="token_mask", is_cap_max=5.0).warnings == []
+    assert AlgorithmConfig(beta=0.04, ref_sync_every=10, ref_mixup_alpha=0.5).warnings == []
+    assert AlgorithmConfig(loss_type="sapo", sapo_temperature_pos=5.0).warnings == []
+    assert [m for _, m in AlgorithmConfig(vespo_k_pos=1.0, vespo_k_neg=1.0).warnings] == [
+        "algorithm.vespo_k_pos / vespo_k_neg are set but loss_type is not 'vespo': they change nothing."]
     cfg = small(tiny_model_dir, tmp_path / "w", algorithm={"loss_type": "cispo"}, train={"steps": 1},
                 output={"console": True})
     assert [k for k, _ in check_config(cfg)] == ["cispo_cap"]

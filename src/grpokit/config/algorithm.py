@@ -8,6 +8,7 @@ grpokit has the same knob (docs/CONFIG.md lists the TRL name of each field).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from grpokit.config.checks import _check, _check_fields, _did_you_mean, _one_of
@@ -149,8 +150,13 @@ class AlgorithmConfig:
             object.__setattr__(self, "is_correction", "token_truncate")
             object.__setattr__(self, "is_cap_max", self.tis_cap)
             object.__setattr__(self, "tis_cap", 0.0)  # recorded (config.toml) in the current spelling
-        _check(self.is_cap_max >= 0, "algorithm.is_cap_max", "must be >= 0 (0 = no upper bound; 3.0 is TRL's)")
-        _check(self.is_cap_min >= 0, "algorithm.is_cap_min", "must be >= 0 (0 = no lower bound)")
+        # a matched sampler's ratio is 1: a range without 1 would mask (or scale down) every token
+        _check(self.is_cap_max == 0 or self.is_cap_max >= 1, "algorithm.is_cap_max",
+               "must be >= 1 (0 = no upper bound; 3.0 is TRL's): a bound below 1 masks or scales down every token, "
+               "even where sampler and trainer agree")
+        _check(0 <= self.is_cap_min <= 1, "algorithm.is_cap_min",
+               "must be in [0, 1] (0 = no lower bound): a bound above 1 masks or scales up every token, even where "
+               "sampler and trainer agree")
         _check(not (self.is_cap_max and self.is_cap_min >= self.is_cap_max), "algorithm.is_cap_min",
                f"must be below is_cap_max ({self.is_cap_max:g})")
         _check(self.is_correction == "none" or self.is_cap_max or self.is_cap_min, "algorithm.is_cap_max",
@@ -223,7 +229,24 @@ class AlgorithmConfig:
         if self.loss_type == "vespo" and self.importance_sampling_level != "token":
             out.append(("vespo_level", "algorithm.loss_type = 'vespo' computes its own sequence weight: "
                                        "importance_sampling_level should stay 'token'."))
+        for key, fields, unless, why in _INERT:
+            changed = [f for f in fields if getattr(self, f) != _DEFAULTS[f]]
+            if changed and not unless(self):
+                out.append((key, f"algorithm.{' / '.join(changed)} {'is' if len(changed) == 1 else 'are'} set but "
+                                 f"{why}: {'it changes' if len(changed) == 1 else 'they change'} nothing."))
         return out
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(AlgorithmConfig)}
+# (key, fields, when they act, why not here): options that only one setting reads, set away from their default
+_INERT = [
+    ("is_bounds", ("is_cap_max", "is_cap_min"), lambda a: a.is_correction != "none", "is_correction = 'none'"),
+    ("ref_mixup", ("ref_mixup_alpha",), lambda a: a.ref_sync_every > 0, "ref_sync_every = 0"),
+    ("sapo_temperature", ("sapo_temperature_pos", "sapo_temperature_neg"), lambda a: a.loss_type == "sapo",
+     "loss_type is not 'sapo'"),
+    ("vespo_gate", ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
+     lambda a: a.loss_type == "vespo", "loss_type is not 'vespo'"),
+]
 
 
 def _check_preset(name) -> None:

@@ -133,7 +133,15 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
                 metrics = reduce_metrics(metrics, batch, inputs.specs, local)  # over all processes
                 if held_out is not None and held_out.due(step):  # [eval]: every process scores its share
                     t3 = time.perf_counter()
-                    metrics.update(held_out.run(policy.model, inputs.tokenizer, inputs.specs))
+                    try:
+                        metrics.update(held_out.run(policy.model, inputs.tokenizer, inputs.specs))
+                    except Exception:
+                        if dist.world_size == 1:  # the step itself finished: its row and a checkpoint stay
+                            writer.write(step, metrics)
+                            path = save(step, best.step if best else None)
+                            console.print(f"step {step} finished and is saved ({path}); its evaluation failed. "
+                                          f"Continue with: {hint}")
+                        raise
                     metrics["time/eval"] = time.perf_counter() - t3
                     console.print(f"step {step}: " + "  ".join(f"{k} {v:.3f}" for k, v in metrics.items()
                                                                 if k.startswith("eval/")))

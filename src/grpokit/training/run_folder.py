@@ -209,8 +209,9 @@ def _resume_changes(config: Config, checkpoint: Path) -> dict:
     before = _saved_config(checkpoint)
     if before is None:  # written before checkpoints kept their config: nothing to compare against
         return {}
-    before = _resolve_paths({**_defaults(), **_in_current_spelling(before)})  # a field added later: its default
-    now = _resolve_paths(_flat(tomllib.loads(to_toml(config))))
+    before = _cispo_cap({**_defaults(), **_in_current_spelling(before)})  # a field added later: its default
+    before = _resolve_paths(before)
+    now = _resolve_paths(_cispo_cap(_flat(tomllib.loads(to_toml(config)))))
     changes = {k: [before.get(k), now.get(k)] for k in sorted(set(before) | set(now)) if before.get(k) != now.get(k)}
     refused = {k: v for k, v in changes.items() if k not in RESUMABLE_FIELDS}
     if refused:
@@ -236,6 +237,17 @@ def _in_current_spelling(saved: dict) -> dict:
     if old and saved.get("algorithm.loss_type") == "cispo" and isinstance(cap, (int, float)) and cap >= 1:
         saved["algorithm.epsilon_high"] = 1.0 + cap
     return saved
+
+
+def _cispo_cap(flat: dict) -> dict:
+    """With loss_type = "cispo", epsilon_high as the cap it means (AlgorithmConfig.cispo_cap): the old spelling
+    (a value below 1, or unset: 1 + it) and the one its deprecation note asks for are the same run."""
+    if flat.get("algorithm.loss_type") != "cispo":
+        return flat
+    e = flat.get("algorithm.epsilon_high") or flat.get("algorithm.epsilon", 0.2)
+    if not isinstance(e, (int, float)):
+        return flat
+    return {**flat, "algorithm.epsilon_high": e if e >= 1 else 1.0 + e}
 
 
 def _saved_config(checkpoint: Path) -> dict | None:

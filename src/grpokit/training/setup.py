@@ -158,9 +158,11 @@ def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
 
 
 def tokenize_prompts(config: Config, data: PreparedData, tokenizer, max_positions: int | None,
-                     tools: ToolBox | None = None, environments: Environments | None = None) -> PromptTable:
+                     tools: ToolBox | None = None, environments: Environments | None = None, *,
+                     budget_field: str = "rollout.max_new_tokens") -> PromptTable:
     """Render (chat template; with tools, their schemas too) and tokenize every prompt; reject any too
-    long for the context. With tools a plain-string prompt becomes one user message."""
+    long for the context with `budget_field`'s answer length. With tools a plain-string prompt becomes
+    one user message."""
     if tools:
         try:
             check_tool_template(tokenizer, tools)
@@ -171,13 +173,13 @@ def tokenize_prompts(config: Config, data: PreparedData, tokenizer, max_position
     else:
         texts = [render_prompt(tokenizer, r["prompt"]) for r in data.rows]
     ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
-    budget = config.rollout.max_new_tokens
+    budget = eval_max_new_tokens(config) if budget_field == "eval.max_new_tokens" else config.rollout.max_new_tokens
     for i, prompt_ids in enumerate(ids):
         if not prompt_ids:
             raise DataError(f"prompt row {i + 1} tokenizes to nothing; remove it or fix its text")
         if max_positions and len(prompt_ids) + budget > max_positions:
-            raise DataError(f"prompt row {i + 1} has {len(prompt_ids)} tokens; with rollout.max_new_tokens = {budget} "
-                            f"it exceeds the model's context of {max_positions}; shorten it or lower max_new_tokens")
+            raise DataError(f"prompt row {i + 1} has {len(prompt_ids)} tokens; with {budget_field} = {budget} "
+                            f"it exceeds the model's context of {max_positions}; shorten it or lower {budget_field}")
     eos = tokenizer.eos_token_id
     return PromptTable(data.rows, ids, [eos] if isinstance(eos, int) else list(eos or []))
 
@@ -207,7 +209,8 @@ def prepare_held_out(config: Config, task, tokenizer, max_positions: int | None,
             rows = load_prompts(e.path, prompt_column=config.data.prompt_column, name=e.name or None, split=split,
                                 field="eval.path")[:e.num_prompts]
         except DataError as err:
-            raise DataError(f"eval.path: {err} (the column is data.prompt_column)") from None
+            hint = " (the column is data.prompt_column)" if "column" in str(err) else ""
+            raise DataError(f"eval.path: {err}{hint}") from None
     elif task is not None:
         rows = task.generate(e.num_prompts, seed=e.seed, split="eval")
     else:
@@ -217,9 +220,10 @@ def prepare_held_out(config: Config, task, tokenizer, max_positions: int | None,
     if missing:  # the reward functions read them: found now, not at the first evaluation hours in
         raise DataError(f"{'eval_rows' if e.path == '' else 'eval.path ' + e.path}: the held-out rows lack the "
                         f"column(s) {missing} the training rows have (the reward functions receive them); add them")
-    budget = replace(config, rollout=replace(config.rollout, max_new_tokens=eval_max_new_tokens(config)))
+    budget_field = "eval.max_new_tokens" if e.max_new_tokens else "rollout.max_new_tokens"  # the one that applies
     try:
-        table = tokenize_prompts(budget, PreparedData(rows, task), tokenizer, max_positions, tools)
+        table = tokenize_prompts(config, PreparedData(rows, task), tokenizer, max_positions, tools,
+                                 budget_field=budget_field)
     except DataError as err:  # its message names the row, not the source
         raise DataError(f"eval.path {e.path or '(the task eval split)'}: {err}") from None
     mine = range(dist.rank, len(rows), dist.world_size)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,8 +217,27 @@ class _Supported:
                               f"groups of num_generations")
 
 
+def _type_problems(c) -> list[str]:
+    """Numeric and boolean fields given a value of another type (TRL's own dataclass does not check them; the
+    comparisons below would fail with a bare TypeError)."""
+    out = []
+    for name, hint in typing.get_type_hints(_Supported).items():
+        value, kinds = getattr(c, name), set(typing.get_args(hint)) or {hint}
+        if value is None and type(None) in kinds:
+            continue
+        numeric = kinds & {int, float} and kinds <= {int, float, type(None)}
+        if numeric and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
+            out.append(f"{name}={value!r} (must be a number)")
+        elif kinds == {bool} and not isinstance(value, bool):
+            out.append(f"{name}={value!r} (must be True or False)")
+    return out
+
+
 def _value_problems(c) -> list[str]:
     """Supported fields set to a value grpokit has no equivalent for, each with the reason."""
+    typed = _type_problems(c)
+    if typed:  # the value checks below compare numbers
+        return typed
     checks = [
         ("loss_type", c.loss_type in LOSS_TYPES, f"grpokit has {', '.join(LOSS_TYPES)}"),
         ("epsilon_high", c.epsilon_high is None or c.epsilon_high > 0, "must be > 0 (None = epsilon)"),
@@ -250,7 +270,8 @@ def _value_problems(c) -> list[str]:
         ("vllm_mode", not c.use_vllm or c.vllm_mode == "colocate", "grpokit runs vLLM colocated only"),
         ("vllm_importance_sampling_clip_max", c.vllm_importance_sampling_clip_max is None
          or c.vllm_importance_sampling_clip_max > 0, "must be > 0, or None (no upper bound)"),
-        ("entropy_coef", not (c.entropy_coef or c.use_adaptive_entropy) or c.top_entropy_quantile == 1 and (
+        ("use_adaptive_entropy" if c.use_adaptive_entropy and not c.entropy_coef else "entropy_coef",
+         not (c.entropy_coef or c.use_adaptive_entropy) or c.top_entropy_quantile == 1 and (
             c.loss_type == "bnpo" or c.loss_type == "dapo" and c.gradient_accumulation_steps == 1
             and c.world_size == 1),
          "TRL adds the plain token mean of the entropy (over the high-entropy tokens with top_entropy_quantile < 1), "
