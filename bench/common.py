@@ -38,6 +38,15 @@ def load_rows(n: int) -> list[dict]:
 
 
 def peak_rss_mb() -> float:
+    """This process's peak resident memory (MB): VmHWM, the high-water mark of its own address space.
+    (getrusage's ru_maxrss is kept across execve on Linux, so a worker would report its parent's peak if
+    that was higher.)"""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024  # kB
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 

@@ -31,7 +31,7 @@ ROOT = HERE.parent
 PY = sys.executable
 sys.path.insert(0, str(HERE))
 
-from flops import copy_bandwidth, matmul_peak, model_shape, step_flops  # noqa: E402
+from flops import matmul_peak, model_shape, step_flops  # noqa: E402
 
 COMMON = dict(G=8, temperature=1.0, lr=1e-6, loss_type="dapo", reward="letter_fraction", num_prompts=256,
               threads=2, seed=0)
@@ -160,6 +160,14 @@ def _run_once(system: str, spec: dict, timeout: float, extra_env: dict | None) -
     out = json.loads(lines[-1][len("BENCH_RESULT "):])
     out["process_s"] = time.perf_counter() - t
     return out
+
+
+def measured_bandwidth(threads: int) -> float:
+    """copy_bandwidth in a process of its own: its 2 GB of buffers must not raise this driver's peak RSS,
+    which Linux hands on (ru_maxrss survives execve) to every worker started after it."""
+    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); from flops import copy_bandwidth; "
+            f"print(copy_bandwidth({threads}))")
+    return float(subprocess.run([PY, "-c", code], check=True, capture_output=True, text=True).stdout.split()[-1])
 
 
 def load() -> str:
@@ -430,7 +438,7 @@ def main() -> None:
                    env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     wait_quiet()
     peak_start = matmul_peak(COMMON["threads"])
-    bw_start = copy_bandwidth(COMMON["threads"])
+    bw_start = measured_bandwidth(COMMON["threads"])
     log(f"fp32 matmul peak ({COMMON['threads']} threads): {peak_start:.1f} GFLOP/s; copy bandwidth {bw_start:.1f} GB/s")
     results, runs = [], []
     if not args.ablations_only:
@@ -438,7 +446,7 @@ def main() -> None:
             results.append(bench_config(name, runs))
     wait_quiet()
     peak_end = matmul_peak(COMMON["threads"])
-    bw_end = copy_bandwidth(COMMON["threads"])
+    bw_end = measured_bandwidth(COMMON["threads"])
     peak, bandwidth = max(peak_start, peak_end), max(bw_start, bw_end)  # the higher: the conservative MFU / share
     log(f"fp32 matmul peak at the end: {peak_end:.1f} GFLOP/s; MFU uses {peak:.1f}; copy bandwidth {bw_end:.1f} GB/s")
     names = [] if args.ablations_only else args.only.split(",")

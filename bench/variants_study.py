@@ -1,6 +1,6 @@
 """The GRPO variants side by side on the built-in tasks, on a CPU: `docs/VARIANTS.md`'s evidence.
 
-    .venv/bin/python bench/variants_study.py --out docs/variants          # the study (15 min on 2 shared cores)
+    .venv/bin/python bench/variants_study.py --out docs/variants          # the study (~1 h on 1 core; see VARIANTS.md)
     .venv/bin/python bench/variants_study.py --out /tmp/v --quick        # a smoke run (~30 s)
 
 For each task (2-digit addition; countdown with 3 numbers) it builds ONE warm start: a tiny
