@@ -184,3 +184,50 @@ def test_names_among_python_callables_get_their_config_arguments(tiny_model_dir,
     config = _with_rewards(make_config(tiny_model_dir, tmp_path / "run", steps=1), args=args)
     row = _metrics(train(config, reward_functions=["format", "soft_overlong_penalty", parity]))[0]
     assert {"rewards/format/mean", "rewards/soft_overlong_penalty/mean", "rewards/parity/mean"} <= set(row)
+
+
+def test_a_graders_own_on_error_wins_over_rewards_on_error(grader, tiny_model_dir, tmp_path):
+    """GRADING.md's per-grader option: `rewards.args = {URL = {on_error = ...}}` (it raised a TypeError)."""
+    url = _url(grader, "/fail")
+    name = f"127.0.0.1_{grader.server_address[1]}_fail"
+    config = make_config(tiny_model_dir, tmp_path / "skip", steps=1)  # rewards.on_error: "raise"
+    run = train(_with_rewards(config, functions=(url, "addition"), args={url: {"on_error": "skip", "retries": 0}}))
+    assert _metrics(run)[0][f"rewards/{name}/ungraded"] == 16
+    config = make_config(tiny_model_dir, tmp_path / "raise", steps=1)
+    with pytest.raises(RewardError, match=f"{url} failed 1 time"):
+        train(_with_rewards(config, functions=(url,), args={url: {"on_error": "raise", "retries": 0}},
+                            on_error="skip"))
+    # grpokit's own names in another entry's arguments: that entry's one line, not a clash in the call
+    config = make_config(tiny_model_dir, tmp_path / "format", steps=1)
+    with pytest.raises(RewardLoadError, match=r"reward 'format' got arguments \['on_error'\].*it accepts: pattern"):
+        train(_with_rewards(config, functions=("format",), args={"format": {"on_error": "skip"}}))
+    assert not (tmp_path / "format").exists()
+
+
+def test_reward_functions_take_one_entry_or_a_list_as_trl_does(reward_model, tiny_model_dir, tmp_path):
+    """A callable, a string or a loaded reward model alone (TRL's rule), a PreTrainedModel among them (scored
+    as its folder), and what is none of these: one line naming its position, before the model loads."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    run = train(make_config(tiny_model_dir, tmp_path / "fn", steps=1), reward_functions=parity)
+    assert "rewards/parity/mean" in _metrics(run)[0]
+    run = train(make_config(tiny_model_dir, tmp_path / "name", steps=1), reward_functions="addition")
+    assert "rewards/addition/mean" in _metrics(run)[0]
+    model = AutoModelForSequenceClassification.from_pretrained(str(reward_model))
+    run = train(make_config(tiny_model_dir, tmp_path / "object", steps=1, output={"completions_every": 1}),
+                reward_functions=model)
+    for line in (run / "completions.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        ends_in_digit = row["completion"][-1:].isdigit()
+        assert row["rewards"]["digit-rm"] == pytest.approx(1.0 if ends_in_digit else -1.0, abs=1e-5), row
+    bad = make_config(tiny_model_dir, tmp_path / "bad")
+    for functions, says in [
+            ([3], r"^reward_functions\[0\]: 3 \(type int\) is not a reward function; give a callable"),
+            ([parity, torch.nn.Linear(2, 1)], r"^reward_functions\[1\]: a Linear is a torch module but no")]:
+        with pytest.raises(RewardLoadError, match=says):
+            train(bad, reward_functions=functions)
+    two = _with_rewards(bad, functions=("addition", "numeric_match"), weights=(1.0, 2.0))
+    with pytest.raises(RewardLoadError, match="rewards.weights has 2 weights for the 3 reward functions"):
+        train(two, reward_functions=[parity, "addition", "numeric_match"])
+    assert not (tmp_path / "bad").exists()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -79,6 +81,8 @@ def _answer(mode: str, body: dict, call: int, state: _State) -> tuple[int, str]:
         return 200, json.dumps(_echo(body)[:-1] + [math.nan])
     if mode == "string":
         return 200, json.dumps(_echo(body)[:-1] + ["1.0"])
+    if mode == "bool":  # a pass flag is not a score (Python would read true as 1.0)
+        return 200, json.dumps(_echo(body)[:-1] + [True])
     return 404, f"no mode {mode!r}"
 
 
@@ -259,6 +263,7 @@ def test_a_retry_succeeds(server, mode):
     ("count", "3 scores for 4 completions"),
     ("nonfinite", "score NaN at index 3, not a finite number or null"),
     ("string", 'score "1.0" at index 3'),
+    ("bool", "score true at index 3, not a finite number or null"),
 ])
 def test_retries_then_one_line_error(server, mode, what):
     base, state = server
@@ -294,6 +299,35 @@ def test_skip_leaves_failed_requests_ungraded(server):
     assert g.ungraded == 2 and g.ungraded_total == 4
     with pytest.raises(RewardError, match="picky"):
         RemoteGrader(f"{base}/picky", batch_size=2, retries=0, **FAST)(**batch)
+
+
+@pytest.mark.parametrize("on_error", ["raise", "skip"])
+def test_a_stop_signal_ends_the_retry_backoff_at_once(server, on_error):
+    """SIGTERM during a back-off of 20 s (then 40, 80): the trainer's graceful stop hears it as always, and
+    the grader retries no more: one error line, or (skip) the request ungraded, within seconds."""
+    from grpokit.training.stopping import GracefulStop
+
+    base, state = server
+    url = f"{base}/500"
+    grader = RemoteGrader(url, retries=3, backoff_s=20.0, timeout_s=2.0, on_error=on_error)
+    timer = threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGTERM))
+    start = time.monotonic()
+    with GracefulStop() as stop:
+        trainers = signal.getsignal(signal.SIGTERM)
+        timer.start()
+        try:
+            if on_error == "raise":
+                with pytest.raises(RewardError) as e:
+                    grader(**_batch(2))
+                message = str(e.value)
+                assert url in message and "SIGTERM asked the run to stop" in message and "\n" not in message
+            else:
+                assert grader(**_batch(2)) == [None, None] and "HTTP 500" in grader.last_failure
+        finally:
+            timer.join()
+        assert signal.getsignal(signal.SIGTERM) == trainers  # the trainer's handler is back in place
+    assert stop.requested == "SIGTERM" and state.calls["500"] == 1
+    assert time.monotonic() - start < 5.0
 
 
 # ---- start-up check ------------------------------------------------------------------------------------

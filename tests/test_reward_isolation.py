@@ -92,6 +92,10 @@ def main_score(completions, **kwargs):
     return [2.0] * len(completions)
 
 
+def always_one(completions, **kwargs):
+    return [0.0]
+
+
 @pytest.fixture(scope="module")
 def pool():
     with RewardPool(workers=2) as p:
@@ -178,6 +182,22 @@ def test_a_raise_keeps_its_type_and_cores_sample_location(pool):
     with pytest.raises(ValueError, match="bad answer") as info:
         spec.fn(completions=comps)
     assert "traceback in the reward worker process" in info.value.__notes__[0]
+
+
+def test_a_wrong_count_is_that_calls_count_against_that_calls_completions(pool):
+    """Each worker's call is checked on its own: one value for 8 completions, not the chunks' 2 values
+    summed against the batch's 16 (in-process: one value for all 16)."""
+    split = isolate(RewardSpec("one", always_one), pool, group_size=4)  # 4 groups over 2 workers
+    with pytest.raises(RewardError, match=r"^reward function 'one' returned 1 values for 8 completions "
+                                          r"\(samples 0-7 of 16, one worker's share\); return exactly one value"):
+        run([split], batch(["a"] * 16))
+    whole = isolate(RewardSpec("one", always_one), pool)  # one chunk: the same line as in-process
+    with pytest.raises(RewardError) as isolated:
+        run([whole], batch(["a"] * 16))
+    with pytest.raises(RewardError) as in_process:
+        run([RewardSpec("one", always_one)], batch(["a"] * 16))
+    assert str(isolated.value) == str(in_process.value)
+    assert "returned 1 values for 16 completions;" in str(in_process.value)
 
 
 def test_live_objects_stay_home(pool):
@@ -268,6 +288,19 @@ def test_a_crash_costs_a_worker_not_the_trainer(fault_pool, faults, name, how, o
     assert per_fn.tolist() == [[3.0]]
 
 
+def test_a_crash_prints_no_stack_dump(faults, capfd):
+    """A segfault printed faulthandler's "Fatal Python error" and a stack per crashed call; now nothing (the
+    error, or the ungraded count, names the function). The pool starts here, so its workers write to capfd."""
+    with RewardPool(workers=1) as p:
+        skip = isolate(RewardSpec("segfaults", faults.segfaults), p, on_error="skip")
+        for _ in range(2):
+            assert run([skip], batch(["a"]))[0].isnan().all()
+        with pytest.raises(RewardWorkerError, match=r"^reward function 'segfaults' crashed its worker \(SIGSEGV\)"):
+            run([isolate(RewardSpec("segfaults", faults.segfaults), p)], batch(["a"]))
+    err = capfd.readouterr().err
+    assert "Fatal Python error" not in err and "Segmentation fault" not in err, err
+
+
 def test_skip_scores_only_the_chunk_that_timed_out(fault_pool, faults):
     spec = isolate(RewardSpec("sleeps", faults.sleeps, timeout=0.5), fault_pool, on_error="skip", group_size=2)
     metrics = []
@@ -310,22 +343,42 @@ def test_close_reaps_every_worker():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_workers_die_with_a_sigkilled_trainer(tmp_path):
+    """Workers, and what their functions started (a `sleep` that a reward function left running), die with a
+    SIGKILLed trainer: nothing is left re-parented to PID 1."""
     import grpokit.rewards.isolation as isolation
 
+    (tmp_path / "tree.py").write_text(textwrap.dedent("""
+        import subprocess, time
+        from pathlib import Path
+
+        def starts_child_and_hangs(completions, pidfile, **kwargs):
+            child = subprocess.Popen(["sleep", "1000"])
+            Path(pidfile[0]).write_text(str(child.pid))
+            time.sleep(1000)
+    """))
+    pidfile = tmp_path / "child.pid"
     script = tmp_path / "owner.py"
     script.write_text(textwrap.dedent(f"""
-        import importlib.util, sys, time
+        import importlib.util, sys, threading, time
+        from pathlib import Path
+        sys.path.insert(0, {str(tmp_path)!r})
+        import tree
         spec = importlib.util.spec_from_file_location("isolation", {isolation.__file__!r})
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)  # without grpokit.rewards' __init__: no torch, a quick start
         pool = module.RewardPool(workers=2).start()  # (a pool nothing refers to closes itself)
-        print(*pool.pids, flush=True)
+        job = {{"completions": ["a"], "pidfile": [{str(pidfile)!r}]}}
+        source = module._source("tree", tree.starts_child_and_hangs)
+        threading.Thread(target=pool._run, args=(source, [job], (), None), daemon=True).start()
+        while not Path({str(pidfile)!r}).is_file() or not Path({str(pidfile)!r}).read_text():
+            time.sleep(0.02)
+        print(*pool.pids, Path({str(pidfile)!r}).read_text(), flush=True)
         time.sleep(60)
     """))
     owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in owner.stdout.readline().split()]
-        assert len(pids) == 2 and all(alive(pid) for pid in pids)
+        assert len(pids) == 3 and all(alive(pid) for pid in pids)  # two workers, one grandchild
     finally:
         owner.send_signal(signal.SIGKILL)
         owner.wait()

@@ -34,9 +34,11 @@ from grpokit.rewards.reward_model import (
 HEAD = [63.5, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
 
 
-def _save_seq_cls(path, *, num_labels=1, hidden=8, seed=0, tokenizer=True, bits=False, arch="llama"):
+def _save_seq_cls(path, *, num_labels=1, hidden=8, seed=0, tokenizer=True, bits=False, arch="llama",
+                  vocab_size=None):
     """A tiny LlamaForSequenceClassification (or GPT2ForSequenceClassification) + char tokenizer at `path`.
-    The GPT-2 one's tokenizer adds <bos> as special token (which the reward texts must not get)."""
+    The GPT-2 one's tokenizer adds <bos> as special token (which the reward texts must not get). `vocab_size`:
+    the embedding's rows (default: the tokenizer's size)."""
     from tokenizers import processors
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -50,8 +52,9 @@ def _save_seq_cls(path, *, num_labels=1, hidden=8, seed=0, tokenizer=True, bits=
                                       n_positions=64, num_labels=num_labels, **ids)
     else:
         config = AutoConfig.for_model(
-            "llama", vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64, num_labels=num_labels,
+            "llama", vocab_size=vocab_size or len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+            num_labels=num_labels,
             rms_norm_eps=0.0 if bits else 1e-6, **ids)
     torch.manual_seed(seed)
     model = AutoModelForSequenceClassification.from_config(config)
@@ -255,3 +258,70 @@ def test_damaged_weights_and_routing(folders, tmp_path):
         load_reward_model(str(folders.bits), dtype="int8")
     with pytest.raises(RewardLoadError, match="batch_size"):
         load_reward_model(str(folders.bits), batch_size=0)
+
+
+# ---- 4. faults found at load, not at the first step ---------------------------------------------------------
+
+
+def test_a_tokenizer_past_the_embedding_is_refused_at_load(tmp_path):
+    """An embedding of 20 rows for a tokenizer of 99 tokens: an IndexError at the first batch, before."""
+    from transformers import AutoModelForSequenceClassification
+
+    from grpokit.rewards.registry import reward_entries
+
+    path = str(_save_seq_cls(tmp_path / "small-rm", vocab_size=20))
+    with pytest.raises(RewardLoadError) as e:
+        load_reward_model(path)
+    message = str(e.value)
+    assert repr(path) in message and "has 99 tokens but the model's embedding only 20 rows" in message
+    assert "resize_token_embeddings" in message and "\n" not in message
+    model = AutoModelForSequenceClassification.from_pretrained(path)  # a loaded object: the same check
+    with pytest.raises(RewardLoadError, match=r"^reward_functions\[1\]: .* 99 tokens .* only 20 rows"):
+        reward_entries([len, model])
+
+
+def test_a_classifier_config_over_causal_weights_is_one_line_without_transformers_report(tmp_path):
+    """transformers' multi-line LOAD REPORT (score.weight | MISSING) is not logged before the error line.
+    Its library logger does not propagate to the root (caplog): a handler on it sees what it would print."""
+    import logging
+
+    folder = _causal(tmp_path / "headless-rm")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["Qwen2ForSequenceClassification"]
+    cfg["id2label"], cfg["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    good = _save_seq_cls(tmp_path / "good-rm")
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    library = logging.getLogger("transformers")
+    library.addHandler(handler)
+    try:
+        with pytest.raises(RewardLoadError, match="has no weights for score.weight, so they would be random"):
+            load_reward_model(str(folder))
+        assert load_reward_model(str(good)).__name__ == "good-rm"  # a good one loads silently too
+    finally:
+        library.removeHandler(handler)
+    assert not seen, seen
+
+
+def test_chat_prompts_for_a_reward_model_without_a_chat_template_fail_at_start_up(folders, tmp_path):
+    from dataclasses import replace
+
+    from conftest import make_config, parity
+    from grpokit.config.schema import RewardConfig
+    from grpokit.training.setup import resolve_reward_specs
+
+    nochat = tmp_path / "nochat-rm"
+    shutil.copytree(folders.bits, nochat)
+    (nochat / "chat_template.jinja").unlink()
+    assert load_reward_model(str(nochat)).tokenizer.chat_template is None
+    config = replace(make_config(tmp_path, tmp_path / "run"), rewards=RewardConfig(functions=(str(nochat),)))
+    rows = [{"prompt": "plain"}, {"prompt": [{"role": "user", "content": "hi"}]}]
+    says = r"^reward model 'nochat-rm': the prompts are chat messages but its tokenizer has no chat template.*row 2"
+    with pytest.raises(RewardLoadError, match=says):
+        resolve_reward_specs(config, None, rows=rows)
+    with pytest.raises(RewardLoadError, match=says):  # named among Python callables, too
+        resolve_reward_specs(config, None, [parity, str(nochat)], rows=rows)
+    assert [s.name for s in resolve_reward_specs(config, None, rows=rows[:1])] == ["nochat-rm"]  # plain: fine
+    assert [s.name for s in resolve_reward_specs(config, None, [str(folders.bits)], rows=rows)] == ["bits-rm"]

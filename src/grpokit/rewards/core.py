@@ -207,6 +207,13 @@ def _to_float(v: Any) -> float | None:
     raise TypeError(type(v).__name__)
 
 
+def wrong_count(name: str, got: int, n: int, where: str = "") -> RewardError:
+    """The error for a call of `name` on `n` completions that returned `got` values; `where` says which
+    share of the batch the call had, when it had only part of it (an isolated reward's worker)."""
+    return RewardError(f"reward function '{name}' returned {got} values for {n} completions{where}; "
+                       f"return exactly one value (float or None) per completion")
+
+
 def _column_values(spec: RewardSpec, out: Any, prompts: Sequence, completions: Sequence) -> list[float]:
     n = len(completions)
     if hasattr(out, "tolist") and not isinstance(out, (list, tuple)):  # numpy array / tensor
@@ -216,9 +223,7 @@ def _column_values(spec: RewardSpec, out: Any, prompts: Sequence, completions: S
             f"reward function '{spec.name}' returned {type(out).__name__} {_preview(out)}; it must return a list "
             f"with one float (or None) per completion, {n} here")
     if len(out) != n:
-        raise RewardError(
-            f"reward function '{spec.name}' returned {len(out)} values for {n} completions; "
-            f"return exactly one value (float or None) per completion")
+        raise wrong_count(spec.name, len(out), n)
     values = []
     for i, v in enumerate(out):
         try:

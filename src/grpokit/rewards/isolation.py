@@ -5,11 +5,14 @@ past `spec.timeout` the worker's process group is killed and the worker replaced
 (segfault, os._exit, the OOM killer) costs a worker, not the trainer; such answers raise, or score None with
 `on_error="skip"`. Workers are fresh interpreters (fork+exec: a forked trainer would inherit locks its torch
 threads hold) in their own session (one killpg stops what the function started), dying with the trainer
-(PR_SET_PDEATHSIG), importing `grpokit.rewards` without its `__init__` (no torch: seconds and ~200 MB each,
-unless the function needs it). A batch is cut into chunks of whole groups, one per worker, run in parallel.
-`log_metric`/`log_extra` calls are replayed in the trainer; `environments` (live objects) are not sent,
-other arguments that do not pickle arrive as None. Limits: processes the function starts outlive a
-SIGKILLed trainer; a function's state is per worker; POSIX only (the module still imports elsewhere).
+(PR_SET_PDEATHSIG) together with what their functions started (a guard process per worker kills the
+worker's process group when the worker dies), importing `grpokit.rewards` without its `__init__` (no torch:
+seconds and ~200 MB each, unless the function needs it). A batch is cut into chunks of whole groups, one per
+worker, run in parallel. `log_metric`/`log_extra` calls are replayed in the trainer; `environments` (live
+objects) are not sent, other arguments that do not pickle arrive as None. A crash prints nothing (no
+faulthandler dump per crash): the error or the ungraded count names the function. Limits: a process the
+function moves out of the worker's process group (`setsid`) outlives a SIGKILLed trainer; a function's state
+is per worker; POSIX only (the module still imports elsewhere; the guard is Linux's).
 """
 
 from __future__ import annotations
@@ -293,6 +296,12 @@ class _IsolatedReward:
                 raise _exception(self.name, reply)
             if reply[0] == "unbuilt" or (reply[0] != "ok" and (reply[2] is True or self.on_error == "raise")):
                 raise self._fault(reply, a, b, n)  # (a failed import is never skipped)
+            if reply[0] == "ok" and isinstance(reply[1], (list, tuple)) and len(reply[1]) != b - a:
+                from grpokit.rewards.core import wrong_count  # (torch: the trainer has it, workers need not)
+
+                # this call's count against this call's completions, not the chunks' sums against the batch
+                raise wrong_count(self.name, len(reply[1]), b - a,
+                                  f" (samples {a}-{b - 1} of {n}, one worker's share)" if b - a != n else "")
             outs.append(reply[1] if reply[0] == "ok" else [None] * (b - a))
         for kind, key, value in (r for reply in replies if reply[0] == "ok" for r in reply[2]):
             callbacks[kind](key, value)  # in order: TRL's log_extra extends its column, its log_metric averages
@@ -358,21 +367,53 @@ def _defer_package_init(name: str) -> None:
     setattr(sys.modules[name.rpartition(".")[0]], name.rpartition(".")[2], module)
 
 
+def _die_with_parent(signum: int) -> None:
+    """Ask Linux to send `signum` to this process when the thread that started it ends (PR_SET_PDEATHSIG)."""
+    import ctypes
+    ctypes.CDLL(None).prctl(1, signum)
+
+
+def _guard(fd: int) -> int | None:
+    """Fork the worker's guard: a process in the worker's process group that kills the whole group (what the
+    reward functions started) when the worker dies, however it dies (PR_SET_PDEATHSIG: a SIGKILLed trainer
+    takes the worker with it, and its children would otherwise live on under PID 1). The guard runs no reward
+    code, so its Python signal handler always runs, where the worker's might wait on a native call. Its pid, or
+    None off Linux. Forked first, while the worker has no threads and holds nothing but `fd`, which the guard
+    closes: the trainer must see the pipe close when the worker dies."""
+    if not sys.platform.startswith("linux"):
+        return None
+    worker = os.getpid()
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        os.close(fd)
+        signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
+        _die_with_parent(signal.SIGTERM)
+        if os.getppid() != worker:  # the worker died before that
+            os.killpg(0, signal.SIGKILL)
+        while True:
+            signal.pause()
+    finally:
+        os._exit(0)
+
+
 def _serve(fd: int, parent: int) -> None:
     """A worker: die with the trainer, build each function once, answer calls until the pipe closes."""
     if sys.platform.startswith("linux"):
-        import ctypes
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        _die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:  # the trainer died before that
         os._exit(0)
-    import faulthandler
-    faulthandler.enable()  # a segfault prints the Python stack to the trainer's stderr
+    guard = _guard(fd)
     conn, functions = Connection(fd), {}
     _defer_package_init("grpokit.rewards")
     while True:
         try:
             kind, blob, kwargs, collect = conn.recv()
-        except EOFError:
+        except EOFError:  # the pool closed: the guard's work is the pool's now (it kills the group)
+            if guard is not None:
+                os.kill(guard, signal.SIGKILL)
+                os.waitpid(guard, 0)
             return
         if blob not in functions:
             try:

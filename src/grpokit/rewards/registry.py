@@ -14,7 +14,7 @@ import importlib.util
 import inspect
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from grpokit.errors import RewardLoadError
 from grpokit.rewards.graders import format_reward, math_equivalence, numeric_match, soft_overlong_penalty
@@ -151,6 +151,13 @@ def resolve_reward(ref: str, *, on_error: str = "raise", device: str = "cpu", **
     - a local folder of a sequence-classification model: a reward model (rewards/reward_model.py) on
       `device`, scoring prompt + completion with its own tokenizer.
     """
+    return _resolve(ref, kwargs, on_error=on_error, device=device)
+
+
+def _resolve(ref: str, kwargs: dict, *, on_error: str, device: str) -> Callable:
+    """`resolve_reward`, with the entry's own arguments apart from grpokit's: a grader's `on_error` in
+    `rewards.args` wins over `rewards.on_error`, and any other key named like grpokit's (a reward model's
+    `device`) reaches the builder, which names it in one line, instead of clashing in the call."""
     scheme, sep, _ = ref.partition("://")
     if sep and scheme.isalpha() and not is_url(ref):  # "htp://...": a mistyped URL, not a file
         raise RewardLoadError(f"reward {ref!r}: unknown URL scheme {scheme!r}; a remote grader's URL starts with "
@@ -169,6 +176,38 @@ def resolve_reward(ref: str, *, on_error: str = "raise", device: str = "cpu", **
 
         return _build(ref, load_reward_model, kwargs, {"path": ref, "device": device})
     return get_reward(ref, **kwargs)
+
+
+_ENTRIES = ("a callable f(prompts, completions, **kwargs) -> list[float | None], a RewardSpec, a string as "
+            "rewards.functions takes (a built-in name, 'file.py:function', a reward-model folder, a grader URL) or "
+            "a loaded reward model (AutoModelForSequenceClassification with num_labels = 1)")
+
+
+def reward_entries(functions: Any, *, device: str = "cpu") -> list | None:
+    """`train(reward_functions=...)` as a list of callables, `RewardSpec`s and strings (None stays None).
+
+    As TRL takes `reward_funcs`: a single entry (a function, a name) is a list of one, not a sequence to
+    iterate (a string would become its characters), and a loaded reward model (a `PreTrainedModel`) is
+    wrapped as the TRL drop-in wraps it (`reward_model_from_object`, on `device`). Anything else is one
+    `RewardLoadError` naming its position, here rather than at the first step."""
+    from grpokit.rewards.core import RewardSpec  # torch: not at the top (reward workers import this module)
+    from grpokit.rewards.reward_model import is_model_object, reward_model_from_object
+
+    if functions is None:
+        return None
+    entries = list(functions) if isinstance(functions, (list, tuple)) else [functions]
+    out = []
+    for i, f in enumerate(entries):
+        if is_model_object(f):
+            f = reward_model_from_object(
+                f, device=device, field=f"reward_functions[{i}]", tokenizer_field=f"reward_functions[{i}]",
+                tokenizer_fix="save the model and its tokenizer in one folder (save_pretrained) and give the folder")
+        elif not (isinstance(f, (str, RewardSpec)) or callable(f)):
+            shown = repr(f) if len(repr(f)) <= 40 else repr(f)[:37] + "..."
+            raise RewardLoadError(f"reward_functions[{i}]: {shown} (type {type(f).__name__}) is not a reward function; "
+                                  f"give {_ENTRIES}, or a list of them")
+        out.append(f)
+    return out
 
 
 def reward_name(ref: str) -> str:
@@ -259,7 +298,7 @@ def reward_specs(refs: Sequence[str], weights: Sequence[float] = (), args: dict[
         timeout = _timeout_of(r, kwargs, default_timeout)
         if is_url(r):
             kwargs.setdefault("name", name)  # its rewards/<name>/ungraded count goes with its other metrics
-        fn = resolve_reward(r, on_error=on_error, device=device, **kwargs)
+        fn = _resolve(r, kwargs, on_error=on_error, device=device)
         source = None if is_url(r) or not (":" in r or r in _REGISTRY) else (r, kwargs)  # a worker rebuilds it so
         specs.append(RewardSpec(name, fn, float(w), timeout, source))
     return specs

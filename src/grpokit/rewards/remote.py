@@ -17,13 +17,15 @@ are not JSON-serialisable (environment objects, datetimes, ...) are left out of 
 are in `RemoteGrader.omitted_columns`); numpy / torch values are sent as numbers and lists, and NaN or
 inf in a float column as null. The answer is a JSON list of scores, or an object `{"scores": [...]}`,
 with one number or null per completion of the request; null means "not graded by this grader", as
-None does for a Python function (true/false count as 1/0, as they do there).
+None does for a Python function. JSON's true / false are not numbers and fail like any other non-number
+(Python would read them as 1 / 0: a grader answering pass flags must say so with 1.0 / 0.0).
 
 Failures are retried because graders are services that restart, queue and time out: a connection
 error, no complete answer within `timeout_s` (the whole request; over 64 MiB is a fault too), HTTP 429
 or >= 500, an answer that is not JSON, the wrong number of scores, or a score that is not a finite
 number or null is retried up to `retries` times, waiting `backoff_s * 2**attempt` seconds before each
-retry. Any other 4xx is the grader refusing the request itself and is not retried. After the last
+retry (SIGINT / SIGTERM during a call end these waits at once: a run asked to stop retries no more).
+Any other 4xx is the grader refusing the request itself and is not retried. After the last
 attempt, `on_error="raise"` stops the run with `RewardError` (one line: the URL, the attempts, what
 came back); `on_error="skip"` leaves that request's samples ungraded (None) and reports their count
 as the metric `rewards/<name>/ungraded`.
@@ -38,12 +40,14 @@ Only the standard library is used (urllib, threads): the core stays free of HTTP
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import ipaddress
 import json
 import math
 import numbers
 import re
+import signal
 import socket
 import ssl
 import threading
@@ -51,7 +55,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 from urllib.parse import urlsplit
 
 from grpokit.errors import RewardError, RewardLoadError
@@ -139,6 +143,36 @@ class _GaveUp(Exception):
     def __init__(self, failure: _Failed, attempts: int):
         super().__init__(failure.what)
         self.failure, self.attempts = failure, attempts
+
+
+@contextlib.contextmanager
+def _signals_end_backoff(stop: threading.Event, heard: list[str]) -> Iterator[None]:
+    """While a call runs, SIGINT and SIGTERM also set `stop` (appending the signal's name to `heard`), so a
+    request waiting out its retry back-off gives up at once instead of sleeping through it: a stop asked
+    for (the trainer's "stopping after the current step", a scheduler's SIGTERM before its SIGKILL) must not
+    wait `backoff_s * 2**attempt` seconds per retry. The handler in place runs as before (the trainer's
+    graceful stop, Ctrl-C's KeyboardInterrupt); a signal left to its default action (SIGTERM ends the
+    process) or ignored is not touched, and off the main thread (where handlers cannot be set) nothing
+    changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous: dict[int, Callable] = {}
+
+    def handle(signum, frame):
+        heard.append(signal.Signals(signum).name)
+        stop.set()
+        previous[signum](signum, frame)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        if callable(handler := signal.getsignal(sig)):
+            previous[sig] = handler
+            signal.signal(sig, handle)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _read_until(response, deadline: float, timeout_s: float) -> bytes:
@@ -298,20 +332,23 @@ class RemoteGrader:
         bodies = [self._body(fields, a, b) for a, b in bounds]
         scores: list[float | None] = [None] * n
         ungraded = 0
-        stop = threading.Event()  # set when the call gives up: queued retries of other requests end
+        stop = threading.Event()  # set when the call gives up or a stop is asked for: back-offs end at once
+        heard: list[str] = []  # the stop signals that arrived during the call
         pool = ThreadPoolExecutor(max(1, min(self.concurrency, len(bounds))), thread_name_prefix="grader")
         try:
-            futures = {pool.submit(self._request, body, b - a, stop): (a, b) for body, (a, b) in zip(bodies, bounds)}
-            for future in as_completed(futures):
-                a, b = futures[future]
-                try:
-                    scores[a:b] = future.result()
-                except _GaveUp as e:
-                    self.last_failure = e.failure.what
-                    if self.on_error == "raise":
-                        stop.set()
-                        raise RewardError(self._message(e, b - a, sorted(fields))) from None
-                    ungraded += b - a
+            with _signals_end_backoff(stop, heard):
+                futures = {pool.submit(self._request, body, b - a, stop): (a, b)
+                           for body, (a, b) in zip(bodies, bounds)}
+                for future in as_completed(futures):
+                    a, b = futures[future]
+                    try:
+                        scores[a:b] = future.result()
+                    except _GaveUp as e:
+                        self.last_failure = e.failure.what
+                        if self.on_error == "raise":
+                            stop.set()
+                            raise RewardError(self._message(e, b - a, sorted(fields), heard)) from None
+                        ungraded += b - a
         except BaseException:  # a RewardError, or Ctrl-C: never wait for a request still hanging
             stop.set()
             raise
@@ -330,8 +367,12 @@ class RemoteGrader:
             raise RewardError(f"remote grader {self.url}: the batch cannot be sent as JSON ({e}); a remote grader "
                               f"takes text or chat prompts and completions") from None
 
-    def _message(self, gave_up: _GaveUp, k: int, fields: list[str]) -> str:
+    def _message(self, gave_up: _GaveUp, k: int, fields: list[str], heard: Sequence[str] = ()) -> str:
         what, attempts, samples = gave_up.failure.what, gave_up.attempts, f"{k} sample{'s' * (k != 1)}"
+        if heard and gave_up.failure.retry and attempts <= self.retries:  # the stop ended its retries
+            return (f"remote grader {self.url} failed {attempts} time(s) on a request of {samples}, last with "
+                    f"{what}, and {heard[0]} asked the run to stop, so it was not retried again and the run "
+                    f"stops without this step; start the grader (or fix it) before continuing the run")
         if not gave_up.failure.retry:
             return (f"remote grader {self.url} refused a request of {samples} with {what} (not retried: only "
                     f"429, 5xx, timeouts and connection errors are); fix the URL or make the grader accept the "
@@ -390,7 +431,8 @@ class RemoteGrader:
         scores: list[float | None] = []
         for i, v in enumerate(data):
             try:
-                x = None if v is None else float(v) if isinstance(v, (int, float)) else math.nan
+                x = None if v is None else float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) \
+                    else math.nan
             except OverflowError:  # an integer beyond float's range
                 x = math.inf
             if x is not None and not math.isfinite(x):

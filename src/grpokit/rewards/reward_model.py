@@ -26,22 +26,30 @@ What differs from TRL, all in the user's favour:
 - The folder is checked before any weight is read (`check_reward_model_folder`): a causal LM, a
   classifier with `num_labels != 1` or a folder without tokenizer files is one `RewardLoadError` line.
   TRL would load a causal LM folder with a freshly initialised (random) score head and train on
-  noise; here a checkpoint that lacks weights of the model (the head) is an error too.
+  noise; here a checkpoint that lacks weights of the model (the head) is an error too (transformers'
+  multi-line load report held back), and so is a tokenizer with more tokens than the model's embedding
+  has rows (TRL: an IndexError at the first batch).
 - The name is the folder's base name even for "path/" or "." (TRL's `_name_or_path.split("/")[-1]`
   gives "" and "." there).
 - Conversational prompts with plain string completions (a direct call) get the completions wrapped
   as assistant messages, as `core.as_trl_completions` does (TRL would fail on list + str); chat
-  prompts for a reward tokenizer without a chat template are a ValueError naming the reward model.
+  prompts for a reward tokenizer without a chat template are a ValueError naming the reward model,
+  and `RewardModel.unreadable` lets start-up refuse them before the policy loads.
+- A loaded `PreTrainedModel` is taken where TRL takes one (`reward_model_from_object`), by the TRL
+  drop-in and by `train(reward_functions=[...])` alike.
 - No remote code (`trust_remote_code` stays False, TRL's default), and no Hub ids: a local folder.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
-from grpokit.errors import RewardLoadError
+from grpokit.errors import RewardLoadError, UserError
 from grpokit.rewards.core import as_trl_completions
 
 # Any one of these means the folder has a tokenizer (the vocabulary files of the common tokenizer kinds).
@@ -65,6 +73,29 @@ def _one_line(e: BaseException, limit: int = 300) -> str:
     """An exception as one short line (transformers' messages span several)."""
     text = " ".join(str(e).split()) or type(e).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
+
+
+@contextlib.contextmanager
+def _no_load_report() -> Iterator[None]:
+    """transformers' warnings while a reward model loads held back: its LOAD REPORT (a table of missing and
+    unexpected weights) would print several lines before the one-line error that names what is missing
+    here (`load_reward_model`), and unexpected weights (a causal LM's head) do not change the scores."""
+    logger = logging.getLogger("transformers.modeling_utils")
+
+    def errors_only(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+    # A filter, not setLevel: transformers runs (and logs) a tensor-parallel plan check when that logger's
+    # level is set to WARNING or above.
+    logger.addFilter(errors_only)
+    try:
+        yield
+    finally:
+        logger.removeFilter(errors_only)
 
 
 def is_reward_model_folder(ref: str) -> bool:
@@ -153,6 +184,16 @@ class RewardModel:
     def __repr__(self) -> str:
         return f"RewardModel({self.__name__!r}, {type(self.model).__name__}, device={str(self.device)!r})"
 
+    def unreadable(self, prompt: Any) -> str | None:
+        """Why this reward model cannot read `prompt`, None when it can: chat messages need the reward
+        tokenizer's chat template. Start-up asks it of the data's prompts (training/setup.py), so that a
+        run fails before the policy loads rather than at its first step."""
+        if _is_chat(prompt) and getattr(self.tokenizer, "chat_template", None) is None:
+            return (f"reward model '{self.__name__}': the prompts are chat messages but its tokenizer has no chat "
+                    f"template; give the reward model's folder the chat template it was trained with, or use "
+                    f"plain-text prompts")
+        return None
+
     def texts(self, prompts: Sequence, completions: Sequence) -> list[str]:
         """The strings the reward model reads: what TRL builds for it (see the module docstring)."""
         if len(prompts) != len(completions):
@@ -161,11 +202,9 @@ class RewardModel:
         if not prompts:
             return []
         first = prompts[0]
-        if isinstance(first, list) and first and isinstance(first[0], dict) and "role" in first[0]:
-            if getattr(self.tokenizer, "chat_template", None) is None:
-                raise ValueError(f"reward model '{self.__name__}': the prompts are chat messages but its "
-                                 f"tokenizer has no chat template; give the reward model's folder the chat "
-                                 f"template it was trained with, or use plain-text prompts")
+        if _is_chat(first):
+            if why := self.unreadable(first):
+                raise ValueError(why)
             completions = as_trl_completions(prompts, completions)
             return [self.tokenizer.apply_chat_template(list(p) + list(c), tools=None, tokenize=False,
                                                        **self.chat_template_kwargs)
@@ -211,8 +250,9 @@ def load_reward_model(path: str, *, device: Any = "cpu", dtype: Any = None, batc
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path))
         step = "the model"
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            str(path), num_labels=1, output_loading_info=True, **kwargs)
+        with _no_load_report():
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                str(path), num_labels=1, output_loading_info=True, **kwargs)
         step = f"moving the model to {device!r}"
         model.to(device)
     except Exception as e:  # a damaged or truncated weight file, a broken tokenizer, a device this machine lacks
@@ -223,15 +263,81 @@ def load_reward_model(path: str, *, device: Any = "cpu", dtype: Any = None, batc
         shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise RewardLoadError(f"{_where(path)}: the checkpoint has no weights for {shown}, so they would be random "
                               f"and so would the rewards; {_WHAT}")
-    if tokenizer.pad_token_id is None:  # as TRL: EOS pads
-        tokenizer.pad_token = tokenizer.eos_token
-    if tokenizer.pad_token_id is None:
-        raise RewardLoadError(f"{_where(path)}: its tokenizer has neither a pad nor an EOS token, so a batch cannot "
-                              f"be padded; set pad_token in the folder's tokenizer_config.json")
-    # The model scores the last token that is not padding: it must know the tokenizer's pad id (as TRL sets it).
-    model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
     model.eval()
     model.requires_grad_(False)
-    name = Path(os.path.abspath(path)).name
-    return RewardModel(model, tokenizer, name=name, device=device, batch_size=batch_size,
-                       chat_template_kwargs=chat_template_kwargs)
+    return wrap_reward_model(model, tokenizer, name=Path(os.path.abspath(path)).name, device=device,
+                             where=_where(path), batch_size=batch_size, chat_template_kwargs=chat_template_kwargs)
+
+
+def wrap_reward_model(model, tokenizer, *, name: str, device: Any, where: str,
+                      error: type[UserError] = RewardLoadError, **options) -> RewardModel:
+    """A `RewardModel` over a loaded model and tokenizer, after TRL's fix-up: EOS pads when the tokenizer has
+    no pad token, and the model learns the pad id (it scores the last token that is not padding). A tokenizer
+    that cannot pad, or whose ids run past the model's embedding (an IndexError deep in torch at the first
+    batch otherwise), is one `error` line starting with `where`. `options`: RewardModel's."""
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if tokenizer.pad_token_id is None:
+        raise error(f"{where}: the tokenizer of reward model {name!r} has neither a pad nor an EOS token, so a "
+                    f"batch cannot be padded; set its pad_token (in a folder: pad_token in tokenizer_config.json)")
+    try:
+        rows = model.get_input_embeddings().weight.shape[0]
+    except (AttributeError, NotImplementedError, TypeError):  # a model that does not say: nothing to compare
+        rows = None
+    if rows is not None and len(tokenizer) > rows:
+        raise error(f"{where}: the tokenizer of reward model {name!r} has {len(tokenizer)} tokens but the model's "
+                    f"embedding only {rows} rows, so a text with a token id >= {rows} would fail at the first "
+                    f"batch; pair the model with the tokenizer it was trained with, or resize_token_embeddings("
+                    f"len(tokenizer)) and train it again")
+    model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
+    return RewardModel(model, tokenizer, name=name, device=device, **options)
+
+
+def reward_model_name(name_or_path: str, fallback: str) -> str:
+    """TRL's metric name of a reward model: the last part of its name or path ("" or "." only when the path
+    ends in a slash or is "."; then `fallback`)."""
+    name = str(name_or_path).split("/")[-1]
+    return name if name not in ("", ".", "..") else fallback
+
+
+def is_model_object(f: Any) -> bool:
+    """True for a torch module (a loaded model) where a reward function goes; torch is not imported for it
+    (without torch imported there is no module)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(f, torch.nn.Module)
+
+
+_OBJECT_WHAT = "a reward model is an AutoModelForSequenceClassification with num_labels = 1"
+
+
+def reward_model_from_object(model, tokenizer=None, *, device: Any, field: str, tokenizer_field: str,
+                             tokenizer_fix: str, error: type[UserError] = RewardLoadError) -> RewardModel:
+    """A loaded `PreTrainedModel` (sequence classification, one label) as a `RewardModel` on `device`, as
+    TRL takes one in `reward_funcs`: named by its `config._name_or_path`'s last part, reading its text with
+    `tokenizer` or, without one, with `AutoTokenizer.from_pretrained(config._name_or_path)` (TRL's rule; no
+    remote code); put in eval mode (dropout off: deterministic scores). What is not a reward model is one
+    `error` line naming `field` (the argument that held it); a tokenizer that cannot be found or used names
+    `tokenizer_field` and says `tokenizer_fix`. The TRL drop-in and `train(reward_functions=...)` both
+    come here, each naming its own arguments."""
+    from transformers import AutoTokenizer, PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise error(f"{field}: a {type(model).__name__} is a torch module but no transformers PreTrainedModel; "
+                    f"{_OBJECT_WHAT} (a peft model: merge it first, merge_and_unload())")
+    kind, labels = type(model).__name__, getattr(model.config, "num_labels", None)
+    if not kind.endswith("ForSequenceClassification") or labels != 1:
+        raise error(f"{field}: a {kind} with num_labels = {labels} is not a reward model; {_OBJECT_WHAT}")
+    source = getattr(model.config, "_name_or_path", "") or ""
+    if tokenizer is None:
+        if not source:
+            raise error(f"{tokenizer_field}: the reward model {kind} names no folder (config._name_or_path is "
+                        f"empty) to load its tokenizer from; {tokenizer_fix}")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError) as e:
+            raise error(f"{tokenizer_field}: loading the reward model's tokenizer from {source!r} failed "
+                        f"({type(e).__name__}); {tokenizer_fix}") from e
+    model.to(device)
+    model.eval()
+    return wrap_reward_model(model, tokenizer, name=reward_model_name(source, "reward_model"), device=device,
+                             where=tokenizer_field, error=error)

@@ -75,38 +75,58 @@ def prepare_data(config: Config, rows: Iterable[dict] | None = None) -> Prepared
                                      split=d.split or "train"), None)
 
 
-def resolve_reward_specs(config: Config, task, functions: Sequence[Callable | str] | None = None, *,
-                         optional: bool = False) -> list[RewardSpec]:
+def resolve_reward_specs(config: Config, task, functions: Sequence[Callable | str] | Callable | str | None = None, *,
+                         optional: bool = False, rows: Sequence[dict] = ()) -> list[RewardSpec]:
     """Python callables given to `train`, else `rewards.functions`, else the task's verifier (none, when
     `optional`: an environment's own reward is there).
 
-    A callable is named by its `__name__` (`reward_<i>` without one); callables sharing a name are
-    told apart by their module (`mod_a.score`, `mod_b.score`), else numbered (`score`, `score_2`):
-    see `unique_reward_names`. A string among the callables is what `rewards.functions` takes (a
-    built-in name, a reference, a reward-model folder, a grader URL)."""
+    `functions` is what TRL's `reward_funcs` is: one entry or a list; an entry is a callable, a
+    `RewardSpec`, a string as `rewards.functions` takes (a built-in name, a reference, a reward-model
+    folder, a grader URL; resolved with its `rewards.args`) or a loaded reward model; anything else is one
+    error naming its position (`registry.reward_entries`). A callable is named by its `__name__`
+    (`reward_<i>` without one); callables sharing a name are told apart by their module (`mod_a.score`,
+    `mod_b.score`), else numbered (`score`, `score_2`): see `unique_reward_names`.
+
+    `rows`, the training rows, are where the reward specs meet the data: a reward model that cannot read
+    their prompts (chat messages, a tokenizer without a chat template) is refused here, before the policy
+    loads, not at the first step."""
+    from grpokit.errors import RewardLoadError
+    from grpokit.rewards.core import is_conversational
+    from grpokit.rewards.registry import reward_entries
+
     r = config.rewards
-    weights = list(r.weights) or [1.0] * len(functions or r.functions)
     timeout = r.timeout_s or None  # your own functions are bounded (rewards.timeout_s); built-ins bound themselves
     context = dict(on_error=r.on_error, device=str(resolve_device(config.model.device)))
+    functions = reward_entries(functions, device=context["device"])
     if functions:
+        if r.weights and len(r.weights) != len(functions):  # zip below would drop functions silently
+            raise RewardLoadError(f"rewards.weights has {len(r.weights)} weights for the {len(functions)} reward "
+                                  f"functions given to train(reward_functions=...); give one per function")
+        weights = list(r.weights) or [1.0] * len(functions)
         named = [f for f in functions if isinstance(f, str)]  # resolved with their rewards.args, as in the config
-        specs = iter(reward_specs(named, (), r.args, timeout, **context) if named else [])
-        built = [next(specs) if isinstance(f, str) else f for f in functions]
+        resolved = iter(reward_specs(named, (), r.args, timeout, **context) if named else [])
+        built = [next(resolved) if isinstance(f, str) else f for f in functions]
         names = unique_reward_names(
             [f.name if isinstance(f, RewardSpec) else getattr(f, "__name__", None) or f"reward_{i}"
              for i, f in enumerate(built)],
             [None if isinstance(f, RewardSpec) else m if (m := getattr(f, "__module__", None)) != "__main__" else None
              for f in built])
-        return [replace(f, name=n, weight=w) if isinstance(f, RewardSpec) else RewardSpec(n, f, w, timeout)
-                for n, f, w in zip(names, built, weights)]
-    if r.functions:
-        return reward_specs(list(r.functions), weights, r.args, default_timeout=timeout, **context)
-    if task is not None:
-        return task.reward_functions()
-    if optional:
-        return []
-    raise SetupError("no reward functions: set rewards.functions (a built-in name such as 'numeric_match', "
-                     "'file.py:function', a reward-model folder or a grader URL), or use a built-in data.task")
+        specs = [replace(f, name=n, weight=w) if isinstance(f, RewardSpec) else RewardSpec(n, f, w, timeout)
+                 for n, f, w in zip(names, built, weights)]
+    elif r.functions:
+        specs = reward_specs(list(r.functions), r.weights, r.args, default_timeout=timeout, **context)
+    elif task is not None:
+        specs = task.reward_functions()
+    elif optional:
+        specs = []
+    else:
+        raise SetupError("no reward functions: set rewards.functions (a built-in name such as 'numeric_match', "
+                         "'file.py:function', a reward-model folder or a grader URL), or use a built-in data.task")
+    chat = next((i for i, row in enumerate(rows) if is_conversational(row.get("prompt"))), None)
+    for spec in specs if chat is not None else ():
+        if isinstance(spec.fn, RewardModel) and (why := spec.fn.unreadable(rows[chat]["prompt"])):
+            raise RewardLoadError(f"{why} (prompt row {chat + 1} of the data is a list of chat messages)")
+    return specs
 
 
 SELF_BOUNDED = ("code_execution",)  # run their answers in their own killable processes already
@@ -329,7 +349,7 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
             raise SetupError(f"{config.model.path}: {e}") from None
     own = environments.reward_specs() if environments is not None else []  # environments' get_reward
     specs, reward_pool = isolate_rewards(config, resolve_reward_specs(config, data.task, reward_functions,
-                                                                      optional=bool(own)))
+                                                                      optional=bool(own), rows=data.rows))
     specs += own  # an environment's reward reads its live instances: in this process
     notes = [sandbox_isolation(s.source[1].get("sandbox", "auto"), s.source[1].get("python"))[1]
              for s in specs if s.source and s.source[0] == "code_execution"]  # which sandbox is in force

@@ -29,8 +29,6 @@ from pathlib import Path
 
 from grpokit.errors import ConfigError
 
-_WHAT = "a reward model is an AutoModelForSequenceClassification with num_labels = 1"
-
 
 def reward_list(reward_funcs, environment_factory) -> list:
     """`reward_funcs` as a list, each entry checked for its kind (a folder's config.json read, a Hub id
@@ -40,10 +38,12 @@ def reward_list(reward_funcs, environment_factory) -> list:
     if not funcs and environment_factory is None:
         raise ConfigError("GRPOTrainer: reward_funcs is required (a callable, a reward model's folder or Hub id, or "
                           "a list of them)")
+    from grpokit.rewards.reward_model import is_model_object
+
     for f in funcs:
         if isinstance(f, str):
             _check_name(f)
-        elif not _is_module(f) and not callable(f):
+        elif not is_model_object(f) and not callable(f):
             raise ConfigError(f"reward_funcs: an entry of type {type(f).__name__} is not a reward function; give "
                               "a callable f(prompts, completions, **kwargs) -> list[float], a reward model's folder "
                               "or Hub id, or a PreTrainedModel")
@@ -64,12 +64,16 @@ def processing_classes(classes, n: int) -> list:
 
 def reward_callables(funcs: list, classes: list, *, dtype: str | None, device: str) -> list:
     """Each entry as a callable: reward models loaded (strings) or wrapped (objects) on `device`."""
+    from grpokit.rewards.reward_model import is_model_object, reward_model_from_object
+
     out = []
     for i, (f, tokenizer) in enumerate(zip(funcs, classes)):
         if isinstance(f, str):
             out.append(_from_name(f, tokenizer, dtype, device))
-        elif _is_module(f):
-            out.append(_from_object(f, tokenizer, device, i))
+        elif is_model_object(f):  # grpokit's shared wrapping, in TRL's argument names
+            out.append(reward_model_from_object(f, tokenizer, device=device, field="reward_funcs",
+                                                tokenizer_field=f"reward_processing_classes[{i}]",
+                                                tokenizer_fix="pass its tokenizer", error=ConfigError))
         else:
             out.append(f)  # TRL ignores a processing class given for a function
     return out
@@ -83,19 +87,6 @@ def training_device(model_device: str) -> str:
     if device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     return str(device)
-
-
-def _is_module(f) -> bool:
-    import torch
-
-    return isinstance(f, torch.nn.Module)
-
-
-def _trl_name(name_or_path: str, fallback: str) -> str:
-    """TRL's metric name of a reward model: the last part of its name or path ("" or "." only when the path
-    ends in a slash or is "."; then the folder's own name)."""
-    name = str(name_or_path).split("/")[-1]
-    return name if name not in ("", ".", "..") else fallback
 
 
 def _check_name(ref: str) -> None:
@@ -119,48 +110,12 @@ def _local_folder(ref: str) -> str:
 
 
 def _from_name(ref: str, tokenizer, dtype: str | None, device: str):
-    from grpokit.rewards.reward_model import load_reward_model
+    from grpokit.rewards.reward_model import load_reward_model, reward_model_name, wrap_reward_model
 
     reward_model = load_reward_model(_local_folder(ref), device=device, dtype=dtype)
-    name = _trl_name(ref, reward_model.__name__)
+    name = reward_model_name(ref, reward_model.__name__)
     if tokenizer is not None:
-        return _wrap(reward_model.model, tokenizer, name, device)
+        return wrap_reward_model(reward_model.model, tokenizer, name=name, device=device,
+                                 where="reward_processing_classes", error=ConfigError)
     reward_model.__name__ = name
     return reward_model
-
-
-def _from_object(model, tokenizer, device: str, i: int):
-    from transformers import AutoTokenizer, PreTrainedModel
-
-    if not isinstance(model, PreTrainedModel):
-        raise ConfigError(f"reward_funcs: a {type(model).__name__} is a torch module but no transformers "
-                          f"PreTrainedModel; {_WHAT} (a peft model: merge it first, merge_and_unload())")
-    kind, labels = type(model).__name__, getattr(model.config, "num_labels", None)
-    if not kind.endswith("ForSequenceClassification") or labels != 1:
-        raise ConfigError(f"reward_funcs: a {kind} with num_labels = {labels} is not a reward model; {_WHAT}")
-    source = getattr(model.config, "_name_or_path", "") or ""
-    if tokenizer is None:
-        if not source:
-            raise ConfigError(f"reward_processing_classes[{i}]: the reward model {kind} names no folder "
-                              "(config._name_or_path is empty) to load its tokenizer from; pass its tokenizer")
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source)  # TRL's rule (its trust_remote_code default: off)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"reward_processing_classes[{i}]: loading the reward model's tokenizer from {source!r} "
-                              f"failed ({type(e).__name__}); pass its tokenizer") from e
-    model.to(device)
-    model.eval()  # TRL leaves an object in the mode it came in; dropout off scores it deterministically
-    return _wrap(model, tokenizer, _trl_name(source, "reward_model"), device)
-
-
-def _wrap(model, tokenizer, name: str, device: str):
-    """grpokit's RewardModel over a model and tokenizer, after TRL's pad-token fix-up."""
-    from grpokit.rewards.reward_model import RewardModel
-
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    if tokenizer.pad_token_id is None:
-        raise ConfigError(f"reward_processing_classes: the tokenizer of reward model {name!r} has neither a pad nor "
-                          "an EOS token, so a batch cannot be padded; set its pad_token")
-    model.config.get_text_config().pad_token_id = tokenizer.pad_token_id
-    return RewardModel(model, tokenizer, name=name, device=device)
