@@ -337,16 +337,16 @@ def run_levers(rows: list[dict], runs: int) -> list[dict]:
         c = CONFIGS[name]
         got = [run_worker("grpokit", spec_for(name, steps=c["steps"], **changes)) for _ in range(runs)]
         if name not in bases:
-            bases[name] = summarize_grpokit(name, [run_worker("grpokit", spec_for(name, steps=c["steps"]))
-                                                   for _ in range(runs)])
+            bases[name] = summarize_grpokit([run_worker("grpokit", spec_for(name, steps=c["steps"]))
+                                             for _ in range(runs)])
         base = bases[name]
-        r = {"label": label, "config": name, **summarize_grpokit(name, got), "base": base}
+        r = {"label": label, "config": name, **summarize_grpokit(got), "base": base}
         log(f"lever [{name}] {label}: {r['s_per_opt_step']:.3f} s/step, rss {r['peak_rss_mb']:.0f} MB")
         out.append(r)
     return out
 
 
-def summarize_grpokit(name: str, runs: list[dict]) -> dict:
+def summarize_grpokit(runs: list[dict]) -> dict:
     return {"s_per_opt_step": median_of(runs, "s_per_opt_step"), "rollout_s": median_of(runs, "rollout_s"),
             "train_s": median_of(runs, "train_s"), "peak_rss_mb": max(x["peak_rss_mb"] for x in runs),
             "first_step": runs[0].get("first_step", {}), "all_s": [round(x["s_per_opt_step"], 3) for x in runs]}
