@@ -38,9 +38,9 @@ def main(spec: dict) -> None:
             algorithm=AlgorithmConfig(loss_type=spec["loss_type"], beta=spec["beta"], num_iterations=spec["mu"],
                                       epsilon=0.2, std="sample", scale_rewards="group",
                                       **spec.get("grpokit_algorithm", {})),
-            train=TrainConfig(steps=steps, prompts_per_step=spec["B"], learning_rate=spec["lr"],
-                              adam_betas=(0.9, 0.999), max_grad_norm=1.0, seed=spec.get("seed", 0),
-                              **spec.get("grpokit_train", {})),
+            train=TrainConfig(**{"steps": steps, "prompts_per_step": spec["B"], "learning_rate": spec["lr"],
+                                 "adam_betas": (0.9, 0.999), "max_grad_norm": 1.0, "seed": spec.get("seed", 0),
+                                 **spec.get("grpokit_train", {})}),  # levers and ablations override
             output=OutputConfig(dir=str(Path(tmp) / "run"), console=False, save_every=0),
         )
         t0 = time.perf_counter()
