@@ -21,7 +21,8 @@ import pytest
 
 from grpokit.errors import RewardError, RewardLoadError, RewardTimeoutError
 from grpokit.rewards.core import RewardSpec, compute_rewards
-from grpokit.rewards.isolation import RewardPool, RewardWorkerError, check_isolatable, isolate
+from grpokit.rewards.isolated import isolate
+from grpokit.rewards.isolation import RewardPool, RewardWorkerError, check_isolatable
 from grpokit.rewards.registry import get_reward, load_reward
 
 FAULTS = '''

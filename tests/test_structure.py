@@ -97,7 +97,7 @@ def test_the_gumbel_sampler_draws_exact_samples_with_the_same_log_probs(tiny):
 
 @pytest.mark.parametrize("old, new, name", [
     ("grpokit.trainer", "grpokit.training.loop", "train"),
-    ("grpokit.trainer", "grpokit.training.setup", "lr_lambda"),
+    ("grpokit.trainer", "grpokit.training.optimizer", "lr_lambda"),
     ("grpokit.trainer", "grpokit.errors", "StoppedNow"),
     ("grpokit.objectives", "grpokit.algorithms.objectives", "policy_loss"),
     ("grpokit.objectives", "grpokit.algorithms.logprobs", "token_logprobs"),

@@ -14,7 +14,7 @@ from conftest import comparable, make_config, parity
 from grpokit.config.schema import Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
 from grpokit.observe.tracking import read_metrics
 from grpokit.training.loop import train
-from grpokit.training.setup import lr_lambda
+from grpokit.training.optimizer import lr_lambda
 
 DESIGN_METRICS = [
     "reward", "reward_std", "frac_reward_zero_std", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",

@@ -20,7 +20,8 @@ from grpokit.rewards.graders import (
     overlong_penalty_value,
     soft_overlong_penalty,
 )
-from grpokit.rewards.isolation import RewardPool, check_isolatable, isolate
+from grpokit.rewards.isolated import isolate
+from grpokit.rewards.isolation import RewardPool, check_isolatable
 from grpokit.rewards.registry import (
     available_rewards,
     get_reward,

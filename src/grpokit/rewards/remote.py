@@ -40,14 +40,12 @@ Only the standard library is used (urllib, threads): the core stays free of HTTP
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import ipaddress
 import json
 import math
 import numbers
 import re
-import signal
 import socket
 import ssl
 import threading
@@ -55,17 +53,15 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 from grpokit.errors import RewardError, RewardLoadError
+from grpokit.rewards.remote_io import _Failed, _read_until, _signals_end_backoff
 
 _CONNECT_TIMEOUT_S = 5.0  # check_reachable's limit: a start-up check must not hang the launch
 _PREVIEW_CHARS = 120
 _DROPPED = ("trainer_state", "log_extra")  # TRL's extras that mean nothing to a remote service
-MAX_RESPONSE_BYTES = 64 * 2**20  # a grader's answer is a list of numbers: anything this large is a fault
-
-
 def is_url(ref: str) -> bool:
     """True for a reward reference that names a remote grader ("http://..." or "https://...")."""
     return isinstance(ref, str) and ref[:8].lower().startswith(("http://", "https://"))
@@ -131,63 +127,10 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-class _Failed(Exception):
-    """One attempt failed: `what` came back; `retry` says whether another attempt may help."""
-
-    def __init__(self, what: str, retry: bool = True):
-        super().__init__(what)
-        self.what, self.retry = what, retry
-
-
 class _GaveUp(Exception):
     def __init__(self, failure: _Failed, attempts: int):
         super().__init__(failure.what)
         self.failure, self.attempts = failure, attempts
-
-
-@contextlib.contextmanager
-def _signals_end_backoff(stop: threading.Event, heard: list[str]) -> Iterator[None]:
-    """While a call runs, SIGINT and SIGTERM also set `stop` (appending the signal's name to `heard`), so a
-    request waiting out its retry back-off gives up at once instead of sleeping through it: a stop asked
-    for (the trainer's "stopping after the current step", a scheduler's SIGTERM before its SIGKILL) must not
-    wait `backoff_s * 2**attempt` seconds per retry. The handler in place runs as before (the trainer's
-    graceful stop, Ctrl-C's KeyboardInterrupt); a signal left to its default action (SIGTERM ends the
-    process) or ignored is not touched, and off the main thread (where handlers cannot be set) nothing
-    changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous: dict[int, Callable] = {}
-
-    def handle(signum, frame):
-        heard.append(signal.Signals(signum).name)
-        stop.set()
-        previous[signum](signum, frame)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        if callable(handler := signal.getsignal(sig)):
-            previous[sig] = handler
-            signal.signal(sig, handle)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _read_until(response, deadline: float, timeout_s: float) -> bytes:
-    """The response body, read in chunks until `deadline` (a grader trickling bytes cannot hold the run:
-    urllib's own timeout applies to each read) and at most MAX_RESPONSE_BYTES; `_Failed` otherwise."""
-    parts, size = [], 0
-    while True:
-        if time.monotonic() > deadline:
-            raise _Failed(f"no complete answer within {timeout_s:g} s (timeout_s)")
-        chunk = response.read1(65536) if hasattr(response, "read1") else response.read(65536)
-        if not chunk:
-            return b"".join(parts)
-        if (size := size + len(chunk)) > MAX_RESPONSE_BYTES:
-            raise _Failed(f"an answer larger than {MAX_RESPONSE_BYTES >> 20} MiB")
-        parts.append(chunk)
 
 
 def _check_int(name: str, value: Any, low: int) -> int:

@@ -15,13 +15,18 @@ The update is AdamW's own (`torch.optim.AdamW` per parameter) and its state is o
 checkpoints are the same as the default's, and a run may resume with either setting. A parameter whose
 gradient is not finite is left as it is (its moments too), as the default path skips a whole update;
 since the others are already updated by then, such a step counts as skipped and is partial.
+
+The learning-rate schedule (`lr_lambda`) counts the same optimizer steps in both settings.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
+
+from grpokit.config.schema import Config
 
 
 def build_optimizer(params, *, lr: float, betas: tuple[float, float], weight_decay: float,
@@ -30,6 +35,24 @@ def build_optimizer(params, *, lr: float, betas: tuple[float, float], weight_dec
     if in_backward:
         return AdamWInBackward(params, lr=lr, betas=betas, weight_decay=weight_decay)
     return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+
+
+def lr_lambda(config: Config) -> Callable[[int], float]:
+    """Linear warmup over `train.warmup_steps` optimizer steps, then constant or cosine decay to 0 at the
+    last optimizer step: a training step takes μ x (answers / minibatch_size) of them."""
+    per_step = config.algorithm.num_iterations * max(1, config.generation_batch_size // config.minibatch_size)
+    warmup, cosine = config.train.warmup_steps, config.train.lr_schedule == "cosine"
+    total = config.train.steps * per_step
+
+    def factor(step: int) -> float:  # `step` counts optimizer steps taken so far
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if not cosine:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
 
 
 class AdamWInBackward(torch.optim.AdamW):

@@ -11,7 +11,6 @@ functions, the output folder, and prompts too long for the model's context.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
@@ -31,7 +30,8 @@ from grpokit.models.loading import check_model_folder, load_model, load_tokenize
 from grpokit.models.lora import AdapterDisabled, LoraReference, apply_lora
 from grpokit.models.parallel import DistributedContext
 from grpokit.rewards.core import RewardSpec
-from grpokit.rewards.isolation import RewardPool, check_isolatable, isolate
+from grpokit.rewards.isolated import isolate
+from grpokit.rewards.isolation import RewardPool, check_isolatable
 from grpokit.rewards.registry import load_reward, reward_specs, unique_reward_names
 from grpokit.rewards.remote import RemoteGrader
 from grpokit.rewards.reward_model import RewardModel
@@ -42,7 +42,7 @@ from grpokit.rollout.multiturn import check_full_attention
 from grpokit.rollout.tools import ToolBox, check_tool_template
 from grpokit.tasks import get_task, task_tools
 from grpokit.training.checkpoint import list_checkpoints, restore_checkpoint
-from grpokit.training.optimizer import build_optimizer
+from grpokit.training.optimizer import build_optimizer, lr_lambda
 from grpokit.training.run_folder import RunFolder, prepare_run_folder
 
 
@@ -248,24 +248,6 @@ def prepare_held_out(config: Config, task, tokenizer, max_positions: int | None,
         raise DataError(f"eval.path {e.path or '(the task eval split)'}: {err}") from None
     mine = range(dist.rank, len(rows), dist.world_size)
     return PromptTable([table.rows[i] for i in mine], [table.ids[i] for i in mine], table.eos_token_ids)
-
-
-def lr_lambda(config: Config) -> Callable[[int], float]:
-    """Linear warmup over `train.warmup_steps` optimizer steps, then constant or cosine decay to 0 at the
-    last optimizer step: a training step takes μ x (answers / minibatch_size) of them."""
-    per_step = config.algorithm.num_iterations * max(1, config.generation_batch_size // config.minibatch_size)
-    warmup, cosine = config.train.warmup_steps, config.train.lr_schedule == "cosine"
-    total = config.train.steps * per_step
-
-    def factor(step: int) -> float:  # `step` counts optimizer steps taken so far
-        if step < warmup:
-            return (step + 1) / (warmup + 1)
-        if not cosine:
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return factor
 
 
 @dataclass
