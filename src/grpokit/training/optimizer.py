@@ -82,7 +82,7 @@ class AdamWInBackward(torch.optim.AdamW):
     def _update(self, p: torch.Tensor) -> None:
         grad = p.grad
         p.grad = None  # freed whatever happens: nothing else reads it
-        sq = float(grad.float().pow(2).sum())
+        sq = float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2  # no squared copy of the gradient
         if not math.isfinite(sq):
             self._finite = False
             return
