@@ -56,6 +56,8 @@ ABLATIONS = [
     ("preallocated KV cache off (DynamicCache concatenation)", "M",
      {"grpokit_rollout": {"preallocated_kv_cache": False}}),
     ("inverse-CDF sampler off (Gumbel-max race)", "M", {"grpokit_rollout": {"sampler": "gumbel"}}),
+    ("packed decode weights off (aten's fp32 matmul in the decode)", "M",
+     {"grpokit_rollout": {"packed_weights": False}}),
     ("shared prefill off (prefill all N rows)", "M", {"grpokit_rollout": {"shared_prefill": False}}),
     ("shared prompt forward in training off (every row runs its prompt)", "M",
      {"grpokit_train": {"shared_prompt_forward": False}}),

@@ -33,6 +33,7 @@ from typing import Protocol, Sequence
 import torch
 
 from grpokit.models.fsdp import full_params_for_generation
+from grpokit.models.packed import packed_linears
 from grpokit.models.parallel import rank
 from grpokit.rollout.batch import Rollout
 from grpokit.rollout.decode import sample_groups
@@ -69,16 +70,19 @@ class HFEngine:
     """The built-in sampler on the training model (shared prefill, KV cache, exact sampling).
 
     `speed` holds `sample_groups`' speed options (the sampler, the preallocated KV cache, the
-    shared prefill; `rollout.*` in the config): they change the cost, not the distribution."""
+    shared prefill; `rollout.*` in the config) and `packed_weights` the decode's oneDNN matmuls
+    (models/packed.py): they change the cost, not the distribution."""
 
-    def __init__(self, model, tokenizer=None, *, tools: ToolBox | None = None, max_tool_turns: int = 8, **speed):
-        self.model, self.tokenizer, self.speed = model, tokenizer, speed
+    def __init__(self, model, tokenizer=None, *, tools: ToolBox | None = None, max_tool_turns: int = 8,
+                 packed_weights: bool = True, **speed):
+        self.model, self.tokenizer, self.speed, self.packed_weights = model, tokenizer, speed, packed_weights
         self.tools, self.max_tool_turns = tools, max_tool_turns
         self.tool_stats: ToolStats | None = None  # the last batch's, with tools
 
     def generate(self, prompt_ids, *, group_size, sampling, generator=None) -> Rollout:
         s = sampling
-        with full_params_for_generation(self.model):  # FSDP: gathered once for the whole decode loop
+        rows = len(prompt_ids) * group_size
+        with full_params_for_generation(self.model), packed_linears(self.model, rows, self.packed_weights):
             if self.tools:  # multi-turn: tool calls run and their results join the same KV cache
                 rollout, self.tool_stats = sample_conversations(
                     self.model, prompt_ids, group_size=group_size, max_new_tokens=s.max_new_tokens,
@@ -101,7 +105,8 @@ def build_engine(config, model, tokenizer, *, tools: ToolBox | None = None) -> R
     r = config.rollout
     if r.engine == "hf":
         return HFEngine(model, tokenizer, tools=tools, max_tool_turns=config.tools.max_calls, sampler=r.sampler,
-                        preallocate_kv_cache=r.preallocated_kv_cache, share_prefill=r.shared_prefill)
+                        preallocate_kv_cache=r.preallocated_kv_cache, share_prefill=r.shared_prefill,
+                        packed_weights=r.packed_weights)
     from grpokit.rollout.vllm import VLLMEngine  # imports vllm only when asked for
 
     options = {"dtype": config.model.dtype, **r.vllm}
