@@ -183,6 +183,7 @@ class TrainConfig:
     skip_zero_advantage: bool = True
     shared_prompt_forward: bool = True
     keep_freed_memory: bool = True  # CPU, glibc: reuse freed pages, do not fault them in again (models/allocator.py)
+    onednn_linear: bool = True  # CPU: linear layers' forward and input gradient through oneDNN (models/onednn.py)
     # Activation checkpointing per decoder layer (models/checkpointing.py): each layer keeps only its input
     # and runs again in the backward. Less memory for long answers / large models, about a third more compute;
     # the training forward then runs each answer's whole sequence (no shared prompt forward). Same gradient.

@@ -33,7 +33,7 @@ from typing import Protocol, Sequence
 import torch
 
 from grpokit.models.fsdp import full_params_for_generation
-from grpokit.models.packed import packed_linears
+from grpokit.models.onednn import packed_linears
 from grpokit.models.parallel import rank
 from grpokit.rollout.batch import Rollout
 from grpokit.rollout.decode import sample_groups
@@ -71,7 +71,7 @@ class HFEngine:
 
     `speed` holds `sample_groups`' speed options (the sampler, the preallocated KV cache, the
     shared prefill; `rollout.*` in the config) and `packed_weights` the decode's oneDNN matmuls
-    (models/packed.py): they change the cost, not the distribution."""
+    (models/onednn.py): they change the cost, not the distribution."""
 
     def __init__(self, model, tokenizer=None, *, tools: ToolBox | None = None, max_tool_turns: int = 8,
                  packed_weights: bool = True, **speed):

@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Sequence
 from grpokit.config.loading import to_toml
 from grpokit.config.schema import Config
 from grpokit.errors import TrainingDiverged
+from grpokit.models.onednn import onednn_linears
 from grpokit.models.parallel import DistributedContext
 from grpokit.models.threads import configure_threads
 from grpokit.observe.diagnostics import Diagnostics
@@ -117,11 +118,13 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
                                                         run.stream, inputs.specs, run.sampler, inputs.environments)
                 t1 = time.perf_counter()
                 # update: old / reference log-probs, then μ passes of clipped-surrogate steps
-                batch = score_old_and_ref(local, policy, batch)
-                if local.algorithm.is_correction != "none":  # the sampler's log-probs are not the trainer's
-                    batch, is_metrics = with_is_weights(local, policy, batch)
-                    gen_metrics.update(is_metrics)
-                train_metrics, _ = optimize(local, policy, batch)
+                # (oneDNN linears: the backward runs inside the block)
+                with onednn_linears(policy.model, policy.ref_model, enabled=local.train.onednn_linear):
+                    batch = score_old_and_ref(local, policy, batch)
+                    if local.algorithm.is_correction != "none":  # the sampler's log-probs are not the trainer's
+                        batch, is_metrics = with_is_weights(local, policy, batch)
+                        gen_metrics.update(is_metrics)
+                    train_metrics, _ = optimize(local, policy, batch)
                 train_metrics.update(sync_reference(local, policy, step))  # ref_sync_every: reference -> policy
                 run.engine.sync_weights(policy.model)  # vLLM: push the new weights; HF: the sampler is the model
                 t2 = time.perf_counter()

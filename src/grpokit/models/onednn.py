@@ -1,0 +1,135 @@
+"""CPU linear layers through oneDNN: the decode on weights packed once per rollout
+(`rollout.packed_weights`), and the training forward and input gradient on the weights as they are
+(`train.onednn_linear`).
+
+A decode step multiplies a few rows (the N = B*G active answers) by every weight matrix of the model,
+so its cost is reading the weights. On the 2-core AMD EPYC these figures come from (BENCHMARKS.md,
+`bench/run.py` reports them per run), torch's own fp32 path (`aten::mm`, MKL) does not come near the
+memory bandwidth for such a product: a [16, 896] x [896, 151936] head streamed its weights at
+5 GB/s, where a sum over the same tensor reads 26 GB/s. oneDNN's inner-product kernel on a weight
+reordered into its blocked layout streams the same product at 20 GB/s (and a [16, 896] x [896, 4864]
+MLP matrix at 23), with fp32 accumulation (largest relative difference to float64 7e-7, aten's 4e-7).
+
+The reorder is a copy, so it is done once per call to the sampler (every weight changes at every
+optimizer step) and freed at its end: the rollout holds a second copy of the linear weights, 4 bytes
+per parameter in fp32, while gradients are not alive. Only plain CPU `nn.Linear` modules with fp32 or
+bf16 weights are packed (a peft LoRA layer's base layer is one; FSDP's sharded or otherwise
+subclassed parameters are not); everything else runs as before.
+
+Training cannot pack (the weights change at every step, inside the backward with
+`train.optimizer_in_backward`), but oneDNN's kernel on a plain row-major weight is still faster than
+aten's for the forward product and the input gradient at these shapes (measured on L's projections,
+2560 rows: 104-150 -> 170-197 GFLOP/s forward, 109-183 -> 156-201 input gradient). The weight gradient
+stays aten's (`dY^T X`, where oneDNN was not consistently faster). `_Linear` is that split as an
+autograd function: it saves what aten's linear saves (input and weight), no more.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+
+
+def _supported() -> bool:
+    ops = torch.ops.mkldnn
+    return torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight") \
+        and hasattr(ops, "_linear_pointwise")
+
+
+def _packable(module: nn.Module) -> bool:
+    w = getattr(module, "weight", None)
+    return (type(module) is nn.Linear and type(w) in (nn.Parameter, torch.Tensor) and w.device.type == "cpu"
+            and w.dtype in (torch.float32, torch.bfloat16) and w.dim() == 2)
+
+
+def _packed_forward(module: nn.Linear, packed: torch.Tensor):
+    linear, bias = torch.ops.mkldnn._linear_pointwise, module.bias
+    bias = None if bias is None else bias.detach()
+
+    def forward(x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
+        if x.dtype != packed.dtype or torch.is_grad_enabled():  # not what it was packed for: the plain path
+            return nn.Linear.forward(module, x)
+        return linear(x, packed, bias, "none", [], "")
+
+    return forward
+
+
+def _restore(modules: list[nn.Module], before: list) -> None:
+    for m, forward in zip(modules, before):
+        if forward is None:
+            m.__dict__.pop("forward", None)
+        else:
+            m.forward = forward
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class _Linear(torch.autograd.Function):
+    """y = x W^T + b with oneDNN for y and dL/dx, aten for dL/dW and dL/db."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):  # x [..., in], weight [out, in], bias [out] -> [..., out]
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):  # dy [..., out]
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad
+        dx = _linear(dy, weight.t(), None) if need_x else None  # [..., out] x [out, in] -> [..., in]
+        dy2 = dy.reshape(-1, dy.shape[-1])  # [rows, out]
+        dw = dy2.t() @ x.reshape(-1, x.shape[-1]) if need_w else None  # [out, in]
+        db = dy2.sum(0) if need_b and ctx.has_bias else None  # [out]
+        return dx, dw, db
+
+
+def _training_forward(module: nn.Linear):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != module.weight.dtype:  # autocast or a mixed-dtype caller: the plain path decides
+            return nn.Linear.forward(module, x)
+        return _Linear.apply(x, module.weight, module.bias)
+
+    return forward
+
+
+@contextmanager
+def onednn_linears(*models: nn.Module | None, enabled: bool = True) -> Iterator[int]:
+    """Within the block, every packable `nn.Linear` of `models` (None and other objects are skipped)
+    computes its forward and input gradient through oneDNN (`_Linear`) on its live weights; yields how
+    many modules were switched. The backward of a forward run inside must run inside too (a checkpointed
+    layer's replay must save what its first forward saved)."""
+    models = [m for m in models if isinstance(m, nn.Module)] if enabled and _supported() else []
+    modules = list({id(m): m for model in models for m in model.modules() if _packable(m)}.values())
+    before = [m.__dict__.get("forward") for m in modules]
+    try:
+        for m in modules:
+            m.forward = _training_forward(m)
+        yield len(modules)
+    finally:
+        _restore(modules, before)
+
+
+@contextmanager
+def packed_linears(model: nn.Module, rows: int, enabled: bool = True) -> Iterator[int]:
+    """Within the block, every packable `nn.Linear` of `model` multiplies through oneDNN with its weight
+    packed for about `rows` rows; yields how many modules were packed (0: nothing changed).
+
+    For inference only (the sampler runs under `torch.inference_mode`): the packed copy does not follow
+    later changes to the weights, and the block must not be used for a forward that needs gradients.
+    """
+    modules = [m for m in model.modules() if _packable(m)] if enabled and _supported() else []
+    before = [m.__dict__.get("forward") for m in modules]  # a block inside another: put back the outer one's
+    try:
+        with torch.no_grad():
+            for m in modules:
+                packed = torch.ops.mkldnn._reorder_linear_weight(m.weight.detach(), max(1, rows))
+                m.forward = _packed_forward(m, packed)  # an instance attribute shadows the class's
+        yield len(modules)
+    finally:
+        _restore(modules, before)

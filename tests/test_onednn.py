@@ -1,0 +1,182 @@
+"""CPU linear layers through oneDNN. The decode on packed weights (`rollout.packed_weights`): the same
+logits and samples as the plain path, the modules put back afterwards, the plain path wherever packing
+does not apply. Training (`train.onednn_linear`): the same loss and gradients as aten's linear for
+each loss shape, with and without activation checkpointing, and a run ends at the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from grpokit.models.loading import load_model_and_tokenizer
+from grpokit.models.onednn import onednn_linears, packed_linears
+from grpokit.rollout.engines import HFEngine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model_and_tokenizer(tiny_model_dir, device="cpu")
+
+
+def linears(model) -> list[nn.Linear]:
+    return [m for m in model.modules() if type(m) is nn.Linear]
+
+
+def test_packed_logits_match_the_plain_path_and_the_modules_are_restored(tiny):
+    model, _ = tiny
+    ids = torch.randint(3, 40, (5, 9))  # [5, 9]
+    with torch.inference_mode():
+        want = model(input_ids=ids).logits  # [5, 9, V]
+        with packed_linears(model, rows=5) as n:
+            assert n == len(linears(model)) > 0  # every projection and the head
+            assert all("forward" in m.__dict__ for m in linears(model))
+            got = model(input_ids=ids).logits
+    assert not any("forward" in m.__dict__ for m in linears(model))
+    # fp32 accumulation in another order: float32 rounding, no more
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_weights_are_packed_too():
+    layer = nn.Linear(64, 48).to(torch.bfloat16)
+    x = torch.randn(7, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        want = layer(x)
+        with packed_linears(layer, rows=7) as n:
+            got = layer(x)
+    assert n == 1
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_forward_with_gradients_inside_the_block_takes_the_plain_path():
+    """The packed copy is detached: a forward that needs gradients must not go through it."""
+    layer = nn.Linear(8, 4)
+    x = torch.randn(3, 8)
+    with packed_linears(layer, rows=3) as n:
+        assert n == 1
+        layer(x).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
+    with torch.no_grad(), packed_linears(layer, rows=3):
+        y = layer(x)  # under no_grad: packed
+    torch.testing.assert_close(y, x @ layer.weight.detach().T + layer.bias.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_modules_are_restored_when_the_block_raises():
+    layer = nn.Linear(8, 4)
+    with pytest.raises(RuntimeError, match="boom"):
+        with packed_linears(layer, rows=2):
+            raise RuntimeError("boom")
+    assert "forward" not in layer.__dict__
+
+
+def test_what_cannot_be_packed_runs_as_before():
+    class MyLinear(nn.Linear):  # a subclass may have its own forward: left alone
+        pass
+
+    model = nn.Sequential(MyLinear(4, 4), nn.Linear(4, 4).to(torch.float64))
+    with packed_linears(model, rows=2) as n:
+        assert n == 0
+    with packed_linears(nn.Linear(4, 4), rows=2, enabled=False) as n:
+        assert n == 0
+
+
+def test_the_engine_samples_the_same_answers_packed_or_not(tiny):
+    """Same generator, same prompts: the same tokens (greedy and sampled) and log-probs to float32 rounding."""
+    model, tok = tiny
+    prompts = [tok("1+2=")["input_ids"], tok("30+4=")["input_ids"]]
+    for temperature in (0.0, 1.0):
+        s = SamplingParams(max_new_tokens=8, eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id,
+                           temperature=temperature)
+        runs = [HFEngine(model, tok, packed_weights=p).generate(prompts, group_size=4, sampling=s,
+                                                                generator=torch.Generator().manual_seed(3))
+                for p in (False, True)]
+        assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
+        torch.testing.assert_close(runs[0].logprobs, runs[1].logprobs, rtol=0, atol=1e-5)
+    assert not any("forward" in m.__dict__ for m in linears(model))
+
+
+# ---- training: forward and input gradient through oneDNN (`train.onednn_linear`) -------------------
+
+
+@pytest.mark.parametrize("algo", [dict(loss_type="dapo"), dict(loss_type="grpo", importance_sampling_level="sequence")])
+@pytest.mark.parametrize("regime", ["on_policy", "off_policy", "kl"])
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_training_loss_and_gradients_match_aten(tiny_model_dir, algo, regime, checkpointed):
+    """The same micro-step with and without the oneDNN linears: loss and every gradient to float32
+    rounding; with activation checkpointing the replay saves what the first forward saved."""
+    import dataclasses
+
+    from grpokit.models.checkpointing import enable_activation_checkpointing
+    from grpokit.models.loading import load_model, load_tokenizer
+    from test_fast_paths import _batch, _config, _loss_and_grads, _rollout
+
+    model = load_model(tiny_model_dir, device="cpu").eval()
+    if checkpointed:
+        enable_activation_checkpointing(model)
+    beta = 0.04 if regime == "kl" else 0.0
+    batch = _batch(_rollout((model, load_tokenizer(tiny_model_dir))), off_policy=regime != "on_policy", ref=beta > 0)
+    config = _config(tiny_model_dir, fused=True, skip=True, beta=beta, **algo)
+    if checkpointed:
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, shared_prompt_forward=False))
+    loss_a, _, grads_a = _loss_and_grads(config, model, batch)
+    with onednn_linears(model) as n:
+        assert n == len(linears(model)) > 0
+        loss_b, _, grads_b = _loss_and_grads(config, model, batch)
+    assert loss_b == pytest.approx(loss_a, rel=1e-5, abs=1e-7)
+    assert grads_a.keys() == grads_b.keys() and grads_a
+    for k in grads_a:
+        torch.testing.assert_close(grads_b[k], grads_a[k], atol=2e-7, rtol=1e-4)
+
+
+def test_the_autograd_linear_matches_nn_linear_in_every_gradient():
+    """Weight, bias and input gradients of a 3-D input, a frozen weight, a bias-free layer."""
+    torch.manual_seed(0)
+    for bias, frozen in ((True, False), (False, False), (True, True)):
+        layer = nn.Linear(48, 40, bias=bias)
+        layer.weight.requires_grad_(not frozen)
+        x = torch.randn(3, 7, 48, requires_grad=True)
+        g = torch.randn(3, 7, 40)
+        layer(x).backward(g)
+        want = [t.grad.clone() for t in (x, layer.weight, layer.bias) if t is not None and t.grad is not None]
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+        with onednn_linears(layer):
+            layer(x).backward(g)
+        got = [t.grad for t in (x, layer.weight, layer.bias) if t is not None and t.grad is not None]
+        assert len(got) == len(want) == 1 + (not frozen) + bias  # (a frozen weight: its bias still learns)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_packed_block_inside_a_training_block_puts_the_training_forward_back():
+    layer = nn.Linear(8, 4)
+    with onednn_linears(layer):
+        training_forward = layer.__dict__["forward"]
+        with torch.no_grad(), packed_linears(layer, rows=2):
+            assert layer.__dict__["forward"] is not training_forward
+        assert layer.__dict__["forward"] is training_forward
+    assert "forward" not in layer.__dict__
+
+
+def test_a_run_trains_to_the_same_weights_with_or_without_onednn(tiny_model_dir, tmp_path):
+    """Two steps of training, everything else equal: the same metrics and final weights to rounding."""
+    from safetensors.torch import load_file
+
+    from conftest import comparable, make_config, parity
+    from grpokit.observe.tracking import read_metrics
+    from grpokit.training.loop import train
+
+    runs = {}
+    for on in (True, False):
+        config = make_config(tiny_model_dir, tmp_path / str(on), train={"onednn_linear": on},
+                             rollout={"packed_weights": on})
+        run_dir = train(config, reward_functions=[parity])
+        runs[on] = (comparable(read_metrics(run_dir)), load_file(next(run_dir.glob("checkpoint-*/model.safetensors"))))
+    (rows_a, w_a), (rows_b, w_b) = runs[True], runs[False]
+    assert [r["step"] for r in rows_a] == [r["step"] for r in rows_b] == [1, 2]
+    for a, b in zip(rows_a, rows_b):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-5), k
+    for k in w_b:
+        torch.testing.assert_close(w_a[k], w_b[k], rtol=1e-4, atol=1e-6)
