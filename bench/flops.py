@@ -85,3 +85,19 @@ def copy_bandwidth(threads: int, mb: int = 1024, repeats: int = 6) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t)
     return 2 * src.numel() * 4 / best / 1e9
+
+
+def read_bandwidth(threads: int, mb: int = 1024, repeats: int = 6) -> float:
+    """Best GB/s of summing an `mb`-MB fp32 tensor with `threads` threads: the bound for a stream that only
+    reads, as a decode step does (a copy also writes, and a copy's bytes read + written count both)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    src = torch.randn(mb * 2**20 // 4)
+    src.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - t)
+    return src.numel() * 4 / best / 1e9

@@ -79,6 +79,7 @@ LEVERS = [
     ("activation checkpointing (train.gradient_checkpointing)", "L", CHECKPOINTING),
     ("checkpointing + AdamW step in the backward (train.optimizer_in_backward; needs max_grad_norm = 0)", "L",
      {"grpokit_train": {"gradient_checkpointing": True, "optimizer_in_backward": True, "max_grad_norm": 0.0}}),
+    ("bfloat16 weights, rollout and training (model.dtype)", "M", {"grpokit_model": {"dtype": "bfloat16"}}),
     ("bfloat16 weights, rollout and training (model.dtype)", "L", {"grpokit_model": {"dtype": "bfloat16"}}),
 ]
 
@@ -164,12 +165,13 @@ def _run_once(system: str, spec: dict, timeout: float, extra_env: dict | None) -
     return out
 
 
-def measured_bandwidth(threads: int) -> float:
-    """copy_bandwidth in a process of its own: its 2 GB of buffers must not raise this driver's peak RSS,
-    which Linux hands on (ru_maxrss survives execve) to every worker started after it."""
-    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); from flops import copy_bandwidth; "
-            f"print(copy_bandwidth({threads}))")
-    return float(subprocess.run([PY, "-c", code], check=True, capture_output=True, text=True).stdout.split()[-1])
+def measured_bandwidth(threads: int) -> tuple[float, float]:
+    """(copy_bandwidth, read_bandwidth) in a process of its own: their 2 GB of buffers must not raise this
+    driver's peak RSS, which Linux hands on (ru_maxrss survives execve) to every worker started after it."""
+    code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); from flops import copy_bandwidth, read_bandwidth; "
+            f"print(copy_bandwidth({threads}), read_bandwidth({threads}))")
+    out = subprocess.run([PY, "-c", code], check=True, capture_output=True, text=True).stdout.split()
+    return float(out[-2]), float(out[-1])
 
 
 def load() -> str:
@@ -224,7 +226,7 @@ def bench_config(name: str, log_runs: list) -> dict:
             "trl_other": {trl_label(*s): runs for s, runs in trl.items() if s != best and runs}}
 
 
-def summarize(name: str, res: dict, peak: float, bandwidth: float) -> dict:
+def summarize(name: str, res: dict, peak: float, bandwidth: float, read_bw: float) -> dict:
     """Medians per system; `bandwidth` (GB/s, bytes read + written by a large copy) bounds the decode:
     each decode step reads every weight once, so T steps cannot take less than T * weight bytes / bandwidth."""
     c = CONFIGS[name]
@@ -251,6 +253,7 @@ def summarize(name: str, res: dict, peak: float, bandwidth: float) -> dict:
         decode_s = out[system]["rollout_s"] * c["mu"] / c["L"]  # seconds per decode step
         out[system]["decode_gb_s"] = weight_bytes / decode_s / 1e9
         out[system]["decode_of_bandwidth"] = out[system]["decode_gb_s"] / bandwidth
+        out[system]["decode_of_read"] = out[system]["decode_gb_s"] / read_bw
     out["trl_other"] = {label: {"s_per_opt_step": median_of(runs, "s_per_opt_step"),
                                 "peak_rss_mb": max(r["peak_rss_mb"] for r in runs)}
                         for label, runs in res["trl_other"].items()}
@@ -304,9 +307,10 @@ def run_ablations(peak: float, runs: int) -> list[dict]:
     return rows
 
 
-def decode_table(rows: list[dict], bandwidth: float) -> str:
+def decode_table(rows: list[dict], bandwidth: float, read_bw: float) -> str:
     lines = [f"| config | weights read per decode step | system | s per decode step | weights GB/s | share of the "
-             f"copy bandwidth ({bandwidth:.1f} GB/s) |", "|---|---|---|---|---|---|"]
+             f"copy bandwidth ({bandwidth:.1f} GB/s) | share of the read bandwidth ({read_bw:.1f} GB/s) |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         c = CONFIGS[r["config"]]
         for system in ("grpokit", "trl"):
@@ -314,7 +318,7 @@ def decode_table(rows: list[dict], bandwidth: float) -> str:
             label = "grpokit" if system == "grpokit" else trl_label(r["trl_gc"], r["trl_tuned"])
             lines.append(f"| {r['config']} | {r['weight_bytes'] / 1e9:.2f} GB | {label} "
                          f"| {x['rollout_s'] * c['mu'] / c['L']:.4f} | {x['decode_gb_s']:.1f} "
-                         f"| {x['decode_of_bandwidth']:.0%} |")
+                         f"| {x['decode_of_bandwidth']:.0%} | {x['decode_of_read']:.0%} |")
     return "\n".join(lines)
 
 
@@ -440,34 +444,39 @@ def main() -> None:
                    env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     wait_quiet()
     peak_start = matmul_peak(COMMON["threads"])
-    bw_start = measured_bandwidth(COMMON["threads"])
-    log(f"fp32 matmul peak ({COMMON['threads']} threads): {peak_start:.1f} GFLOP/s; copy bandwidth {bw_start:.1f} GB/s")
+    bw_start, read_start = measured_bandwidth(COMMON["threads"])
+    log(f"fp32 matmul peak ({COMMON['threads']} threads): {peak_start:.1f} GFLOP/s; copy bandwidth "
+        f"{bw_start:.1f} GB/s, read bandwidth {read_start:.1f} GB/s")
     results, runs = [], []
     if not args.ablations_only:
         for name in args.only.split(","):
             results.append(bench_config(name, runs))
     wait_quiet()
     peak_end = matmul_peak(COMMON["threads"])
-    bw_end = measured_bandwidth(COMMON["threads"])
+    bw_end, read_end = measured_bandwidth(COMMON["threads"])
     peak, bandwidth = max(peak_start, peak_end), max(bw_start, bw_end)  # the higher: the conservative MFU / share
-    log(f"fp32 matmul peak at the end: {peak_end:.1f} GFLOP/s; MFU uses {peak:.1f}; copy bandwidth {bw_end:.1f} GB/s")
+    read_bw = max(read_start, read_end)
+    log(f"fp32 matmul peak at the end: {peak_end:.1f} GFLOP/s; MFU uses {peak:.1f}; copy bandwidth {bw_end:.1f} GB/s, "
+        f"read bandwidth {read_end:.1f} GB/s")
     names = [] if args.ablations_only else args.only.split(",")
-    rows = [summarize(n, r, peak, bandwidth) for n, r in zip(names, results)]
+    rows = [summarize(n, r, peak, bandwidth, read_bw) for n, r in zip(names, results)]
     levers = run_levers(rows, args.lever_runs) if args.levers else []
     abl = run_ablations(peak, args.ablation_runs) if args.ablations or args.ablations_only else []
     mal = malloc_study(rows) if args.malloc_study else []
     report = {"trl_env": TRL_ENV, "machine": machine(), "load_start": start_load, "load_end": load(),
               "peak_gflops": peak, "peak_start": peak_start, "peak_end": peak_end, "bandwidth_gb_s": bandwidth,
-              "bandwidth_start": bw_start, "bandwidth_end": bw_end, "rows": rows, "levers": levers,
+              "bandwidth_start": bw_start, "bandwidth_end": bw_end, "read_bandwidth_gb_s": read_bw, "rows": rows,
+              "levers": levers,
               "ablations": abl, "malloc": mal, "runs": runs, "configs": CONFIGS, "common": COMMON}
     out = HERE / "out"
     (out / f"results-{stamp}.json").write_text(json.dumps(report, indent=1))
     md = [f"TRL environment: {TRL_ENV or 'default'}", f"machine: {report['machine']}",
           f"load average (1/5/15 min) at start: {start_load}; at end: {load()}",
           f"fp32 matmul peak: {peak_start:.1f} GFLOP/s at start, {peak_end:.1f} at end",
-          f"copy bandwidth: {bw_start:.1f} GB/s at start, {bw_end:.1f} at end", ""]
+          f"copy bandwidth: {bw_start:.1f} GB/s at start, {bw_end:.1f} at end; read bandwidth {read_start:.1f} / "
+          f"{read_end:.1f}", ""]
     if rows:
-        md += [table(rows), "", decode_table(rows, bandwidth), "", growth_table(rows)]
+        md += [table(rows), "", decode_table(rows, bandwidth, read_bw), "", growth_table(rows)]
     if levers:
         md += ["", lever_table(levers)]
     if abl:
