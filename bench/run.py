@@ -79,6 +79,9 @@ LEVERS = [
     ("activation checkpointing (train.gradient_checkpointing)", "L", CHECKPOINTING),
     ("checkpointing + AdamW step in the backward (train.optimizer_in_backward; needs max_grad_norm = 0)", "L",
      {"grpokit_train": {"gradient_checkpointing": True, "optimizer_in_backward": True, "max_grad_norm": 0.0}}),
+    ("checkpointing + AdamW in the backward + bfloat16 moments (train.optimizer_state_dtype)", "L",
+     {"grpokit_train": {"gradient_checkpointing": True, "optimizer_in_backward": True, "max_grad_norm": 0.0,
+                        "optimizer_state_dtype": "bfloat16"}}),
     ("bfloat16 weights, rollout and training (model.dtype)", "M", {"grpokit_model": {"dtype": "bfloat16"}}),
     ("bfloat16 weights, rollout and training (model.dtype)", "L", {"grpokit_model": {"dtype": "bfloat16"}}),
 ]
@@ -335,11 +338,11 @@ def growth_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_levers(rows: list[dict], runs: int) -> list[dict]:
-    """Each lever on its configuration `runs` times, beside that configuration's main grpokit row (run here,
-    as many times, when the main table did not have the configuration)."""
+def run_levers(rows: list[dict], runs: int, match: str = "") -> list[dict]:
+    """Each lever (whose label contains `match`) on its configuration `runs` times, beside that configuration's
+    main grpokit row (run here, as many times, when the main table did not have the configuration)."""
     out, bases = [], {r["config"]: r["grpokit"] for r in rows}
-    for label, name, changes in LEVERS:
+    for label, name, changes in [lever for lever in LEVERS if match in lever[0]]:
         c = CONFIGS[name]
         got = [run_worker("grpokit", spec_for(name, steps=c["steps"], **changes)) for _ in range(runs)]
         if name not in bases:
@@ -431,6 +434,7 @@ def main() -> None:
                     help="also S and M with glibc malloc tuned for both systems (MALLOC_TUNED)")
     ap.add_argument("--levers", action="store_true", help="also the memory levers (LEVERS) on X and L, grpokit only")
     ap.add_argument("--lever-runs", type=int, default=1)
+    ap.add_argument("--lever-match", default="", help="only the levers whose label contains this text")
     ap.add_argument("--trl-malloc-tuned", action="store_true",
                     help="TRL runs with glibc's freed memory kept (MALLOC_TUNED), as grpokit does by itself")
     args = ap.parse_args()
@@ -438,7 +442,8 @@ def main() -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     start_load = load()
     log("building models (cached in bench/out/models)")
-    wanted = set(args.only.split(",")) | ({name for _, name, _ in LEVERS} if args.levers else set())
+    only = [n for n in args.only.split(",") if n]  # --only "": no main table (with --levers: the levers alone)
+    wanted = set(only) | ({name for _, name, _ in LEVERS} if args.levers else set())
     large = [CONFIGS[n]["model"] for n in sorted(wanted) if CONFIGS[n]["model"] in LARGE_MODELS]
     subprocess.run([PY, str(HERE / "build_models.py"), *large], check=True, capture_output=True,
                    env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
@@ -449,7 +454,7 @@ def main() -> None:
         f"{bw_start:.1f} GB/s, read bandwidth {read_start:.1f} GB/s")
     results, runs = [], []
     if not args.ablations_only:
-        for name in args.only.split(","):
+        for name in only:
             results.append(bench_config(name, runs))
     wait_quiet()
     peak_end = matmul_peak(COMMON["threads"])
@@ -458,9 +463,9 @@ def main() -> None:
     read_bw = max(read_start, read_end)
     log(f"fp32 matmul peak at the end: {peak_end:.1f} GFLOP/s; MFU uses {peak:.1f}; copy bandwidth {bw_end:.1f} GB/s, "
         f"read bandwidth {read_end:.1f} GB/s")
-    names = [] if args.ablations_only else args.only.split(",")
+    names = [] if args.ablations_only else only
     rows = [summarize(n, r, peak, bandwidth, read_bw) for n, r in zip(names, results)]
-    levers = run_levers(rows, args.lever_runs) if args.levers else []
+    levers = run_levers(rows, args.lever_runs, args.lever_match) if args.levers else []
     abl = run_ablations(peak, args.ablation_runs) if args.ablations or args.ablations_only else []
     mal = malloc_study(rows) if args.malloc_study else []
     report = {"trl_env": TRL_ENV, "machine": machine(), "load_start": start_load, "load_end": load(),

@@ -180,3 +180,14 @@ def test_a_run_trains_to_the_same_weights_with_or_without_onednn(tiny_model_dir,
             assert a[k] == pytest.approx(b[k], rel=1e-3, abs=1e-5), k
     for k in w_b:
         torch.testing.assert_close(w_a[k], w_b[k], rtol=1e-4, atol=1e-6)
+
+
+def test_no_packing_when_the_copy_would_crowd_the_memory(monkeypatch):
+    from grpokit.models import onednn
+
+    layer = nn.Linear(8, 4)
+    monkeypatch.setattr(onednn, "_memory_allows", lambda nbytes: nbytes < 100)  # 128 bytes of weight: too much
+    with torch.no_grad(), packed_linears(layer, rows=2) as n:
+        assert n == 0 and "forward" not in layer.__dict__
+    monkeypatch.undo()
+    assert onednn._memory_allows(1) and not onednn._memory_allows(1 << 60)  # this machine's /proc/meminfo

@@ -191,6 +191,9 @@ class TrainConfig:
     # AdamW's update of each parameter inside the backward, its gradient freed at once (training/optimizer.py):
     # about 4 bytes per parameter less at the peak. Needs max_grad_norm = 0, no micro-batches, one process.
     optimizer_in_backward: bool = False
+    # AdamW's two moments in bfloat16, rounded stochastically (training/low_precision_state.py): 4 bytes per
+    # parameter less for the whole run; the update is still computed in fp32. float32 | bfloat16
+    optimizer_state_dtype: str = "float32"
 
     def __post_init__(self):
         _check_fields(self, "train")
@@ -203,6 +206,7 @@ class TrainConfig:
         _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         _check(self.num_threads >= 0, "train.num_threads", "must be >= 0 (0 = automatic)")
         _one_of(self.lr_schedule, ("constant", "cosine"), "train.lr_schedule")
+        _one_of(self.optimizer_state_dtype, ("float32", "bfloat16"), "train.optimizer_state_dtype")
         _check(self.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0 (0 = off)")
         _check(all(0 <= b < 1 for b in self.adam_betas), "train.adam_betas",
                f"each must be in [0, 1), got {list(self.adam_betas)}; e.g. train.adam_betas = [0.9, 0.99]")
@@ -295,6 +299,9 @@ class Config:
                    f"needs the whole minibatch in one backward, but train.micro_batch_size = "
                    f"{self.micro_batch_size} splits its {mb} answers: set micro_batch_size = 0 or "
                    f"optimizer_in_backward = false")
+        _check(self.train.optimizer_state_dtype == "float32" or not self.model.fsdp, "train.optimizer_state_dtype",
+               "\"bfloat16\" works on whole parameters, and model.fsdp shards them: FSDP already divides the state by "
+               "the number of processes; set optimizer_state_dtype = \"float32\" or model.fsdp = false")
         # GDPO sets the whole advantage itself (per-function group std, then batch std; algorithms/advantages.py)
         algo, gdpo = self.algorithm, self.rewards.aggregation == "normalize_then_sum"
         _check(not gdpo or algo.advantage_estimator == "grpo", "rewards.aggregation",

@@ -12,9 +12,10 @@ MLP matrix at 23), with fp32 accumulation (largest relative difference to float6
 
 The reorder is a copy, so it is done once per call to the sampler (every weight changes at every
 optimizer step) and freed at its end: the rollout holds a second copy of the linear weights, 4 bytes
-per parameter in fp32, while gradients are not alive. Only plain CPU `nn.Linear` modules with fp32 or
-bf16 weights are packed (a peft LoRA layer's base layer is one; FSDP's sharded or otherwise
-subclassed parameters are not); everything else runs as before.
+per parameter in fp32, while gradients are not alive. Where that copy would take more than half of
+the memory the system reports available, the sampler runs on the plain path instead. Only plain CPU
+`nn.Linear` modules with fp32 or bf16 weights are packed (a peft LoRA layer's base layer is one; FSDP's
+sharded or otherwise subclassed parameters are not); everything else runs as before.
 
 Training cannot pack (the weights change at every step, inside the backward with
 `train.optimizer_in_backward`), but oneDNN's kernel on a plain row-major weight is still faster than
@@ -37,6 +38,17 @@ def _supported() -> bool:
     ops = torch.ops.mkldnn
     return torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight") \
         and hasattr(ops, "_linear_pointwise")
+
+
+def _memory_allows(nbytes: int) -> bool:
+    """Whether a packed copy of `nbytes` fits in half of the memory Linux says is available (MemAvailable);
+    True where /proc/meminfo cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return True
+    return nbytes <= kb * 1024 // 2
 
 
 def _packable(module: nn.Module) -> bool:
@@ -124,6 +136,8 @@ def packed_linears(model: nn.Module, rows: int, enabled: bool = True) -> Iterato
     later changes to the weights, and the block must not be used for a forward that needs gradients.
     """
     modules = [m for m in model.modules() if _packable(m)] if enabled and _supported() else []
+    if not _memory_allows(sum(m.weight.numel() * m.weight.element_size() for m in modules)):
+        modules = []  # the copy would crowd the machine: the plain path (slower decode, no extra memory)
     before = [m.__dict__.get("forward") for m in modules]  # a block inside another: put back the outer one's
     try:
         with torch.no_grad():

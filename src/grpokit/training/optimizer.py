@@ -16,7 +16,8 @@ checkpoints are the same as the default's, and a run may resume with either sett
 gradient is not finite is left as it is (its moments too), as the default path skips a whole update;
 since the others are already updated by then, such a step counts as skipped and is partial.
 
-The learning-rate schedule (`lr_lambda`) counts the same optimizer steps in both settings.
+The learning-rate schedule (`lr_lambda`) counts the same optimizer steps in both settings. Either
+setting can keep the moments in bfloat16 (`train.optimizer_state_dtype`, training/low_precision_state.py).
 """
 
 from __future__ import annotations
@@ -27,14 +28,19 @@ from typing import Callable
 import torch
 
 from grpokit.config.schema import Config
+from grpokit.training.low_precision_state import AdamWBF16State, narrow_moments
 
 
 def build_optimizer(params, *, lr: float, betas: tuple[float, float], weight_decay: float,
-                    in_backward: bool) -> torch.optim.Optimizer:
+                    in_backward: bool, state_dtype: str = "float32", seed: int = 0) -> torch.optim.Optimizer:
+    """AdamW over the trainable `params`; `state_dtype` "bfloat16" stores its moments in bfloat16
+    (training/low_precision_state.py; `seed` names its rounding noise)."""
     params = [p for p in params if p.requires_grad]
+    kwargs = dict(lr=lr, betas=betas, weight_decay=weight_decay)
+    low = state_dtype == "bfloat16"
     if in_backward:
-        return AdamWInBackward(params, lr=lr, betas=betas, weight_decay=weight_decay)
-    return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        return AdamWInBackward(params, low_precision_seed=seed if low else None, **kwargs)
+    return AdamWBF16State(params, seed=seed, **kwargs) if low else torch.optim.AdamW(params, **kwargs)
 
 
 def lr_lambda(config: Config) -> Callable[[int], float]:
@@ -61,10 +67,15 @@ class AdamWInBackward(torch.optim.AdamW):
     It is an AdamW to the schedule and the checkpoint code (param_groups, state, state_dict); each
     parameter's update is a one-parameter AdamW sharing this optimizer's state and learning rate."""
 
-    def __init__(self, params, **kwargs):
+    def __init__(self, params, low_precision_seed: int | None = None, **kwargs):
         params = list(params)
         super().__init__(params, **kwargs)
-        self._single = {p: torch.optim.AdamW([p], **kwargs) for p in params}
+        if low_precision_seed is None:
+            self._single = {p: torch.optim.AdamW([p], **kwargs) for p in params}
+        else:  # bfloat16 moments, each parameter's noise stream named by its index in the whole model
+            self._single = {p: AdamWBF16State([p], seed=low_precision_seed, first_index=i, **kwargs)
+                            for i, p in enumerate(params)}
+        self._low_precision = low_precision_seed is not None
         self._link_state()
         for p in params:
             p.register_post_accumulate_grad_hook(self._update)
@@ -75,7 +86,9 @@ class AdamWInBackward(torch.optim.AdamW):
             single.state = self.state  # one state dict: this optimizer's state_dict is a plain AdamW's
 
     def load_state_dict(self, state_dict) -> None:
-        super().load_state_dict(state_dict)  # replaces self.state
+        super().load_state_dict(state_dict)  # replaces self.state (floating state widened to the parameter's dtype)
+        if self._low_precision:
+            narrow_moments(self.state)
         self._link_state()
 
     @torch.no_grad()

@@ -371,7 +371,8 @@ def build_policy(config: Config) -> Policy:
     model, ref_model, linear_head = prepare_model(model, ref_model, linear_head, fsdp=config.model.fsdp)
     t = config.train
     optimizer = build_optimizer(model.parameters(), lr=t.learning_rate, betas=t.adam_betas,
-                                weight_decay=t.weight_decay, in_backward=t.optimizer_in_backward)
+                                weight_decay=t.weight_decay, in_backward=t.optimizer_in_backward,
+                                state_dtype=t.optimizer_state_dtype, seed=t.seed)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
     return Policy(model, ref_model, linear_head, optimizer, scheduler, entropy_coef=config.algorithm.entropy_coef)
 
