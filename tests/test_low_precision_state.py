@@ -6,6 +6,8 @@ bit for bit; the in-backward optimizer gives the same weights; FSDP is refused."
 
 from __future__ import annotations
 
+import io
+
 import pytest
 import torch
 
@@ -83,7 +85,6 @@ def test_a_resumed_optimizer_continues_bit_for_bit():
         opt = AdamWBF16State([p], seed=3, lr=1e-2)
         for i, g in enumerate(grads):
             if i == split:  # save and reload into a fresh optimizer (through torch.save, as a checkpoint does)
-                import io
                 buf = io.BytesIO()
                 torch.save(opt.state_dict(), buf)
                 opt = AdamWBF16State([p], seed=3, lr=1e-2)
