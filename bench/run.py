@@ -416,9 +416,9 @@ def machine() -> dict:
     import transformers
     import trl
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": os.cpu_count(), "mem_gb": round(os.sysconf("SC_PAGE_SIZE") *
+    from grpokit.models.cpu import cpu_description
+
+    return {**cpu_description(), "cores": os.cpu_count(), "mem_gb": round(os.sysconf("SC_PAGE_SIZE") *
                                                                   os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "trl": trl.__version__}

@@ -9,8 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from grpokit.models import onednn
+from grpokit.models.cpu import isa_of
 from grpokit.models.loading import load_model_and_tokenizer
-from grpokit.models.onednn import onednn_linears, packed_linears
+from grpokit.models.onednn import kernel_available, kernel_note, onednn_linears, packed_linears
 from grpokit.rollout.engines import HFEngine, SamplingParams
 
 
@@ -37,15 +39,90 @@ def test_packed_logits_match_the_plain_path_and_the_modules_are_restored(tiny):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_bf16_weights_are_packed_too():
-    layer = nn.Linear(64, 48).to(torch.bfloat16)
-    x = torch.randn(7, 64, dtype=torch.bfloat16)
+@pytest.fixture
+def no_bf16_kernel(monkeypatch):
+    """This CPU as an AVX2-only one: oneDNN has no bfloat16 linear kernel (float32 still runs)."""
+    monkeypatch.setitem(onednn._AVAILABLE, torch.bfloat16, False)
+
+
+def bf16_layer_and_input():
+    torch.manual_seed(0)
+    return nn.Linear(64, 48).to(torch.bfloat16), torch.randn(7, 64, dtype=torch.bfloat16)
+
+
+def test_bf16_weights_are_packed_where_the_cpu_has_the_kernel():
+    layer, x = bf16_layer_and_input()
     with torch.inference_mode():
         want = layer(x)
         with packed_linears(layer, rows=7) as n:
             got = layer(x)
-    assert n == 1
+    assert n == (1 if kernel_available(torch.bfloat16) else 0)  # AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: packed
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_without_a_bf16_kernel_bf16_layers_take_the_plain_path_and_float32_is_still_packed(no_bf16_kernel):
+    layer, x = bf16_layer_and_input()
+    with torch.inference_mode():
+        want = layer(x)
+        with packed_linears(layer, rows=7) as n:
+            got = layer(x)
+        assert n == 0 and torch.equal(got, want)  # nothing changed: bit for bit the plain path
+        with packed_linears(nn.Linear(8, 4), rows=2) as n32:
+            assert n32 == (1 if kernel_available(torch.float32) else 0)
+    with onednn_linears(layer) as n:
+        assert n == 0
+        layer(x.requires_grad_()).sum().backward()  # the training path too: aten's linear
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()
+
+
+def test_the_start_up_note_names_the_fields_and_the_cpu(no_bf16_kernel):
+    note = kernel_note(torch.bfloat16, packed_weights=True, onednn_linear=True)
+    assert note.startswith("rollout.packed_weights and train.onednn_linear: this CPU (")
+    assert "no oneDNN bfloat16 linear kernel" in note and "plain path" in note
+    assert kernel_note(torch.bfloat16, packed_weights=False, onednn_linear=True).startswith("train.onednn_linear:")
+    assert kernel_note(torch.bfloat16, packed_weights=False, onednn_linear=False) is None  # nothing asked
+    assert kernel_note(torch.float16, packed_weights=True, onednn_linear=True) is None  # never packed anyway
+    if kernel_available(torch.float32):
+        assert kernel_note(torch.float32, packed_weights=True, onednn_linear=True) is None
+
+
+def test_the_probe_reads_the_ops_own_refusal(monkeypatch):
+    """Where the capability query passes but the op raises (a CPU torch does not know), the probe says no."""
+    def refuse(*args):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or ...")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert onednn._probe(torch.bfloat16) is False and onednn._probe(torch.float32) is False
+
+
+def test_an_avx2_only_onednn_has_no_bf16_kernel_and_a_bf16_run_trains(tiny_model_dir, tmp_path):
+    """oneDNN capped at AVX2 (ONEDNN_MAX_CPU_ISA, as on an AVX2-only host, where the reorder raises
+    "bf16 path needs the cpu support ..."): the probe says no, and a bfloat16 run trains on the plain
+    path with one note saying so."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    config = tmp_path / "bf16.toml"
+    config.write_text(f"""[model]\npath = "{tiny_model_dir}"\ndtype = "bfloat16"\n[data]\ntask = "addition"
+num_prompts = 8\n[rollout]\ngroup_size = 2\nmax_new_tokens = 4\n[train]\nsteps = 1\nprompts_per_step = 2
+[output]\ndir = "{tmp_path / 'run'}"\nconsole = false\n""")
+    out = subprocess.run([sys.executable, "-m", "grpokit.cli", "train", str(config)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "no oneDNN bfloat16 linear kernel" in out.stdout, out.stdout
+    assert "Traceback" not in out.stderr
+    assert (tmp_path / "run" / "checkpoint-1").is_dir()
+
+
+def test_isa_names():
+    avx512 = {"avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    assert isa_of({"sse4_2", "avx", "avx2", "fma"}) == "AVX2"
+    assert isa_of(avx512) == "AVX-512" and isa_of(avx512 | {"avx512_bf16"}) == "AVX-512 (BF16)"
+    assert isa_of(avx512 | {"avx512_bf16", "amx_tile", "amx_bf16"}) == "AMX"
+    assert isa_of({"sse2"}) == "no AVX2"
 
 
 def test_a_forward_with_gradients_inside_the_block_takes_the_plain_path():

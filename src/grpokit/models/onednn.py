@@ -23,6 +23,12 @@ aten's for the forward product and the input gradient at these shapes (measured 
 2560 rows: 104-150 -> 170-197 GFLOP/s forward, 109-183 -> 156-201 input gradient). The weight gradient
 stays aten's (`dY^T X`, where oneDNN was not consistently faster). `_Linear` is that split as an
 autograd function: it saves what aten's linear saves (input and weight), no more.
+
+Which dtypes oneDNN can run depends on the CPU: its bf16 kernels need AVX-512 (BW, VL, DQ) or
+AVX-NE-CONVERT, and on an AVX2-only host the reorder raises ("bf16 path needs the cpu support ...").
+`kernel_available(dtype)` asks torch's own capability query and then runs the two ops once on a tiny
+tensor, so the choice rests on what the ops do here, not on a list of CPUs; a dtype they cannot run
+takes torch's plain path, and `kernel_note` says so once at start-up.
 """
 
 from __future__ import annotations
@@ -33,11 +39,43 @@ from typing import Iterator
 import torch
 from torch import nn
 
+_AVAILABLE: dict[torch.dtype, bool] = {}  # dtype -> whether this CPU runs oneDNN's linear in it (probed once)
 
-def _supported() -> bool:
+
+def kernel_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed and plain linear kernels run in `dtype` (float32 or bfloat16) on this CPU."""
+    if dtype not in _AVAILABLE:
+        _AVAILABLE[dtype] = _probe(dtype)
+    return _AVAILABLE[dtype]
+
+
+def _probe(dtype: torch.dtype) -> bool:
     ops = torch.ops.mkldnn
-    return torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight") \
-        and hasattr(ops, "_linear_pointwise")
+    if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_linear_pointwise")):
+        return False
+    if dtype == torch.bfloat16 and not ops._is_mkldnn_bf16_supported():  # AVX-512 BW/VL/DQ or AVX-NE-CONVERT
+        return False
+    try:
+        with torch.no_grad():
+            w, x = torch.ones(8, 16, dtype=dtype), torch.ones(2, 16, dtype=dtype)  # tiny: microseconds
+            packed = ops._reorder_linear_weight(w, 2)
+            ok = bool((ops._linear_pointwise(x, packed, None, "none", [], "") == 16).all())
+            return ok and bool((ops._linear_pointwise(x, w, None, "none", [], "") == 16).all())
+    except RuntimeError:  # the op's own refusal on a CPU it does not support
+        return False
+
+
+def kernel_note(dtype: torch.dtype, *, packed_weights: bool, onednn_linear: bool) -> str | None:
+    """One start-up line when a oneDNN path the config asks for cannot run in `dtype` on this CPU."""
+    asked = [name for name, on in (("rollout.packed_weights", packed_weights), ("train.onednn_linear", onednn_linear))
+             if on]
+    if not asked or dtype not in (torch.float32, torch.bfloat16) or kernel_available(dtype):
+        return None
+    from grpokit.models.cpu import describe_cpu
+
+    return (f"{' and '.join(asked)}: this CPU ({describe_cpu()}) has no oneDNN {str(dtype).removeprefix('torch.')} "
+            f"linear kernel, so its linear layers take torch's plain path (same results, a slower step)")
 
 
 def _memory_allows(nbytes: int) -> bool:
@@ -54,7 +92,7 @@ def _memory_allows(nbytes: int) -> bool:
 def _packable(module: nn.Module) -> bool:
     w = getattr(module, "weight", None)
     return (type(module) is nn.Linear and type(w) in (nn.Parameter, torch.Tensor) and w.device.type == "cpu"
-            and w.dtype in (torch.float32, torch.bfloat16) and w.dim() == 2)
+            and w.dtype in (torch.float32, torch.bfloat16) and w.dim() == 2 and kernel_available(w.dtype))
 
 
 def _packed_forward(module: nn.Linear, packed: torch.Tensor):
@@ -116,7 +154,7 @@ def onednn_linears(*models: nn.Module | None, enabled: bool = True) -> Iterator[
     computes its forward and input gradient through oneDNN (`_Linear`) on its live weights; yields how
     many modules were switched. The backward of a forward run inside must run inside too (a checkpointed
     layer's replay must save what its first forward saved)."""
-    models = [m for m in models if isinstance(m, nn.Module)] if enabled and _supported() else []
+    models = [m for m in models if isinstance(m, nn.Module)] if enabled else []
     modules = list({id(m): m for model in models for m in model.modules() if _packable(m)}.values())
     before = [m.__dict__.get("forward") for m in modules]
     try:
@@ -135,7 +173,7 @@ def packed_linears(model: nn.Module, rows: int, enabled: bool = True) -> Iterato
     For inference only (the sampler runs under `torch.inference_mode`): the packed copy does not follow
     later changes to the weights, and the block must not be used for a forward that needs gradients.
     """
-    modules = [m for m in model.modules() if _packable(m)] if enabled and _supported() else []
+    modules = [m for m in model.modules() if _packable(m)] if enabled else []
     if not _memory_allows(sum(m.weight.numel() * m.weight.element_size() for m in modules)):
         modules = []  # the copy would crowd the machine: the plain path (slower decode, no extra memory)
     before = [m.__dict__.get("forward") for m in modules]  # a block inside another: put back the outer one's

@@ -28,6 +28,7 @@ from grpokit.models.forward import head_is_linear
 from grpokit.models.fsdp import load_device, prepare_model
 from grpokit.models.loading import check_model_folder, load_model, load_tokenizer, max_positions_of, resolve_device
 from grpokit.models.lora import AdapterDisabled, LoraReference, apply_lora
+from grpokit.models.onednn import kernel_note
 from grpokit.models.parallel import DistributedContext
 from grpokit.rewards.core import RewardSpec
 from grpokit.rewards.isolated import isolate
@@ -335,6 +336,10 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
     specs += own  # an environment's reward reads its live instances: in this process
     notes = [sandbox_isolation(s.source[1].get("sandbox", "auto"), s.source[1].get("python"))[1]
              for s in specs if s.source and s.source[0] == "code_execution"]  # which sandbox is in force
+    if resolve_device(config.model.device).type == "cpu" and (note := kernel_note(
+            getattr(torch, config.model.dtype), packed_weights=config.rollout.packed_weights,
+            onednn_linear=config.train.onednn_linear)):
+        notes.append(note)  # an AVX2-only CPU has no oneDNN bfloat16 kernel: the plain path, said once
     if environments is not None:
         try:
             environments.check_rows(data.rows)
