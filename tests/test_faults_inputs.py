@@ -158,6 +158,13 @@ def test_eval_bad_flags(args, mentions, tmp_path):
     assert_user_error(r, *mentions)
 
 
+def test_eval_max_new_tokens_beyond_the_models_context_is_one_error(tiny_model_dir):
+    r = run_cli("eval", "--model", tiny_model_dir, "--task", "addition", "--num-prompts", "2", "--samples", "1",
+                "--max-new-tokens", "2000")
+    line = assert_user_error(r, "--max-new-tokens 2000", "max_position_embeddings", "use at most --max-new-tokens")
+    assert "is 512 positions" in line  # the tiny model's context
+
+
 # ---- reward functions that share a name -----------------------------------------------------------------
 
 def write_score_files(tmp_path: Path) -> tuple[str, str]:

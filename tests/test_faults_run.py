@@ -369,3 +369,40 @@ def test_a_hanging_reward_stops_the_run_at_its_timeout_and_the_run_resumes(tiny_
     assert list_checkpoints(run) == [run / "checkpoint-1"]
     assert_clean_exit(run_cli("train", cfg, "--resume", "--set", "rewards.timeout_s=2"))  # a resumable change
     assert_equals_reference(run, reference)
+
+
+# ---------------------------------------------------------------- third round 13. a damaged newest checkpoint
+
+
+@pytest.mark.parametrize("damage, why", [
+    ("missing_state", "trainer_state.pt is missing"),
+    ("cut_weights", "model.safetensors is"),
+    ("cut_state", "trainer_state.pt is damaged"),
+])
+def test_resume_from_a_damaged_newest_checkpoint_continues_from_the_one_before(tmp_path, reference, damage, why):
+    """checkpoint-3 without its trainer state, with model.safetensors cut to 1000 bytes, or with a cut
+    trainer_state.pt: --resume says which checkpoint is damaged and why, moves it aside (kept), trains
+    step 3 again from checkpoint-2, and ends where the uninterrupted run ended."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    newest = run / "checkpoint-3"
+    if damage == "missing_state":
+        (newest / "trainer_state.pt").unlink()
+    else:
+        name = "model.safetensors" if damage == "cut_weights" else "trainer_state.pt"
+        data = (newest / name).read_bytes()
+        (newest / name).write_bytes(data[:1000] if damage == "cut_weights" else data[: len(data) // 2])
+    resumed = run_cli("train", reference.parent / "run.toml", "--set", f"output.dir={json.dumps(str(run))}",
+                      "--resume")
+    assert_clean_exit(resumed)
+    assert why in resumed.stdout and "resuming from checkpoint-2" in resumed.stdout, resumed.describe()
+    assert (run / "damaged-checkpoints" / "checkpoint-3").is_dir()
+    assert_equals_reference(run, reference)
+    for step in (1, 2, 3):  # every checkpoint intact and the run done: nothing more to do
+        (run / f"checkpoint-{step}" / "trainer_state.pt").unlink()
+    line = assert_user_error(run_cli("train", reference.parent / "run.toml", "--set",
+                                     f"output.dir={json.dumps(str(run))}", "--resume"),
+                             "checkpoint-3 is damaged (trainer_state.pt is missing)", "no earlier checkpoint")
+    assert "Traceback" not in line

@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from grpokit.config.loading import to_toml
 from grpokit.config.schema import Config, DataConfig, ModelConfig, OutputConfig
@@ -25,7 +27,10 @@ def fake_run(run: Path, cfg: Config, steps=(1, 2)) -> None:
     for step in steps:
         ckpt = run / f"checkpoint-{step}"
         ckpt.mkdir(parents=True)
-        (ckpt / "model.safetensors").write_bytes(b"w")
+        (ckpt / "config.json").write_text('{"model_type": "qwen2"}')
+        save_file({"w": torch.zeros(4)}, str(ckpt / "model.safetensors"))
+        (ckpt / "tokenizer.json").write_text("{}")
+        torch.save({"step": step}, ckpt / "trainer_state.pt")
         (ckpt / CHECKPOINT_CONFIG).write_text(to_toml(with_resolved_paths(cfg)))
     (run / "config.toml").write_text(to_toml(cfg))
     append_jsonl(run / "metrics.jsonl", [{"step": s} for s in steps])
@@ -207,3 +212,52 @@ def test_resume_with_overwrite_set_continues_and_says_overwrite_is_ignored(tmp_p
     assert folder.resume_step == 2
     assert folder.notes == ["--resume: output.overwrite = true is ignored; the run continues"]
     assert (run / "checkpoint-2").is_dir() and (run / "metrics.jsonl").is_file()
+
+
+def _cut(path: Path, size: int) -> None:
+    path.write_bytes(path.read_bytes()[:size])
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda c: (c / "trainer_state.pt").unlink(), "trainer_state.pt is missing"),
+    (lambda c: _cut(c / "trainer_state.pt", 100), "trainer_state.pt is damaged"),
+    (lambda c: _cut(c / "model.safetensors", 60), "model.safetensors is"),
+    (lambda c: (c / "model.safetensors").write_bytes(b"\xff" * 1000), "model.safetensors is damaged"),
+    (lambda c: (c / "config.json").unlink(), "has no config.json"),
+    (lambda c: (c / CHECKPOINT_CONFIG).write_text("[train\nsteps = "), f"{CHECKPOINT_CONFIG} is damaged"),
+])
+def test_resume_from_a_damaged_newest_checkpoint_falls_back_to_the_newest_intact_one(tmp_path, model, damage, why):
+    run = tmp_path / "run"
+    fake_run(run, config(model, run), steps=(1, 2, 3))
+    damage(run / "checkpoint-3")
+    kept = {p.name: p.read_bytes() for p in (run / "checkpoint-3").iterdir()}
+    folder = prepare_run_folder(config(model, run), resume=True)
+    assert folder.resume_step == 2
+    (note,) = folder.notes
+    assert why in note and "checkpoint-3" in note and "resuming from checkpoint-2" in note, note
+    aside = run / "damaged-checkpoints" / "checkpoint-3"
+    assert str(aside) in note
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == kept  # moved, nothing lost
+    assert [p.name for p in sorted(run.glob("checkpoint-*"))] == ["checkpoint-1", "checkpoint-2"]
+
+
+def test_resume_with_every_checkpoint_damaged_is_one_error_naming_the_file_and_moves_nothing(tmp_path, model):
+    run = tmp_path / "run"
+    fake_run(run, config(model, run), steps=(1, 2))
+    for step in (1, 2):
+        (run / f"checkpoint-{step}" / "trainer_state.pt").unlink()
+    with pytest.raises(RunFolderError, match=r"checkpoint-2 is damaged \(trainer_state.pt is missing\) and no "
+                                             r"earlier checkpoint is intact.*without --resume"):
+        prepare_run_folder(config(model, run), resume=True)
+    assert (run / "checkpoint-2").is_dir() and not (run / "damaged-checkpoints").exists()
+
+
+def test_a_refused_resume_does_not_move_a_damaged_checkpoint(tmp_path, model):
+    run = tmp_path / "run"
+    fake_run(run, config(model, run), steps=(1, 2))
+    (run / "checkpoint-2" / "trainer_state.pt").unlink()
+    changed = Config(model=ModelConfig(path=str(model)), data=DataConfig(task="addition", seed=9),
+                     output=OutputConfig(dir=str(run), console=False))
+    with pytest.raises(RunFolderError, match="data.seed"):
+        prepare_run_folder(changed, resume=True)
+    assert (run / "checkpoint-2").is_dir() and not (run / "damaged-checkpoints").exists()

@@ -68,7 +68,7 @@ def cmd_eval(args) -> int:
             raise ConfigError(f"--task-arg {item!r}: expected KEY=VALUE, e.g. --task-arg digits=3")
     if args.no_tools and args.tool:
         raise ConfigError("--no-tools and --tool contradict each other; give one")
-    from grpokit.evaluate import eval_rows_and_specs, eval_tools, evaluate
+    from grpokit.evaluate import check_context, eval_rows_and_specs, eval_tools, evaluate
     from grpokit.models.loading import load_model_and_tokenizer
 
     rows, specs, prompt_column, task = eval_rows_and_specs(
@@ -83,6 +83,7 @@ def cmd_eval(args) -> int:
     ids = [tokenizer(render_prompt(tokenizer, r[prompt_column], tools=schemas), add_special_tokens=False)["input_ids"]
            for r in rows]
     max_new_tokens = args.max_new_tokens or (128 if tools else 32)
+    check_context(model, ids, max_new_tokens)
     result = evaluate(model, tokenizer, rows, ids, specs, samples_per_prompt=args.samples, temperature=args.temperature,
                       max_new_tokens=max_new_tokens, seed=args.seed, prompt_column=prompt_column,
                       greedy=not args.no_greedy, tools=tools, max_tool_turns=args.max_tool_calls)

@@ -15,7 +15,7 @@ from grpokit.rollout.tools import ToolBox
 from grpokit.tasks import cli_task, task_tools
 from grpokit.training.evaluation import evaluate, pass_at_k
 
-__all__ = ["eval_rows_and_specs", "eval_tools", "evaluate", "pass_at_k"]
+__all__ = ["check_context", "eval_rows_and_specs", "eval_tools", "evaluate", "pass_at_k"]
 
 
 def eval_rows_and_specs(*, task, task_args, data, prompt_column, rewards, num_prompts, seed):
@@ -51,3 +51,14 @@ def eval_tools(*, task, tools: Sequence[str], timeout_s: float, tokenizer) -> To
     except ValueError as e:
         raise SetupError(f"--model: {e}; tools from {flag}") from None
     return box
+
+
+def check_context(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+    """Every prompt plus `--max-new-tokens` fits the model's context (the sampler refuses it otherwise)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(config, "max_position_embeddings", None)
+    longest = max((len(p) for p in prompt_ids), default=0)
+    if limit is not None and longest + max_new_tokens > limit:
+        room = f"at most --max-new-tokens {limit - longest}" if limit > longest else "a shorter prompt"
+        raise SetupError(f"--max-new-tokens {max_new_tokens}: the longest prompt has {longest} tokens, and the "
+                         f"model's context (max_position_embeddings) is {limit} positions; use {room}")

@@ -17,16 +17,20 @@ reference's parameters (Hugging Face names), or with LoRA its own delta (`LoraRe
 
 from __future__ import annotations
 
+import pickle
 import random
 import re
 import shutil
+import tomllib
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from grpokit.errors import CheckpointError, SetupError
+from grpokit.errors import CheckpointError, ModelLoadError, SetupError
 from grpokit.models.fsdp import full_state_dict, is_fsdp, load_optimizer_state, optimizer_state
+from grpokit.models.loading import check_model_folder
 from grpokit.models.lora import LoraReference, adapter_of, import_peft, merged_state_dict
 from grpokit.models.parallel import gather_states, local_state
 from grpokit.training.reference import resharded
@@ -125,6 +129,33 @@ def load_trainer_state(checkpoint: Path) -> dict:
     return torch.load(checkpoint / "trainer_state.pt", weights_only=False)
 
 
+def checkpoint_damage(checkpoint: Path) -> str | None:
+    """Why `checkpoint` cannot be resumed from (a missing or cut file: a crash or a full disk after the
+    rename, a bad copy), or None. Cheap checks, no tensor read: the model folder's (config.json, the
+    safetensors headers fit their files, tokenizer files), `trainer_state.pt` opens as the zip archive
+    torch.save writes (a cut file has lost the directory at its end), and the recorded config parses."""
+    try:
+        check_model_folder(checkpoint, field="checkpoint")
+    except ModelLoadError as e:  # "checkpoint '<path>': model.safetensors is truncated (...); <how to refetch>"
+        what = str(e).removeprefix(f"checkpoint {str(checkpoint)!r}").removeprefix(":").strip()
+        return re.split(r"[;:] (?:the download|re-download|repair the file|copy |add it|is it a)", what)[0]
+    state = checkpoint / "trainer_state.pt"
+    try:
+        with zipfile.ZipFile(state) as archive:
+            archive.namelist()
+    except FileNotFoundError:
+        return "trainer_state.pt is missing"
+    except (OSError, zipfile.BadZipFile) as e:
+        return f"trainer_state.pt is damaged ({e})"
+    recorded = checkpoint / CHECKPOINT_CONFIG
+    if recorded.exists():
+        try:
+            tomllib.loads(recorded.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+            return f"{CHECKPOINT_CONFIG} is damaged ({e})"
+    return None
+
+
 class CheckpointWeights:
     """What `save_checkpoint` writes as the model: a Hugging Face folder (full weights gathered under
     FSDP; with LoRA the merged model plus `adapter/`). Build it on every rank (a collective under
@@ -209,8 +240,19 @@ def _load_reference(checkpoint: Path, policy) -> None:
 
 def restore_checkpoint(checkpoint: Path, policy, sampler: torch.Generator, stream) -> int:
     """Put a checkpoint back into the policy, optimizer, schedule, RNGs, sampler and stream; its step."""
-    load_checkpoint_weights(checkpoint, policy.model)  # plain, FSDP-sharded, or the LoRA adapter alone
-    state = load_trainer_state(checkpoint)
+    from safetensors import SafetensorError
+
+    try:
+        load_checkpoint_weights(checkpoint, policy.model)  # plain, FSDP-sharded, or the LoRA adapter alone
+        state = load_trainer_state(checkpoint)
+    except (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError, SafetensorError) as e:
+        if isinstance(e, SetupError):
+            raise
+        # damage the start-up check cannot see without reading every byte (garbage inside a file)
+        why = " ".join(str(e).split())[:200]
+        raise CheckpointError(f"--resume: {checkpoint} cannot be read ({type(e).__name__}: {why}); it is damaged: "
+                              f"move it out of {checkpoint.parent} and --resume again to continue from the "
+                              "checkpoint before it") from None
     load_optimizer_state(policy.model, policy.optimizer, state["optimizer"])
     policy.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])

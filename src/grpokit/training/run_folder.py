@@ -9,8 +9,8 @@
 
 A run holds an advisory lock on the folder itself (`flock` on its descriptor) from
 its start-up checks to its end, so a second run or a resume of the same folder is
-refused with the other process named. The OS drops the lock when the process
-dies, even by SIGKILL, so a crash never leaves a folder locked.
+refused with the other process named (run_lock.py). The OS drops the lock when the
+process dies, even by SIGKILL, so a crash never leaves a folder locked.
 
 What a start does with what it finds:
 - nothing, or an earlier attempt that stopped before its first checkpoint: start
@@ -19,12 +19,13 @@ What a start does with what it finds:
   `output.overwrite = true` (the earlier run's files are removed, and listed);
 - `--resume`: only the fields in `RESUMABLE_FIELDS` may differ from the config
   that wrote the newest checkpoint; any other difference is refused with the list.
+  A newest checkpoint that is damaged (a missing or cut file) is moved to
+  `damaged-checkpoints/` and the run resumes from the newest intact one, said in a note.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
 import shutil
@@ -38,7 +39,15 @@ from grpokit.config.schema import SECTIONS, Config, EvalConfig
 from grpokit.data.hub import hub_id
 from grpokit.errors import RunFolderError
 from grpokit.observe.tracking import HISTORY, append_jsonl, read_jsonl
-from grpokit.training.checkpoint import CHECKPOINT_CONFIG, PREFIX, TMP_PREFIX, checkpoint_step, list_checkpoints
+from grpokit.training.checkpoint import (
+    CHECKPOINT_CONFIG,
+    PREFIX,
+    TMP_PREFIX,
+    checkpoint_damage,
+    checkpoint_step,
+    list_checkpoints,
+)
+from grpokit.training.run_lock import RunFolderLock  # the lock itself (run_lock.py); callers import it from here
 
 # Fields a --resume may change: how long to train, where and how to log, and knobs that change memory
 # or speed but not the math (micro-batches accumulate to the same gradient; the fast paths have tests
@@ -60,10 +69,8 @@ RESUMABLE_FIELDS = frozenset({
 
 # What grpokit writes into a run folder; `output.overwrite` removes exactly these, nothing else.
 RUN_FILES = ("config.toml", "config_history.jsonl", "metrics.jsonl", "completions.jsonl", "tensorboard",
-             "best.json", "report.html", "wandb")
-
-
-LOCK_FILE = ".grpokit.lock"
+             "best.json", "report.html", "wandb", "damaged-checkpoints")
+DAMAGED_DIR = "damaged-checkpoints"  # where --resume moves a checkpoint it cannot read
 
 
 @dataclass
@@ -75,81 +82,6 @@ class RunFolder:
     changes: dict = field(default_factory=dict)  # "section.key" -> [before, now] of a resume
     notes: list[str] = field(default_factory=list)  # what was moved or removed, said once at the start
 
-
-class RunFolderLock:
-    """An exclusive advisory lock on a run folder, held from the start-up checks to the end of the run.
-
-    The lock is `flock` on the folder's own descriptor, so it needs no lock file and the OS drops it
-    when the process ends in any way. `.grpokit.lock` only tells a refused second run who holds it.
-    Where a file system cannot lock a directory (NFS emulates flock with POSIX locks, which need a file
-    open for writing), the lock is taken on `.grpokit.lock` itself; where it cannot lock at all
-    (Lustre without the flock option, Windows) the run goes on unlocked, with a warning."""
-
-    def __init__(self, path: str | Path, command: str | None = None):
-        self.path, self.command, self.fd, self.on_file = Path(path), command, None, False
-
-    def acquire(self) -> None:
-        try:
-            import fcntl
-        except ImportError:  # Windows
-            return self._unlocked("this platform has no fcntl")
-        try:
-            self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except OSError as e:
-            self._close()
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise self._busy() from None
-            first = e
-        try:  # no flock on directories here: a POSIX lock on a file opened for writing
-            self.fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-            fcntl.lockf(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self.on_file = True
-        except OSError as e:
-            self._close()
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                raise self._busy() from None
-            self._unlocked(f"{first.strerror}; {e.strerror}")
-
-    def _unlocked(self, why: str) -> None:
-        print(f"warning: output.dir {str(self.path)!r} cannot be locked ({why}); make sure no other run uses it",
-              flush=True)
-
-    def _busy(self) -> "RunFolderError":
-        return RunFolderError(f"output.dir {str(self.path)!r} is in use by another grpokit run ({self._holder()}); "
-                              "wait for it to finish or stop it, or choose another output.dir")
-
-    def announce(self) -> None:
-        """Say who holds the folder (written once every check has passed: a refused start adds no file)."""
-        if self.fd is None:
-            return
-        info = json.dumps({"pid": os.getpid(), "since": time.strftime("%Y-%m-%d %H:%M:%S"), "command": self.command})
-        if self.on_file:  # the locked file itself: rewrite it through the locked descriptor
-            os.ftruncate(self.fd, 0)
-            os.pwrite(self.fd, (info + "\n").encode(), 0)
-        else:
-            (self.path / LOCK_FILE).write_text(info + "\n", encoding="utf-8")
-
-    def release(self) -> None:
-        if self.fd is None:
-            return
-        if not self.on_file:  # still holding the lock: no one else reads the file now
-            (self.path / LOCK_FILE).unlink(missing_ok=True)
-        self._close()  # closing the descriptor releases the lock
-
-    def _close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-    def _holder(self) -> str:
-        try:
-            info = json.loads((self.path / LOCK_FILE).read_text(encoding="utf-8"))
-            what = f": {info['command']}" if info.get("command") else ""
-            return f"pid {info['pid']}, since {info['since']}{what}"
-        except (OSError, ValueError, KeyError):  # the holder is still starting up
-            return "a process that is starting up"
 
 
 def prepare_run_folder(config: Config, *, resume: bool, lock: RunFolderLock | None = None) -> RunFolder:
@@ -173,9 +105,11 @@ def prepare_run_folder(config: Config, *, resume: bool, lock: RunFolderLock | No
     try:
         checkpoints = list_checkpoints(run_dir)  # again, now that no other run can change them
         folder = RunFolder(run_dir)
+        damaged = []
         if resume:
-            folder.resume_step = checkpoint_step(checkpoints[-1])
-            folder.changes = _resume_changes(config, checkpoints[-1])
+            newest, damaged = _newest_intact(checkpoints)
+            folder.resume_step = checkpoint_step(newest)
+            folder.changes = _resume_changes(config, newest)
             if config.output.overwrite:  # --resume is the explicit ask; say that the other one is not acted on
                 folder.notes.append("--resume: output.overwrite = true is ignored; the run continues")
         elif checkpoints and not config.output.overwrite:
@@ -191,6 +125,8 @@ def prepare_run_folder(config: Config, *, resume: bool, lock: RunFolderLock | No
             folder.notes.append(_remove_earlier_run(run_dir, config))
         elif not resume and ours:
             folder.notes.append(_move_earlier_attempt(run_dir))
+        if damaged:
+            folder.notes.append(_set_aside(run_dir, damaged, folder.resume_step))
         if lock is not None:
             lock.announce()
         return folder
@@ -198,6 +134,43 @@ def prepare_run_folder(config: Config, *, resume: bool, lock: RunFolderLock | No
         if lock is not None:
             lock.release()
         raise
+
+
+def _newest_intact(checkpoints: list[Path]) -> tuple[Path, list[tuple[Path, str]]]:
+    """The newest checkpoint a resume can read, and the damaged ones after it (with why); none intact:
+    one error naming the newest's damaged file."""
+    damaged = []
+    for checkpoint in reversed(checkpoints):
+        why = checkpoint_damage(checkpoint)
+        if why is None:
+            return checkpoint, damaged
+        damaged.append((checkpoint, why))
+    newest, why = damaged[0]
+    others = "no earlier checkpoint is intact" if len(damaged) > 1 else "it is the only checkpoint"
+    raise RunFolderError(f"--resume: {newest} is damaged ({why}) and {others}, so the run cannot continue; start "
+                         "again without --resume (output.overwrite = true, or another output.dir)")
+
+
+def _set_aside(run_dir: Path, damaged: list[tuple[Path, str]], step: int) -> str:
+    """Move damaged checkpoints to `damaged-checkpoints/` (kept, never deleted; the resumed run writes
+    its own checkpoint of those steps); the note that says which, why, and where the run goes on from."""
+    aside = run_dir / DAMAGED_DIR
+    moved = []
+    for checkpoint, _ in damaged:
+        target, n = aside / checkpoint.name, 1
+        while target.exists():
+            n += 1
+            target = aside / f"{checkpoint.name}-{n}"
+        try:
+            aside.mkdir(exist_ok=True)
+            checkpoint.rename(target)
+        except OSError as e:
+            raise RunFolderError(f"--resume: {checkpoint} is damaged, and moving it aside to {aside} failed "
+                                 f"({e.strerror}); move it out of {run_dir} yourself and --resume again") from e
+        moved.append(target)
+    why = "; ".join(f"{c.name}: {w}" for c, w in damaged)
+    return (f"--resume: the newest checkpoint is damaged ({why}); resuming from {PREFIX}{step}, the newest intact "
+            f"one (the steps after it are trained again). Moved aside, not deleted: {', '.join(map(str, moved))}")
 
 
 def _resume_changes(config: Config, checkpoint: Path) -> dict:
