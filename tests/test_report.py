@@ -270,3 +270,72 @@ def test_wandb_sink_logs_every_step_when_asked(tmp_path, monkeypatch):
 def test_wandb_without_the_package_is_a_config_error():
     with pytest.raises(ConfigError, match="output.wandb: needs the wandb package"):
         OutputConfig(wandb=True)
+
+
+def _append(name: str, text: str):
+    return lambda run: open(run / name, "a").write(text)
+
+
+DAMAGED_RUN_FOLDERS = {  # what a crash, a bad copy or a hand edit leaves; each must give a report (or one error)
+    "metrics rows that are not objects": (_append("metrics.jsonl", '[1, 2]\n5\n"x"\nnull\n'), "metrics.jsonl: 4 of"),
+    "metrics rows without an integer step": (_append("metrics.jsonl", '{"step": "x"}\n{"reward": 2}\n'),
+                                             "metrics.jsonl: 2 of"),
+    "completions with a bad line in the middle": (
+        lambda run: (run / "completions.jsonl").write_text('{"a\n' + (run / "completions.jsonl").read_text()),
+        "completions.jsonl: line 1 is not valid JSON"),
+    "completions rows that are not objects": (_append("completions.jsonl", "[1]\n3\n"), "completions.jsonl: 2 of"),
+    "completions fields of the wrong type": (_append("completions.jsonl", json.dumps(
+        {"step": 30, "reward": "a", "rewards": [1], "conversation": [1, {"role": 5, "name": [1]}], "prompt": None,
+         "advantage": "z"}) + "\n"), None),
+    "config.toml that is not TOML": (lambda run: (run / "config.toml").write_text("[train\nsteps="),
+                                     "config.toml cannot be read"),
+    "config.toml that is not UTF-8": (lambda run: (run / "config.toml").write_bytes(b"\xff\xfe\x00"),
+                                      "config.toml cannot be read"),
+    "config tables that are values": (lambda run: (run / "config.toml").write_text('model = 5\nalgorithm = "x"\n'),
+                                      "model, algorithm are not a [table]"),
+    "a group size that is not a positive integer": (
+        lambda run: (run / "config.toml").write_text('[rollout]\ngroup_size = "four"\n'
+                                                     '[algorithm]\nscale_rewards = [1]'),
+        "rollout.group_size = 'four' is not a positive integer"),
+    "config_history.jsonl with a bad line": (
+        lambda run: (run / "config_history.jsonl").write_text('{"x\n{"start_step": 1}\n'),
+        "config_history.jsonl: line 1 is not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGED_RUN_FOLDERS)
+def test_report_on_a_damaged_run_folder_skips_the_damaged_part_and_says_so(tmp_path, capsys, case):
+    damage, note = DAMAGED_RUN_FOLDERS[case]
+    run = synthetic_run(tmp_path / "run")
+    damage(run)
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr()
+    assert "error" not in out.err and "Traceback" not in out.err
+    page = (run / "report.html").read_text()
+    assert "30 (last step 30)" in page  # the intact steps are all there
+    if note:
+        assert f"note: {run}" in out.out and note in out.out, out.out  # said on the console and on the page
+        assert html_escape(note) in page
+
+
+def html_escape(text: str) -> str:
+    import html
+
+    return html.escape(text)
+
+
+def test_report_on_metrics_without_a_step_row_is_one_error(tmp_path, capsys):
+    run = synthetic_run(tmp_path / "run")
+    (run / "metrics.jsonl").write_text("[]\n")
+    assert main(["report", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "holds no step rows" in err[0], err
+
+
+@pytest.mark.parametrize("where", ["missing-parent", "under-a-file"])
+def test_report_out_where_it_cannot_be_written_is_one_error(tmp_path, capsys, where):
+    run = synthetic_run(tmp_path / "run")
+    out = Path("/proc/no-such-dir/report.html") if where == "missing-parent" else run / "metrics.jsonl" / "r.html"
+    assert main(["report", str(run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --out") and "choose another place" in err[0], err

@@ -25,12 +25,12 @@ from __future__ import annotations
 import html
 import json
 import math
-import tomllib
 from pathlib import Path
 
 from grpokit.errors import ReportError
 from grpokit.observe.charts import _match, _value, data_uri, svg_chart
 from grpokit.observe.diagnostics import replay
+from grpokit.observe.run_logs import load_run
 
 CHARTS = [  # (title, metric names; "*" matches one reward function name)
     ("Reward (total and per function)", ["reward", "rewards/*/mean"]),
@@ -60,35 +60,6 @@ SPARSE = ("eval/",)  # logged on some steps only: their charts join the steps th
 
 
 BLANK = '<td class="note"></td>'  # the last column holds notes (mean, std) beside the table
-
-
-def load_run(run_dir: str | Path) -> dict:
-    """metrics rows, the raw config dict, a Config when it still validates, completions rows, and the
-    segments of config_history.jsonl ([] for a run older than that file).
-
-    The logs are read by `tracking.read_jsonl`: a last line cut mid-write is skipped, any other unreadable
-    line is a `DamagedLogError` (a UserError, like ReportError) naming the file and the line."""
-    from grpokit.observe.tracking import read_history, read_jsonl
-
-    run_dir = Path(run_dir)
-    if not (run_dir / "metrics.jsonl").is_file():
-        raise ReportError(f"{run_dir} has no metrics.jsonl; give the run folder (output.dir) of a grpokit run")
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    if not metrics:
-        raise ReportError(f"{run_dir / 'metrics.jsonl'} is empty: the run has not finished a step yet")
-    raw, config = {}, None
-    if (run_dir / "config.toml").is_file():
-        raw = tomllib.loads((run_dir / "config.toml").read_text(encoding="utf-8"))
-        try:
-            from grpokit.config.loading import config_from_dict
-
-            config = config_from_dict(raw)
-        except Exception:  # an older or hand-edited config: the page still shows what it can
-            config = None
-    path = run_dir / "completions.jsonl"
-    completions = read_jsonl(path) if path.is_file() else []
-    return {"dir": run_dir, "metrics": metrics, "raw_config": raw, "config": config, "completions": completions,
-            "history": [h for h in read_history(run_dir) if isinstance(h, dict)]}
 
 
 def resume_steps(history: list[dict]) -> list[int]:
@@ -162,7 +133,7 @@ def group_table(group: list[dict], *, std_kind: str = "population", scale: str =
     dof = 1 if std_kind == "sample" else 0
     std = (math.sqrt(sum((s - mean) ** 2 for s in valid) / (len(valid) - dof))
            if valid and len(valid) > dof else None)
-    fn_names = list(dict.fromkeys(k for r in group for k in (r.get("rewards") or {})))
+    fn_names = list(dict.fromkeys(k for r in group for k in _rewards(r)))
     label = {"group": "÷ std = advantage", "batch": "÷ batch std = advantage",
              "none": "advantage (no ÷ std, Dr. GRPO)"}.get(scale, "advantage")
     head = "".join(f"<th>{i + 1}</th>" for i in range(len(group)))
@@ -173,7 +144,7 @@ def group_table(group: list[dict], *, std_kind: str = "population", scale: str =
                 for r in group) + BLANK + "</tr>"]
     if len(fn_names) > 1:  # the score is their weighted sum; show each
         for name in fn_names:
-            cells = "".join(f"<td>{_num((r.get('rewards') or {}).get(name))}</td>" for r in group)
+            cells = "".join(f"<td>{_num(_rewards(r).get(name))}</td>" for r in group)
             rows.append(f'<tr class="fn"><th>{e(name)}</th>{cells}{BLANK}</tr>')
     rows.append("<tr><th>score</th>" + "".join(f"<td>{_num(s)}</td>" for s in scores) + BLANK + "</tr>")
     rows.append("<tr><th>− mean</th>" + "".join(
@@ -196,17 +167,26 @@ def group_table(group: list[dict], *, std_kind: str = "population", scale: str =
 def _conversations(group: list[dict]) -> str:
     """Multi-turn answers turn by turn: the model's turns and the tool results (not the model's own
     tokens) set apart."""
-    if not any(r.get("conversation") for r in group):
+    def turns_of(r: dict) -> list[dict]:  # a hand-edited or damaged row: what is not a turn is left out
+        turns = r.get("conversation")
+        return [m for m in turns if isinstance(m, dict)] if isinstance(turns, list) else []
+
+    if not any(turns_of(r) for r in group):
         return ""
-    e = html.escape
+    e = lambda v: html.escape(str(v))  # noqa: E731
     answers = []
     for i, r in enumerate(group):
         turns = "".join(f'<div class="turn {"tool" if m.get("role") == "tool" else "assistant"}">'
                         f'{e(m.get("role", ""))}{" " + e(m["name"]) if m.get("name") else ""}: '
-                        f'{e(_clip(str(m.get("content", "")), 300))}</div>' for m in r.get("conversation") or [])
+                        f'{e(_clip(str(m.get("content", "")), 300))}</div>' for m in turns_of(r))
         answers.append(f"<p>answer {i + 1}</p>{turns}")
     return f'<details class="conversations"><summary>conversations (tool results in orange)</summary>' \
            f'{"".join(answers)}</details>'
+
+
+def _rewards(row: dict) -> dict:
+    rewards = row.get("rewards")
+    return rewards if isinstance(rewards, dict) else {}
 
 
 def _num(v) -> str:
@@ -264,6 +244,7 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, *, groups_p
     e = html.escape
     metrics = run["metrics"]
     parts = [f"<h1>grpokit run report: {e(str(run['dir']))}</h1>", _summary(run)]
+    parts += [f'<div class="diag"><b>left out</b>: {e(note)}</div>' for note in run["notes"]]
     if run["history"]:  # older run folders have no config_history.jsonl: no section
         parts += ["<h2>Run segments</h2>", _segments_section(run["history"])]
 
@@ -292,8 +273,15 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, *, groups_p
     parts.append(_groups_section(run, groups_per_step, max_steps))
     page = (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>grpokit report: '
             f'{e(run["dir"].name)}</title><style>{CSS}</style></head><body>{"".join(parts)}</body></html>')
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page, encoding="utf-8")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(page, encoding="utf-8")
+    except OSError as e:
+        raise ReportError(f"--out {str(out)!r} cannot be written ({e.strerror or e}"
+                          f"{f': {e.filename}' if e.filename and str(e.filename) != str(out) else ''}); choose "
+                          "another place") from None
+    for note in run["notes"]:
+        print(f"note: {note}", flush=True)
     return out
 
 
@@ -362,6 +350,6 @@ def _groups_section(run: dict, groups_per_step: int, max_steps: int) -> str:
         flat = [len({r.get("reward") for r in g}) <= 1 for g in groups]  # every answer scored the same
         shown = sorted(range(len(groups)), key=lambda i: flat[i])[:groups_per_step]  # groups with signal first
         parts.append(f"<h3>step {step}: {len(shown)} of {len(groups)} groups ({sum(flat)} with no signal)</h3>")
-        parts += [group_table(groups[i], std_kind=algo.get("std", "population"),
-                              scale=algo.get("scale_rewards", "group")) for i in sorted(shown)]
+        parts += [group_table(groups[i], std_kind=str(algo.get("std", "population")),
+                              scale=str(algo.get("scale_rewards", "group"))) for i in sorted(shown)]
     return "".join(parts)
