@@ -87,6 +87,35 @@ def test_keep_best_keeps_the_best_checkpoint_past_keep_last_and_across_a_resume(
     assert len(set(values.values())) > 1  # the metric moved: the choice of a best was not trivial
 
 
+def test_changing_or_clearing_keep_best_on_resume_keeps_the_kept_best_checkpoint(tiny_model_dir, tmp_path, capsys):
+    """A resume may change output.keep_best; the checkpoint kept as the old metric's best stays (it used to
+    be pruned by keep_last at the next save, with best.json still naming it)."""
+    out = tmp_path / "run"
+    config = make_config(tiny_model_dir, out, steps=3, learning_rate=5e-2, eval={**EVAL, "every": 1},
+                         output={"keep_last": 1, "keep_best": "eval/mean_reward"})
+    train(config, reward_functions=[parity])
+    first = json.loads((out / "best.json").read_text())
+    kept = out / first["checkpoint"]
+    snapshot = {p.name: p.read_bytes() for p in kept.iterdir() if p.is_file()}
+    changed = replace(config, train=replace(config.train, steps=5),
+                      output=replace(config.output, keep_best="eval/accuracy"))
+    capsys.readouterr()
+    train(changed, reward_functions=[parity], resume=True)
+    note = capsys.readouterr().out
+    assert f"{first['checkpoint']}, the best eval/mean_reward so far, stays" in note, note
+    assert {p.name: p.read_bytes() for p in kept.iterdir() if p.is_file()} == snapshot  # nothing lost
+    best = json.loads((out / "best.json").read_text())
+    assert best["metric"] == "eval/accuracy" and (out / best["checkpoint"]).is_dir()
+    assert [r["checkpoint"] for r in best["earlier"]] == [first["checkpoint"]]
+    cleared = replace(changed, train=replace(changed.train, steps=7), output=replace(changed.output, keep_best=""))
+    train(cleared, reward_functions=[parity], resume=True)
+    names = {p.name for p in out.glob("checkpoint-*")}
+    assert {first["checkpoint"], best["checkpoint"], "checkpoint-7"} <= names, names
+    assert len(names) == len({first["checkpoint"], best["checkpoint"], "checkpoint-7"})  # keep_last = 1 otherwise
+    assert {r["checkpoint"] for r in json.loads((out / "best.json").read_text())["earlier"]} == \
+        {first["checkpoint"], best["checkpoint"]}
+
+
 def test_bad_eval_inputs_fail_before_the_model_loads(tiny_model_dir, tmp_path):
     model = ModelConfig(path=str(tiny_model_dir))
     own = tmp_path / "own.jsonl"

@@ -17,6 +17,7 @@ reference's parameters (Hugging Face names), or with LoRA its own delta (`LoraRe
 
 from __future__ import annotations
 
+import json
 import pickle
 import random
 import re
@@ -42,6 +43,17 @@ CHECKPOINT_CONFIG = "grpokit_config.toml"
 PREFIX, TMP_PREFIX = "checkpoint-", ".tmp-checkpoint-"  # a finished checkpoint; one being written
 ADAPTER_DIR = "adapter"  # with LoRA: the adapter alone, beside the merged model
 REFERENCE_DIR, REFERENCE_FILE = "reference", "weights.safetensors"  # a moved KL reference (algorithm.ref_sync_every)
+BEST_FILE = "best.json"  # output.keep_best's record (training/evaluation.BestCheckpoint)
+
+
+def earlier_bests(run_dir: Path) -> set[str]:
+    """The checkpoints best.json keeps under "earlier": the bests of metrics that earlier segments kept
+    (a resume changed or cleared `output.keep_best`). They are never pruned: only the user deletes them."""
+    try:
+        earlier = json.loads((Path(run_dir) / BEST_FILE).read_text(encoding="utf-8")).get("earlier", [])
+        return {str(r["checkpoint"]) for r in earlier if isinstance(r, dict) and "checkpoint" in r}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return set()
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -75,7 +87,7 @@ def set_rng_state(state: dict) -> None:
 def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: dict, keep_last: int,
                     config_text: str = "", resume_hint: str = "--resume", keep_step: int | None = None) -> Path:
     """Write `checkpoint-<step>` atomically, then drop all but the newest `keep_last` (and the one of
-    `keep_step`: the best so far, `output.keep_best`)."""
+    `keep_step`: the best so far, `output.keep_best`; and the bests earlier segments kept: `earlier_bests`)."""
     final = run_dir / f"{PREFIX}{step}"
     tmp = run_dir / f"{TMP_PREFIX}{step}"
     for stale in run_dir.glob(f"{TMP_PREFIX}*"):  # left by a crash mid-save
@@ -106,8 +118,9 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: d
     if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
         shutil.rmtree(final)
     tmp.rename(final)
+    kept = earlier_bests(run_dir)
     for old in list_checkpoints(run_dir)[:-keep_last]:
-        if checkpoint_step(old) != keep_step:
+        if checkpoint_step(old) != keep_step and old.name not in kept:
             shutil.rmtree(old, ignore_errors=True)
     return final
 

@@ -32,6 +32,7 @@ from grpokit.rollout.decode import sample_groups
 from grpokit.rollout.grading import grade
 from grpokit.rollout.multiturn import sample_conversations
 from grpokit.rollout.tools import ToolBox
+from grpokit.training.checkpoint import BEST_FILE
 from grpokit.training.setup import PromptTable, eval_max_new_tokens
 
 
@@ -170,26 +171,38 @@ class HeldOut:
                         eos_token_ids=self.prompts.eos_token_ids, reduce=global_sum)
 
 
-BEST_FILE = "best.json"
-
-
 class BestCheckpoint:
-    """Where `output.keep_best`'s metric was highest: best.json = {metric, value, step, checkpoint}.
+    """Where `output.keep_best`'s metric was highest: best.json = {metric, value, step, checkpoint,
+    earlier: [records of other metrics]}.
 
-    The checkpoint it names is never pruned by `output.keep_last`. A best.json naming a checkpoint
-    that is gone (a crash between the save and this file) is forgotten: the next evaluation sets it."""
+    The checkpoint it names is never pruned by `output.keep_last`. A resume that changes or clears
+    keep_best moves the record under "earlier" (training/run_folder.py), where its checkpoint stays kept;
+    going back to that metric takes its record up again. A best.json naming a checkpoint that is gone
+    (a crash between the save and this file) is forgotten: the next evaluation sets it."""
 
     def __init__(self, run_dir: Path, metric: str):
         self.path, self.metric = Path(run_dir) / BEST_FILE, metric
         self.step, self.value = None, -math.inf
+        for saved in self._records():
+            try:
+                value = float(saved["value"])
+                if saved.get("metric") == metric and math.isfinite(value) \
+                        and (Path(run_dir) / str(saved["checkpoint"])).is_dir():
+                    self.step, self.value = int(saved["step"]), value
+                    break
+            except (ValueError, KeyError, TypeError):
+                continue  # damaged: the next evaluation writes a fresh one
+
+    def _records(self) -> list[dict]:
+        """best.json's records, the current one first; [] when there is none or it is damaged."""
         try:
             saved = json.loads(self.path.read_text(encoding="utf-8"))
-            value = float(saved["value"])
-            if saved.get("metric") == metric and math.isfinite(value) \
-                    and (Path(run_dir) / str(saved["checkpoint"])).is_dir():
-                self.step, self.value = int(saved["step"]), value
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            pass  # none yet, or damaged: the next evaluation writes a fresh one
+        except (OSError, ValueError):
+            return []
+        if not isinstance(saved, dict):
+            return []
+        earlier = saved.get("earlier") if isinstance(saved.get("earlier"), list) else []
+        return [r for r in ({k: v for k, v in saved.items() if k != "earlier"}, *earlier) if isinstance(r, dict)]
 
     def improves(self, metrics: dict) -> bool:
         value = metrics.get(self.metric)
@@ -197,7 +210,9 @@ class BestCheckpoint:
 
     def record(self, step: int, value: float, checkpoint: Path) -> None:
         self.step, self.value = step, value
+        earlier = [r for r in self._records() if "checkpoint" in r and r.get("metric") != self.metric
+                   and (self.path.parent / str(r["checkpoint"])).is_dir()]  # other metrics' bests stay kept
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"metric": self.metric, "value": value, "step": step,
-                                   "checkpoint": checkpoint.name}) + "\n", encoding="utf-8")
+        tmp.write_text(json.dumps({"metric": self.metric, "value": value, "step": step, "checkpoint": checkpoint.name,
+                                   **({"earlier": earlier} if earlier else {})}) + "\n", encoding="utf-8")
         os.replace(tmp, self.path)

@@ -40,6 +40,7 @@ from grpokit.data.hub import hub_id
 from grpokit.errors import RunFolderError
 from grpokit.observe.tracking import HISTORY, append_jsonl, read_jsonl
 from grpokit.training.checkpoint import (
+    BEST_FILE,
     CHECKPOINT_CONFIG,
     PREFIX,
     TMP_PREFIX,
@@ -127,6 +128,8 @@ def prepare_run_folder(config: Config, *, resume: bool, lock: RunFolderLock | No
             folder.notes.append(_move_earlier_attempt(run_dir))
         if damaged:
             folder.notes.append(_set_aside(run_dir, damaged, folder.resume_step))
+        if resume and "output.keep_best" in folder.changes and (note := _retire_best(run_dir, folder.changes)):
+            folder.notes.append(note)
         if lock is not None:
             lock.announce()
         return folder
@@ -171,6 +174,27 @@ def _set_aside(run_dir: Path, damaged: list[tuple[Path, str]], step: int) -> str
     why = "; ".join(f"{c.name}: {w}" for c, w in damaged)
     return (f"--resume: the newest checkpoint is damaged ({why}); resuming from {PREFIX}{step}, the newest intact "
             f"one (the steps after it are trained again). Moved aside, not deleted: {', '.join(map(str, moved))}")
+
+
+def _retire_best(run_dir: Path, changes: dict) -> str | None:
+    """A resume that changes or clears `output.keep_best`: best.json's record of the old metric moves under
+    "earlier", where its checkpoint stays kept (never pruned by keep_last); the note that says so."""
+    path = run_dir / BEST_FILE
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        current = {k: v for k, v in saved.items() if k != "earlier"}
+        earlier = [r for r in saved.get("earlier") or [] if isinstance(r, dict)]
+        name = str(current["checkpoint"])
+    except (OSError, ValueError, AttributeError, TypeError, KeyError):
+        return None  # no best recorded (or damaged): nothing is kept
+    if not (run_dir / name).is_dir():
+        return None
+    earlier = [r for r in earlier if r.get("metric") != current.get("metric")] + [current]
+    _write_atomically(path, json.dumps({"earlier": earlier}) + "\n")
+    before, now = changes["output.keep_best"]
+    return (f"output.keep_best: {_show(before)} -> {_show(now or None)}: {name}, the best {current.get('metric')} so "
+            f"far, stays (best.json lists it under \"earlier\", and keep_last never removes it); delete it yourself "
+            "when you no longer need it")
 
 
 def _resume_changes(config: Config, checkpoint: Path) -> dict:
