@@ -60,7 +60,8 @@ def test_quickstart_script_trains(tiny_model_dir, tmp_path):
     rows = read_metrics(trainer.run_dir)
     assert [r["step"] for r in rows] == [1, 2] and all(math.isfinite(r["reward"]) for r in rows)
     assert "rewards/reward_len/mean" in rows[0]
-    assert trainer.state.global_step == 2 and len(trainer.state.log_history) == 2
+    assert trainer.state.global_step == 2 and len(trainer.state.log_history) == 3  # 2 steps, then the summary
+    assert {"train_loss", "train_runtime"} <= set(trainer.state.log_history[-1])
     trainer.save_model(str(tmp_path / "final"))
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
     assert model.config.model_type == "qwen2" and (tmp_path / "final" / "tokenizer.json").is_file()
@@ -188,7 +189,10 @@ def test_every_supported_field_is_in_the_mapping_table():
                  "vllm_max_model_length", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
                  "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "remove_unused_columns",
                  "vllm_importance_sampling_cap", "model_init_kwargs", "reward_weights", "fp16", "adam_epsilon",
-                 "weight_decay", "do_eval", "do_predict", "local_rank"}
+                 "weight_decay", "do_eval", "do_predict", "local_rank",
+                 # accepted, changing nothing or only the stop strings (test_trl_dropin_object.py)
+                 "use_liger_kernel", "dataloader_num_workers", "dataloader_pin_memory", "dataloader_persistent_workers",
+                 "dataloader_prefetch_factor", "accelerator_config", "generation_kwargs"}
     assert set(SUPPORTED) - used - elsewhere == set()
 
 
@@ -305,7 +309,10 @@ def test_trainer_refusals_before_anything_loads(tmp_path):
              (dict(reward_processing_classes=[None, None]), "reward_processing_classes: 2 given for 1 reward "
                                                             "functions"),
              (dict(train_dataset=None), "train_dataset is required"),
-             (dict(eval_dataset={"a": rows, "b": rows}), "eval_dataset: grpokit evaluates one dataset, not a dict"),
+             (dict(eval_dataset={"a": rows, "b": rows}, args=GRPOConfig(output_dir=str(tmp_path / "o"), max_steps=1,
+                                                                        eval_strategy="steps")),
+              "grpokit's evaluation during training scores one dataset"),
+             (dict(train_dataset={"train": rows}), "train_dataset: a dict holds several splits; pick one"),
              (dict(args=GRPOConfig(output_dir=str(tmp_path / "o"), max_steps=1, eval_strategy="steps")),
               "eval_strategy='steps' needs an eval_dataset")]
     for kwargs, match in cases:

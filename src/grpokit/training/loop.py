@@ -48,12 +48,14 @@ def train(
     tools: Sequence[Callable] | None = None,
     environment_factory: Callable | dict | None = None,
     eval_rows: Iterable[dict] | None = None,
+    model=None,
 ) -> Path:
     """Run GRPO as `config` says; returns the run folder. Python-side callables and
     rows may replace the config's `rewards.functions` and data source, `tools` and `environment_factory`
     its `tools.functions` and `tools.environment` (TRL's: multi-turn rollouts), and `engine(config,
     model, tokenizer)` the rollout engine (rollout/engines.py), and `eval_rows` the held-out prompts of
-    `[eval]` (its `eval.path`). Under torchrun every process runs
+    `[eval]` (its `eval.path`), and `model` an already-loaded module of `config.model.path`'s weights to train
+    in place (the TRL drop-in's `trainer.model`) instead of loading the folder. Under torchrun every process runs
     this together (models/parallel.py): each takes its share of every batch, rank 0 writes the
     files. `command` is how the run was started (the CLI's own words); stop messages build the
     exact command that continues the run from it."""
@@ -76,7 +78,7 @@ def train(
             _, crowded = configure_threads(config.train.num_threads)
             if crowded and dist.is_main:
                 print(crowded, flush=True)
-            run = build_run(config, inputs, dist, engine)
+            run = build_run(config, inputs, dist, engine, model)
             return _loop(config, run, dist, hint, command)
     finally:
         if inputs is not None and inputs.reward_pool is not None:

@@ -27,7 +27,7 @@ from grpokit.models.checkpointing import enable_activation_checkpointing
 from grpokit.models.forward import head_is_linear
 from grpokit.models.fsdp import load_device, prepare_model
 from grpokit.models.loading import check_model_folder, load_model, load_tokenizer, max_positions_of, resolve_device
-from grpokit.models.lora import AdapterDisabled, LoraReference, apply_lora
+from grpokit.models.lora import AdapterDisabled, LoraReference, adapter_of, apply_lora
 from grpokit.models.onednn import kernel_note
 from grpokit.models.parallel import DistributedContext
 from grpokit.rewards.core import RewardSpec
@@ -354,12 +354,12 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
                   reward_pool, notes)
 
 
-def build_policy(config: Config) -> Policy:
+def build_policy(config: Config, model=None) -> Policy:
     """The policy (LoRA adapters if asked), the KL reference only when β > 0, AdamW and the schedule;
-    sharded (FSDP2) or replicated across processes."""
+    sharded (FSDP2) or replicated across processes. A `model` given (on its device) is trained in place."""
     if config.train.keep_freed_memory and resolve_device(config.model.device).type == "cpu":
         keep_freed_memory()  # glibc: freed buffers stay mapped for the next step (models/allocator.py)
-    model = load_model(config.model.path, dtype=config.model.dtype, device=load_device(config))
+    model = model or load_model(config.model.path, dtype=config.model.dtype, device=load_device(config))
     ref_model = None
     if config.algorithm.beta > 0 and not config.model.lora:  # with β = 0 no reference model is loaded at all
         ref_model = load_model(config.model.path, dtype=config.model.dtype, device=load_device(config))
@@ -367,7 +367,7 @@ def build_policy(config: Config) -> Policy:
     model.eval()  # dropout stays off throughout: ratio is exactly 1 before the first update
     linear_head = head_is_linear(model)
     if config.model.lora:  # adapters only; the KL reference is the same weights with the adapters off
-        model = apply_lora(model, config.model.lora)
+        model = model if adapter_of(model) is not None else apply_lora(model, config.model.lora)  # given: adapted
         if config.algorithm.beta > 0:  # one that moves toward the policy: base + a delta of its own (no copy)
             ref_model = LoraReference(model) if config.algorithm.ref_sync_every else AdapterDisabled(model)
     if config.train.gradient_checkpointing and not enable_activation_checkpointing(model):
@@ -382,11 +382,11 @@ def build_policy(config: Config) -> Policy:
     return Policy(model, ref_model, linear_head, optimizer, scheduler, entropy_coef=config.algorithm.entropy_coef)
 
 
-def build_run(config: Config, inputs: Inputs, dist: DistributedContext, engine=None) -> Run:
+def build_run(config: Config, inputs: Inputs, dist: DistributedContext, engine=None, model=None) -> Run:
     """Load the model and build the optimizer, sampler, prompt stream and rollout engine; on --resume,
     restore all of them from the newest checkpoint."""
     torch.manual_seed(config.train.seed)
-    policy = build_policy(config)
+    policy = build_policy(config, model)
     sampler = torch.Generator(device=policy.model.device).manual_seed(config.train.seed + dist.rank)
     stream = dist.shard_stream(inputs.data.stream(config.train.prompts_per_step, seed=config.data.seed))
     rollout_engine = engine(inputs.local, policy.model, inputs.tokenizer) if engine else \

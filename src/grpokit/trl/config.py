@@ -30,6 +30,7 @@ from typing import Any
 
 from grpokit.config.variants import CLIPPED_LOSSES, LOSS_TYPES  # every loss type TRL 1.16 has
 from grpokit.errors import ConfigError
+from grpokit.trl.accepted import accepted_problems
 
 LR_SCHEDULES = ("constant", "constant_with_warmup", "cosine")
 REPORT_TO = ("none", "tensorboard", "wandb")
@@ -135,6 +136,14 @@ class _Supported:
     do_eval: bool = False
     do_predict: bool = False
     local_rank: int = -1  # set by launchers; grpokit reads the process's rank from torchrun's environment
+    # accepted, and already what grpokit does or without an object to act on (docs/TRL.md; `notes` says so)
+    use_liger_kernel: bool = False  # Liger's fused GRPO loss avoids the [N, T, V] logits; grpokit never builds them
+    dataloader_num_workers: int = 0  # grpokit has no DataLoader: the prompts are tokenized once, held in memory
+    dataloader_pin_memory: bool = True
+    dataloader_persistent_workers: bool = False
+    dataloader_prefetch_factor: int | None = None
+    accelerator_config: Any = None  # grpokit does not run on Accelerate: checked for what would change the batch
+    generation_kwargs: dict | None = None  # only stop strings (`stop_strings` / vLLM's `stop`) and do_sample=True
 
     def __post_init__(self):
         if self.output_dir is None:
@@ -278,7 +287,8 @@ def _value_problems(c) -> list[str]:
          "grpokit aggregates it like the loss: the same only for bnpo, and for dapo with "
          "gradient_accumulation_steps=1 on one process, with top_entropy_quantile=1"),
     ]
-    return [f"{name}={getattr(c, name)!r} ({why})" for name, ok, why in checks if not ok] + _eval_problems(c)
+    return [f"{name}={getattr(c, name)!r} ({why})" for name, ok, why in checks if not ok] + _eval_problems(c) + \
+        accepted_problems(c)
 
 
 # TRL's evaluation metrics (as metric_for_best_model names them, "eval_" optional) -> grpokit's [eval] metric of
@@ -333,7 +343,7 @@ REFUSED: dict[str, Any] = {
     "average_tokens_across_devices": True, "label_smoothing_factor": 0.0, "bf16_full_eval": False,
     "fp16_full_eval": False, "tf32": None, "activation_checkpointing": None, "activation_checkpointing_kwargs": None,
     "gradient_checkpointing_kwargs": None, "torch_compile": False, "torch_compile_backend": None,
-    "torch_compile_mode": None, "use_liger_kernel": False, "liger_kernel_config": None, "use_cache": False,
+    "torch_compile_mode": None, "liger_kernel_config": None, "use_cache": False,
     "neftune_noise_alpha": None, "torch_empty_cache_steps": None, "auto_find_batch_size": False,
     "logging_strategy": "steps", "logging_first_step": False, "log_on_each_node": True, "logging_nan_inf_filter": True,
     "include_num_input_tokens_seen": "no", "log_level": "passive", "log_level_replica": "warning", "run_name": None,
@@ -343,16 +353,15 @@ REFUSED: dict[str, Any] = {
     "batch_eval_metrics": False, "save_only_model": False, "save_on_each_node": False, "enable_jit_checkpoint": False,
     "push_to_hub": False, "hub_token": None, "hub_private_repo": None, "hub_model_id": None,
     "hub_strategy": "every_save", "hub_always_push": False, "hub_revision": None, "ignore_data_skip": False,
-    "restore_callback_states_from_checkpoint": False, "full_determinism": False, "accelerator_config": None,
-    "parallelism_config": None, "dataloader_drop_last": False, "dataloader_num_workers": 0,
-    "dataloader_pin_memory": True, "dataloader_persistent_workers": False, "dataloader_prefetch_factor": None,
+    "restore_callback_states_from_checkpoint": False, "full_determinism": False,
+    "parallelism_config": None, "dataloader_drop_last": False,
     "dataloader_multiprocessing_context": None, "dataloader_in_order": True, "label_names": None,
     "train_sampling_strategy": "random", "length_column_name": "length", "ddp_find_unused_parameters": None,
     "ddp_bucket_cap_mb": None, "ddp_broadcast_buffers": None, "ddp_static_graph": None, "ddp_backend": None,
     "ddp_timeout": 1800, "fsdp": None, "fsdp_config": None, "deepspeed": None, "debug": "", "skip_memory_metrics": True,
     "data_seed": None, "resume_from_checkpoint": None, "trust_remote_code": False, "router_aux_loss_coef": None,
     "cast_lm_head_to_fp32": False, "ds3_gather_for_generation": True, "shuffle_dataset": True, "min_p": None,
-    "generation_kwargs": None, "chat_template_kwargs": None, "repetition_penalty": 1.0, "cache_implementation": None,
+    "chat_template_kwargs": None, "repetition_penalty": 1.0, "cache_implementation": None,
     "vllm_model_impl": "vllm", "vllm_structured_outputs_regex": None, "vllm_server_base_url": None,
     "vllm_server_host": "0.0.0.0", "vllm_server_port": 8000, "vllm_server_timeout": 240.0, "vllm_group_port": 51216,
     "vllm_tensor_parallel_size": 1, "log_multimodal": True,
@@ -363,6 +372,8 @@ REFUSED: dict[str, Any] = {
 
 # What the ConfigError says about some refused fields: the way to get what they ask for.
 REFUSED_WHY = {
+    "shuffle_dataset": "grpokit always draws the prompts in a seeded shuffled order (seed); it has no option for "
+    "the dataset's own order yet",
     "eval_on_start": "grpokit evaluates after training steps only; call trainer.evaluate() before trainer.train()",
     "eval_delay": "grpokit evaluates every eval_steps from the start",
     "bf16_full_eval": "grpokit evaluates in the dtype it trains in", "fp16_full_eval": "grpokit evaluates in the "

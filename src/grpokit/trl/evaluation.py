@@ -1,19 +1,33 @@
 """`GRPOTrainer.evaluate()` and `load_best_model_at_end`, on grpokit's evaluation and run folder.
 
-`evaluate` scores a model on held-out rows with grpokit's own `training.evaluation.evaluate`, the one
-the `[eval]` section runs during training, with the same settings the trainer's config gives it
-(num_generations_eval answers per prompt at the training temperature, max_completion_length tokens),
-and names the results as TRL's Trainer.evaluate names its metrics: `eval_reward` is the mean total
-reward of the answers (grpokit's eval/mean_reward). `best_checkpoint` is the checkpoint best.json names
-(`output.keep_best`), what transformers' `load_best_model_at_end` loads at the end of training.
+`evaluate` scores a model on held-out rows and returns TRL's keys (what TRL's Trainer.evaluate returns
+for a GRPO trainer): `eval_loss`, `eval_runtime`, `eval_samples_per_second`, `eval_steps_per_second`,
+`eval_reward`, `eval_reward_std`, `eval_frac_reward_zero_std`, `eval_rewards/<name>/mean|std`,
+`eval_completions/*`, `eval_entropy`, `eval_clip_ratio/*` (`eval_kl` with beta > 0), and grpokit's
+`eval_accuracy` and `eval_pass@K`.
+
+- `eval_reward`, `eval_accuracy`, `eval_pass@K` come from grpokit's own `training.evaluation.evaluate`,
+  the one the `[eval]` section runs during training, with the settings the trainer's config gives it
+  (num_generations_eval answers per prompt at the training temperature, seed `seed`): `eval_reward` is
+  grpokit's eval/mean_reward, the mean total reward of the answers.
+- The rest come from the same answers (drawn again with the same seed and batches, so they are the same
+  tokens), as TRL computes them in its evaluation: per eval batch of `per_device_eval_batch_size`
+  answers (whole groups), the group advantages, and the GRPO loss at ratio 1 (on-policy: no update
+  happens during evaluation) with the KL to the reference when beta > 0; each metric is the mean over the
+  batches (NaN-skipping, as TRL's log averages them).
+`best_checkpoint` is the checkpoint best.json names (`output.keep_best`), what transformers'
+`load_best_model_at_end` loads at the end of training.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from pathlib import Path
+
+import torch
 
 from grpokit.errors import ConfigError
 
@@ -31,10 +45,10 @@ def best_checkpoint(run_dir: Path) -> tuple[Path, dict] | None:
 
 
 def run_evaluation(trainer, model, rows: list[dict], prefix: str) -> dict[str, float]:
-    """grpokit's evaluation of `model` on `rows`, with TRL's metric names (`<prefix>_reward`, ...)."""
+    """grpokit's evaluation of `model` on `rows`, with TRL's metric names (`<prefix>_loss`, `<prefix>_reward`...)."""
     from grpokit.data.files import load_prompts
     from grpokit.errors import DataError
-    from grpokit.models.loading import load_tokenizer, max_positions_of
+    from grpokit.models.loading import max_positions_of
     from grpokit.training.evaluation import evaluate
     from grpokit.training.setup import (
         PreparedData,
@@ -52,7 +66,7 @@ def run_evaluation(trainer, model, rows: list[dict], prefix: str) -> dict[str, f
         rows = load_prompts(rows, prompt_column="prompt")
     except DataError as e:
         raise DataError(f"eval_dataset: {e}") from None
-    tokenizer = load_tokenizer(config.model.path)
+    tokenizer = trainer.processing_class
     tools, _ = resolve_tools(config, trainer.tools) if trainer.tools is not None else (None, None)
     budget = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout,
                                                                      max_new_tokens=eval_max_new_tokens(config)))
@@ -60,13 +74,133 @@ def run_evaluation(trainer, model, rows: list[dict], prefix: str) -> dict[str, f
     specs = resolve_reward_specs(config, None, trainer.reward_funcs)
     samples = args.num_generations_eval or args.num_generations
     started, was_training = time.perf_counter(), model.training
-    result = evaluate(model, tokenizer, table.rows, table.ids, specs, samples_per_prompt=samples,
-                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                      max_new_tokens=eval_max_new_tokens(config),
-                      correct_threshold=config.eval.correct_threshold, greedy=False, seed=args.seed,
-                      stop_strings=config.rollout.stop_strings, tools=tools, max_tool_turns=config.tools.max_calls,
-                      eos_token_ids=table.eos_token_ids)
+    sampling = dict(samples_per_prompt=samples, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                    max_new_tokens=eval_max_new_tokens(config), seed=args.seed, tools=tools,
+                    max_tool_turns=config.tools.max_calls, eos_token_ids=table.eos_token_ids)
+    result = evaluate(model, tokenizer, table.rows, table.ids, specs, correct_threshold=config.eval.correct_threshold,
+                      greedy=False, stop_strings=config.rollout.stop_strings, **sampling)
+    batches = _answer_metrics(trainer, model, tokenizer, table, specs, **sampling)
     model.train(was_training)
-    return {f"{prefix}_reward": result["mean_reward"], f"{prefix}_accuracy": result["accuracy"],
-            f"{prefix}_pass@{samples}": result[f"pass@{samples}"],
-            f"{prefix}_runtime": time.perf_counter() - started}
+    runtime = time.perf_counter() - started
+    keys = dict.fromkeys(k for b in batches for k in b)  # TRL's log: each metric's mean over the eval batches
+    metrics = {k: _mean([b.get(k, math.nan) for b in batches]) for k in keys}
+    metrics.update({"reward": result["mean_reward"], "accuracy": result["accuracy"],
+                    f"pass@{samples}": result[f"pass@{samples}"]})
+    eval_batch = args.per_device_eval_batch_size * args.world_size
+    speed = {"runtime": round(runtime, 4)}
+    if runtime > 0:  # transformers' speed_metrics: rows and eval batches per second
+        speed.update(samples_per_second=round(len(rows) / runtime, 3),
+                     steps_per_second=round(math.ceil(len(rows) / eval_batch) / runtime, 3))
+    ordered = {"loss": metrics.pop("loss"), **speed, **metrics}  # TRL's order
+    return {f"{prefix}_{k}": v for k, v in ordered.items()}
+
+
+def _mean(values: list[float]) -> float:
+    valid = [v for v in values if not math.isnan(v)]
+    return sum(valid) / len(valid) if valid else math.nan
+
+
+@torch.no_grad()
+def _answer_metrics(trainer, model, tokenizer, table, specs, *, samples_per_prompt, temperature, top_p, top_k,
+                    max_new_tokens, seed, tools, max_tool_turns, eos_token_ids, batch_prompts: int = 64) -> list[dict]:
+    """The answers `evaluate` drew (the same generator, seed and batches), scored per TRL eval batch."""
+    from grpokit.models.fsdp import full_params_for_generation
+    from grpokit.rollout.decode import sample_groups
+    from grpokit.rollout.grading import grade
+    from grpokit.rollout.multiturn import sample_conversations
+
+    config, G = trainer.config, samples_per_prompt
+    generator = torch.Generator(device=model.device).manual_seed(seed)
+    common = dict(group_size=G, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                  temperature=temperature, top_p=top_p, top_k=top_k, tokenizer=tokenizer, generator=generator,
+                  eos_token_ids=list(eos_token_ids))
+    per_batch = max(1, trainer.args.per_device_eval_batch_size // G)  # prompts in one TRL eval batch
+    out = []
+    for start in range(0, len(table.ids), batch_prompts):
+        ids, rows = table.ids[start:start + batch_prompts], table.rows[start:start + batch_prompts]
+        conversations = None
+        with full_params_for_generation(model):
+            if tools:
+                rollout, stats = sample_conversations(model, ids, tools=tools, max_tool_turns=max_tool_turns, **common)
+                conversations = stats.conversations
+            else:
+                rollout = sample_groups(model, ids, stop_strings=config.rollout.stop_strings, **common)
+        draw = grade(rollout, rows, tokenizer, specs, G, prompt_column="prompt", conversations=conversations)
+        for first in range(0, len(ids), per_batch):
+            answers = torch.arange(first * G, min(first + per_batch, len(ids)) * G)
+            out.append(_batch_metrics(trainer, model, draw, answers, specs, G))
+    return out
+
+
+def _batch_metrics(trainer, model, draw, answers: torch.Tensor, specs, G: int) -> dict:
+    """TRL's evaluation metrics of one eval batch of whole groups: rewards, lengths, the loss at ratio 1."""
+    from grpokit.algorithms.advantages import decoupled_advantages, group_advantages
+    from grpokit.algorithms.objectives import policy_loss
+    from grpokit.models.forward import completion_logprobs, head_is_linear
+    from grpokit.observe.metrics import completion_metrics, reward_summary
+    from grpokit.rewards.core import reward_metrics
+
+    config, algo = trainer.config, trainer.config.algorithm
+    r, total, per_fn = draw.rollout, draw.total[answers], draw.per_fn[answers]
+    if config.rewards.aggregation == "normalize_then_sum":
+        adv = decoupled_advantages(per_fn, [s.weight for s in specs], G, std=algo.std)
+    else:
+        adv = group_advantages(total, G, scale_rewards=algo.scale_rewards, std=algo.std,
+                               estimator=algo.advantage_estimator)
+    mask = r.action_mask[answers].clone()
+    if algo.mask_truncated_completions:
+        mask[r.truncated[answers]] = 0
+    T = int(r.completion_mask[answers].sum(-1).max().clamp(min=1))
+    mask = mask[:, :T]
+    scored = (r.prompt_ids[answers], r.prompt_mask[answers], r.completion_ids[answers, :T],
+              r.completion_mask[answers, :T])
+    linear = head_is_linear(model)
+    logp, entropy = completion_logprobs(model, *scored, temperature=config.rollout.temperature, with_entropy=True,
+                                        linear_head=linear)
+    reference = _reference(trainer, model) if algo.beta > 0 else None
+    ref = completion_logprobs(reference, *scored, temperature=config.rollout.temperature,
+                              linear_head=linear)[0] if reference is not None else None
+    loss, stats = policy_loss(
+        logp, None, adv.to(logp.device), mask, ref_logp=ref, beta=algo.beta, epsilon=algo.epsilon,
+        epsilon_high=algo.cispo_cap if algo.loss_type == "cispo" else algo.clip_high, loss_type=algo.loss_type,
+        importance_sampling_level=algo.importance_sampling_level, max_completion_length=config.rollout.max_new_tokens,
+        num_items_in_batch=mask.sum().clamp(min=1), kl_bias_correction=algo.kl_bias_correction,
+        entropy=entropy if algo.uses_entropy else None, entropy_coef=algo.entropy_coef,
+        top_entropy_quantile=algo.top_entropy_quantile, delta=algo.delta or None,
+        sapo_temperature_pos=algo.sapo_temperature_pos, sapo_temperature_neg=algo.sapo_temperature_neg,
+        vespo={"k_pos": algo.vespo_k_pos, "lambda_pos": algo.vespo_lambda_pos, "k_neg": algo.vespo_k_neg,
+               "lambda_neg": algo.vespo_lambda_neg},
+        off_policy_mask_threshold=algo.off_policy_mask_threshold or None,
+        sampling_logp=r.logprobs[answers, :T] if algo.off_policy_mask_threshold else None)
+    maskf = mask.to(entropy.dtype)
+    lengths = r.action_mask[answers].sum(-1).float()
+    ended = lengths[~r.truncated[answers].to(lengths.device)]  # TRL's terminated lengths (0 when none ended)
+    stats = {**stats, **_one_process_extremes(stats)}
+    return {"loss": float(loss), **reward_summary(total, G), **reward_metrics(specs, per_fn),
+            **completion_metrics(r.action_mask[answers], r.truncated[answers]),
+            "completions/min_terminated_length": float(ended.min()) if len(ended) else 0.0,
+            "completions/max_terminated_length": float(ended.max()) if len(ended) else 0.0,
+            "entropy": float((entropy * maskf).sum() / maskf.sum().clamp(min=1)),
+            **{k: float(v) for k, v in stats.items()}}
+
+
+def _one_process_extremes(stats: dict) -> dict:
+    """TRL's clip_ratio/low_min and high_max (the min / max over processes of each one's mean): every process
+    evaluates all of the rows, so each is the mean itself."""
+    pairs = (("clip_ratio/low_mean", "clip_ratio/low_min"), ("clip_ratio/high_mean", "clip_ratio/high_max"))
+    return {extreme: stats[mean] for mean, extreme in pairs if mean in stats}
+
+
+def _reference(trainer, model):
+    """The KL reference of the evaluation's loss (beta > 0): the base with the adapters off under LoRA, else
+    the initial weights (model.path), loaded once."""
+    from grpokit.models.lora import AdapterDisabled, adapter_of
+
+    if adapter_of(model) is not None:
+        return AdapterDisabled(model)
+    if getattr(trainer, "_eval_reference", None) is None:
+        from grpokit.models.loading import load_model
+
+        trainer._eval_reference = load_model(trainer.config.model.path, dtype=trainer.config.model.dtype,
+                                             device=str(model.device)).eval().requires_grad_(False)
+    return trainer._eval_reference

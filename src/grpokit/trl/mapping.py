@@ -110,7 +110,7 @@ def grpokit_config(args, *, model_path: str, dtype: str, lora: dict | None = Non
         rewards=RewardConfig(aggregation=args.multi_objective_aggregation),  # weights: set by trainer.py
         rollout=RolloutConfig(
             group_size=args.num_generations, max_new_tokens=args.max_completion_length,
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, stop_strings=stop_strings(args),
             engine="vllm" if args.use_vllm else "hf", vllm=_vllm_options(args) if args.use_vllm else {}),
         algorithm=AlgorithmConfig(
             loss_type=args.loss_type, beta=args.beta, epsilon=args.epsilon, epsilon_high=args.epsilon_high or 0.0,
@@ -158,6 +158,14 @@ def eval_config(args, total: int, per_step: int, num_eval_rows: int | None) -> E
                       temperature=args.temperature, seed=args.seed)
 
 
+def stop_strings(args) -> tuple[str, ...]:
+    """generation_kwargs' stop strings (`stop_strings`, transformers' name, or `stop`, vLLM's); config.py
+    refuses every other key."""
+    kwargs = args.generation_kwargs or {}
+    value = kwargs.get("stop_strings", kwargs.get("stop")) or ()
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
 def _entropy(args) -> dict:
     """TRL's entropy bonus and its adaptive controller (`use_adaptive_entropy`): the same fields."""
     fields = {"entropy_coef": args.entropy_coef}
@@ -195,17 +203,18 @@ def _check_precision(args, dtype: str) -> None:
                               f"'{wanted}'}} (no float32 master weights then), or leave {flag} unset")
 
 
-def lora_options(peft_config, model_type: str | None) -> dict:
+def lora_options(peft_config, model_type: str | None, *, field: str = "peft_config", allowed: tuple = ()) -> dict:
     """A peft LoraConfig as grpokit's model.lora ({r, alpha, target_modules}); any other LoraConfig field
-    set away from peft's default is refused. target_modules=None means peft's default for the
+    set away from peft's default is refused (but those in `allowed`: a given PeftModel's lora_dropout, off in
+    grpokit's eval-mode training as all dropout is). target_modules=None means peft's default for the
     architecture (what `get_peft_model` picks), not grpokit's "all-linear"."""
     from peft import LoraConfig
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as DEFAULT_TARGETS
 
     if not isinstance(peft_config, LoraConfig):
-        raise ConfigError(f"peft_config: grpokit trains LoRA adapters only, got {type(peft_config).__name__}")
+        raise ConfigError(f"{field}: grpokit trains LoRA adapters only, got {type(peft_config).__name__}")
     mapped = {"r", "lora_alpha", "target_modules", "task_type", "base_model_name_or_path", "revision",
-              "inference_mode", "peft_type", "auto_mapping"}
+              "inference_mode", "peft_type", "auto_mapping", *allowed}
     default = LoraConfig()
     other = [f"{name}={getattr(peft_config, name)!r}" for name in vars(default)
              if name not in mapped and not name.startswith("_")
@@ -213,12 +222,12 @@ def lora_options(peft_config, model_type: str | None) -> dict:
     if peft_config.task_type not in (None, "CAUSAL_LM"):
         other.append(f"task_type={peft_config.task_type!r}")
     if other:
-        raise ConfigError("peft_config: grpokit's LoRA takes r, lora_alpha and target_modules only (no dropout, "
+        raise ConfigError(f"{field}: grpokit's LoRA takes r, lora_alpha and target_modules only (no dropout, "
                           f"bias or variants); leave these at peft's default: {', '.join(other)}")
     targets = peft_config.target_modules
     if targets is None:
         if model_type not in DEFAULT_TARGETS:
-            raise ConfigError(f"peft_config.target_modules: peft has no default for model type {model_type!r}; "
+            raise ConfigError(f"{field}.target_modules: peft has no default for model type {model_type!r}; "
                               "name the modules")
         targets = DEFAULT_TARGETS[model_type]
     targets = targets if isinstance(targets, str) else sorted(targets)
