@@ -80,7 +80,6 @@ import json
 import math
 import os
 import re
-import secrets
 import shutil
 import signal
 import subprocess
@@ -93,6 +92,8 @@ from typing import Any, Callable, Sequence
 from grpokit.errors import RewardLoadError
 from grpokit.rewards import bwrap
 from grpokit.rewards.graders import completion_text
+from grpokit.rewards.sandbox_checks import REPORT_CAP, Grade, instrument, judge
+from grpokit.rewards.sandbox_harness import HARNESS
 
 __all__ = ["code_execution", "code_execution_reward", "extract_code", "run_tests", "sandbox_isolation"]
 
@@ -119,64 +120,6 @@ _FENCED = re.compile(r"```(?:python|py|python3)[ \t]*\n(.*?)```", re.DOTALL | re
 
 
 _ANY_FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
-
-
-# Runs in the child. Reads the job from stdin, keeps the result file (stdout) on a private fd,
-# becomes uid 65534 when started as root inside bubblewrap, puts stdin/stdout/stderr on
-# /dev/null, sets the limits, then runs the answer and the tests in one namespace. Every
-# result line starts with the nonce, which the answer's code is never given.
-_HARNESS = r"""
-import json, os, resource, sys
-job = json.loads(sys.stdin.read())
-out = os.fdopen(os.dup(1), "w", encoding="utf-8")
-if job["uid"] is not None:
-    os.chown(".", job["uid"], job["uid"])
-    os.setgroups([])
-    os.setgid(job["uid"])
-    os.setuid(job["uid"])
-null = os.open(os.devnull, os.O_RDWR)
-for fd in (0, 1, 2):
-    os.dup2(null, fd)
-def limit(kind, value):
-    hard = resource.getrlimit(kind)[1]
-    if hard != resource.RLIM_INFINITY:
-        value = min(value, hard)
-    resource.setrlimit(kind, (value, value))
-nproc = job["nproc"]
-if job["nproc_above_mine"]:
-    me = os.getuid()
-    for pid in os.listdir("/proc"):
-        try:
-            if pid.isdigit() and os.stat("/proc/" + pid).st_uid == me:
-                nproc += len(os.listdir("/proc/%s/task" % pid))
-        except OSError:
-            pass
-limit(resource.RLIMIT_NPROC, nproc)
-limit(resource.RLIMIT_CPU, job["cpu"])
-limit(resource.RLIMIT_FSIZE, job["fsize"])
-limit(resource.RLIMIT_CORE, 0)
-if job["memory"]:
-    limit(resource.RLIMIT_AS, job["memory"])
-nonce, tests, code = job["nonce"], job["tests"], job["code"]
-def report(*words):
-    out.write(" ".join([nonce, *map(str, words)]) + "\n")
-    out.flush()
-namespace = {"__name__": "__main__", "__builtins__": __builtins__}
-del job
-try:
-    exec(compile(code, "<answer>", "exec"), namespace)
-except BaseException:
-    report("done", 0, len(tests))
-    raise SystemExit(0)
-passed = 0
-for i, test in enumerate(tests):
-    try:
-        exec(compile(test, "<test %d>" % i, "exec"), namespace)
-        passed += 1
-    except BaseException:
-        pass
-report("done", passed, len(tests))
-"""
 
 
 def extract_code(text: str) -> str:
@@ -212,16 +155,25 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def _run(mode: bwrap.Mode, code: str, tests: Sequence[str], time_limit: float, memory_mb: int | None,
          errors: list[str] | None = None) -> float:
-    """One answer at `mode`'s level; `errors` (the probe's) collects what the child wrote on stderr."""
-    nonce = secrets.token_hex(16)
-    job = {"nonce": nonce, "code": code, "tests": list(tests), "uid": None, "nproc": _NPROC,
+    """One answer's score at `mode`'s level (see `_grade`)."""
+    return _grade(mode, code, tests, time_limit, memory_mb, errors).score
+
+
+def _grade(mode: bwrap.Mode, code: str, tests: Sequence[str], time_limit: float, memory_mb: int | None,
+           errors: list[str] | None = None) -> Grade:
+    """One answer at `mode`'s level; `errors` (the probe's) collects what the child wrote on stderr.
+
+    The tests' asserts are turned into checks whose expected sides stay here (`sandbox_checks`); the
+    sandbox's relay process reports the values, and `judge` scores them."""
+    sent, checks = zip(*(instrument(t) for t in tests))
+    job = {"code": code, "tests": list(sent), "uid": None, "nproc": _NPROC, "cap": REPORT_CAP,
            "nproc_above_mine": False, "cpu": max(1, math.ceil(time_limit)),
            "fsize": _FILE_LIMIT, "memory": int(memory_mb * 2**20) if memory_mb else 0}
     popen: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         result = stack.enter_context(tempfile.TemporaryFile(prefix="grpokit-result-"))
         err = stack.enter_context(tempfile.TemporaryFile()) if errors is not None else subprocess.DEVNULL
-        argv = [mode.python, "-I", "-B", "-c", _HARNESS]
+        argv = [mode.python, "-I", "-B", "-c", HARNESS]
         if mode.level == "bubblewrap":  # the working folder is a tmpfs inside the sandbox
             argv = bwrap.bwrap_argv(mode.bwrap, mode.python, userns=mode.userns) + argv
             work, path = "/", "/usr/local/bin:/usr/bin:/bin"
@@ -244,9 +196,9 @@ def _run(mode: bwrap.Mode, code: str, tests: Sequence[str], time_limit: float, m
         proc = subprocess.Popen(argv, cwd=work, env=env, stdin=subprocess.PIPE, stdout=result, stderr=err,
                                 start_new_session=True, close_fds=True, **popen)
         try:
-            proc.communicate(json.dumps(job).encode("utf-8"), timeout=time_limit + _STARTUP_GRACE)
+            proc.communicate(json.dumps(job).encode("utf-8", "surrogatepass"), timeout=time_limit + _STARTUP_GRACE)
         except subprocess.TimeoutExpired:
-            return 0.0
+            return Grade(0.0, f"over its time limit ({time_limit:g} s)")
         except (BrokenPipeError, OSError):
             pass  # the child died before reading its job: no result, 0.0 below
         finally:
@@ -255,15 +207,11 @@ def _run(mode: bwrap.Mode, code: str, tests: Sequence[str], time_limit: float, m
             if errors is not None:
                 err.seek(0)
                 errors.extend(err.read(1 << 14).decode("utf-8", "replace").strip().splitlines())
-        if proc.returncode != 0:
-            return 0.0
+        if proc.returncode != 0:  # the relay itself died: killed by the answer, or the harness could not start
+            return Grade(0.0, f"the sandbox's relay process ended with status {proc.returncode}")
         result.seek(0)
-        lines = result.read(1 << 16).decode("utf-8", "replace").splitlines()
-    done = [line.split() for line in lines if line.startswith(nonce + " done ")]
-    if len(done) != 1 or len(done[0]) != 4:
-        return 0.0
-    passed, total = int(done[0][2]), int(done[0][3])
-    return passed / total if total == len(tests) else 0.0
+        report = result.read(2 * REPORT_CAP).decode("utf-8", "replace")
+    return judge(report, list(checks))
 
 
 _PROBE_CODE = "import os, fractions, decimal\nuid = os.getuid()\n"
