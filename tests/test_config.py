@@ -60,6 +60,9 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     ({"model": {"path": ""}, "data": {"task": "addition"}}, "model.path"),
     ({**BASE, "rewards": {"functions": ["a", "b"], "weights": [1.0]}}, "rewards.weights: has 1 values for 2 functions"),
     ({**BASE, "rollout": {"temperature": 0.0}}, "rollout.temperature: must be > 0"),
+    # a step holds all its answers at once: past 2**20 it would only allocate until the machine gives up
+    ({**BASE, "train": {"prompts_per_step": 10**23}}, "train.prompts_per_step: train.prompts_per_step 10000000000"),
+    ({**BASE, "rollout": {"group_size": 2**21}}, "rollout.group_size: train.prompts_per_step 8 x rollout.group_size"),
 ])
 def test_bad_values_name_the_field(raw, needle):
     with pytest.raises(ConfigError) as e:

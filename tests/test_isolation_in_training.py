@@ -84,3 +84,28 @@ def _children(pid: int) -> list[int]:
             if int(fields[1]) == pid and fields[0] != "Z":
                 out.append(int(entry.name))
     return out
+
+
+def test_skip_with_a_grader_that_always_fails_stops_after_max_consecutive_skips(tiny_model_dir, tmp_path,
+                                                                                rewards_file, capsys):
+    """rewards.on_error = "skip" and the only reward crashing on every answer: the run used to go on to its
+    last step (exit 0) having learned nothing, its only diagnostic blaming the prompts. Now it stops after
+    train.max_consecutive_skips such steps with one error naming the function; the steps before it are saved."""
+    from grpokit.errors import RewardError
+
+    config = _config(tiny_model_dir, tmp_path / "run", rewards_file, ["crashes"], isolation="process",
+                     on_error="skip")
+    config = replace(config, train=replace(config.train, steps=8, max_consecutive_skips=3),
+                     output=replace(config.output, save_every=1))
+    with pytest.raises(RewardError, match=r"no answer was graded in 3 steps in a row: reward function 'crashes' "
+                                          r"failed on every answer .*newest checkpoint is .*checkpoint-2"):
+        train(config)
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["frac_reward_zero_std"] is None for r in rows)  # no graded group: not "the prompts are too easy"
+    assert "too easy or too hard" not in capsys.readouterr().out
+    # a step with any graded answer resets the count: the same grader beside one that works trains on
+    mixed = _config(tiny_model_dir, tmp_path / "mixed", rewards_file, ["crashes", "addition"], isolation="process",
+                    on_error="skip")
+    train(replace(mixed, train=replace(mixed.train, steps=4, max_consecutive_skips=2)))
+    assert [r["step"] for r in _rows(tmp_path / "mixed")] == [1, 2, 3, 4]

@@ -173,7 +173,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0  # 0 = no clipping
     seed: int = 0
     logprob_chunk_size: int = 256  # rows per chunk of the selective log-softmax (~32 MB of logits at V = 32k)
-    max_consecutive_skips: int = 5  # stop after this many steps in a row with NaN/inf updates; 0 = never
+    # stop after this many steps in a row with NaN/inf updates, or with no answer graded (a grader that is down
+    # under rewards.on_error = "skip"); 0 = never
+    max_consecutive_skips: int = 5
     num_threads: int = 0  # torch CPU threads; 0 = OMP_NUM_THREADS when set, else the cores this process may use
     # Fast paths (same loss and gradients; off only for ablations): the fused log-softmax head and
     # its one-pass backward, (β = 0) no forward/backward for answers whose advantage is 0, and one
@@ -256,6 +258,8 @@ class ToolsConfig:
         _check(self.timeout_s >= 0, "tools.timeout_s", "must be >= 0 seconds (0 = no limit); 30 is the default")
 
 
+MAX_ANSWERS_PER_STEP = 2**20  # prompts_per_step * group_size: far past any real run, short of a hang
+
 SECTIONS = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -286,6 +290,12 @@ class Config:
             _check(isinstance(getattr(self, name), cls), name,
                    f"must be a {cls.__name__}, got {_show(getattr(self, name))}")
         n = self.generation_batch_size
+        larger = "train.prompts_per_step" if self.train.prompts_per_step >= self.rollout.group_size else \
+            "rollout.group_size"
+        _check(n <= MAX_ANSWERS_PER_STEP, larger,
+               f"train.prompts_per_step {self.train.prompts_per_step} x rollout.group_size {self.rollout.group_size} = "
+               f"{n} answers in one step, more than the {MAX_ANSWERS_PER_STEP} a step may sample (they are held in "
+               f"memory together); e.g. {larger} = 8")
         mb = self.minibatch_size
         _check(mb <= n and n % mb == 0, "train.minibatch_size",
                f"{mb} must divide the generation batch of {n} answers (prompts_per_step * group_size)")

@@ -30,7 +30,9 @@ def completion_metrics(completion_mask: torch.Tensor, truncated: torch.Tensor) -
 
 
 def reward_summary(total: torch.Tensor, group_size: int) -> dict[str, float]:
-    """`reward`, `reward_std` (mean of per-group stds, as TRL) and `frac_reward_zero_std`."""
+    """`reward`, `reward_std` (mean of per-group stds, as TRL) and `frac_reward_zero_std`: the share of
+    graded groups (a group no reward graded at all, rewards.on_error = "skip", is not one) whose answers
+    all scored the same; NaN when no group was graded (its cause is the grader, not the prompts)."""
     grouped = total.view(-1, group_size)  # [B, G]
     valid = ~torch.isnan(grouped)
     counts = valid.sum(-1).clamp(min=1)
@@ -38,10 +40,11 @@ def reward_summary(total: torch.Tensor, group_size: int) -> dict[str, float]:
     mean = filled.sum(-1) / counts  # [B]
     var = (torch.where(valid, grouped - mean[:, None], torch.zeros_like(grouped)) ** 2).sum(-1) / counts
     std = var.sqrt()
+    graded = valid.any(-1)  # [B]
     return {
         "reward": torch.nanmean(total).item(),
         "reward_std": std.mean().item(),
-        "frac_reward_zero_std": (std < 1e-8).float().mean().item(),
+        "frac_reward_zero_std": (std[graded] < 1e-8).float().mean().item() if graded.any() else math.nan,
     }
 
 

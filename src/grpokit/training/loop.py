@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Sequence
 
 from grpokit.config.loading import to_toml
 from grpokit.config.schema import Config
-from grpokit.errors import TrainingDiverged
+from grpokit.errors import RewardError, TrainingDiverged
 from grpokit.models.onednn import onednn_linears
 from grpokit.models.parallel import DistributedContext
 from grpokit.models.threads import configure_threads
@@ -33,7 +33,13 @@ from grpokit.training.generate import generate_and_grade
 from grpokit.training.reference import sync_reference
 from grpokit.training.run_folder import RunFolderLock, record_segment, with_resolved_paths
 from grpokit.training.setup import Run, build_run, check_inputs
-from grpokit.training.stopping import GracefulStop, continue_command, diverged_message, stop_messages
+from grpokit.training.stopping import (
+    GracefulStop,
+    continue_command,
+    diverged_message,
+    stop_messages,
+    ungraded_message,
+)
 from grpokit.training.update import optimize, score_old_and_ref, with_is_weights
 
 
@@ -111,6 +117,7 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
                                 config.output.keep_last, config_text, hint, keep_step)
 
     failed_steps = 0  # consecutive steps whose every update was skipped as non-finite
+    ungraded_steps = 0  # consecutive steps in which no reward function graded any answer
     try:
         with GracefulStop() as stop:
             for step in range(run.start_step + 1, config.train.steps + 1):
@@ -161,6 +168,10 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
                 failed_steps = failed_steps + 1 if math.isnan(metrics["grad_norm"]) else 0
                 if config.train.max_consecutive_skips and failed_steps >= config.train.max_consecutive_skips:
                     raise TrainingDiverged(diverged_message(run_dir, failed_steps))
+                # rewards.on_error = "skip" with a grader that is down: no answer graded, nothing learned
+                ungraded_steps = ungraded_steps + 1 if not dist.any(bool((~batch.draw.total.isnan()).any())) else 0
+                if config.train.max_consecutive_skips and ungraded_steps >= config.train.max_consecutive_skips:
+                    raise RewardError(ungraded_message(run_dir, ungraded_steps, metrics, hint))
                 # save
                 due = step == config.train.steps or (config.output.save_every and step % config.output.save_every == 0)
                 improved = dist.any(best is not None and best.improves(metrics))  # rank 0 decides

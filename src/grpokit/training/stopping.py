@@ -23,6 +23,21 @@ def diverged_message(run_dir: Path, failed_steps: int) -> str:
             f"extreme values, or raise train.max_consecutive_skips.")
 
 
+def ungraded_message(run_dir: Path, steps: int, metrics: dict, hint: str) -> str:
+    """No reward graded any answer `steps` steps in a row (rewards.on_error = "skip" and a grader that is down):
+    the run learns nothing, so it stops, naming the functions that left answers ungraded."""
+    failing = [k.split("/")[1] for k, v in metrics.items() if k.endswith("/ungraded") and v]
+    who = (f"reward function{'s' if len(failing) > 1 else ''} {', '.join(repr(n) for n in failing)} failed on every "
+           "answer (rewards.on_error = \"skip\" left them ungraded)" if failing
+           else "every reward function returned None for every answer")
+    last = list_checkpoints(run_dir)
+    then = (f"the newest checkpoint is {last[-1]}). Fix the grader (its URL, its worker, the function), then "
+            f"continue with: {hint}" if last else "no checkpoint was written yet). Fix the grader (its URL, its "
+            "worker, the function), then start again with the same command")
+    return (f"no answer was graded in {steps} steps in a row: {who}, so nothing was learned; stopping ({then} "
+            f"(train.max_consecutive_skips = {steps} sets how many such steps a run tolerates; 0 = no limit)")
+
+
 class GracefulStop:
     """SIGINT / SIGTERM ask the loop to finish its step, save and exit; a second SIGINT stops at once.
     The first one says so at once (a step may take long, or hang in a reward function)."""
