@@ -29,11 +29,23 @@ def half_unsolvable(completions, solvable, **kwargs) -> list[float]:
     return [b if s else 0.0 for b, s in zip(base, solvable)]
 
 
-REWARDS = {"letter_fraction": letter_fraction, "half_unsolvable": half_unsolvable}
+def digit_mean(completions, **kwargs) -> list[float]:
+    """letter_fraction's counterpart for the addition demo's answers (digits): their mean digit / 9."""
+    out = []
+    for c in completions:
+        digits = [int(ch) for ch in (c if isinstance(c, str) else c[-1]["content"]) if ch.isdigit()]
+        out.append(sum(digits) / (9 * len(digits)) if digits else 0.0)
+    return out
 
 
-def load_rows(n: int) -> list[dict]:
-    rows = json.loads((MODELS / "prompts.json").read_text())[:n]
+REWARDS = {"letter_fraction": letter_fraction, "half_unsolvable": half_unsolvable, "digit_mean": digit_mean}
+
+
+def load_rows(n: int, model: str = "") -> list[dict]:
+    """The first `n` prompts: the model folder's own prompts.json where it has one (the demo model's
+    addition prompts), else the shared ones cut to the BPE models' prompt length."""
+    own = MODELS / model / "prompts.json"
+    rows = json.loads((own if model and own.is_file() else MODELS / "prompts.json").read_text())[:n]
     return [{"prompt": r["prompt"], "solvable": i % 2 == 1} for i, r in enumerate(rows)]
 
 

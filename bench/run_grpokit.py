@@ -44,7 +44,8 @@ def main(spec: dict) -> None:
             output=OutputConfig(dir=str(Path(tmp) / "run"), console=False, save_every=0),
         )
         t0 = time.perf_counter()
-        run_dir = train(config, reward_functions=[REWARDS[spec["reward"]]], rows=load_rows(spec["num_prompts"]))
+        run_dir = train(config, reward_functions=[REWARDS[spec["reward"]]],
+                        rows=load_rows(spec["num_prompts"], spec["model"]))
         wall = time.perf_counter() - t0
         lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     measured = lines[spec["warmup"]:]

@@ -50,8 +50,8 @@ def main(spec: dict) -> None:
             dataloader_num_workers=0, disable_tqdm=True, max_grad_norm=1.0,
         )
         trainer = GRPOTrainer(model=str(MODELS / spec["model"]), reward_funcs=[REWARDS[spec["reward"]]], args=args,
-                              train_dataset=Dataset.from_list(load_rows(spec["num_prompts"])), processing_class=tok,
-                              callbacks=[StepTimer()])
+                              processing_class=tok, callbacks=[StepTimer()],
+                              train_dataset=Dataset.from_list(load_rows(spec["num_prompts"], spec["model"])))
         generate = trainer._generate_single_turn
 
         def timed_generate(*a, **k):  # sampling only, as grpokit's time/rollout

@@ -1,0 +1,90 @@
+"""The speed test for regressions: grpokit against TRL's GRPOTrainer on S and on the demo's GRPO step,
+in one invocation, in about three minutes. CI does not run it; run it after each performance change
+and record its figure in BENCHMARKS.md.
+
+    .venv/bin/python bench/quick.py          # waits at most 30 s for a quiet machine before each run
+    .venv/bin/python bench/quick.py 0        # does not wait (the others' load column says what it cost)
+
+S is bench/run.py's configuration S (64-wide 2-layer Qwen2, 32k BPE vocabulary, 4 prompts x G8 x 16
+tokens). D is `grpokit demo`'s GRPO step: its 1.0M-parameter model and character tokenizer, 16
+addition prompts x G8 x 6 tokens, on random weights (both systems do the same work: answers have the
+full length, the reward never ties). Each system runs 3 times, alternating, each run in its own
+process; TRL runs without gradient checkpointing (its faster setting at these sizes) and with the
+allocator setting grpokit applies to itself. The CPU, its vector instructions and the load are printed
+with the ratio: compare figures only from one invocation.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import run  # noqa: E402
+from run import CONFIGS, MALLOC_TUNED, PY, ROOT, load, log, machine, run_worker, spec_for  # noqa: E402
+
+DEMO_MODEL = HERE / "out" / "models" / "D"
+RUNS = 3
+
+
+def build_demo_model() -> None:
+    """The demo's model (grpokit.demo.MODEL) and 512 held-in addition prompts, once."""
+    if (DEMO_MODEL / "prompts.json").is_file():
+        return
+    code = ("import json, sys; from grpokit.demo import MODEL, TASK; from grpokit.models.tiny import build_tiny_model;"
+            " from grpokit.tasks import get_task; p = sys.argv[1]; build_tiny_model(p, **MODEL, seed=0);"
+            " rows = get_task(TASK['name'], digits=TASK['digits']).generate(512, seed=0, split='train');"
+            " open(p + '/prompts.json', 'w').write(json.dumps([{'prompt': r['prompt']} for r in rows]))")
+    subprocess.run([PY, "-c", code, str(DEMO_MODEL)], check=True, capture_output=True,
+                   env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
+
+
+def specs() -> dict[str, dict]:
+    s = spec_for("S", steps=CONFIGS["S"]["steps"])
+    d = {**s, "name": "D", "model": "D", "B": 16, "G": 8, "L": 6, "steps": 10, "reward": "digit_mean",
+         "grpokit_train": {}, "grpokit_algorithm": {}}
+    return {"S": s, "D": d}
+
+
+def main() -> None:
+    run.QUIET_WAIT_S = float(sys.argv[1]) if len(sys.argv) > 1 else 30.0  # a busy machine: measured, and said
+    started, start_load = time.perf_counter(), load()
+    subprocess.run([PY, str(HERE / "build_models.py")], check=True, capture_output=True,
+                   env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
+    build_demo_model()
+    rows = {}
+    for name, spec in specs().items():
+        g, t = [], []
+        for i in range(RUNS):
+            g.append(run_worker("grpokit", spec, tries=2))
+            t.append(run_worker("trl", {**spec, "steps": 3 if name == "D" else spec["steps"], "gc": False},
+                                extra_env=MALLOC_TUNED, tries=2))
+            log(f"{name} run {i + 1}: grpokit {g[-1]['s_per_opt_step']:.3f} s/step, TRL {t[-1]['s_per_opt_step']:.3f}")
+        gs, ts = (statistics.median(r["s_per_opt_step"] for r in runs) for runs in (g, t))
+        rows[name] = {"grpokit_s": gs, "trl_s": ts, "speedup": ts / gs,
+                      "others_cores_max": max(r["others_cores"] for r in g + t),
+                      "grpokit_all": [round(r["s_per_opt_step"], 4) for r in g],
+                      "trl_all": [round(r["s_per_opt_step"], 4) for r in t]}
+    report = {"machine": machine(), "load_start": start_load, "load_end": load(), "rows": rows,
+              "seconds": time.perf_counter() - started}
+    out = HERE / "out" / f"quick-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps(report, indent=1))
+    m = report["machine"]
+    print(f"\n{m['cpu']} ({m['isa']}), {m['cores']} cores, torch {m['torch']}, TRL {m['trl']}; "
+          f"load {start_load} -> {report['load_end']}; {report['seconds']:.0f} s")
+    print("| config | grpokit s / step | TRL s / step (gc off, allocator setting) | speed-up | others' load |")
+    print("|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(f"| {name} | {r['grpokit_s']:.4f} | {r['trl_s']:.4f} | **{r['speedup']:.2f}x** "
+              f"| {r['others_cores_max']:.2f} |")
+    print(f"raw: {out}")
+
+
+if __name__ == "__main__":
+    main()
