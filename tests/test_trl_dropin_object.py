@@ -31,6 +31,11 @@ def length(completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
+def ordinal(completions, **kwargs):
+    """A reward with signal in every group (the answers' places differ), so every step changes the weights."""
+    return [float(i % 4) for i in range(len(completions))]
+
+
 def _weights(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -50,7 +55,7 @@ def trl_run(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("trl-out")
     args = trl.GRPOConfig(output_dir=str(out), use_cpu=True, report_to="none", bf16=False, save_strategy="no",
                           **{k: v for k, v in RUN.items()})
-    trainer = trl.GRPOTrainer(model=str(tiny_model_dir), reward_funcs=parity, args=args,
+    trainer = trl.GRPOTrainer(model=str(tiny_model_dir), reward_funcs=ordinal, args=args,
                               train_dataset=Dataset.from_list(ROWS))
     before = {"model": type(trainer.model), "state": type(trainer.state), "names": trainer.reward_func_names,
               "classes": trainer.reward_processing_classes}
@@ -69,12 +74,12 @@ def test_the_model_is_loaded_and_trained_in_place(tiny_model_dir, tmp_path, trl_
     from grpokit.training.checkpoint import list_checkpoints
 
     args = GRPOConfig(output_dir=str(tmp_path / "o"), **RUN)
-    trainer = GRPOTrainer(str(tiny_model_dir), parity, args=args, train_dataset=ROWS)
+    trainer = GRPOTrainer(str(tiny_model_dir), ordinal, args=args, train_dataset=ROWS)
     model = trainer.model  # the user's reference, before training
     assert isinstance(model, torch.nn.Module) and isinstance(model, trl_run["model"])
     assert isinstance(trainer.processing_class, PreTrainedTokenizerBase)
     assert isinstance(trainer.state, TrainerState) and trainer.state.global_step == 0
-    assert trainer.reward_func_names == trl_run["names"] == ["parity"]
+    assert trainer.reward_func_names == trl_run["names"] == ["ordinal"]
     assert trainer.reward_processing_classes == trl_run["classes"] == [None]
     assert trainer.is_world_process_zero() and trainer.accelerator.is_main_process
     trainer.accelerator.print("printed once")
@@ -118,7 +123,8 @@ def test_evaluate_returns_trls_keys_and_the_loss(tiny_model_dir, tmp_path, trl_r
     trainer = GRPOTrainer(str(tiny_model_dir), [length, parity], args=args, train_dataset=ROWS,
                           eval_dataset=Dataset.from_list(ROWS[:4]))
     metrics = trainer.evaluate()
-    trls = set(trl_run["eval"]) | {"eval_rewards/length/mean", "eval_rewards/length/std"}
+    trls = {k.replace("/ordinal/", "/length/") for k in trl_run["eval"]} | {"eval_rewards/parity/mean",
+                                                                              "eval_rewards/parity/std"}
     assert trls - set(metrics) == NOT_EVALUATED, trls - set(metrics)
     assert {"eval_accuracy", "eval_pass@4"} <= set(metrics) and math.isfinite(metrics["eval_loss"])
     # the loss and the per-function rewards come from the same answers as eval_reward
@@ -127,7 +133,7 @@ def test_evaluate_returns_trls_keys_and_the_loss(tiny_model_dir, tmp_path, trl_r
     assert trainer.state.log_history[-1]["eval_loss"] == metrics["eval_loss"]
     # a DatasetDict (or a dict): each set evaluated, its metrics prefixed with its name (transformers' rule)
     named = trainer.evaluate(DatasetDict({"a": Dataset.from_list(ROWS[:4]), "b": Dataset.from_list(ROWS[4:])}))
-    assert {k for k in trl_run["named"] if k.startswith(("eval_a_", "eval_b_"))} <= set(named)
+    assert {k for k in trl_run["named"] if k.startswith(("eval_a_", "eval_b_"))} <= set(named)  # loss, speed
     assert named["eval_a_reward"] == pytest.approx(metrics["eval_reward"])  # the same rows, the same seed
     assert {"eval_a_loss", "eval_b_loss", "eval_b_rewards/parity/mean", "eval_b_completions/mean_length"} <= set(named)
     # an IterableDataset is read whole
@@ -157,11 +163,19 @@ def test_an_iterable_training_dataset_needs_max_steps_and_is_read_as_far_as_the_
                                           "length"):
         GRPOTrainer(str(tiny_model_dir), length, train_dataset=stream,
                     args=GRPOConfig(output_dir=str(tmp_path / "o"), **{**RUN, "max_steps": -1}))
-    trainer = GRPOTrainer(str(tiny_model_dir), length, train_dataset=stream,
+    trainer = GRPOTrainer(str(tiny_model_dir), ordinal, train_dataset=stream,
                           args=GRPOConfig(output_dir=str(tmp_path / "o"), **{**RUN, "max_steps": 1}))
     assert trainer.rows == ROWS[:1]  # one step of one prompt
+    # trainer.model can be replaced before train(), as in TRL: the object assigned is the one trained
+    from transformers import AutoModelForCausalLM
+
+    given, replaced = trainer.model, AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    trainer.model = replaced
+    before, untouched = _weights(replaced), _weights(given)
     trainer.train()
-    assert trainer.state.global_step == 1
+    assert trainer.state.global_step == 1 and trainer.model is replaced
+    assert any(not torch.equal(before[k], v) for k, v in _weights(replaced).items())
+    assert all(torch.equal(untouched[k], v) for k, v in _weights(given).items())
 
 
 def test_a_peft_model_trains_its_own_adapter(tmp_path):
@@ -181,7 +195,7 @@ def test_a_peft_model_trains_its_own_adapter(tmp_path):
     with pytest.raises(ConfigError, match="a PeftModel with beta > 0 is not supported"):
         GRPOTrainer(peft_model, length, args=GRPOConfig(output_dir=str(tmp_path / "o"), beta=0.1, **RUN),
                     train_dataset=ROWS, processing_class=tokenizer)
-    trainer = GRPOTrainer(peft_model, parity, args=args, train_dataset=ROWS, processing_class=tokenizer)
+    trainer = GRPOTrainer(peft_model, ordinal, args=args, train_dataset=ROWS, processing_class=tokenizer)
     assert trainer.model is peft_model
     assert trainer.config.model.lora == {"r": 2, "alpha": 4.0, "target_modules": ["q_proj", "v_proj"]}
     before = _weights(peft_model)

@@ -1,9 +1,11 @@
 """`GRPOConfig`: TRL 1.16's GRPOConfig, field for field, checked for what grpokit can run.
 
 Every one of TRL's 191 field names is accepted with TRL's default, so a TRL script's arguments never
-fail as unknown (an unknown name is a TypeError, as with any dataclass). The 88 in `SUPPORTED` map onto
-grpokit's `Config` with the same meaning (trl/mapping.py); the other 103 (`REFUSED`: the Hub,
-DeepSpeed/FSDP options, torch.compile, Liger kernels, vLLM server mode, ...)
+fail as unknown (an unknown name is a TypeError, as with any dataclass). The 95 in `SUPPORTED`: 88 map onto
+grpokit's `Config` with the same meaning (trl/mapping.py), 7 are accepted as already satisfied or with
+nothing to act on, with a note (`use_liger_kernel`, `dataloader_*`, `accelerator_config`; and
+`generation_kwargs`, whose stop strings map: trl/accepted.py); the other 96 (`REFUSED`: the Hub,
+DeepSpeed/FSDP options, torch.compile, vLLM server mode, ...)
 are accepted only at TRL's default: any of them set to another value, and any supported field set to a
 value grpokit has no equivalent for (`lr_scheduler_type="linear"`, `delta=1.1`), is one
 ConfigError listing them all, when the config is built. Nothing is silently ignored; the few fields
