@@ -47,7 +47,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from grpokit.errors import RewardError, RewardTimeoutError
+from grpokit.errors import RewardError, RewardLoadError, RewardTimeoutError
 
 # Keys TRL passes to every reward function besides the dataset columns.
 EXTRA_KWARGS = ("trainer_state", "log_extra", "log_metric")
@@ -136,6 +136,25 @@ def _call_kwargs(spec: RewardSpec, call: dict) -> dict:
             f"reward function '{spec.name}' needs argument(s) {missing} but the dataset has no such column "
             f"(columns: {columns}); add the column to the data or give the argument a default")
     return {k: v for k, v in call.items() if k in named}
+
+
+def check_columns(specs: Sequence[RewardSpec], rows: Sequence[dict], where: str = "the data") -> None:
+    """Raise RewardLoadError, before any step, when a reward function needs an argument (one without a default,
+    `tests` of code_execution) that is neither grpokit's nor a column of `rows`: at the first step it
+    would fail with a TypeError."""
+    columns = set().union(*(row.keys() for row in rows)) if rows else None
+    for spec in specs if columns is not None else ():
+        try:
+            params = inspect.signature(spec.fn).parameters.values()
+        except (TypeError, ValueError):
+            continue
+        given = {"prompts", "completions", "completion_ids", "environments", *EXTRA_KWARGS}
+        missing = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                   and p.default is p.empty and p.name not in given | columns]
+        if missing:
+            raise RewardLoadError(f"reward function '{spec.name}' needs the column(s) {missing}, which {where} lacks "
+                              f"(columns: {sorted(columns)}); add {', '.join(map(repr, missing))} to every row "
+                              f"(None leaves a row ungraded), or remove '{spec.name}' from rewards.functions")
 
 
 def _run(fn: Callable, kwargs: dict):

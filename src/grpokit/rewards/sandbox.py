@@ -66,9 +66,13 @@ Deviations and limits, on purpose:
   Popen's `user=`/`group=`, which run in C in the child and are safe.
 - Grading is lazy about the level: "auto" is probed (one test answer) at first use or
   at `sandbox_isolation()`, so that importing this module starts no process.
-- The harness marks its result line with a per-run secret; the answer runs in the
-  same interpreter, so one that deliberately inspects it could find the secret and
-  forge a result. The sandbox protects the machine, not the grade.
+- The grade cannot be forged through the harness (`sandbox_harness`, `sandbox_checks`): a
+  relay process that never runs the answer's code holds the only way out; the answer's process
+  sends it the values of the tests' asserts, whose expected sides stay in the trainer, which
+  compares them itself. A score is passes / tests, within [0, 1]; a report the harness did not
+  write scores 0.0 (its reason in `code_execution.last_grades`, counted as the metric
+  `code_execution/refused_reports`). Tests without an assert (code that raises on failure) and
+  asserts judged by the answer's own objects still rest on its process's word.
 - RLIMIT_AS counts virtual memory: importing numpy or torch in an answer may
   need more than 512 MB; raise `memory_mb` for such tasks.
 """
@@ -313,14 +317,17 @@ def code_execution_reward(time_limit: float = 5.0, memory_mb: int = 512, workers
         mode = _resolve(sandbox, python)
         jobs = [(extract_code(completion_text(c)), _as_tests(t)) for c, t in zip(completions, tests, strict=True)]
 
-        def grade(job: tuple[str, list[str] | None]) -> float | None:
+        def grade(job: tuple[str, list[str] | None]) -> Grade | None:
             code, row_tests = job
-            if row_tests is None:
-                return None
-            return _run(mode, code, row_tests, time_limit, memory_mb)
+            return None if row_tests is None else _grade(mode, code, row_tests, time_limit, memory_mb)
 
         with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as pool:
-            return list(pool.map(grade, jobs))
+            grades = list(pool.map(grade, jobs))
+        code_execution.last_grades = grades  # each score's reason, for whoever looks
+        refused = sum(g is not None and g.refused for g in grades)
+        if refused and kwargs.get("log_metric"):  # answers that wrote into the harness's report: scored 0.0
+            kwargs["log_metric"]("code_execution/refused_reports", refused)
+        return [None if g is None else g.score for g in grades]
 
     return code_execution
 

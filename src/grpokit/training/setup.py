@@ -92,7 +92,7 @@ def resolve_reward_specs(config: Config, task, functions: Sequence[Callable | st
     their prompts (chat messages, a tokenizer without a chat template) is refused here, before the policy
     loads, not at the first step."""
     from grpokit.errors import RewardLoadError
-    from grpokit.rewards.core import is_conversational
+    from grpokit.rewards.core import check_columns, is_conversational
     from grpokit.rewards.registry import reward_entries
 
     r = config.rewards
@@ -123,6 +123,7 @@ def resolve_reward_specs(config: Config, task, functions: Sequence[Callable | st
     else:
         raise SetupError("no reward functions: set rewards.functions (a built-in name such as 'numeric_match', "
                          "'file.py:function', a reward-model folder or a grader URL), or use a built-in data.task")
+    check_columns(specs, rows, config.data.path or "the data")  # code_execution without `tests`: now, not at step 1
     chat = next((i for i, row in enumerate(rows) if is_conversational(row.get("prompt"))), None)
     for spec in specs if chat is not None else ():
         if isinstance(spec.fn, RewardModel) and (why := spec.fn.unreadable(rows[chat]["prompt"])):
