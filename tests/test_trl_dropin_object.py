@@ -291,3 +291,22 @@ def test_the_trainer_accelerator_names_what_it_lacks(tiny_model_dir, tmp_path):
     assert trainer.accelerator.unwrap_model(trainer.model) is trainer.model
     with pytest.raises(AttributeError, match="grpokit does not run on Accelerate"):
         trainer.accelerator.gather
+    trainer.model = "not a model"
+    with pytest.raises(ConfigError, match="trainer.model: a str was assigned; train.. trains a torch module"):
+        trainer.train()
+
+
+def test_a_hub_id_loads_from_the_cache(tiny_model_dir, tmp_path, monkeypatch):
+    """`model="org/name"` is the Hub snapshot in the (offline) Hugging Face cache, loaded as the module."""
+    from huggingface_hub import constants
+
+    storage = tmp_path / "hf-hub" / "models--org--tiny-policy"
+    shutil.copytree(tiny_model_dir, storage / "snapshots" / "0123abcd")
+    (storage / "refs").mkdir()
+    (storage / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)  # no local folder called org/
+    trainer = GRPOTrainer("org/tiny-policy", length, train_dataset=ROWS, args=GRPOConfig(output_dir="o", **RUN))
+    assert isinstance(trainer.model, torch.nn.Module) and trainer.config.model.path == "org/tiny-policy"
+    assert trainer.model.config.model_type == "qwen2" and trainer.processing_class("1+1=")["input_ids"]

@@ -62,7 +62,7 @@ def stream_rows(dataset, needed: int, prompt_only) -> list[dict]:
     """The first `needed` rows of an iterable dataset (fewer when it ends first)."""
     rows = _as_rows(itertools.islice(iter(dataset), needed), prompt_only, "train_dataset")
     if not rows:
-        raise ConfigError("train_dataset: the IterableDataset yielded no rows")
+        raise ConfigError("train_dataset: the IterableDataset yielded no rows; give it rows with a 'prompt' column")
     return rows
 
 

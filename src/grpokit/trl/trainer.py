@@ -115,6 +115,12 @@ class GRPOTrainer:
         if trial is not None or ignore_keys_for_eval is not None:
             raise ConfigError("GRPOTrainer.train: trial and ignore_keys_for_eval are not supported (grpokit has no "
                               "hyper-parameter search); leave them unset")
+        import torch
+
+        if not isinstance(self.model, torch.nn.Module):
+            raise ConfigError(f"trainer.model: a {type(self.model).__name__} was assigned; train() trains a torch "
+                              "module (a transformers PreTrainedModel or a peft PeftModel of model's architecture): "
+                              "assign one, or pass the model to GRPOTrainer(model=...)")
         resume = self._resume(resume_from_checkpoint)
         start = _newest_step(self.args.output_dir) if resume else 0  # TRL's train metrics: this call's steps
         policy = models.policy_module(self.model, self.config.model.lora)
