@@ -106,6 +106,12 @@ class _Handler(BaseHTTPRequestHandler):
             with state.lock:  # before the answer goes out, so a finished client never counts twice
                 state.active -= 1
         data = text.encode()
+        if mode.startswith("redirect"):  # 302 (urllib would re-send the POST as a GET, without the batch) / 307
+            self.send_response(int(mode[len("redirect"):] or 302))
+            self.send_header("Location", "/echo")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
         if mode == "trickle":  # a whole answer promised, one byte every 0.05 s: each read is quick
             self.send_response(200)
             self.send_header("Content-Length", "100000")
@@ -123,6 +129,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
         except OSError:  # the client gave up (a timeout test)
             pass
+
+
+    def do_GET(self):  # what a followed redirect of a POST becomes: counted, so a test can see it never came
+        with self.server.state.lock:
+            self.server.state.calls["GET " + self.path.strip("/")] += 1
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"[]")
 
 
 @pytest.fixture
@@ -257,7 +272,7 @@ def test_a_retry_succeeds(server, mode):
 
 @pytest.mark.parametrize("mode, what", [
     ("500", "HTTP 500 'boom: grader crashed Traceback ...'"),
-    ("slow", "no answer within 0.2 s"),
+    ("slow", "answer within 0.2 s"),  # "no answer" (a read timed out) or "no complete answer" (the deadline)
     ("malformed", "malformed JSON '<html>not json'"),
     ("object", "not a list of scores"),
     ("count", "3 scores for 4 completions"),
@@ -372,3 +387,72 @@ def test_timeout_s_bounds_the_whole_request_not_each_read(server):
     with pytest.raises(RewardError, match="no complete answer within 0.4 s"):
         RemoteGrader(f"{url}/trickle", retries=0, timeout_s=0.4)(**_batch(2))
     assert time.monotonic() - start < 3
+
+
+@pytest.mark.parametrize("code", [302, 307])
+def test_a_redirect_is_refused_not_followed_as_a_get(server, code):
+    base, state = server
+    with pytest.raises(RewardError) as e:
+        RemoteGrader(f"{base}/redirect{code}", retries=2, **FAST)(**_batch(2))
+    message = str(e.value)
+    assert f"HTTP {code}, a redirect to {base}/echo" in message and "put that URL in rewards.functions" in message
+    assert "not retried" in message and "\n" not in message
+    assert state.calls[f"redirect{code}"] == 1 and state.calls["GET echo"] == 0 and state.calls["echo"] == 0
+
+
+@contextlib.contextmanager
+def _trickling_server(head: bytes, every_s: float):
+    """A raw TCP server that answers every request with `head` then spaces, one byte every `every_s`."""
+    sock, stop = socket.socket(), threading.Event()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+
+    def answer(conn):
+        with conn:
+            conn.recv(65536)
+            data = head + b" " * 100_000
+            for i in range(len(data)):
+                if stop.wait(every_s):
+                    return
+                try:
+                    conn.sendall(data[i:i + 1])
+                except OSError:
+                    return
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=answer, args=(conn,), daemon=True, name="trickle-server").start()
+
+    threading.Thread(target=serve, daemon=True, name="trickle-server").start()
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/grade"
+    finally:
+        stop.set()
+        sock.close()
+
+
+def _client_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name != "trickle-server" and t is not threading.main_thread()]
+
+
+@pytest.mark.parametrize("where, head", [
+    ("status line", b""),  # "HTTP/1.1 ..." never completes: urllib's per-read timeout never fires
+    ("headers", b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\nX-Slow: "),
+    ("body", b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n"),
+])
+def test_a_grader_trickling_its_answer_is_bounded_by_timeout_s_and_leaves_no_thread(where, head):
+    """One byte every 0.05 s, with a per-read timeout of 0.5 s: the whole answer is bounded by timeout_s
+    (a run was held 170 s while its threads grew to 215), and no request thread outlives the call."""
+    before = _client_threads()
+    with _trickling_server(head or b"HTTP/1.1 200", 0.05) as url:
+        g = RemoteGrader(url, retries=1, backoff_s=0.0, timeout_s=0.5, on_error="skip", concurrency=4, batch_size=1)
+        for _ in range(3):
+            start = time.monotonic()
+            assert g(**_batch(4)) == [None] * 4
+            assert time.monotonic() - start < 2.5  # 2 attempts x 0.5 s, with room for a loaded machine
+            assert "no complete answer within 0.5 s" in g.last_failure, g.last_failure
+            assert _client_threads() == before  # every request thread (and its deadline timer) has ended

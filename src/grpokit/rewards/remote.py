@@ -49,7 +49,6 @@ import re
 import socket
 import ssl
 import threading
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -57,10 +56,9 @@ from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 from grpokit.errors import RewardError, RewardLoadError
-from grpokit.rewards.remote_io import _Failed, _read_until, _signals_end_backoff
+from grpokit.rewards.remote_io import _Failed, _preview, _signals_end_backoff, fetch
 
 _CONNECT_TIMEOUT_S = 5.0  # check_reachable's limit: a start-up check must not hang the launch
-_PREVIEW_CHARS = 120
 _DROPPED = ("trainer_state", "log_extra")  # TRL's extras that mean nothing to a remote service
 def is_url(ref: str) -> bool:
     """True for a reward reference that names a remote grader ("http://..." or "https://...")."""
@@ -87,12 +85,6 @@ def _port_or_none(parts) -> int | None:
         return parts.port
     except ValueError:  # a port that is not a number: reported by RemoteGrader's checks
         return None
-
-
-def _preview(raw: bytes | str) -> str:
-    """A short one-line repr of what a grader sent back."""
-    text = " ".join((raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw).split())
-    return repr(text if len(text) <= _PREVIEW_CHARS else text[: _PREVIEW_CHARS - 3] + "...")
 
 
 def _jsonable(obj: Any) -> Any:
@@ -195,8 +187,7 @@ class RemoteGrader:
         self._scheme, self._host = parts.scheme.lower(), parts.hostname
         self._port = parts.port or (443 if self._scheme == "https" else 80)
         self._proxy = self._proxy_for()
-        self._opener = urllib.request.build_opener(
-            urllib.request.ProxyHandler({self._scheme: self._proxy} if self._proxy else {}))
+        self._proxies = {self._scheme: self._proxy} if self._proxy else {}
         self.ungraded = 0
         self.ungraded_total = 0
         self.last_failure: str | None = None
@@ -340,15 +331,7 @@ class RemoteGrader:
     def _post(self, body: bytes, k: int) -> list[float | None]:
         request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
         try:
-            deadline = time.monotonic() + self.timeout_s  # the whole request, not each read
-            with self._opener.open(request, timeout=self.timeout_s) as response:
-                raw = _read_until(response, deadline, self.timeout_s)
-        except urllib.error.HTTPError as e:
-            try:
-                detail = e.read()
-            except Exception:  # the error body is only for the message
-                detail = b""
-            raise _Failed(f"HTTP {e.code} {_preview(detail)}", retry=e.code >= 500 or e.code == 429) from None
+            raw = fetch(request, self.timeout_s, self._proxies)  # the whole answer within timeout_s; no redirect
         except urllib.error.URLError as e:
             if isinstance(e.reason, TimeoutError):
                 raise _Failed(f"no answer within {self.timeout_s:g} s (timeout_s)") from None
