@@ -25,7 +25,8 @@ error, no complete answer within `timeout_s` (the whole request; over 64 MiB is 
 or >= 500, an answer that is not JSON, the wrong number of scores, or a score that is not a finite
 number or null is retried up to `retries` times, waiting `backoff_s * 2**attempt` seconds before each
 retry (SIGINT / SIGTERM during a call end these waits at once: a run asked to stop retries no more).
-Any other 4xx is the grader refusing the request itself and is not retried. After the last
+Any other 4xx is the grader refusing the request itself and is not retried, and so is a redirect (3xx:
+urllib would send the POST on as a GET without the batch; the error names the URL to use). After the last
 attempt, `on_error="raise"` stops the run with `RewardError` (one line: the URL, the attempts, what
 came back); `on_error="skip"` leaves that request's samples ungraded (None) and reports their count
 as the metric `rewards/<name>/ungraded`.
