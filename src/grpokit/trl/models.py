@@ -45,14 +45,15 @@ def is_peft_model(model) -> bool:
     return isinstance(model, PeftModel)
 
 
-def load(model, processing_class, args) -> tuple[object, object, str, str, str | None]:
-    """(the module, the tokenizer, model.path, the dtype, the model type) for TRL's `model` argument; the
-    module is None for a model given by name (the trainer loads it once every check has passed)."""
+def load(model, processing_class, args, peft_config) -> tuple[object, object, str, str, dict | None]:
+    """(the module, the tokenizer, model.path, the dtype, model.lora) for TRL's `model` and `peft_config`; the
+    module is None for a model given by name (the trainer loads it once every check has passed). The LoRA
+    settings are checked before anything is written."""
     if isinstance(model, str):
-        return _by_name(model, processing_class, args)
+        return _by_name(model, processing_class, args, peft_config)
     if is_peft_model(model):
-        return _peft_object(model, processing_class, args)
-    return _plain_object(model, processing_class, args)
+        return _peft_object(model, processing_class, args, peft_config)
+    return _plain_object(model, processing_class, args, peft_config)
 
 
 def wanted_dtype(args):
@@ -60,13 +61,14 @@ def wanted_dtype(args):
     return kwargs.get("dtype", kwargs.get("torch_dtype", "auto"))
 
 
-def _by_name(name: str, processing_class, args):
+def _by_name(name: str, processing_class, args, peft_config):
     from grpokit.models.loading import check_model_folder, load_tokenizer
 
     folder = check_model_folder(name, field="model")  # a local folder, or a Hub id's cached snapshot
     saved = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     wanted = wanted_dtype(args)
     dtype = dtype_name(saved.get("dtype") or saved.get("torch_dtype") if str(wanted) == "auto" else wanted)
+    lora = peft_lora(None, saved.get("model_type"), peft_config)
     tokenizer = processing_class or load_tokenizer(folder, field="model")
     path = str(folder) if Path(name).is_dir() else name
     if processing_class is not None:  # grpokit reads the tokenizer from the folder: one with the given tokenizer
@@ -76,7 +78,7 @@ def _by_name(name: str, processing_class, args):
             if p.name not in TOKENIZER_FILES and not (merged / p.name).exists():
                 _link(p, merged / p.name)
         path = str(merged)
-    return None, tokenizer, path, dtype, saved.get("model_type")
+    return None, tokenizer, path, dtype, lora
 
 
 def _tokenizer_of(model, processing_class):
@@ -91,7 +93,7 @@ def _tokenizer_of(model, processing_class):
     return load_tokenizer(source, field="model.name_or_path")
 
 
-def _plain_object(model, processing_class, args):
+def _plain_object(model, processing_class, args, peft_config):
     """A loaded PreTrainedModel: trained as it is, and written to <output_dir>/trl-model with its tokenizer."""
     if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
         raise ConfigError(f"model: give a folder, a Hub id, a transformers PreTrainedModel or a peft PeftModel, not "
@@ -99,14 +101,15 @@ def _plain_object(model, processing_class, args):
     if args.model_init_kwargs:
         raise ConfigError("model_init_kwargs: the model is already loaded (a PreTrainedModel object); "
                           "model_init_kwargs apply only to a model given by name")
+    lora = peft_lora(model, getattr(model.config, "model_type", None), peft_config)
     tokenizer = _tokenizer_of(model, processing_class)
     folder = fresh_folder(args)
     model.save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
-    return model, tokenizer, str(folder), dtype_name(model.dtype), getattr(model.config, "model_type", None)
+    return model, tokenizer, str(folder), dtype_name(model.dtype), lora
 
 
-def _peft_object(model, processing_class, args):
+def _peft_object(model, processing_class, args, peft_config):
     """A PeftModel with a LoRA adapter: the adapter trains (TRL's behaviour); trl-model/ gets the base weights."""
     if args.beta != 0:
         raise ConfigError("model: a PeftModel with beta > 0 is not supported: TRL's KL reference is then a copy of "
@@ -115,12 +118,13 @@ def _peft_object(model, processing_class, args):
     if args.model_init_kwargs:
         raise ConfigError("model_init_kwargs: the model is already loaded (a PeftModel); leave them unset")
     inner = model.get_base_model()
+    lora = peft_lora(model, getattr(inner.config, "model_type", None), peft_config)
     tokenizer = _tokenizer_of(inner, processing_class)
     folder = fresh_folder(args)
     base = {k.replace(".base_layer.", "."): v for k, v in inner.state_dict().items() if "lora_" not in k}
     inner.save_pretrained(str(folder), state_dict=base)
     tokenizer.save_pretrained(str(folder))
-    return model, tokenizer, str(folder), dtype_name(inner.dtype), getattr(inner.config, "model_type", None)
+    return model, tokenizer, str(folder), dtype_name(inner.dtype), lora
 
 
 def peft_lora(model, model_type: str | None, peft_config) -> dict | None:
@@ -137,7 +141,7 @@ def peft_lora(model, model_type: str | None, peft_config) -> dict | None:
     return lora_options(peft_config, model_type) if peft_config is not None else None
 
 
-def policy_module(model, lora: dict | None):
+def policy_module(model):
     """What grpokit's loop trains: the module itself, or for a PeftModel its base model carrying the LoRA
     layers (grpokit's own LoRA convention, models/lora.py), the adapter's weights trainable."""
     if not is_peft_model(model):

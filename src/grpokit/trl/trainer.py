@@ -72,8 +72,7 @@ class GRPOTrainer:
         self.rows = datasets.train_rows(train_dataset, args, environment_factory)  # None: an IterableDataset
         self.eval_rows = datasets.eval_sets(eval_dataset, args, environment_factory)
         self.tools, self.environment_factory = tools, environment_factory
-        module, tokenizer, path, dtype, model_type = models.load(model, processing_class, args)
-        lora = models.peft_lora(model, model_type, peft_config)
+        module, tokenizer, path, dtype, lora = models.load(model, processing_class, args, peft_config)
         self.config = grpokit_config(args, model_path=path, dtype=dtype, lora=lora,
                                      num_rows=len(self.rows) if self.rows is not None else None,
                                      num_eval_rows=len(self.eval_rows) if isinstance(self.eval_rows, list) else None)
@@ -123,7 +122,7 @@ class GRPOTrainer:
                               "assign one, or pass the model to GRPOTrainer(model=...)")
         resume = self._resume(resume_from_checkpoint)
         start = _newest_step(self.args.output_dir) if resume else 0  # TRL's train metrics: this call's steps
-        policy = models.policy_module(self.model, self.config.model.lora)
+        policy = models.policy_module(self.model)
         policy.to(self.accelerator.device if not self.config.model.fsdp else "cpu")
         started = time.time()
         self.run_dir = train(self.config, reward_functions=self.reward_funcs, rows=self.rows, resume=resume,
@@ -163,7 +162,7 @@ class GRPOTrainer:
             raise ConfigError("GRPOTrainer.evaluate: no eval_dataset; pass one here or to "
                               "GRPOTrainer(eval_dataset=...)")
         named = sets if isinstance(sets, dict) else {None: sets}
-        policy = models.policy_module(self.model, self.config.model.lora)
+        policy = models.policy_module(self.model)
         out = {}
         for name, rows in named.items():
             prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
