@@ -48,7 +48,8 @@ def test_a_healthy_run_stays_silent():
 @pytest.mark.parametrize("change, figure, fix", [
     (lambda s, m: {**m, "frac_reward_zero_std": 0.85}, "frac_reward_zero_std = 0.85", "dynamic_sampling = true"),
     (lambda s, m: {**m, "clip_ratio/region_mean": 0.3}, "clip_ratio/region_mean = 0.30", "lower train.learning_rate"),
-    (lambda s, m: {**m, "entropy": 1.6 * 0.95 ** s}, "entropy collapsed from 1.2", "epsilon_high"),
+    (lambda s, m: {**m, "entropy": 1.6 * 0.95 ** s, "reward": 0.3 + m["reward"] / 100}, "entropy collapsed from 1.2",
+     "epsilon_high"),  # the reward stays where it was: the collapse is not the policy learning
     (lambda s, m: {**m, "completions/clipped_ratio": 0.8}, "completions/clipped_ratio = 0.80",
      "raise rollout.max_new_tokens"),
     (lambda s, m: {**m, "rewards/format/mean": 1.0, "rewards/format/std": 0.0}, "reward 'format' has std 0",
@@ -68,6 +69,39 @@ def test_zero_std_says_whether_prompts_are_too_easy_or_too_hard():
     assert "too easy" in easy[0][1] and "too hard" in hard[0][1]
     with_ds = run(Diagnostics(window=5, dynamic_sampling=True), lambda s, m: {**m, "frac_reward_zero_std": 0.9})
     assert "dynamic sampling is on" in with_ds[0][1]
+
+
+def tool_demo_like(step: int) -> dict:
+    """The shape of `grpokit demo --task tools` (150 steps): the reward rises 0.28 -> 0.92 and flattens,
+    per-token entropy falls 0.13 -> 0.01 (one right answer per prompt), and late groups tie because
+    every answer in them is right."""
+    learned = min(1.0, step / 60)
+    return {"reward": 0.28 + 0.64 * learned + 0.03 * math.sin(step), "entropy": 0.13 * (1 - learned) + 0.008,
+            "frac_reward_zero_std": 0.1 + 0.55 * learned, "clip_ratio/region_mean": 0.0,
+            "completions/clipped_ratio": 0.0, "rewards/correct/mean": 0.3 + 0.6 * learned, "rewards/correct/std": 0.3}
+
+
+def test_a_run_that_learns_its_task_is_not_warned_about_entropy_or_easy_prompts():
+    """Entropy falling and groups tying because the policy now solves its prompts is the run succeeding."""
+    d = Diagnostics(window=default_window(150))
+    assert [m for step in range(1, 151) for m in d.update(step, tool_demo_like(step))] == []
+
+
+def test_entropy_collapse_fires_once_the_reward_is_back_where_it_started():
+    def rise_then_fall(step: int) -> dict:
+        m = tool_demo_like(min(step, 60))
+        return {**m, "reward": m["reward"] if step < 80 else 0.3} if step < 150 else m
+
+    d = Diagnostics(window=10)
+    found = [m for step in range(1, 150) for m in d.update(step, rise_then_fall(step))]
+    assert [m for m in found if "entropy collapsed" in m] != [] and len(found) == 2, found
+    assert any("mostly too hard" in m for m in found)  # the groups tie at a low reward again
+
+
+def test_groups_that_tie_from_the_start_at_a_high_reward_are_still_too_easy():
+    d = Diagnostics(window=10)
+    found = [m for step in range(1, 61) for m in d.update(step, {**tool_demo_like(60), "frac_reward_zero_std": 0.8})]
+    assert len(found) == 1 and "mostly too easy" in found[0], found
 
 
 def test_one_bad_step_does_not_fire_a_window_check():

@@ -8,10 +8,13 @@ fix — printed at most once per run:
 - `group_size` below 4: with two answers any score difference, even grader
   noise, becomes a full +1 / -1 advantage (static, from the config);
 - `frac_reward_zero_std` high over a window: the prompts are too easy or too
-  hard, so whole groups carry no signal;
+  hard, so whole groups carry no signal (not when the reward rose to get there: groups
+  that tie because the policy learned to solve them are the run succeeding);
 - `clip_ratio/region_mean` high over a window: the updates keep hitting the
   trust region, usually a learning rate that is too large;
-- `entropy` collapsing to a small fraction of its starting value;
+- `entropy` collapsing to a small fraction of its starting value while the reward does not
+  rise (on a task with one right answer, entropy falls *because* the policy learns it:
+  `grpokit demo --task tools` goes from 0.13 to 0.01 nats while its reward goes 0.28 -> 0.92);
 - `completions/clipped_ratio` high over a window: most answers hit the length limit;
 - a reward function whose `rewards/<fn>/std` stays near zero from the start:
   it never separates two answers, so it adds nothing to any advantage.
@@ -39,6 +42,7 @@ class Thresholds:
     entropy_collapse: float = 0.2  # window median entropy below this share of the starting window's
     truncated_frac: float = 0.5  # median completions/clipped_ratio over the window
     reward_std_floor: float = 1e-6  # rewards/<fn>/std at or below this counts as "no spread"
+    learned_rise: float = 0.1  # window median reward this far above the starting window's: the run is learning
 
 
 def default_window(steps: int) -> int:
@@ -59,6 +63,7 @@ class Diagnostics:
         self.fired: set[str] = set()
         self.recent: dict[str, deque] = {}
         self.entropy_start: list[float] = []
+        self.reward_start: list[float] = []  # the first window's rewards: what "the reward rose" is measured from
         self.flat_rewards: dict[str, int] = {}  # reward name -> steps seen, all of them with ~zero std
         self.spread_rewards: set[str] = set()
 
@@ -82,6 +87,9 @@ class Diagnostics:
             value = _number(metrics.get(key))
             if value is not None:
                 self.recent.setdefault(key, deque(maxlen=self.window)).append(value)
+        reward = _number(metrics.get("reward"))
+        if reward is not None and len(self.reward_start) < self.window:
+            self.reward_start.append(reward)
         found: list[tuple[str, str]] = []
         found += self._zero_std(step)
         found += self._clipping(step)
@@ -94,6 +102,15 @@ class Diagnostics:
         values = self.recent.get(key)
         return list(values) if values is not None and len(values) == self.window else None
 
+    def _reward_rose(self) -> bool:
+        """Whether the reward over the last window is clearly above the first window's (by
+        `learned_rise` of the larger of its magnitude and 1): the policy is learning."""
+        now = self._full("reward")
+        if now is None or len(self.reward_start) < self.window:
+            return False
+        start = _median(self.reward_start)
+        return _median(now) - start >= self.t.learned_rise * max(1.0, abs(start))
+
     def _span(self, step: int) -> str:
         return f"steps {step - self.window + 1}-{step}" if self.window > 1 else f"step {step}"
 
@@ -103,6 +120,8 @@ class Diagnostics:
             return []
         rewards = self._full("reward")
         level = _median(rewards) if rewards else None
+        if level is not None and level >= 0.5 and self._reward_rose():
+            return []  # the groups tie because the policy now solves their prompts: success, not easy prompts
         why = ("too easy or too hard" if level is None else
                "mostly too easy (all answers right)" if level >= 0.5 else "mostly too hard (all answers wrong)")
         fix = ("dynamic sampling is on and keeps re-drawing, which costs rollouts: filter the prompt set by difficulty"
@@ -132,8 +151,8 @@ class Diagnostics:
         if values is None or len(self.entropy_start) < self.window:
             return []
         start, now = _median(self.entropy_start), _median(values)
-        if start <= 0 or now >= self.t.entropy_collapse * start:
-            return []
+        if start <= 0 or now >= self.t.entropy_collapse * start or self._reward_rose():
+            return []  # a policy that commits to the answers it learned: entropy falls as the reward rises
         return [("entropy", f"entropy collapsed from {start:.3f} (first {self.window} steps) to {now:.3f} "
                             f"({now / start:.0%} of it) over {self._span(step)}: the policy samples nearly the same "
                             f"answer every time, so groups stop differing and learning stalls. Fix: lower "
