@@ -1,9 +1,12 @@
 """TRL arguments grpokit accepts although it has nothing they act on, or has them already, and the values
 of them it still refuses.
 
-- `use_liger_kernel=True`: Liger's fused GRPO loss exists to avoid materialising the [N, T, V] logits;
-  grpokit's log-prob head is chunked and fused and never builds them, so it is already satisfied (a
-  note says so). Liger's model kernels (RMSNorm, RoPE, SwiGLU) are not applied: the same math.
+- `use_liger_kernel=True`: Liger's fused linear GRPO loss exists to avoid materialising the [N, T, V]
+  logits; for an output head that is a linear layer (most models) grpokit computes the log-probs from the
+  hidden states in chunks of `train.logprob_chunk_size` rows and never builds them either, so it is
+  already satisfied (a note says so; a head that is not linear, such as a soft-capped one, needs the
+  logits, which the note says too). Liger's model kernels (RMSNorm, RoPE, SwiGLU) are not applied: the
+  same math.
 - `dataloader_num_workers`, `_pin_memory`, `_persistent_workers`, `_prefetch_factor`: grpokit has no
   DataLoader (the prompts are tokenized once at start-up and held in memory): no effect, with a note.
 - `accelerator_config`: grpokit does not run on Accelerate. The keys that only steer Accelerate's data
@@ -70,9 +73,10 @@ def notes(c) -> list[str]:
     """What the trainer says once about accepted arguments that are already satisfied or have no effect."""
     out = []
     if c.use_liger_kernel:
-        out.append("use_liger_kernel=True: already satisfied: grpokit computes the log-probs with a chunked, fused "
-                   "head and never builds the [N, T, V] logits Liger's GRPO loss avoids (Liger's other kernels are "
-                   "not applied: the same math)")
+        out.append("use_liger_kernel=True: already satisfied: for a model whose output head is a linear layer "
+                   "grpokit computes the log-probs from the hidden states in chunks of rows and never builds the "
+                   "[N, T, V] logits Liger's fused GRPO loss avoids (a non-linear head, e.g. soft-capped, needs "
+                   "them); Liger's other kernels are not applied (the same math)")
     loader = [name for name, default in (("dataloader_num_workers", 0), ("dataloader_pin_memory", True),
                                          ("dataloader_persistent_workers", False), ("dataloader_prefetch_factor", None))
               if getattr(c, name) != default]
