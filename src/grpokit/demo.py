@@ -84,6 +84,30 @@ def write_summary(out: Path, before: dict, after: dict, started: float, grpo_ste
     return summary
 
 
+DEMO_FILES = ("base", "sft", "grpo", "summary.json")  # what a demo writes into --out (a rerun replaces them)
+
+
+def prepare_demo_folder(out: str | Path, flag: str = "--out") -> Path:
+    """`out`, created: new, empty, or an earlier demo run's (what a rerun replaces); anything else (a file, a
+    model folder, a project) is refused before the demo writes a byte."""
+    from grpokit.errors import ConfigError
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{flag} {str(out)!r} is a file; the demo writes a folder ({', '.join(DEMO_FILES)}): give "
+                          "a new folder path")
+    others = sorted(p.name for p in out.iterdir() if p.name not in DEMO_FILES) if out.is_dir() else []
+    if others:
+        listed = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise ConfigError(f"{flag} {str(out)!r} holds files that are not an earlier demo run's ({listed}); the demo "
+                          f"writes {', '.join(DEMO_FILES)} there: give a new or empty folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"{flag} {str(out)!r} cannot be created ({e.strerror}); choose another folder") from None
+    return out
+
+
 def run_demo(out: str | Path = "demo_run", *, quick: bool = False, seed: int = 0) -> dict:
     from rich.console import Console
 
@@ -106,8 +130,7 @@ def run_demo(out: str | Path = "demo_run", *, quick: bool = False, seed: int = 0
     from grpokit.training.loop import train
 
     console = Console()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_demo_folder(out)
     started = time.perf_counter()
     task = get_task(TASK["name"], digits=TASK["digits"])
     held_out = task.generate(QUICK["eval_prompts"] if quick else EVAL["num_prompts"], seed=seed, split="eval")

@@ -79,7 +79,7 @@ def run_tool_demo(out: str | Path = "demo_tools_run", *, quick: bool = False, se
         TrainConfig,
     )
     from grpokit.data.prompts import render_prompt
-    from grpokit.demo import before_after, sparkline, write_summary
+    from grpokit.demo import before_after, prepare_demo_folder, sparkline, write_summary
     from grpokit.evaluate import evaluate
     from grpokit.models.loading import load_model_and_tokenizer
     from grpokit.models.tiny import TOOL_CHAT_TEMPLATE, TOOL_WORDS, build_char_tokenizer, build_tiny_model
@@ -91,8 +91,7 @@ def run_tool_demo(out: str | Path = "demo_tools_run", *, quick: bool = False, se
     from grpokit.training.loop import train
 
     console = Console()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = prepare_demo_folder(out)
     started = time.perf_counter()
     task = get_task(TASK["name"], digits=TASK["digits"])
     tools = ToolBox(task.tools())
