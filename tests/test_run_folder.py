@@ -261,3 +261,14 @@ def test_a_refused_resume_does_not_move_a_damaged_checkpoint(tmp_path, model):
     with pytest.raises(RunFolderError, match="data.seed"):
         prepare_run_folder(changed, resume=True)
     assert (run / "checkpoint-2").is_dir() and not (run / "damaged-checkpoints").exists()
+
+
+def test_resume_may_change_the_thread_count(tmp_path, model):
+    """A speed knob, as the refusal's own message says: it used to be refused."""
+    import dataclasses
+
+    run = tmp_path / "run"
+    cfg = config(model, run)
+    fake_run(run, cfg)
+    threads = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, num_threads=1))
+    assert prepare_run_folder(threads, resume=True).changes == {"train.num_threads": [0, 1]}

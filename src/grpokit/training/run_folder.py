@@ -57,7 +57,8 @@ RESUMABLE_FIELDS = frozenset({
     "train.steps", "train.micro_batch_size", "train.logprob_chunk_size", "train.max_consecutive_skips",
     "train.fused_logprobs", "train.fused_backward", "train.skip_zero_advantage", "train.shared_prompt_forward",
     "train.gradient_checkpointing", "train.optimizer_in_backward",  # (the same AdamW state either way)
-    "train.keep_freed_memory", "train.onednn_linear", "rollout.preallocated_kv_cache", "rollout.shared_prefill",
+    "train.keep_freed_memory", "train.onednn_linear", "train.num_threads",
+    "rollout.preallocated_kv_cache", "rollout.shared_prefill",
     "rollout.packed_weights",
     "model.device", "rollout.vllm", "rewards.timeout_s", "tools.timeout_s",
     "rewards.isolation", "rewards.workers", "rewards.on_error",  # where graders run, what a failure does
