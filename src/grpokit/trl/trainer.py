@@ -106,6 +106,7 @@ class GRPOTrainer:
         """Train `trainer.model` in place with grpokit's loop; returns transformers' TrainOutput with TRL's
         metrics. `resume_from_checkpoint=True` (or the newest checkpoint's path) continues from the newest
         checkpoint in output_dir."""
+        import torch
         from transformers.trainer_utils import TrainOutput
 
         from grpokit.observe.tracking import read_metrics
@@ -114,8 +115,6 @@ class GRPOTrainer:
         if trial is not None or ignore_keys_for_eval is not None:
             raise ConfigError("GRPOTrainer.train: trial and ignore_keys_for_eval are not supported (grpokit has no "
                               "hyper-parameter search); leave them unset")
-        import torch
-
         if not isinstance(self.model, torch.nn.Module):
             raise ConfigError(f"trainer.model: a {type(self.model).__name__} was assigned; train() trains a torch "
                               "module (a transformers PreTrainedModel or a peft PeftModel of model's architecture): "
