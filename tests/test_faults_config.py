@@ -191,3 +191,24 @@ def test_bad_values_through_the_cli_in_subprocesses(base_config, tiny_model_dir,
         assert snapshot(folder) == before and not any((folder / "work").iterdir()), case.id
     print(f"\nconfig faults: {len(CASES)} cases in-process, {len(SUBPROCESS_CASES)} also in subprocesses "
           f"({time.perf_counter() - start:.1f} s)")
+
+
+def test_a_config_error_under_torchrun_is_printed_once(base_config, tmp_path):
+    """Every torchrun process loads the config; the error used to be printed once per process. Each still
+    exits 2 (torchrun then adds its own summary of the failed processes, which grpokit cannot silence)."""
+    import os
+    import subprocess
+    import sys
+
+    from fault_harness import ROOT
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "grpokit.cli", "train", str(base_config),
+                        "--set", "train.steps=abc"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: train.steps: must be an integer, got 'abc' (a string); e.g. train.steps = 100"], r.stderr
+    assert r.returncode != 0 and "exitcode  : 2" in r.stderr  # both processes exited 2
+    # one process of a machine alone (LOCAL_RANK 1) says nothing; a fault during a run is printed on any process
+    quiet = run_cli("train", base_config, "--set", "train.steps=abc", env={"LOCAL_RANK": "1", "RANK": "1"})
+    assert quiet.returncode == 2 and quiet.stderr == "", quiet.describe()

@@ -385,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        print(f"{e.label}: {e}", file=sys.stderr)
+        if not e.at_start_up or os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun: once per machine
+            print(f"{e.label}: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("stopped: interrupted (Ctrl-C)", file=sys.stderr)

@@ -15,26 +15,39 @@ class UserError(Exception):
 
     label = "error"  # the CLI prints `{label}: {message}` and exits with `exit_code`
     exit_code = 2
+    # Found by the start-up checks, which every torchrun process runs alike on the same files: the CLI prints it
+    # on one process per machine (LOCAL_RANK 0), not once per process. A fault in a run is printed wherever it is.
+    at_start_up = False
 
 
 class ConfigError(UserError, ValueError):
     """A config field has a bad value; the message names the field and the fix."""
 
+    at_start_up = True
+
 
 class DataError(UserError, ValueError):
     """A prompt source that cannot be used as it is; the message says where and how to fix it."""
+
+    at_start_up = True
 
 
 class ModelLoadError(UserError, ValueError):
     """The model folder is missing or is not a Hugging Face causal-LM folder."""
 
+    at_start_up = True
+
 
 class SetupError(UserError, ValueError):
     """The run cannot start as configured; the message says why and what to change."""
 
+    at_start_up = True
+
 
 class RewardLoadError(UserError, ValueError):
     """A reward name or "file.py:function" reference that cannot be resolved."""
+
+    at_start_up = True
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -64,13 +77,19 @@ class ExplainError(UserError, ValueError):
 class PresetError(UserError, ValueError):
     """A preset cannot be applied to this config (the message says what to set)."""
 
+    at_start_up = True
+
 
 class TaskError(UserError, ValueError):
     """An unknown built-in task name, or arguments the task does not accept."""
 
+    at_start_up = True
+
 
 class RunFolderError(UserError, ValueError):
     """The run folder cannot be used as asked; the message says why and what to do."""
+
+    at_start_up = True
 
 
 class DamagedLogError(UserError, ValueError):
