@@ -57,6 +57,18 @@ def starts_child_and_hangs(completions, pidfile, **kwargs):
 
 def imports_torch(completions, **kwargs):
     return [float("torch" in sys.modules)] * len(completions)
+
+def forks_and_returns(completions, **kwargs):
+    os.fork()  # the child returns out of the function too, into the worker's loop
+    return [0.5] * len(completions)
+
+def forks_a_child_that_outlives_it(completions, pidfile, **kwargs):
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(30)
+        os._exit(0)
+    Path(pidfile[0]).write_text(str(pid))
+    return [0.25] * len(completions)
 '''
 
 
@@ -300,6 +312,24 @@ def test_a_crash_prints_no_stack_dump(faults, capfd):
             run([isolate(RewardSpec("segfaults", faults.segfaults), p)], batch(["a"]))
     err = capfd.readouterr().err
     assert "Fatal Python error" not in err and "Segmentation fault" not in err, err
+
+
+def test_a_function_that_forks_prints_no_traceback_and_its_child_never_answers(faults, capfd, tmp_path):
+    """A forked child that returned out of the function ran the worker's loop: at close it printed a
+    ProcessLookupError / ChildProcessError traceback (killing and reaping the worker's guard, not its own).
+    A child that outlives the call is stopped with the worker's process group."""
+    pidfile = tmp_path / "child.pid"
+    with RewardPool(workers=1) as p:
+        returns = isolate(RewardSpec("forks_and_returns", faults.forks_and_returns), p)
+        outlives = isolate(RewardSpec("outlives", faults.forks_a_child_that_outlives_it), p)
+        for _ in range(3):  # the worker answers each call once: a child's answer would be read by the next
+            assert run([returns], batch(["a", "b"]))[0].tolist() == [[0.5], [0.5]]
+        assert run([outlives], batch(["a"], pidfile=[str(pidfile)]))[0].tolist() == [[0.25]]
+        child = int(pidfile.read_text())
+        assert alive(child)
+    assert gone_within([child], 5)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Error" not in err, err
 
 
 def test_skip_scores_only_the_chunk_that_timed_out(fault_pool, faults):

@@ -300,7 +300,7 @@ def _serve(fd: int, parent: int) -> None:
         _die_with_parent(signal.SIGKILL)
     if os.getppid() != parent:  # the trainer died before that
         os._exit(0)
-    guard = _guard(fd)
+    guard, me = _guard(fd), os.getpid()
     conn, functions = Connection(fd), {}
     _defer_package_init("grpokit.rewards")
     while True:
@@ -308,8 +308,9 @@ def _serve(fd: int, parent: int) -> None:
             kind, blob, kwargs, collect = conn.recv()
         except EOFError:  # the pool closed: the guard's work is the pool's now (it kills the group)
             if guard is not None:
-                os.kill(guard, signal.SIGKILL)
-                os.waitpid(guard, 0)
+                with contextlib.suppress(ProcessLookupError, ChildProcessError):  # it may be gone already
+                    os.kill(guard, signal.SIGKILL)
+                    os.waitpid(guard, 0)
             return
         if blob not in functions:
             try:
@@ -329,9 +330,18 @@ def _serve(fd: int, parent: int) -> None:
             kwargs[name] = lambda key, value, _name=name: records.append((_name, key, value))
         try:
             out = functions[blob](**kwargs)
+            _forked_child_leaves(me)
             if inspect.iscoroutine(out):
                 import asyncio
                 out = asyncio.run(out)
             conn.send(("ok", out.tolist() if hasattr(out, "tolist") else out, records))  # numpy, tensors
         except BaseException as e:  # noqa: BLE001 - the function's raise (or an unpicklable answer) goes back
+            _forked_child_leaves(me)
             conn.send(("raise", _pickles(e), type(e).__name__, str(e), traceback.format_exc()))
+
+
+def _forked_child_leaves(worker: int) -> None:
+    """A process the reward function forked that returned (or raised) out of it is not the worker: it leaves
+    at once, silently, never answering on the worker's pipe or running its shutdown."""
+    if os.getpid() != worker:
+        os._exit(0)
