@@ -76,14 +76,17 @@ def test_without_a_bf16_kernel_bf16_layers_take_the_plain_path_and_float32_is_st
 
 
 def test_the_start_up_note_names_the_fields_and_the_cpu(no_bf16_kernel):
-    note = kernel_note(torch.bfloat16, packed_weights=True, onednn_linear=True)
+    cpu = torch.device("cpu")
+    [note] = kernel_note("bfloat16", cpu, packed_weights=True, onednn_linear=True)
     assert note.startswith("rollout.packed_weights and train.onednn_linear: this CPU (")
     assert "no oneDNN bfloat16 linear kernel" in note and "plain path" in note
-    assert kernel_note(torch.bfloat16, packed_weights=False, onednn_linear=True).startswith("train.onednn_linear:")
-    assert kernel_note(torch.bfloat16, packed_weights=False, onednn_linear=False) is None  # nothing asked
-    assert kernel_note(torch.float16, packed_weights=True, onednn_linear=True) is None  # never packed anyway
+    assert kernel_note(torch.bfloat16, cpu, packed_weights=False, onednn_linear=True)[0].startswith(
+        "train.onednn_linear:")
+    assert kernel_note(torch.bfloat16, cpu, packed_weights=False, onednn_linear=False) == []  # nothing asked
+    assert kernel_note(torch.float16, cpu, packed_weights=True, onednn_linear=True) == []  # never packed anyway
+    assert kernel_note("bfloat16", torch.device("meta"), packed_weights=True, onednn_linear=True) == []  # not a CPU
     if kernel_available(torch.float32):
-        assert kernel_note(torch.float32, packed_weights=True, onednn_linear=True) is None
+        assert kernel_note(torch.float32, cpu, packed_weights=True, onednn_linear=True) == []
 
 
 def test_the_probe_reads_the_ops_own_refusal(monkeypatch):

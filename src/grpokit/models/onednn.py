@@ -66,16 +66,19 @@ def _probe(dtype: torch.dtype) -> bool:
         return False
 
 
-def kernel_note(dtype: torch.dtype, *, packed_weights: bool, onednn_linear: bool) -> str | None:
-    """One start-up line when a oneDNN path the config asks for cannot run in `dtype` on this CPU."""
+def kernel_note(dtype: str | torch.dtype, device: torch.device, *, packed_weights: bool, onednn_linear: bool
+                ) -> list[str]:
+    """The start-up line (a list of one, or empty) when a oneDNN path the config asks for cannot run in
+    `dtype` on this CPU."""
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     asked = [name for name, on in (("rollout.packed_weights", packed_weights), ("train.onednn_linear", onednn_linear))
              if on]
-    if not asked or dtype not in (torch.float32, torch.bfloat16) or kernel_available(dtype):
-        return None
+    if not asked or device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or kernel_available(dtype):
+        return []
     from grpokit.models.cpu import describe_cpu
 
-    return (f"{' and '.join(asked)}: this CPU ({describe_cpu()}) has no oneDNN {str(dtype).removeprefix('torch.')} "
-            f"linear kernel, so its linear layers take torch's plain path (same results, a slower step)")
+    return [f"{' and '.join(asked)}: this CPU ({describe_cpu()}) has no oneDNN {str(dtype).removeprefix('torch.')} "
+            f"linear kernel, so its linear layers take torch's plain path (same results, a slower step)"]
 
 
 def _memory_allows(nbytes: int) -> bool:

@@ -337,10 +337,8 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
     specs += own  # an environment's reward reads its live instances: in this process
     notes = [sandbox_isolation(s.source[1].get("sandbox", "auto"), s.source[1].get("python"))[1]
              for s in specs if s.source and s.source[0] == "code_execution"]  # which sandbox is in force
-    if resolve_device(config.model.device).type == "cpu" and (note := kernel_note(
-            getattr(torch, config.model.dtype), packed_weights=config.rollout.packed_weights,
-            onednn_linear=config.train.onednn_linear)):
-        notes.append(note)  # an AVX2-only CPU has no oneDNN bfloat16 kernel: the plain path, said once
+    notes += kernel_note(config.model.dtype, resolve_device(config.model.device),  # e.g. bf16 on an AVX2-only CPU
+                         packed_weights=config.rollout.packed_weights, onednn_linear=config.train.onednn_linear)
     if environments is not None:
         try:
             environments.check_rows(data.rows)
