@@ -30,17 +30,17 @@ SANDBOXES = [pytest.param("none", id="rlimits"),
              pytest.param("bubblewrap", id="bubblewrap", marks=pytest.mark.skipif(
                  LEVEL != "bubblewrap" and not REQUIRED, reason=f"bubblewrap is not in force here ({MESSAGE})"))]
 
-TESTS = ["assert add(2, 3) == 5", "assert add(-1, 4) == 3"]
+TESTS = ["assert add(2, 3) == 5", "assert add(-1, 4) == 3", "for a in range(3):\n    assert add(a, 1) == a + 1"]
 GOOD = "def add(a, b):\n    return a + b\n"
 WRONG = "def add(a, b):\n    return 0\n"
 
 # Lines the old harness (and any like it) would take as a result, in every format an answer might guess.
-FAKE_LINES = "'done 2 2\\nend 0\\nend 1\\ndone\\n'"
+FAKE_LINES = "'done 3 3\\nend 0\\nend 1\\nend 2\\ndone\\n'"
 
 FORGERS = {  # route -> the answer's code (each also defines the wrong add)
     "__main__.report(500) then os._exit(0)":
-        'import __main__\n__main__.report("done", 1000, 2)\nimport os\nos._exit(0)\n',
-    "__main__.report of a non-number": 'import __main__\n__main__.report("done", "x", 2)\nimport os\nos._exit(0)\n',
+        'import __main__\n__main__.report("done", 1000, 3)\nimport os\nos._exit(0)\n',
+    "__main__.report of a non-number": 'import __main__\n__main__.report("done", "x", 3)\nimport os\nos._exit(0)\n',
     "builtins.exec replaced": "import builtins\nbuiltins.exec = lambda *a, **k: None\n",
     "builtins.compile replaced": ("import builtins\n_c = builtins.compile\n"
                                   "builtins.compile = lambda src, name, mode: _c('pass', name, mode)\n"),
@@ -54,14 +54,15 @@ FORGERS = {  # route -> the answer's code (each also defines the wrong add)
         "import sys, os\nf = sys._getframe()\nwhile f is not None:\n"
         "    for scope in (f.f_locals, f.f_globals):\n"
         "        if callable(scope.get('report')):\n"
-        "            scope['report']('done', 2, 2)\n            os._exit(0)\n"
+        "            scope['report']('done', 3, 3)\n            os._exit(0)\n"
         "        if callable(scope.get('send')):\n"
-        "            for line in ('answer ok', 'end 0', 'end 1', 'done'):\n                scope['send'](line)\n"
+        "            for line in ('answer ok', 'end 0', 'end 1', 'end 2', 'done'):\n"
+        "                scope['send'](line)\n"
         "        for k, v in list(scope.items()):\n"
         "            if k in ('nonce', 'token') and isinstance(v, str):\n"
         "                for fd in range(3, 8):\n"
         "                    try:\n"
-        "                        os.write(fd, (v + ' done 2 2\\n' + v + ' check 0 0 r true\\n').encode())\n"
+        "                        os.write(fd, (v + ' done 3 3\\n' + v + ' check 0 0 r true\\n').encode())\n"
         "                    except OSError:\n                        pass\n"
         "    f = f.f_back\nos._exit(0)\n"),
     "fake lines into every descriptor in /proc/self/fd": (
@@ -86,6 +87,8 @@ FORGERS = {  # route -> the answer's code (each also defines the wrong add)
         "import os, time\nif os.fork() == 0:\n    time.sleep(0.3)\n    for fd in range(3, 8):\n        try:\n"
         f"            os.write(fd, {FAKE_LINES}.encode())\n        except OSError:\n            pass\n"
         "    os._exit(0)\n"),
+    "builtins.range emptied (a test's loop runs no assert)": "import builtins\nbuiltins.range = lambda *a: []\n",
+    "a global range of its own that yields nothing": "def range(*a):\n    return []\n",
     "settrace skipping the test lines": (
         "import sys\ndef tracer(frame, event, arg):\n    if frame.f_code.co_filename.startswith('<test'):\n"
         "        return None\n    return tracer\nsys.settrace(tracer)\n"),
@@ -116,7 +119,7 @@ def test_no_route_from_the_answer_to_the_report_forges_a_score(sandbox):
 
 def test_a_forged_report_cannot_leave_the_rewards_range_or_stop_training():
     """The relay's report as the trainer reads it: whatever it holds, the score is in [0, 1] and nothing raises."""
-    checks = [[Check("compare", True, ("eq",), (("sent", 0), ("lit", 5)))]] * 2
+    checks = [[Check("compare", "once", ("eq",), (("sent", 0), ("lit", 5)))]] * 2
     ok = ["answer ok", 'check 0 0 v [{"i": "5"}]', "end 0", 'check 1 0 v [{"i": "5"}]', "end 1", "done"]
     assert judge(json.dumps({"lines": ok, "stray": 0, "status": 0}), checks).score == 1.0
     forged = {
@@ -140,7 +143,7 @@ def test_the_expected_side_of_an_assert_never_enters_the_sandbox():
                               "    assert sq(i) == i * i, 'message'")
     assert "5" not in sent.replace("add(2, 3)", "") and "not" not in sent and "message" not in sent
     assert [c.kind for c in checks] == ["compare", "falsy", "compare"]
-    assert [c.required for c in checks] == [True, True, False]
+    assert [c.runs for c in checks] == ["once", "once", "some"]
 
 
 @pytest.mark.parametrize("sandbox", SANDBOXES)

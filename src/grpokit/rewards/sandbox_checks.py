@@ -12,11 +12,12 @@ answer speaking. The grade therefore rests on what the answer cannot know:
   `assert add(2, 3) == 5` sends `add(2, 3)`, and 5, the operator and the assert's polarity
   (`assert f(x)` and `assert not f(x)` look the same in the sandbox) never enter it. The comparison
   runs here, on decoded values, so an object with a lying `__eq__` is no help (a value that is not
-  plain data fails such a check). Comparisons with no literal side send both sides (compared here when
-  both are plain data, else by the answer's own objects in the sandbox, as plain Python would), and
-  `is` against anything but None/True/False is judged in the sandbox.
-- A test passes when its end was reported, each top-level assert was checked exactly once and every
-  check held. The score is passes / tests, never outside [0, 1].
+  plain data fails such a check). Comparisons with no literal side send every side: compared here when
+  all are plain data, failed when some are and some are not (an object that "equals" a plain value),
+  judged by the answer's own objects in the sandbox only when none is (`P(1) == P(1)`); `is` against
+  anything but None/True/False, and the truth of a value that is not plain data, are judged there too.
+- A test passes when its end was reported, each top-level assert was checked exactly once (one in a
+  loop at least once) and every check held. The score is passes / tests, never outside [0, 1].
 - A report that is not what the harness writes (a line without the run's token, a malformed line,
   a value that does not decode, more than `REPORT_CAP` bytes) scores the whole answer 0.0 with the
   reason, `refused` set: only the answer could have written it.
@@ -54,8 +55,11 @@ _APPLY = {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operato
 _SINGLETONS = (None, True, False)
 
 
-_NESTING = (ast.For, ast.AsyncFor, ast.While, ast.If, ast.With, ast.AsyncWith, ast.Try, ast.FunctionDef,
-            ast.AsyncFunctionDef, ast.ClassDef, ast.Match, getattr(ast, "TryStar", ast.Try))
+_LOOPS = (ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith)  # a check inside runs at least once
+
+
+_BRANCHES = (ast.If, ast.Try, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Match, ast.Lambda,
+             getattr(ast, "TryStar", ast.Try))  # a check inside may rightly not run
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,7 @@ class Check:
     (`ops` between `operands`, each ("lit", value) kept here or ("sent", j), the j-th value sent)."""
 
     kind: str
-    required: bool  # at the test's top level: it must be checked exactly once
+    runs: str  # "once" at the test's top level, "some" (>= 1) inside loops only, "any" under if/try/def/...
     ops: tuple[str, ...] = ()
     operands: tuple = ()
     strict: bool = True  # the values must come back as plain data (a kept literal is involved)
@@ -84,10 +88,10 @@ def _literal(node: ast.AST):
         return False, None
 
 
-def _classify(test: ast.expr, required: bool) -> tuple[Check, str | list[str] | None, list[ast.expr]]:
+def _classify(test: ast.expr, runs: str) -> tuple[Check, str | list[str] | None, list[ast.expr]]:
     """(the check kept here, the `ops` argument the sandbox gets, the expressions it evaluates)."""
     if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-        return Check("falsy", required, strict=False), "truth", [test.operand]
+        return Check("falsy", runs, strict=False), "truth", [test.operand]
     if isinstance(test, ast.Compare) and all(type(op) in _OPS for op in test.ops):
         nodes = [test.left, *test.comparators]
         literals = [_literal(n) for n in nodes]
@@ -101,28 +105,29 @@ def _classify(test: ast.expr, required: bool) -> tuple[Check, str | list[str] | 
                 operands.append(("lit", value) if is_lit else ("sent", len(sent)))
                 if not is_lit:
                     sent.append(node)
-            return Check("compare", required, ops, tuple(operands)), None, sent
+            return Check("compare", runs, ops, tuple(operands)), None, sent
         if identity_ok and not kept:
-            return (Check("compare", required, ops, tuple(("sent", j) for j in range(len(nodes))), strict=False),
+            return (Check("compare", runs, ops, tuple(("sent", j) for j in range(len(nodes))), strict=False),
                     list(ops), nodes)
-    return Check("truthy", required, strict=False), "truth", [test]
+    return Check("truthy", runs, strict=False), "truth", [test]
 
 
 class _Rewrite(ast.NodeTransformer):
     def __init__(self):
         self.checks: list[Check] = []
-        self.depth = 0
+        self.loops = self.branches = 0
 
     def generic_visit(self, node):
-        nested = isinstance(node, _NESTING)
-        self.depth += nested
+        loop, branch = isinstance(node, _LOOPS), isinstance(node, _BRANCHES)
+        self.loops, self.branches = self.loops + loop, self.branches + branch
         try:
             return super().generic_visit(node)
         finally:
-            self.depth -= nested
+            self.loops, self.branches = self.loops - loop, self.branches - branch
 
     def visit_Assert(self, node: ast.Assert) -> ast.stmt:  # noqa: N802 (ast's naming)
-        check, ops, sent = _classify(node.test, required=self.depth == 0)
+        runs = "any" if self.branches else "some" if self.loops else "once"
+        check, ops, sent = _classify(node.test, runs)
         self.checks.append(check)
         args = [ast.Constant(len(self.checks) - 1), ast.Constant(ops) if not isinstance(ops, list)
                 else ast.List([ast.Constant(o) for o in ops], ast.Load()), *sent]
@@ -245,11 +250,12 @@ def _tests_passed(lines: list[str], checks: list[list[Check]]) -> tuple[int, str
             continue
         if word not in ("end", "raised") or int(rest) != current:
             raise ValueError(f"unexpected {word!r} in test {current}")
-        once = all(n == 1 for c, n in zip(checks[current], counts) if c.required)
-        if word == "end" and ok and once:
+        ran = all(n == 1 if c.runs == "once" else n >= 1 if c.runs == "some" else True
+                  for c, n in zip(checks[current], counts))
+        if word == "end" and ok and ran:
             passed += 1
         elif why is None:
-            why = f"test {current}: " + ("raised" if word == "raised" else "a top-level assert did not run once")
+            why = f"test {current}: " + ("raised" if word == "raised" else "an assert did not run as often as it must")
         current += 1
         ok, counts = True, [0] * len(checks[current]) if current < len(checks) else []
     if current != len(checks):

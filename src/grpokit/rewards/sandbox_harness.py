@@ -51,15 +51,17 @@ def main():
                     nproc += len(os.listdir("/proc/%s/task" % pid))
             except OSError:
                 pass
-    limit(resource.RLIMIT_NPROC, nproc)
-    limit(resource.RLIMIT_CPU, job["cpu"])
-    limit(resource.RLIMIT_FSIZE, job["fsize"])
-    limit(resource.RLIMIT_CORE, 0)
-    if job["memory"]:
-        limit(resource.RLIMIT_AS, job["memory"])
+    def limits():
+        limit(resource.RLIMIT_NPROC, nproc)
+        limit(resource.RLIMIT_CPU, job["cpu"])
+        limit(resource.RLIMIT_FSIZE, job["fsize"])
+        limit(resource.RLIMIT_CORE, 0)
+        if job["memory"]:
+            limit(resource.RLIMIT_AS, job["memory"])
     token = os.urandom(16).hex()
     r, w = os.pipe()
-    pid = os.fork()
+    pid = os.fork()  # before the process limit: where answers share a uid, a sibling's fork bomb must not stop it
+    limits()
     if pid == 0:
         os.close(r)
         result.close()
@@ -119,7 +121,7 @@ def answer(code, tests, token, fd):
     send, encode = private["send"], private["encode"]
     run = builtins.exec, builtins.compile, BaseException, len, str, enumerate
     private.update(TOKEN=token, FD=fd, write=write, dumps=json.JSONEncoder(ensure_ascii=True).encode)
-    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    namespace, pristine = {"__name__": "__main__", "__builtins__": builtins}, dict(vars(builtins))
     try:
         run[0](run[1](code, "<answer>", "exec"), namespace)
     except run[2]:
@@ -130,6 +132,7 @@ def answer(code, tests, token, fd):
         def check(k, ops, *values, _i=i):
             send("check %d %d %s" % (_i, k, encode(ops, values)))
         namespace["__grpokit_check__"] = check
+        namespace["__builtins__"] = pristine.copy()  # the tests see the builtins as they were before the answer
         try:
             run[0](run[1](test, "<test %d>" % i, "exec"), namespace)
         except run[2]:
@@ -175,6 +178,13 @@ def plain(x, depth=0):
         return {"d": [[plain(k, depth + 1), plain(v, depth + 1)] for k, v in x.items()]}
     return {tag: [plain(v, depth + 1) for v in x]}
 
+def plain_or_none(x):
+    try:
+        plain(x)
+        return True
+    except BaseException:
+        return False
+
 def encode(ops, values):
     try:
         out = dumps([plain(v) for v in values])
@@ -183,8 +193,8 @@ def encode(ops, values):
         return "v " + out
     except BaseException as e:
         reason = type(e).__name__ + ": " + str(e)[:80]
-    if ops is None:
-        return "x " + dumps(reason)
+    if ops is None or (ops != "truth" and any(plain_or_none(v) for v in values)):
+        return "x " + dumps(reason)  # a plain value next to one that is not: judged as plain data, it fails
     try:  # no expected value is hidden here: the answer's own objects decide, as plain Python would
         return "r " + dumps(bool(values[0]) if ops == "truth" else compare(ops, values))
     except BaseException:
