@@ -22,7 +22,7 @@ from grpokit.config.loading import config_from_dict
 from grpokit.rewards.core import compute_rewards
 from grpokit.rewards.registry import reward_specs
 from grpokit.rewards.sandbox import code_execution_reward, sandbox_isolation
-from grpokit.rewards.sandbox_checks import Check, instrument, judge
+from grpokit.rewards.sandbox_checks import Check, Grade, instrument, judge
 
 LEVEL, MESSAGE = sandbox_isolation()
 REQUIRED = os.environ.get("GRPOKIT_REQUIRE_SANDBOX") == "1"
@@ -115,6 +115,16 @@ def test_no_route_from_the_answer_to_the_report_forges_a_score(sandbox):
     reasons = {name: g.reason for name, g in zip(scores, reward.last_grades)}
     assert all(reasons[n] for n in FORGERS), reasons
     assert reasons["fake lines into every descriptor in /proc/self/fd"].startswith("the answer wrote")
+
+
+def test_answers_that_write_into_the_report_are_counted_in_the_metrics():
+    reward = code_execution_reward(time_limit=3.0, memory_mb=256, sandbox="none")
+    logged = []
+    scores = reward([FORGERS["fake lines into every descriptor in /proc/self/fd"] + GOOD, GOOD], [TESTS] * 2,
+                    log_metric=lambda name, value: logged.append((name, value)))
+    assert scores == [0.0, 1.0] and logged == [("code_execution/refused_reports", 1)]
+    assert reward.last_grades[0].refused and "into the harness" in reward.last_grades[0].reason
+    assert reward.last_grades[1] == Grade(1.0, None)
 
 
 def test_a_forged_report_cannot_leave_the_rewards_range_or_stop_training():

@@ -29,10 +29,12 @@ failed); the rest of the test runs, and the test fails here.
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import math
 import operator
 from dataclasses import dataclass
+from typing import Sequence
 
 __all__ = ["CHECK", "REPORT_CAP", "Check", "Grade", "instrument", "judge"]
 
@@ -135,16 +137,17 @@ class _Rewrite(ast.NodeTransformer):
         return ast.copy_location(ast.Expr(call), node)
 
 
-def instrument(test: str) -> tuple[str, list[Check]]:
+@functools.lru_cache(maxsize=4096)  # the same tests come back for each of a group's answers
+def instrument(test: str) -> tuple[str, tuple[Check, ...]]:
     """`test` with each assert turned into a check call, and the checks; a test that does not parse is
     sent as it is (it fails in the sandbox with its SyntaxError)."""
     try:
         tree = ast.parse(test)
         rewrite = _Rewrite()
         tree = ast.fix_missing_locations(rewrite.visit(tree))
-        return ast.unparse(tree), rewrite.checks
+        return ast.unparse(tree), tuple(rewrite.checks)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return test, []
+        return test, ()
 
 
 def _decode(x, depth: int = 0):
@@ -208,7 +211,7 @@ def _holds(check: Check, payload: str) -> tuple[bool, str | None]:
         return False, None
 
 
-def judge(report: str, checks: list[list[Check]]) -> Grade:
+def judge(report: str, checks: Sequence[Sequence[Check]]) -> Grade:
     """The grade of one answer from the relay's JSON `report`, against the checks kept for each test."""
     try:
         summary = json.loads(report)
@@ -233,7 +236,7 @@ def judge(report: str, checks: list[list[Check]]) -> Grade:
     return Grade(score if math.isfinite(score) else 0.0, why)
 
 
-def _tests_passed(lines: list[str], checks: list[list[Check]]) -> tuple[int, str | None]:
+def _tests_passed(lines: list[str], checks: Sequence[Sequence[Check]]) -> tuple[int, str | None]:
     """How many tests passed, from the report's lines in the order the harness writes them."""
     current, ok, counts, why, passed = 0, True, [0] * len(checks[0]) if checks else [], None, 0
     for line in lines:
