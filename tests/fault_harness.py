@@ -134,3 +134,39 @@ def write_train_config(folder: Path, model_dir: Path, run: Path, *, steps: int =
         console = false
         """).replace("{data}", data) + checkpoints + extra)
     return cfg
+
+
+TOOL_CALL = '<tool_call>{"name": "t", "arguments": {}}</tool_call>'
+
+
+def build_calling_model(path: Path, call: str = TOOL_CALL) -> Path:
+    """A tiny model whose every assistant turn is `call` then EOS (so it calls the tool `t` at once, and again
+    after each result), with the tiny tool chat template: hostile tools reached through `grpokit train`.
+
+    The call is one token of the character tokenizer; the layers add nothing (o_proj, down_proj zero), so
+    the logits depend on the current token only: after "assistant: "'s space the call, after the call EOS,
+    each by a margin of hundreds of logits (sampling at any temperature gives them)."""
+    import torch
+
+    from grpokit.models.tiny import TOOL_CHAT_TEMPLATE, TOOL_WORDS, build_char_tokenizer, build_tiny_model
+
+    tokenizer = build_char_tokenizer(words=TOOL_WORDS + (call,))
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    model, tokenizer = build_tiny_model(None, tokenizer=tokenizer, hidden_size=16, num_layers=1, num_heads=2,
+                                        num_kv_heads=1)
+    model.config.tie_word_embeddings = False
+    space, token, eos = tokenizer.convert_tokens_to_ids(" "), tokenizer.convert_tokens_to_ids(call), \
+        tokenizer.eos_token_id
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.zero_()
+        embed = model.get_input_embeddings().weight  # [V, 16]: a constant, "is the space", "is the call"
+        embed.zero_()
+        embed[:, 0], embed[space, 1], embed[token, 2] = 1, 1, 1
+        head = torch.zeros_like(embed)
+        head[eos, 0], head[eos, 1], head[token, 1] = 10, -30, 30
+        model.lm_head.weight = torch.nn.Parameter(head)
+    model.save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+    return path

@@ -55,10 +55,6 @@ class EvalConfig:
 def check_eval(config) -> None:
     """The checks across sections: where held-out prompts come from, and what `output.keep_best` names."""
     e, keep = config.eval, config.output.keep_best
-    if e.every:  # held-out prompts: eval.path, train(eval_rows=...), or a built-in task's eval split (setup.py)
-        _check(not config.tools.environment, "eval.every",
-               "evaluation during training does not run tools.environment yet; set eval.every = 0 and evaluate "
-               "the checkpoints afterwards")
     if keep:
         _check(bool(e.every), "output.keep_best", f"{keep!r} needs evaluation during training: set eval.every > 0")
         greedy = "; eval/greedy_accuracy needs eval.greedy = true" if keep == "eval/greedy_accuracy" else ""

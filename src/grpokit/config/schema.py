@@ -251,11 +251,14 @@ class ToolsConfig:
     max_calls: int = 8  # tool-calling turns per answer (TRL's max_tool_calling_iterations)
     timeout_s: float = 30.0  # per call; a call still running then is a failed call (its result an error)
     task_tools: bool = True  # with none named: a built-in task's own tools (multiplication's calculator)
+    max_result_chars: int = 100_000  # a longer result (or reset text) is a failed call; 0 = no limit
 
     def __post_init__(self):
         _check_fields(self, "tools")
         _check(self.max_calls >= 1, "tools.max_calls", "must be >= 1 (tool-calling turns per answer)")
         _check(self.timeout_s >= 0, "tools.timeout_s", "must be >= 0 seconds (0 = no limit); 30 is the default")
+        _check(self.max_result_chars >= 0, "tools.max_result_chars",
+               "must be >= 0 characters (0 = no limit); 100000 is the default")
 
 
 MAX_ANSWERS_PER_STEP = 2**20  # prompts_per_step * group_size: far past any real run, short of a hang

@@ -27,9 +27,10 @@ import asyncio
 import inspect
 from typing import Callable, Mapping, Sequence
 
-from grpokit.errors import EnvironmentFault
+from grpokit.data.prompts import render_prompt
+from grpokit.errors import EnvironmentFault, RewardTimeoutError
 from grpokit.rewards.core import RewardSpec
-from grpokit.rollout.tools import ToolBox
+from grpokit.rollout.tools import ResultTooLong, ToolBox, as_text, call_within
 
 
 def _public_methods(cls) -> list[str]:
@@ -41,7 +42,8 @@ def _public_methods(cls) -> list[str]:
 class _Kind:
     """One environment: its factory, tool methods, shared tool box (schemas) and pool of instances."""
 
-    def __init__(self, factory: Callable[[], object], tools: Sequence[Callable], timeout_s: float):
+    def __init__(self, factory: Callable[[], object], tools: Sequence[Callable], timeout_s: float,
+                 max_result_chars: int):
         try:
             probe = factory()
         except Exception as e:  # noqa: BLE001 - the user's code: one error line, not a traceback
@@ -51,8 +53,12 @@ class _Kind:
         if not callable(getattr(probe, "reset", None)):
             raise ValueError(f"environment {self.cls.__name__}: it needs a reset(**row) method (TRL's environment "
                              "contract): it returns None or text appended to the last user message")
+        if inspect.iscoroutinefunction(getattr(self.cls, "reset", None)):
+            raise ValueError(f"environment {self.cls.__name__}: reset is `async def`, and TRL calls reset without "
+                             "awaiting it; make it a plain `def` (get_reward and tools may be async)")
         self.factory, self.methods = factory, _public_methods(self.cls)
-        self.toolbox = ToolBox(list(tools) + [getattr(probe, m) for m in self.methods], timeout_s=timeout_s)
+        self.toolbox = ToolBox(list(tools) + [getattr(probe, m) for m in self.methods], timeout_s=timeout_s,
+                               max_result_chars=max_result_chars)
         self.pool = [probe]
 
 
@@ -60,14 +66,15 @@ class Environments:
     """The environments of a run (one factory, or several by name) and this batch's instances."""
 
     def __init__(self, factory: Callable[[], object] | Mapping[str, Callable[[], object]],
-                 tools: Sequence[Callable] = (), *, timeout_s: float = 30.0):
+                 tools: Sequence[Callable] = (), *, timeout_s: float = 30.0, max_result_chars: int = 100_000):
         self.named = isinstance(factory, Mapping)
         factories = dict(factory) if self.named else {None: factory}
         if not factories:
             raise ValueError("environment_factory is an empty mapping; give at least one environment")
-        self.kinds = {name: _Kind(f, tools, timeout_s) for name, f in factories.items()}
+        self.kinds = {name: _Kind(f, tools, timeout_s, max_result_chars) for name, f in factories.items()}
         self.toolbox = next(iter(self.kinds.values())).toolbox  # for checks that need one
         self.active: list = []  # this batch's instances, one per answer
+        self.max_positions: int | None = None  # the model's context, set at start-up: reset's text is checked
 
     def name_of(self, row: dict):
         return row.get("environment") if self.named else None
@@ -95,26 +102,85 @@ class Environments:
                 if index == len(kind.pool):
                     kind.pool.append(kind.factory())
                 env = kind.pool[index]
-                observations.append(env.reset(**arguments))
-            except Exception as e:  # noqa: BLE001 - the user's code: one error line naming it and the row
+                observations.append(_observation(kind, call_within(lambda: env.reset(**arguments),
+                                                                   kind.toolbox.timeout_s, "grpokit-reset")))
+            except TimeoutError:
+                raise EnvironmentFault(f"environment {kind.cls.__name__}: reset did not return within "
+                                       f"{kind.toolbox.timeout_s:g} s (tools.timeout_s; row {_show(row)}); make it "
+                                       "return sooner or raise tools.timeout_s") from None
+            except (EnvironmentFault, KeyboardInterrupt):
+                raise
+            except BaseException as e:  # noqa: BLE001 - the user's code (even SystemExit): one line naming it and the row
                 raise EnvironmentFault(f"environment {kind.cls.__name__}: reset raised {type(e).__name__}: {e} "
                                        f"(row {_show(row)}); fix the environment or the row") from e
             boxes.append(kind.toolbox.rebound([getattr(env, m) for m in kind.methods]))
             self.active.append(env)
         return boxes, observations
 
+    def prompts(self, tokenizer, rows: Sequence[dict], ids: list[list[int]], G: int, max_new_tokens: int,
+                budget_field: str = "rollout.max_new_tokens") -> tuple[list[list[int]], int, list[ToolBox]]:
+        """Reset one instance per answer (G per row): the prompts to sample from, the answers per prompt and
+        each answer's tool box. When a `reset` returned text, every answer gets its own prompt (the G answers
+        to a row no longer share one): N prompts, 1 answer each, each checked against the context."""
+        per_answer = [row for row in rows for _ in range(G)]
+        boxes, observations = self.start(per_answer)
+        if all(o is None for o in observations):
+            return ids, G, boxes
+        own = []
+        for row, observation in zip(per_answer, observations):
+            text = render_prompt(tokenizer, with_observation(row["prompt"], observation), tools=self.schemas_for(row))
+            own.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if self.max_positions and len(own[-1]) + max_new_tokens > self.max_positions:
+                raise EnvironmentFault(
+                    f"environment {self.kinds[self.name_of(row)].cls.__name__}: with the text reset returned the "
+                    f"prompt has {len(own[-1])} tokens (row {_show(row)}); with {budget_field} = {max_new_tokens} "
+                    f"it exceeds the model's context of {self.max_positions}; return shorter text from reset or "
+                    f"lower {budget_field}")
+        return own, 1, boxes
+
     def reward_specs(self) -> list[RewardSpec]:
         """Each environment class with `get_reward()` as one more reward function, weight 1, named after
         the class; an answer from another environment gets None (no score) there."""
         specs = []
         for cls in dict.fromkeys(k.cls for k in self.kinds.values() if callable(getattr(k.cls, "get_reward", None))):
-            def environment_reward(completions, environments, _cls=cls, **kwargs) -> list[float | None]:
-                scores = [env.get_reward() if type(env) is _cls else None for env in environments]
-                return [asyncio.run(s) if inspect.iscoroutine(s) else s for s in scores]  # async get_reward too
+            def environment_reward(completions, environments=None, _cls=cls, **kwargs) -> list[float | None]:
+                if environments is None:  # not from a batch that ran environments
+                    return [None] * len(completions)
+                return [self._reward(env) if type(env) is _cls else None for env in environments]
 
             environment_reward.__name__ = cls.__name__
             specs.append(RewardSpec(cls.__name__, environment_reward, 1.0))
         return specs
+
+
+    def _reward(self, env) -> float | None:
+        """`env.get_reward()` (awaited when async), within `tools.timeout_s`."""
+        def score():
+            value = env.get_reward()
+            return asyncio.run(value) if inspect.iscoroutine(value) else value
+
+        timeout = self.toolbox.timeout_s
+        try:
+            return call_within(score, timeout, "grpokit-get-reward")
+        except TimeoutError:
+            raise RewardTimeoutError(f"environment {type(env).__name__}: get_reward did not return within "
+                                     f"{timeout:g} s (tools.timeout_s); make it return sooner or raise "
+                                     "tools.timeout_s") from None
+
+
+def _observation(kind: _Kind, value) -> str | None:
+    """What `reset` returned, as TRL takes it: None, a string, or a list of text parts ({"type": "text",
+    "text": ...}); shown as text a tokenizer accepts, at most tools.max_result_chars characters."""
+    where = f"environment {kind.cls.__name__}: reset"
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in value):
+        value = "".join(str(p.get("text", "")) for p in value)
+    if value is not None and not isinstance(value, str):
+        raise EnvironmentFault(f"{where} returned {_show(value)} ({type(value).__name__}); it must return None or a "
+                               "string (appended to the last user message), as in TRL")
+    try:
+        return None if value is None else as_text(value, kind.toolbox.max_result_chars, what=f"{where}'s text")
+    except ResultTooLong as e:
+        raise EnvironmentFault(str(e)) from None
 
 
 def with_observation(prompt, observation: str | None) -> list[dict]:
@@ -125,6 +191,6 @@ def with_observation(prompt, observation: str | None) -> list[dict]:
     return messages[:-1] + [{**messages[-1], "content": messages[-1]["content"] + observation}]
 
 
-def _show(row: dict) -> str:
+def _show(row) -> str:
     text = repr(row)
     return text if len(text) <= 120 else text[:117] + "..."

@@ -16,8 +16,10 @@ has one (`call_parser`), else in the Hermes / Qwen format,
 call whose result is `{"error": "..."}`, shown to the model as the tool's answer, as TRL does: text
 between the tags that is not a JSON object with a string "name" and an object "arguments", an
 unknown tool name, arguments the function does not take, an exception inside the tool (any, even
-SystemExit), or a call still running after `timeout_s` (left to finish in its daemon thread; the
-rollout goes on).
+SystemExit), a result longer than `max_result_chars`, or a call still running after `timeout_s` (left
+to finish in its daemon thread; the rollout goes on; past `MAX_ABANDONED` such threads still running,
+further calls fail without starting one). A result is shown as text a tokenizer accepts (`as_text`:
+lone surrogates and NUL bytes become U+FFFD).
 """
 
 from __future__ import annotations
@@ -30,7 +32,28 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from grpokit.rollout.exit_guard import guarded
+
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+MAX_ABANDONED = 64  # timed-out calls whose threads still run; past it, calls fail without a new thread
+_abandoned: list[threading.Thread] = []
+
+
+class ResultTooLong(ValueError):
+    """A tool's result (or `reset`'s text) past `tools.max_result_chars`."""
+
+
+def as_text(value: Any, limit: int = 0, what: str = "the result") -> str:
+    """`value` as text any tokenizer accepts (`str()` of a non-string, as TRL): lone surrogates (invalid
+    UTF-8) and NUL bytes become U+FFFD. ValueError past `limit` characters (0 = no limit), checked
+    before anything is copied."""
+    text = value if type(value) is str else str(value)
+    if limit and len(text) > limit:
+        raise ResultTooLong(f"{what} has {len(text)} characters, more than tools.max_result_chars = {limit}; "
+                         "return less (or raise tools.max_result_chars)")
+    if not text.isascii():
+        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")  # a lone surrogate -> U+FFFD
+    return text.replace("\x00", "\ufffd")
 
 
 @dataclass(frozen=True)
@@ -112,7 +135,7 @@ def call_parser(tokenizer) -> Callable[..., list[ToolCall]]:
 class ToolBox:
     """The tools of a run by name, their JSON schemas for the chat template, and a bounded way to call them."""
 
-    def __init__(self, functions: Sequence[Callable], *, timeout_s: float = 30.0):
+    def __init__(self, functions: Sequence[Callable], *, timeout_s: float = 30.0, max_result_chars: int = 100_000):
         from transformers.utils import get_json_schema
 
         self.functions: dict[str, Callable] = {}
@@ -128,7 +151,7 @@ class ToolBox:
                 raise ValueError(f"two tools are named {name!r}; tool names must be unique")
             self.functions[name] = fn
             self.schemas.append(schema)
-        self.timeout_s = timeout_s
+        self.timeout_s, self.max_result_chars = timeout_s, max_result_chars
 
     def __bool__(self) -> bool:
         return bool(self.functions)
@@ -138,7 +161,7 @@ class ToolBox:
         environment instance's own bound methods."""
         box = ToolBox.__new__(ToolBox)
         box.functions = {**self.functions, **{fn.__name__: fn for fn in functions}}
-        box.schemas, box.timeout_s = self.schemas, self.timeout_s
+        box.schemas, box.timeout_s, box.max_result_chars = self.schemas, self.timeout_s, self.max_result_chars
         return box
 
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
@@ -174,32 +197,67 @@ def run_calls(answers: Sequence[Sequence[tuple[ToolBox, ToolCall]]]) -> list[lis
 
 
 def _run_one(box: ToolBox, call: ToolCall) -> ToolResult:
-    name = call.name or "unknown"
+    name = as_text(call.name or "unknown")  # the model's JSON may spell a lone surrogate
     if call.error:
         return ToolResult(name, _error(call.error), True)
     if call.name not in box.functions:
         return ToolResult(name, _error(f"unknown tool {call.name!r}; the tools are: {', '.join(box.functions)}"), True)
+    fn, limit = box.functions[call.name], box.max_result_chars
+
+    def work() -> tuple[bool, str]:  # shown as text here, within the timeout: a huge or odd result costs the call
+        try:
+            value = box._call(fn, call.arguments)
+        except BaseException as e:  # noqa: BLE001 - SystemExit, CancelledError...: the model's problem, not the run's
+            return False, _describe(e)
+        try:
+            return True, as_text(value, limit)
+        except ResultTooLong as e:
+            return False, str(e)
+        except BaseException as e:  # noqa: BLE001 - a result whose __str__ raises
+            return False, f"the result could not be shown as text ({_describe(e)})"
+
+    try:
+        ok, content = call_within(work, box.timeout_s, f"grpokit-tool-{call.name}")
+    except TimeoutError as e:
+        return ToolResult(name, _error(str(e)), True)
+    return ToolResult(name, content if ok else _error(content), not ok)
+
+
+def call_within(fn: Callable[[], Any], timeout_s: float, name: str = "grpokit-tool") -> Any:
+    """`fn()` in a daemon thread, waited for at most `timeout_s` (0 = no limit). Its value; what it raises
+    is raised here (BaseException as well: catch it in `fn` where that matters); TimeoutError past the
+    deadline, the thread left to finish (it never holds up the exit). At most `MAX_ABANDONED` such threads
+    run at once: past that, TimeoutError at once, with no new thread. In the thread, `os._exit`, a signal
+    to this process and the like raise `exit_guard.ToolExit` instead of ending it."""
+    _abandoned[:] = [t for t in _abandoned if t.is_alive()]
+    if len(_abandoned) >= MAX_ABANDONED:
+        raise TimeoutError(f"not run: {len(_abandoned)} earlier calls are still running past tools.timeout_s; set "
+                           "tools.isolation = \"process\" to have such calls killed")
     outcome: dict = {}
 
     def target() -> None:
         try:
-            outcome["value"] = box._call(box.functions[call.name], call.arguments)
-        except BaseException as e:  # noqa: BLE001 - SystemExit, CancelledError...: the model's problem, not the run's
+            outcome["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
             outcome["error"] = e
 
-    thread = threading.Thread(target=target, daemon=True, name=f"grpokit-tool-{call.name}")
+    thread = threading.Thread(target=guarded(target), daemon=True, name=name)  # os._exit & co. raise in it
     thread.start()
-    thread.join(box.timeout_s or None)
+    thread.join(timeout_s or None)
     if thread.is_alive():
-        return ToolResult(name, _error(f"the tool did not answer within {box.timeout_s:g} s"), True)
+        _abandoned.append(thread)
+        raise TimeoutError(f"the tool did not answer within {timeout_s:g} s")
     if "error" in outcome:
-        e = outcome["error"]
-        return ToolResult(name, _error(f"{type(e).__name__}: {e}"), True)
-    value = outcome.get("value")
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _describe(e: BaseException) -> str:
     try:
-        return ToolResult(name, value if isinstance(value, str) else str(value), False)
-    except Exception as e:  # noqa: BLE001 - a result whose __str__ raises
-        return ToolResult(name, _error(f"the result could not be shown as text ({type(e).__name__}: {e})"), True)
+        text = f"{type(e).__name__}: {e}"
+        return as_text(text if len(text) <= 2000 else text[:2000] + "...")
+    except Exception:  # noqa: BLE001 - an exception whose __str__ raises
+        return type(e).__name__
 
 
 def _error(message: str) -> str:

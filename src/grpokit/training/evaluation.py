@@ -29,6 +29,7 @@ from grpokit.models.fsdp import full_params_for_generation
 from grpokit.models.parallel import global_sum
 from grpokit.rewards.core import RewardSpec
 from grpokit.rollout.decode import sample_groups
+from grpokit.rollout.environments import Environments
 from grpokit.rollout.grading import grade
 from grpokit.rollout.multiturn import sample_conversations
 from grpokit.rollout.tools import ToolBox
@@ -44,18 +45,23 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def _grade(model, tokenizer, prompt_ids, rows, specs, *, group_size, temperature, max_new_tokens, generator,
-           batch_prompts, stop_strings, prompt_column, tools, max_tool_turns, eos_token_ids, top_p, top_k):
+           batch_prompts, stop_strings, prompt_column, tools, max_tool_turns, eos_token_ids, top_p, top_k,
+           environments=None):
     """Total rewards [num_prompts, group_size] of `group_size` sampled answers per prompt, and with
-    tools the calls and failed calls of every answer ([num_prompts * group_size] each)."""
+    tools the calls and failed calls of every answer ([num_prompts * group_size] each). With
+    `environments`, each answer gets its own instance, reset with its row, as in training."""
     totals, calls, failures = [torch.zeros(0, group_size)], [], []
     common = dict(group_size=group_size, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                   temperature=temperature, top_p=top_p, top_k=top_k, tokenizer=tokenizer, generator=generator)
     for start in range(0, len(prompt_ids), batch_prompts):
         batch_ids, batch_rows = prompt_ids[start:start + batch_prompts], rows[start:start + batch_prompts]
-        conversations = None
+        conversations, boxes, G = None, tools, group_size
+        if environments is not None:
+            batch_ids, G, boxes = environments.prompts(tokenizer, batch_rows, batch_ids, group_size, max_new_tokens,
+                                                       "eval.max_new_tokens")
         if tools:
-            rollout, stats = sample_conversations(model, batch_ids, eos_token_ids=eos_token_ids,
-                                                  tools=tools, max_tool_turns=max_tool_turns, **common)
+            rollout, stats = sample_conversations(model, batch_ids, eos_token_ids=eos_token_ids, tools=boxes,
+                                                  max_tool_turns=max_tool_turns, **{**common, "group_size": G})
             conversations = stats.conversations
             calls += stats.calls
             failures += stats.failures
@@ -63,7 +69,7 @@ def _grade(model, tokenizer, prompt_ids, rows, specs, *, group_size, temperature
             rollout = sample_groups(model, batch_ids, eos_token_ids=eos_token_ids,
                                     stop_strings=stop_strings, **common)
         draw = grade(rollout, batch_rows, tokenizer, specs, group_size, prompt_column=prompt_column,
-                     conversations=conversations)
+                     conversations=conversations, environments=None if environments is None else environments.active)
         totals.append(draw.total.view(-1, group_size).cpu())
     return torch.cat(totals), calls, failures  # [num_prompts, group_size], [N], [N]
 
@@ -95,19 +101,21 @@ def evaluate(
     max_tool_turns: int = 8,
     eos_token_ids: Sequence[int] | None = None,
     reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce,
+    environments: Environments | None = None,
 ) -> dict:
     """Metrics over `rows` (with their tokenized prompts): an answer is correct when its
     total reward reaches `correct_threshold`. With `tools` (the prompts rendered with their
     schemas) answers are multi-turn conversations, as in training, and the result also has
     `tool_call_share` (answers that called a tool at least once) and `tool_failure_rate`
     (failed calls / calls) of the sampled answers. `reduce` sums the counts over processes
-    (each evaluated its own share of the rows), so every process returns the whole set's metrics."""
+    (each evaluated its own share of the rows), so every process returns the whole set's metrics.
+    With `environments` (and `tools`, their tool box) each answer runs in its own instance, as in training."""
     model.eval()
     generator = torch.Generator(device=model.device).manual_seed(seed)
     eos = list(eos_token_ids) if eos_token_ids is not None else [tokenizer.eos_token_id]
     common = dict(max_new_tokens=max_new_tokens, generator=generator, batch_prompts=batch_prompts,
                   stop_strings=stop_strings, prompt_column=prompt_column, tools=tools,
-                  max_tool_turns=max_tool_turns, eos_token_ids=eos, top_k=top_k)
+                  max_tool_turns=max_tool_turns, eos_token_ids=eos, top_k=top_k, environments=environments)
     with full_params_for_generation(model):  # FSDP: gathered once, each process decodes its own share
         sampled, calls, failures = _grade(model, tokenizer, prompt_ids, rows, specs, group_size=samples_per_prompt,
                                           temperature=temperature, top_p=top_p, **common)  # [P, k]
@@ -145,6 +153,7 @@ class HeldOut:
     prompts: PromptTable
     config: Config
     tools: ToolBox | None
+    environments: Environments | None = None  # one instance per answer, reset with its row, as in training
 
     def due(self, step: int) -> bool:
         return step % self.config.eval.every == 0 or step == self.config.train.steps
@@ -168,7 +177,7 @@ class HeldOut:
                         max_new_tokens=eval_max_new_tokens(self.config), correct_threshold=e.correct_threshold,
                         greedy=e.greedy, seed=e.seed, stop_strings=self.config.rollout.stop_strings,
                         tools=self.tools, max_tool_turns=self.config.tools.max_calls,
-                        eos_token_ids=self.prompts.eos_token_ids, reduce=global_sum)
+                        eos_token_ids=self.prompts.eos_token_ids, reduce=global_sum, environments=self.environments)
 
 
 class BestCheckpoint:

@@ -13,13 +13,12 @@ import torch
 
 from grpokit.algorithms.advantages import decoupled_advantages, group_advantages
 from grpokit.config.schema import Config
-from grpokit.data.prompts import render_prompt
 from grpokit.models.parallel import all_ranks
 from grpokit.observe.metrics import completion_metrics, reward_summary, tool_metrics
 from grpokit.rewards.core import RewardSpec, reward_metrics
 from grpokit.rollout.batch import Rollout
 from grpokit.rollout.engines import RolloutEngine, SamplingParams
-from grpokit.rollout.environments import Environments, with_observation
+from grpokit.rollout.environments import Environments
 from grpokit.rollout.grading import Draw, grade
 from grpokit.training.setup import PromptTable
 
@@ -57,7 +56,7 @@ def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts
         rows = [prompts.rows[i] for i in indices]
         ids, group = [prompts.ids[i] for i in indices], G
         if environments is not None:
-            ids, group = _start_environments(environments, engine, tokenizer, rows, ids, G)
+            ids, group = _start_environments(environments, engine, tokenizer, rows, ids, G, sampling.max_new_tokens)
         t0 = time.perf_counter()
         rollout = engine.generate(ids, group_size=group, sampling=sampling, generator=sampler)
         t1 = time.perf_counter()
@@ -95,13 +94,7 @@ def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts
 
 
 def _start_environments(environments: Environments, engine, tokenizer, rows: list[dict], ids: list[list[int]],
-                        G: int) -> tuple[list[list[int]], int]:
-    """Reset one instance per answer; the engine calls each answer's own methods. When a `reset` returned
-    text, every answer gets its own prompt (the G answers to a row no longer share one): N prompts, 1 each."""
-    boxes, observations = environments.start([row for row in rows for _ in range(G)])
-    engine.tools = boxes
-    if all(o is None for o in observations):
-        return ids, G
-    texts = [render_prompt(tokenizer, with_observation(row["prompt"], o), tools=environments.schemas_for(row))
-             for row, o in zip([row for row in rows for _ in range(G)], observations)]
-    return [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts], 1
+                        G: int, max_new_tokens: int) -> tuple[list[list[int]], int]:
+    """Reset one instance per answer; the engine calls each answer's own methods (Environments.prompts)."""
+    ids, group, engine.tools = environments.prompts(tokenizer, rows, ids, G, max_new_tokens)
+    return ids, group

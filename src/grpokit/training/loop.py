@@ -70,7 +70,7 @@ def train(
     hint = continue_command(command)
     inputs = None
     try:
-        with stop_messages(config.output.dir, hint):  # Ctrl-C, a full disk: one line saying how to continue
+        with stop_messages(Path(config.output.dir).absolute(), hint):  # Ctrl-C, a full disk: how to continue
             inputs = check_inputs(config, dist, lock, rows=rows, reward_functions=reward_functions, resume=resume,
                                   tools=tools, environment_factory=environment_factory, eval_rows=eval_rows)
             if dist.is_main:
@@ -107,7 +107,8 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
     for message in diagnostics.check_config(config):
         console.print(message)
     config_text = to_toml(with_resolved_paths(config))  # what each checkpoint records; a resume is checked against it
-    held_out = HeldOut(inputs.held_out, config, inputs.tools) if inputs.held_out is not None else None
+    held_out = HeldOut(inputs.held_out, config, inputs.tools, inputs.environments) \
+        if inputs.held_out is not None else None
     best = BestCheckpoint(run_dir, config.output.keep_best) if config.output.keep_best and dist.is_main else None
 
     def save(step: int, keep_step: int | None = None) -> Path:

@@ -106,7 +106,7 @@ def prepare_run_folder(config: Config, *, resume: bool, lock: RunFolderLock | No
         lock.acquire()
     try:
         checkpoints = list_checkpoints(run_dir)  # again, now that no other run can change them
-        folder = RunFolder(run_dir)
+        folder = RunFolder(run_dir.absolute())  # every later write: a tool may chdir (os.chdir) mid-run
         damaged = []
         if resume:
             newest, damaged = _newest_intact(checkpoints)

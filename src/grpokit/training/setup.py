@@ -172,9 +172,10 @@ def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
     functions = list(functions)
     try:
         if factory is not None:
-            environments = Environments(factory, functions, timeout_s=t.timeout_s)
+            environments = Environments(factory, functions, timeout_s=t.timeout_s,
+                                        max_result_chars=t.max_result_chars)
             return environments.toolbox, environments
-        return ToolBox(functions, timeout_s=t.timeout_s), None
+        return ToolBox(functions, timeout_s=t.timeout_s, max_result_chars=t.max_result_chars), None
     except ValueError as e:
         raise SetupError(f"{'tools.environment' if factory is not None else 'tools.functions'}: {e}") from None
 
@@ -346,6 +347,8 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
             raise DataError(f"{config.data.path or 'rows'}: {e}") from None
     tokenizer = load_tokenizer(config.model.path)
     max_positions = max_positions_of(config.model.path)
+    if environments is not None:  # what reset returns is checked against it at each batch
+        environments.max_positions = max_positions
     prompts = tokenize_prompts(config, data, tokenizer, max_positions, toolbox, environments)
     held_out = prepare_held_out(config, data.task, tokenizer, max_positions, toolbox, dist, eval_rows, data.rows)
     folder = dist.run_on_main(prepare_run_folder, config, resume=resume, lock=lock)
