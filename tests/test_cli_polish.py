@@ -103,3 +103,25 @@ def test_config_does_not_import_torch():
             "assert 'torch' not in sys.modules, 'grpokit config imported torch'\nsys.exit(rc)")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_the_python_api_prints_no_transformers_progress_bars(tiny_model_dir, tmp_path):
+    """train() and build_tiny_model() used to print transformers' "Loading weights" and "Writing model shards"
+    bars on every load and checkpoint, around grpokit's own progress; a user's own bars stay on."""
+    script = f"""
+import sys
+sys.path.insert(0, {str(ROOT / "tests")!r})
+from conftest import make_config, parity
+from transformers.utils import logging
+from grpokit.models.tiny import build_tiny_model
+from grpokit.training.loop import train
+build_tiny_model({str(tmp_path / "tiny")!r}, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2)
+train(make_config({str(tmp_path / "tiny")!r}, {str(tmp_path / "run")!r}, steps=2), reward_functions=[parity])
+assert logging.is_progress_bar_enabled()
+print("done")
+"""
+    r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0 and "done" in r.stdout, r.stderr[-2000:]
+    for bar in ("Loading weights", "Writing model shards"):
+        assert bar not in r.stderr + r.stdout, r.stderr[-2000:]

@@ -4,6 +4,7 @@ one-line note when other processes keep those cores busy."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -48,22 +49,57 @@ def test_a_note_when_other_processes_keep_the_cores_busy(monkeypatch):
     assert threads.configure_threads(2) == (2, None)
 
 
+def _spin_elsewhere() -> int:
+    """A busy process that is not this one's descendant (its parent exits at once): the pid."""
+    out = subprocess.run([sys.executable, "-c", "import subprocess, sys; print(subprocess.Popen([sys.executable, "
+                          "'-c', 'while True: pass'], start_new_session=True, stdout=subprocess.DEVNULL, "
+                          "stderr=subprocess.DEVNULL).pid)"],
+                         capture_output=True, text=True, timeout=30)
+    return int(out.stdout)
+
+
 def test_busy_elsewhere_sees_another_process_and_not_this_one():
     cores = threads.usable_cores()
     start = time.process_time()
     while time.process_time() - start < 0.3:  # this process busy: not "elsewhere"
         pass
     idle = threads.busy_elsewhere(cores, window_s=0.3)
-    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    spinner = _spin_elsewhere()
     try:
         time.sleep(0.3)
         busy = threads.busy_elsewhere(cores, window_s=0.5)
     finally:
-        spinner.kill()
-        spinner.wait()
+        os.kill(spinner, signal.SIGKILL)
     assert busy is not None and busy >= 0.6
     if not os.environ.get("PYTEST_XDIST_WORKER"):  # beside another test worker "idle" is busy too
         assert busy >= idle + 0.4
+
+
+def test_this_runs_own_worker_processes_are_not_elsewhere(monkeypatch):
+    """Isolated-reward workers start (import, build) just before the threads are set: they are this run's
+    work. Measured in turn, with and without counting descendants, while a child spins."""
+    cores = threads.usable_cores()
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        own = threads.busy_elsewhere(cores, window_s=0.5)
+        with monkeypatch.context() as m:
+            m.setattr(threads, "_descendants_seconds", lambda: 0.0)
+            counted = threads.busy_elsewhere(cores, window_s=0.5)
+    finally:
+        child.kill()
+        child.wait()
+    assert counted - own >= 0.6, (counted, own)  # the child's core
+
+
+def test_a_process_that_is_just_ending_gives_no_note(monkeypatch):
+    """The run before this one (or its workers) finishing as this one starts: busy once, gone a moment later."""
+    monkeypatch.setattr(threads, "usable_cores", lambda: {0, 1})
+    seen = iter([2.0, 0.0])
+    monkeypatch.setattr(threads, "busy_elsewhere", lambda cores: next(seen))
+    assert threads.configure_threads(2) == (2, None)
+    monkeypatch.setattr(threads, "busy_elsewhere", lambda cores: 2.0)  # still busy: a job that competes
+    assert "torch threads would compete" in threads.configure_threads(2)[1]
 
 
 def test_the_run_prints_the_note_once(tiny_model_dir, tmp_path, monkeypatch, capsys):

@@ -13,8 +13,10 @@ read from the cache alone when offline; the same checks then run on that folder,
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -325,13 +327,29 @@ def _generic_tokenizer(folder: Path):
     return PreTrainedTokenizerFast.from_pretrained(str(folder)) if kind == "WordLevel" else None
 
 
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """transformers' own bars ("Loading weights", "Writing model shards") off while grpokit loads or saves a
+    model (on every start and checkpoint, beside grpokit's own progress); as they were afterwards."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(path: str | Path, *, dtype: str = "float32", device: str = "auto", field: str = "model.path"):
     from transformers import AutoModelForCausalLM
 
     p = check_model_folder(path, field=field)
     target = resolve_device(device, "--device" if field.startswith("--") else "model.device")  # before the load
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype])
+        with no_progress_bars():
+            model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[dtype])
     except Exception as e:
         if not (isinstance(e, _load_errors()) or _raised_by_torch_load(e)):
             raise

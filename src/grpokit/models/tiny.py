@@ -119,7 +119,10 @@ def build_tiny_model(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
     if path is not None:
+        from grpokit.models.loading import no_progress_bars
+
         Path(path).mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(str(path))
+        with no_progress_bars():
+            model.save_pretrained(str(path))
         tokenizer.save_pretrained(str(path))
     return model, tokenizer

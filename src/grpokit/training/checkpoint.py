@@ -31,7 +31,7 @@ import torch
 
 from grpokit.errors import CheckpointError, ModelLoadError, SetupError
 from grpokit.models.fsdp import full_state_dict, is_fsdp, load_optimizer_state, optimizer_state
-from grpokit.models.loading import check_model_folder
+from grpokit.models.loading import check_model_folder, no_progress_bars
 from grpokit.models.lora import LoraReference, adapter_of, import_peft, merged_state_dict
 from grpokit.models.parallel import gather_states, local_state
 from grpokit.training.reference import resharded
@@ -95,7 +95,8 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, trainer_state: d
     trainer_state = dict(trainer_state)
     reference = trainer_state.pop("reference", None)  # its own file, not in the pickle
     try:
-        model.save_pretrained(str(tmp))
+        with no_progress_bars():  # beside grpokit's own progress, on every save
+            model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
         torch.save(trainer_state, tmp / "trainer_state.pt")
         if reference is not None:
