@@ -125,3 +125,39 @@ print("done")
     assert r.returncode == 0 and "done" in r.stdout, r.stderr[-2000:]
     for bar in ("Loading weights", "Writing model shards"):
         assert bar not in r.stderr + r.stdout, r.stderr[-2000:]
+
+
+def test_tiny_model_tools_makes_a_model_a_tool_run_accepts(tmp_path):
+    """`grpokit tiny-model` + a tool was refused (its template ignores tools); `--tools` gives the tool demo's
+    template, and `grpokit train` with a tool runs on it."""
+    (tmp_path / "my_tools.py").write_text('def add(a: int, b: int) -> int:\n    """Add two numbers.\n\n    Args:\n'
+                                          '        a: The first.\n        b: The second.\n    """\n    return a + b\n')
+    plain, tools = tmp_path / "plain", tmp_path / "tools"
+    for out, extra in ((plain, []), (tools, ["--tools"])):
+        assert main(["tiny-model", str(out), "--hidden-size", "32", "--layers", "1", *extra]) == 0
+    cfg = tmp_path / "run.toml"
+    cfg.write_text(f"""[model]
+path = {json.dumps(str(tools))}
+[data]
+task = "addition"
+num_prompts = 8
+[rewards]
+functions = ["addition"]
+[tools]
+functions = [{json.dumps(str(tmp_path / "my_tools.py") + ":add")}]
+max_calls = 1
+[rollout]
+group_size = 2
+max_new_tokens = 8
+[train]
+steps = 1
+prompts_per_step = 2
+[output]
+dir = {json.dumps(str(tmp_path / "run"))}
+console = false
+""")
+    refused = run_cli("train", cfg, "--set", f"model.path={json.dumps(str(plain))}")
+    assert_user_error(refused, "the chat template ignores the tools")
+    ran = run_cli("train", cfg)
+    assert ran.returncode == 0 and "Traceback" not in ran.stderr, ran.describe()
+    assert "tools/call_frequency" in (tmp_path / "run" / "metrics.jsonl").read_text()

@@ -198,9 +198,10 @@ def cmd_tiny_model(args) -> int:
     if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
         raise ConfigError(f"OUT {args.out!r} cannot be created: {str(base)!r} is "
                           f"{'a file' if not base.is_dir() else 'not writable'}; choose another folder")
-    from grpokit.models.tiny import build_tiny_model
+    from grpokit.models.tiny import build_tiny_model, build_tool_tokenizer
 
-    build_tiny_model(args.out, arch=args.arch, hidden_size=args.hidden_size, num_layers=args.layers, seed=args.seed)
+    build_tiny_model(args.out, arch=args.arch, hidden_size=args.hidden_size, num_layers=args.layers, seed=args.seed,
+                     tokenizer=build_tool_tokenizer() if args.tools else None)
     print(f"saved: {args.out}")
     return 0
 
@@ -371,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden-size", type=int, default=128, help="hidden size, a multiple of 8")
     p.add_argument("--layers", type=int, default=4, help="decoder layers, >= 1")
     p.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
+    p.add_argument("--tools", action="store_true", help="a chat template that lists tools and renders tool calls")
     p.set_defaults(func=cmd_tiny_model)
     return parser
 

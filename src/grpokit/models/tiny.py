@@ -79,6 +79,14 @@ def build_char_tokenizer(path: str | Path | None = None, alphabet: str | None = 
     return tok
 
 
+def build_tool_tokenizer():
+    """The character tokenizer with the tool-call tags as single tokens and TOOL_CHAT_TEMPLATE (the tool
+    demo's; `grpokit tiny-model --tools`): a tiny model whose prompts list the tools and whose answers call them."""
+    tokenizer = build_char_tokenizer(words=TOOL_WORDS)
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    return tokenizer
+
+
 def build_tiny_model(
     path: str | Path | None = None,
     *,
