@@ -39,6 +39,14 @@ EVAL = dict(num_prompts=100, samples_per_prompt=4, temperature=1.0)
 QUICK = dict(sft_steps=20, grpo_steps=2, eval_prompts=8)
 
 
+# Single tokens beside the characters, as a real tokenizer's vocabulary has them: the tool-call tags (Qwen's
+# added tokens), the call's JSON boilerplate and the template's role markers (a BPE vocabulary spends a few
+# tokens on each; the character tokenizer would spend 52 on the call's opening alone). An answer that calls the
+# tool is then 9 tokens for the call, 5 for the tool's result and 3-4 for the answer, instead of about 90.
+CALL_OPENING = '{"name": "calculator", "arguments": {"expression": "'
+WORDS = (CALL_OPENING, '"}}', "\ntool: ", "\nassistant: ", "user: ", "tools: ")
+
+
 def trace_sampler(task, rows, tokenizer, tools, *, no_call: float, wrong_argument: float):
     """(prompt text, target segments) pairs for `sft`: the rendered prompt with the tool list; the
     call turn and the final answer trained, the tool results (as the chat template renders them,
@@ -99,7 +107,7 @@ def run_tool_demo(out: str | Path = "demo_tools_run", *, quick: bool = False, se
     train_rows = task.generate(5000, seed=seed, split="train")  # disjoint from the held-out prompts
 
     console.rule("[bold]1. tiny Qwen2 model + character tokenizer with a tool chat template, built locally")
-    tokenizer = build_char_tokenizer(words=TOOL_WORDS)
+    tokenizer = build_char_tokenizer(words=TOOL_WORDS + WORDS)
     tokenizer.chat_template = TOOL_CHAT_TEMPLATE
     build_tiny_model(out / "base", tokenizer=tokenizer, **MODEL, seed=seed)
     model, tokenizer = load_model_and_tokenizer(out / "base")
