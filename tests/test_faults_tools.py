@@ -226,10 +226,15 @@ def test_hung_calls_leave_a_bounded_number_of_threads(calling_model, tmp_path, m
     assert any("earlier calls are still running past tools.timeout_s" in m for m in shown), shown
 
 
-@pytest.mark.parametrize("isolation", ["none"])
+CTYPES_EXIT = Case("ctypes_exit", "import ctypes\nctypes.CDLL(None)._exit(7)", "the tool's worker process died "
+                   "(exit code 7)", subprocess=True)  # past the guard: only a worker process survives it
+
+
+@pytest.mark.parametrize("isolation", ["none", "process"])
 def test_exits_of_a_tool_never_end_the_trainer(isolation, calling_model, tmp_path):
-    """os._exit and a SIGKILL of the tool's own process: a failed call, in-process (the guard) and in a worker."""
-    cases = [c for c in TOOL_CASES if c.subprocess]
+    """os._exit and a SIGKILL of the tool's own process: a failed call, in-process (the guard) and in a worker;
+    an exit through ctypes, which no guard sees, in a worker."""
+    cases = [c for c in TOOL_CASES if c.subprocess] + ([CTYPES_EXIT] if isolation == "process" else [])
 
     def one(case):
         folder = tmp_path / case.name
@@ -250,3 +255,21 @@ def test_the_table_covers_every_kind_of_fault():
     names = {c.name for c in TOOL_CASES + ENV_CASES}
     assert {"raise", "hang", "huge_result", "lone_surrogate", "nul_bytes", "chdir", "os_exit", "self_kill",
             "not_a_string", "reset_int", "reset_list", "reset_hangs", "get_reward_hangs", "with_eval"} <= names
+
+
+@pytest.mark.parametrize("exits", [False, True], ids=["runs", "tool_exits"])
+def test_environments_in_worker_processes(exits, calling_model, tmp_path, monkeypatch, capsys):
+    """tools.isolation = "process" with an environment: reset, its tool and get_reward run in the workers; a tool
+    that ends its worker fails the call, and the lost instance's get_reward stops the run in one line."""
+    tool = "import ctypes\n        ctypes.CDLL(None)._exit(7)" if exits else 'return "ok"'
+    case = Case("env_process", ENV.format(reset='return " go"', get_reward="return 1.0").replace(
+        'return "ok"', tool), environment=True, extra="", failed=exits)
+    config = write_case(tmp_path / "env", calling_model, case)
+    config.write_text(config.read_text().replace("max_calls = 1", "max_calls = 1\nisolation = \"process\""))
+    result, _ = train_in_process(tmp_path / "env", monkeypatch=monkeypatch, capsys=capsys)
+    if exits:
+        assert_user_error(result, "environment Env: get_reward has no instance: its worker process died")
+    else:
+        assert_clean_exit(result)
+        assert read_metrics(tmp_path / "env" / "run")[-1]["rewards/Env/mean"] == 1.0
+        assert all(m == "ok" for m in tool_messages(tmp_path / "env" / "run"))

@@ -251,7 +251,11 @@ class ToolsConfig:
     max_calls: int = 8  # tool-calling turns per answer (TRL's max_tool_calling_iterations)
     timeout_s: float = 30.0  # per call; a call still running then is a failed call (its result an error)
     task_tools: bool = True  # with none named: a built-in task's own tools (multiplication's calculator)
-    max_result_chars: int = 100_000  # a longer result (or reset text) is a failed call; 0 = no limit
+    max_result_chars: int = 100_000  # a longer tool result is a failed call, a longer reset text an error; 0 = none
+    # Where tools and environments run: "none" (the trainer's process) or "process" (`workers` worker processes,
+    # which a crash in a call costs instead of the trainer; rollout/tool_workers.py)
+    isolation: str = "none"
+    workers: int = 2
 
     def __post_init__(self):
         _check_fields(self, "tools")
@@ -259,6 +263,8 @@ class ToolsConfig:
         _check(self.timeout_s >= 0, "tools.timeout_s", "must be >= 0 seconds (0 = no limit); 30 is the default")
         _check(self.max_result_chars >= 0, "tools.max_result_chars",
                "must be >= 0 characters (0 = no limit); 100000 is the default")
+        _one_of(self.isolation, REWARD_ISOLATION, "tools.isolation")
+        _check(self.workers >= 1, "tools.workers", "must be >= 1 (processes of tools.isolation = \"process\")")
 
 
 MAX_ANSWERS_PER_STEP = 2**20  # prompts_per_step * group_size: far past any real run, short of a hang

@@ -75,6 +75,7 @@ class Environments:
         self.toolbox = next(iter(self.kinds.values())).toolbox  # for checks that need one
         self.active: list = []  # this batch's instances, one per answer
         self.max_positions: int | None = None  # the model's context, set at start-up: reset's text is checked
+        self.workers = None  # tools.isolation = "process": tool_workers.ToolWorkers holding the instances
 
     def name_of(self, row: dict):
         return row.get("environment") if self.named else None
@@ -92,6 +93,8 @@ class Environments:
 
     def start(self, rows: Sequence[dict]) -> tuple[list[ToolBox], list[str | None]]:
         """Reset one instance per answer with its row; their tool boxes and what each `reset` returned."""
+        if self.workers is not None:
+            return self._start_remote(rows)
         taken: dict = {}
         boxes, observations, self.active = [], [], []
         for row in rows:
@@ -115,6 +118,32 @@ class Environments:
                                        f"(row {_show(row)}); fix the environment or the row") from e
             boxes.append(kind.toolbox.rebound([getattr(env, m) for m in kind.methods]))
             self.active.append(env)
+        return boxes, observations
+
+    def _start_remote(self, rows: Sequence[dict]) -> tuple[list[ToolBox], list[str | None]]:
+        """`start` with the instances in the workers (answer i in worker i % workers)."""
+        from grpokit.rollout.tool_workers import Remote
+
+        items = [(i, self.name_of(row), {k: v for k, v in row.items() if k != "environment"} if self.named else row)
+                 for i, row in enumerate(rows)]
+        boxes, observations, self.active = [], [], []
+        for (i, name, _), row, reply in zip(items, rows, self.workers.reset(items)):
+            kind = self.kinds[name]
+            where = f"environment {kind.cls.__name__}: reset"
+            if reply[0] == "timeout":
+                raise EnvironmentFault(f"{where} did not return within {kind.toolbox.timeout_s:g} s (tools.timeout_s; "
+                                       f"row {_show(row)}); make it return sooner or raise tools.timeout_s")
+            if reply[0] in ("raise", "died"):
+                what = "raised" if reply[0] == "raise" else "ended its worker process:"
+                raise EnvironmentFault(f"{where} {what} {reply[1]} (row {_show(row)}); fix the environment or the row")
+            if reply[0] == "type":
+                raise EnvironmentFault(f"{where} returned {reply[2]} ({reply[1]}); it must return None or a string "
+                                       "(appended to the last user message), as in TRL")
+            observations.append(_observation(kind, reply[1]))
+            box = kind.toolbox.rebound([])
+            box.workers, box.answer = self.workers, i
+            boxes.append(box)
+            self.active.append(Remote(kind.cls, i))
         return boxes, observations
 
     def prompts(self, tokenizer, rows: Sequence[dict], ids: list[list[int]], G: int, max_new_tokens: int,
@@ -146,6 +175,8 @@ class Environments:
             def environment_reward(completions, environments=None, _cls=cls, **kwargs) -> list[float | None]:
                 if environments is None:  # not from a batch that ran environments
                     return [None] * len(completions)
+                if self.workers is not None:
+                    return self._remote_rewards(environments, _cls)
                 return [self._reward(env) if type(env) is _cls else None for env in environments]
 
             environment_reward.__name__ = cls.__name__
@@ -166,6 +197,22 @@ class Environments:
             raise RewardTimeoutError(f"environment {type(env).__name__}: get_reward did not return within "
                                      f"{timeout:g} s (tools.timeout_s); make it return sooner or raise "
                                      "tools.timeout_s") from None
+
+
+    def _remote_rewards(self, environments: Sequence, cls: type) -> list[float | None]:
+        mine = [env.answer for env in environments if env.cls is cls]
+        scores = dict(zip(mine, self.workers.reward(mine)))
+        out = []
+        for env in environments:
+            reply = scores.get(env.answer) if env.cls is cls else ("ok", None)
+            if reply[0] != "ok":
+                why = {"timeout": f"did not return within {self.toolbox.timeout_s:g} s (tools.timeout_s)",
+                       "lost": "has no instance: its worker process died during the answer"}.get(reply[0])
+                fault = RewardTimeoutError if reply[0] == "timeout" else EnvironmentFault
+                raise fault(f"environment {cls.__name__}: get_reward {why or f'failed: {reply[-1]}'}; make it "
+                            "return sooner, fix it, or raise tools.timeout_s")
+            out.append(reply[1])
+        return out
 
 
 def _observation(kind: _Kind, value) -> str | None:

@@ -152,6 +152,7 @@ class ToolBox:
             self.functions[name] = fn
             self.schemas.append(schema)
         self.timeout_s, self.max_result_chars = timeout_s, max_result_chars
+        self.workers, self.answer = None, None  # tools.isolation = "process": tool_workers.ToolWorkers, answer
 
     def __bool__(self) -> bool:
         return bool(self.functions)
@@ -162,6 +163,7 @@ class ToolBox:
         box = ToolBox.__new__(ToolBox)
         box.functions = {**self.functions, **{fn.__name__: fn for fn in functions}}
         box.schemas, box.timeout_s, box.max_result_chars = self.schemas, self.timeout_s, self.max_result_chars
+        box.workers, box.answer = getattr(self, "workers", None), getattr(self, "answer", None)
         return box
 
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
@@ -183,6 +185,10 @@ def run_calls(answers: Sequence[Sequence[tuple[ToolBox, ToolCall]]]) -> list[lis
     sees them in the order the model wrote them), different answers at the same time. Each call gets
     its box's `timeout_s`; one still running then is reported as failed and left to finish in its
     daemon thread (it may still change its environment afterwards, and never holds up the exit)."""
+    remote = next((box.workers for calls in answers for box, _ in calls if getattr(box, "workers", None)), None)
+    if remote is not None:  # tools.isolation = "process": in the answers' own workers
+        return remote.call([(calls[0][0].answer if calls[0][0].answer is not None else i, [c for _, c in calls])
+                            if calls else (i, []) for i, calls in enumerate(answers)])
     results: list[list[ToolResult]] = [[] for _ in answers]
 
     def run_in_order(i: int, calls) -> None:

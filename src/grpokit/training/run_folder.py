@@ -62,6 +62,7 @@ RESUMABLE_FIELDS = frozenset({
     "rollout.packed_weights",
     "model.device", "rollout.vllm", "rewards.timeout_s", "tools.timeout_s",
     "rewards.isolation", "rewards.workers", "rewards.on_error",  # where graders run, what a failure does
+    "tools.isolation", "tools.workers",  # where tools and environments run
     "output.dir", "output.save_every", "output.keep_last", "output.overwrite", "output.completions_every",
     "output.console", "output.tensorboard", "output.wandb", "output.keep_best",
     # [eval] samples with its own generator: the training run is the same with or without it

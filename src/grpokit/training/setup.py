@@ -163,6 +163,7 @@ def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
     factory given to `train`, else `tools.environment`. (None, None) when there are none."""
     t = config.tools
     factory = environment_factory or (load_reward(t.environment, kind="environment") if t.environment else None)
+    own_functions = functions is None and bool(t.functions)
     if functions is None:
         functions = [load_reward(ref, kind="tool") for ref in t.functions]
         if not functions and factory is None and t.task_tools:
@@ -171,11 +172,14 @@ def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
         return None, None
     functions = list(functions)
     try:
-        if factory is not None:
-            environments = Environments(factory, functions, timeout_s=t.timeout_s,
-                                        max_result_chars=t.max_result_chars)
-            return environments.toolbox, environments
-        return ToolBox(functions, timeout_s=t.timeout_s, max_result_chars=t.max_result_chars), None
+        environments = None if factory is None else Environments(factory, functions, timeout_s=t.timeout_s,
+                                                                 max_result_chars=t.max_result_chars)
+        box = environments.toolbox if environments is not None else \
+            ToolBox(functions, timeout_s=t.timeout_s, max_result_chars=t.max_result_chars)
+        if t.isolation == "process":  # tools and environments in worker processes
+            from grpokit.rollout.tool_workers import attach_workers
+            attach_workers(box, environments, t, None if own_functions else functions, environment_factory)
+        return box, environments
     except ValueError as e:
         raise SetupError(f"{'tools.environment' if factory is not None else 'tools.functions'}: {e}") from None
 
