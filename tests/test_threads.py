@@ -72,7 +72,7 @@ def test_busy_elsewhere_sees_another_process_and_not_this_one():
         os.kill(spinner, signal.SIGKILL)
     assert busy is not None and busy >= 0.6
     if not os.environ.get("PYTEST_XDIST_WORKER"):  # beside another test worker "idle" is busy too
-        assert busy >= idle + 0.4
+        assert busy >= min(idle + 0.4, len(cores) - 0.2)  # (on a machine others keep busy: nearly all of it)
 
 
 def test_this_runs_own_worker_processes_are_not_elsewhere(monkeypatch):
