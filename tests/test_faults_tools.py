@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from fault_harness import CliResult, assert_clean_exit, assert_user_error, build_calling_model, run_cli
 from grpokit import cli
@@ -149,8 +150,11 @@ def calling_model(tmp_path_factory) -> Path:
 def train_in_process(folder: Path, *args: str, monkeypatch, capsys) -> tuple[CliResult, float]:
     monkeypatch.chdir(folder)
     args = ["train", str(folder / "run.toml"), *args]
-    start = time.monotonic()
-    code = cli.main(args)
+    start, threads = time.monotonic(), torch.get_num_threads()
+    try:
+        code = cli.main(args)
+    finally:
+        torch.set_num_threads(threads)  # train.num_threads = 1 would stay for the tests after
     seconds = time.monotonic() - start
     out = capsys.readouterr()
     return CliResult(args, code, out.out, out.err), seconds
