@@ -120,8 +120,11 @@ train(make_config({str(tmp_path / "tiny")!r}, {str(tmp_path / "run")!r}, steps=2
 assert logging.is_progress_bar_enabled()
 print("done")
 """
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}  # (grpokit.cli.main sets it)
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+                       env={**env, "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0 and "done" in r.stdout, r.stderr[-2000:]
     for bar in ("Loading weights", "Writing model shards"):
         assert bar not in r.stderr + r.stdout, r.stderr[-2000:]
