@@ -91,6 +91,8 @@ ENV_CASES = [
     env_case("reset_exits", "os._exit(3) if on() else None", error=("environment Env: reset raised ToolExit",)),
     env_case("get_reward_hangs", get_reward="time.sleep(30) if on() else None\n        return 1.0",
              error=("environment Env: get_reward did not return within 1 s",)),
+    env_case("get_reward_exits", get_reward="os._exit(3) if on() else None\n        return 1.0",
+             error=("environment Env: get_reward raised ToolExit: the tool called os._exit(3)",)),
     env_case("with_eval", failed=False,
              extra='[eval]\nevery = 1\nnum_prompts = 2\nsamples_per_prompt = 2\ngreedy = false\n'),
 ]

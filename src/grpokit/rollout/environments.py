@@ -197,6 +197,11 @@ class Environments:
             raise RewardTimeoutError(f"environment {type(env).__name__}: get_reward did not return within "
                                      f"{timeout:g} s (tools.timeout_s); make it return sooner or raise "
                                      "tools.timeout_s") from None
+        except (Exception, KeyboardInterrupt):
+            raise  # named by compute_rewards (the function, the sample)
+        except BaseException as e:  # noqa: BLE001 - SystemExit, an exit the guard caught: a line, not the end
+            raise EnvironmentFault(f"environment {type(env).__name__}: get_reward raised {type(e).__name__}: {e}; "
+                                   "fix the environment") from None
 
 
     def _remote_rewards(self, environments: Sequence, cls: type) -> list[float | None]:

@@ -33,7 +33,7 @@ from grpokit.models.parallel import DistributedContext
 from grpokit.rewards.core import RewardSpec
 from grpokit.rewards.isolated import isolate
 from grpokit.rewards.isolation import RewardPool, check_isolatable
-from grpokit.rewards.registry import load_reward, reward_specs, unique_reward_names
+from grpokit.rewards.registry import reward_specs, unique_reward_names
 from grpokit.rewards.remote import RemoteGrader
 from grpokit.rewards.reward_model import RewardModel
 from grpokit.rewards.sandbox import sandbox_isolation
@@ -41,10 +41,11 @@ from grpokit.rollout.engines import RolloutEngine, build_engine
 from grpokit.rollout.environments import Environments
 from grpokit.rollout.multiturn import check_full_attention
 from grpokit.rollout.tools import ToolBox, check_tool_template
-from grpokit.tasks import get_task, task_tools
+from grpokit.tasks import get_task
 from grpokit.training.checkpoint import list_checkpoints, restore_checkpoint
 from grpokit.training.optimizer import build_optimizer, lr_lambda
 from grpokit.training.run_folder import RunFolder, prepare_run_folder
+from grpokit.training.tool_setup import resolve_tools
 
 
 @dataclass
@@ -153,35 +154,6 @@ def isolate_rewards(config: Config, specs: list[RewardSpec]) -> tuple[list[Rewar
         out.append(isolate(limited, pool, source=spec.source, on_error=r.on_error,
                            group_size=config.rollout.group_size))
     return out, pool
-
-
-def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
-                  environment_factory: Callable | dict | None = None,
-                  task=None) -> tuple[ToolBox | None, Environments | None]:
-    """Python callables given to `train(tools=...)` (`[]`: none), else `tools.functions`, else (with no
-    environment either, unless `tools.task_tools = false`) the built-in task's own tools; the environment
-    factory given to `train`, else `tools.environment`. (None, None) when there are none."""
-    t = config.tools
-    factory = environment_factory or (load_reward(t.environment, kind="environment") if t.environment else None)
-    own_functions = functions is None and bool(t.functions)
-    if functions is None:
-        functions = [load_reward(ref, kind="tool") for ref in t.functions]
-        if not functions and factory is None and t.task_tools:
-            functions = task_tools(task)
-    if not functions and factory is None:
-        return None, None
-    functions = list(functions)
-    try:
-        environments = None if factory is None else Environments(factory, functions, timeout_s=t.timeout_s,
-                                                                 max_result_chars=t.max_result_chars)
-        box = environments.toolbox if environments is not None else \
-            ToolBox(functions, timeout_s=t.timeout_s, max_result_chars=t.max_result_chars)
-        if t.isolation == "process":  # tools and environments in worker processes
-            from grpokit.rollout.tool_workers import attach_workers
-            attach_workers(box, environments, t, None if own_functions else functions, environment_factory)
-        return box, environments
-    except ValueError as e:
-        raise SetupError(f"{'tools.environment' if factory is not None else 'tools.functions'}: {e}") from None
 
 
 def tokenize_prompts(config: Config, data: PreparedData, tokenizer, max_positions: int | None,

@@ -1,0 +1,41 @@
+"""Which tools and environments a run has (`[tools]`, or what `train()` was given), and where they run."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from grpokit.config.schema import Config
+from grpokit.errors import SetupError
+from grpokit.rewards.registry import load_reward
+from grpokit.rollout.environments import Environments
+from grpokit.rollout.tools import ToolBox
+from grpokit.tasks import task_tools
+
+
+def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
+                  environment_factory: Callable | dict | None = None,
+                  task=None) -> tuple[ToolBox | None, Environments | None]:
+    """Python callables given to `train(tools=...)` (`[]`: none), else `tools.functions`, else (with no
+    environment either, unless `tools.task_tools = false`) the built-in task's own tools; the environment
+    factory given to `train`, else `tools.environment`. (None, None) when there are none."""
+    t = config.tools
+    factory = environment_factory or (load_reward(t.environment, kind="environment") if t.environment else None)
+    own_functions = functions is None and bool(t.functions)
+    if functions is None:
+        functions = [load_reward(ref, kind="tool") for ref in t.functions]
+        if not functions and factory is None and t.task_tools:
+            functions = task_tools(task)
+    if not functions and factory is None:
+        return None, None
+    functions = list(functions)
+    try:
+        environments = None if factory is None else Environments(factory, functions, timeout_s=t.timeout_s,
+                                                                 max_result_chars=t.max_result_chars)
+        box = environments.toolbox if environments is not None else \
+            ToolBox(functions, timeout_s=t.timeout_s, max_result_chars=t.max_result_chars)
+        if t.isolation == "process":  # tools and environments in worker processes
+            from grpokit.rollout.tool_workers import attach_workers
+            attach_workers(box, environments, t, None if own_functions else functions, environment_factory)
+        return box, environments
+    except ValueError as e:
+        raise SetupError(f"{'tools.environment' if factory is not None else 'tools.functions'}: {e}") from None
