@@ -1,0 +1,65 @@
+"""Findings of the adversarial review of the code_execution grading rewrite and the new code (issue 26 point 0).
+
+Each test reproduces one confirmed bug and is marked xfail(strict=True): it starts passing (and so
+fails the suite, prompting removal of the mark) once the bug is fixed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from grpokit.rewards.core import compute_rewards
+from grpokit.rewards.registry import reward_specs
+from grpokit.rewards.sandbox import code_execution_reward
+
+WRONG = "def add(a, b):\n    return 0\n"
+GOOD = "def add(a, b):\n    return a + b\n"
+
+# The answer reaches the harness's private helper namespace through its caller's frame (answer()'s locals).
+DROP_CHECK_LINES = ("import sys\np = sys._getframe(1).f_locals['private']\nw = p['write']\n"
+                    "def filt(fd, data):\n    if b' check ' in data:\n        return len(data)\n"
+                    "    return w(fd, data)\np['write'] = filt\n")
+PATCH_PRISTINE = ("import sys\npr = sys._getframe(1).f_locals['pristine']\n"
+                  "pr['sorted'] = lambda *a, **k: ['same']\npr['abs'] = lambda *a: 0.0\n")
+
+
+def _reward():
+    return code_execution_reward(time_limit=3.0, memory_mb=256, workers=4, sandbox="none")
+
+
+@pytest.mark.xfail(strict=True, reason="asserts under def/if/try are 'runs any': an answer that drops its check "
+                   "lines (via the harness's private dict reached from its frame) passes HumanEval-style tests")
+def test_humaneval_style_check_function_cannot_be_forged():
+    tests = ["def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(1, 1) == 2\ncheck(add)",
+             "if True:\n    assert add(2, 3) == 5"]
+    assert _reward()([DROP_CHECK_LINES + WRONG, GOOD], [tests] * 2) == [0.0, 1.0]
+
+
+@pytest.mark.xfail(strict=True, reason="the per-test builtins come from the `pristine` dict the answer can reach "
+                   "and mutate through sys._getframe(1).f_locals; a non-literal expected side is then forgeable")
+def test_the_tests_builtins_cannot_be_patched_through_the_harness_frame():
+    code = PATCH_PRISTINE + "def add(a, b):\n    return 'same' if isinstance(a, int) else 7.0\n"
+    tests = ["assert [add(2, 3)] == sorted([5])", "assert abs(add(0.1, 0.2) - 0.3) < 1e-9"]
+    assert _reward()([code, GOOD], [tests] * 2) == [0.0, 1.0]
+
+
+@pytest.mark.xfail(strict=True, reason="a truthy assert whose expected value is an argument of a module function "
+                   "(math.isclose) is evaluated in the answer's interpreter, where the answer patched the module")
+def test_math_isclose_patched_by_the_answer_does_not_pass():
+    code = "import math\nmath.isclose = lambda *a, **k: True\n" + WRONG
+    tests = ["import math\nassert math.isclose(add(0.1, 0.2), 0.3)"]
+    assert _reward()([code, GOOD], [tests] * 2) == [0.0, 1.0]
+
+
+OVERFLOW = ("import sys\np = sys._getframe(1).f_locals['private']\n"
+            "p['dumps'] = lambda x: '[{\"f\": \"0x1p99999\"}]'\n" + WRONG)
+
+
+@pytest.mark.xfail(strict=True, reason="sandbox_checks._decode: float.fromhex raises OverflowError, which judge() "
+                   "does not catch; the reward raises and (on_error='raise') the run stops")
+def test_an_overflowing_float_in_a_forged_report_does_not_stop_training():
+    specs = reward_specs(["code_execution"], args={"code_execution": {
+        "time_limit": 3.0, "memory_mb": 256, "sandbox": "none"}})
+    _, total = compute_rewards(specs, ["p"] * 2, [OVERFLOW, GOOD], [[1]] * 2,
+                               {"tests": [["assert add(2, 3) == 5"]] * 2})
+    assert total.tolist() == [0.0, 1.0]
