@@ -164,10 +164,13 @@ def attach_workers(box: ToolBox, environments, tools_config, functions: Sequence
     from pathlib import Path
 
     from grpokit.errors import RewardLoadError
+    from grpokit.rewards.isolation import _source
 
     def absolute(ref):
+        """A reference resolved now; a callable as a worker finds it (a script's function: by its file)."""
         if not isinstance(ref, str):
-            return ref
+            sent = _source(getattr(ref, "__name__", "tool"), ref)  # RewardLoadError: what cannot be sent, and why
+            return sent.label if sent.kind == "ref" else ref
         module, _, attr = ref.rpartition(":")
         return f"{Path(module).resolve()}:{attr}" if module.endswith(".py") or "/" in module else ref
 
@@ -175,13 +178,12 @@ def attach_workers(box: ToolBox, environments, tools_config, functions: Sequence
     tools = t.functions if functions is None else functions
     factory = environment_factory or t.environment
     factories = dict(factory) if isinstance(factory, Mapping) else {None: factory} if factory else {}
-    host = ToolHost([absolute(f) for f in tools], {k: absolute(v) for k, v in factories.items()}, box.timeout_s,
-                    box.max_result_chars)
     try:
+        host = ToolHost([absolute(f) for f in tools], {k: absolute(v) for k, v in factories.items()}, box.timeout_s,
+                        box.max_result_chars)
         pool = ToolWorkers(host, t.workers)
     except RewardLoadError as e:
-        raise ValueError(f"tools.isolation = \"process\": {str(e).replace('reward function', 'the tools', 1)}") \
-            from None
+        raise ValueError(f"tools.isolation = \"process\": {str(e).replace('reward function ', '', 1)}") from None
     box.workers = pool
     if environments is not None:
         environments.workers = pool
