@@ -63,3 +63,28 @@ def test_an_overflowing_float_in_a_forged_report_does_not_stop_training():
     _, total = compute_rewards(specs, ["p"] * 2, [OVERFLOW, GOOD], [[1]] * 2,
                                {"tests": [["assert add(2, 3) == 5"]] * 2})
     assert total.tolist() == [0.0, 1.0]
+
+
+@pytest.mark.xfail(strict=True, reason="the tests run in the answer's globals: a wrong add that rebinds the loop "
+                   "variable (globals()['a'] = 0) makes the non-literal expected side `a + 1` equal its return value")
+def test_an_answer_cannot_rebind_the_tests_loop_variable():
+    tests = ["assert add(2, 3) == 5", "assert add(-1, 4) == 3", "for a in range(3):\n    assert add(a, 1) == a + 1"]
+    rebind = "def add(x, y):\n    globals()['a'] = 0\n    return 1\n"
+    assert _reward()([rebind, GOOD], [tests] * 2) == [0.0, 1.0]
+
+
+@pytest.mark.parametrize("rows", [
+    pytest.param(['{"step": 1, "reward": 1e308, "entropy": 1e308}', '{"step": 2, "reward": -1e308, "entropy": 0}'],
+                 id="finite-values-whose-range-overflows"),
+    pytest.param(['{"step": 1, "reward": 1' + "0" * 400 + '}'], id="an-integer-too-large-for-a-float"),
+])
+@pytest.mark.xfail(strict=True, reason="observe/charts.py: _nice_ticks (log10 of an infinite range) and _value "
+                   "(float() of a huge int) raise OverflowError: `grpokit report` ends in a traceback")
+def test_report_on_extreme_metrics_is_no_traceback(tmp_path, rows):
+    import subprocess
+    import sys
+
+    (tmp_path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    r = subprocess.run([sys.executable, "-m", "grpokit.cli", "report", str(tmp_path)], capture_output=True,
+                       text=True, timeout=120)
+    assert "Traceback" not in r.stderr and r.returncode in (0, 2), r.stderr[-500:]
