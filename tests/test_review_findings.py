@@ -88,3 +88,41 @@ def test_report_on_extreme_metrics_is_no_traceback(tmp_path, rows):
     r = subprocess.run([sys.executable, "-m", "grpokit.cli", "report", str(tmp_path)], capture_output=True,
                        text=True, timeout=120)
     assert "Traceback" not in r.stderr and r.returncode in (0, 2), r.stderr[-500:]
+
+
+_TOOL_EXIT = '''
+import os, signal, sys, threading
+from os import _exit as early_exit  # bound when the tool module loads, before exit_guard.install()
+from grpokit.rollout.tools import ToolBox, ToolCall
+
+def t(x: int) -> str:
+    """A tool.
+
+    Args:
+        x: anything
+    """
+    how = sys.argv[1]
+    if how == "thread":  # a thread the tool starts is not a guarded thread
+        th = threading.Thread(target=os._exit, args=(7,)); th.start(); th.join()
+    elif how == "early":
+        early_exit(7)
+    else:
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGKILL)
+    return "ok"
+
+print(ToolBox([t], timeout_s=5).run([ToolCall("t", {"x": 1})])[0].failed, flush=True)
+'''
+
+
+@pytest.mark.parametrize("how", ["thread", "early", "pthread_kill"])
+@pytest.mark.xfail(strict=True, reason="rollout/exit_guard.py guards only os._exit/os.kill/... looked up at call "
+                   "time in the tool's own thread: a thread the tool starts, `from os import _exit` bound at import, "
+                   "and signal.pthread_kill end the trainer (docs/TOOLS.md says such exits are failed calls)")
+def test_tool_exits_the_guard_does_not_see_do_not_end_the_trainer(tmp_path, how):
+    import subprocess
+    import sys
+
+    script = tmp_path / "tool_exit.py"
+    script.write_text(_TOOL_EXIT)
+    r = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "True", (r.returncode, r.stdout, r.stderr[-300:])
