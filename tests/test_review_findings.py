@@ -126,3 +126,13 @@ def test_tool_exits_the_guard_does_not_see_do_not_end_the_trainer(tmp_path, how)
     script.write_text(_TOOL_EXIT)
     r = subprocess.run([sys.executable, str(script), how], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "True", (r.returncode, r.stdout, r.stderr[-300:])
+
+
+@pytest.mark.parametrize("test", ["assert add(2, 3) == 5 and add(1, 1) == 2",
+                                  "assert all(add(a, 1) == a + 1 for a in range(3))",
+                                  "assert (add(2, 3) == 5) is True"])
+@pytest.mark.xfail(strict=True, reason="sandbox_checks._classify: only a top-level Compare keeps its literal; a "
+                   "comparison nested in and/all()/`is True` runs in the sandbox, where a lying __eq__ answers True")
+def test_an_object_whose_eq_says_yes_fails_nested_comparisons(test):
+    liar = "class A:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return A()\n"
+    assert _reward()([liar, GOOD], [[test]] * 2) == [0.0, 1.0]
