@@ -136,3 +136,10 @@ def test_tool_exits_the_guard_does_not_see_do_not_end_the_trainer(tmp_path, how)
 def test_an_object_whose_eq_says_yes_fails_nested_comparisons(test):
     liar = "class A:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return A()\n"
     assert _reward()([liar, GOOD], [[test]] * 2) == [0.0, 1.0]
+
+
+@pytest.mark.xfail(strict=True, reason="every assert run sends one line: a correct answer to a test whose assert runs "
+                   "100000 times in a loop passes REPORT_CAP (8 MiB) and is scored 0.0 as a refused (forged) report")
+def test_a_correct_answer_to_a_long_assert_loop_scores_one():
+    reward = code_execution_reward(time_limit=10.0, memory_mb=512, sandbox="none")
+    assert reward(["def sq(x):\n    return x * x\n"], [["for i in range(100000):\n    assert sq(i) == i * i"]]) == [1.0]
