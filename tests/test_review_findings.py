@@ -143,3 +143,11 @@ def test_an_object_whose_eq_says_yes_fails_nested_comparisons(test):
 def test_a_correct_answer_to_a_long_assert_loop_scores_one():
     reward = code_execution_reward(time_limit=10.0, memory_mb=512, sandbox="none")
     assert reward(["def sq(x):\n    return x * x\n"], [["for i in range(100000):\n    assert sq(i) == i * i"]]) == [1.0]
+
+
+@pytest.mark.xfail(strict=True, reason="sandbox_checks: `x is not None` / `x != None` against a kept literal need x "
+                   "as plain data, so a correct answer returning its own object (a tree node) fails; identity with "
+                   "None cannot be forged and python passes these asserts")
+def test_a_correct_answer_returning_an_object_passes_is_not_none():
+    code = "class Node:\n    def __init__(self, v):\n        self.v = v\ndef build(v):\n    return Node(v)\n"
+    assert _reward()([code], [["assert build(1) is not None", "assert build(4) != None"]]) == [1.0]
