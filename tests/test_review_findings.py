@@ -145,9 +145,9 @@ def test_a_correct_answer_to_a_long_assert_loop_scores_one():
     assert reward(["def sq(x):\n    return x * x\n"], [["for i in range(100000):\n    assert sq(i) == i * i"]]) == [1.0]
 
 
-@pytest.mark.xfail(strict=True, reason="sandbox_checks: `x is not None` / `x != None` against a kept literal need x "
+@pytest.mark.xfail(strict=True, reason="sandbox_checks: `x is not None` against the kept literal None needs x "
                    "as plain data, so a correct answer returning its own object (a tree node) fails; identity with "
                    "None cannot be forged and python passes these asserts")
 def test_a_correct_answer_returning_an_object_passes_is_not_none():
     code = "class Node:\n    def __init__(self, v):\n        self.v = v\ndef build(v):\n    return Node(v)\n"
-    assert _reward()([code], [["assert build(1) is not None", "assert build(4) != None"]]) == [1.0]
+    assert _reward()([code], [["assert build(1) is not None", "assert build(2).v == 2"]]) == [1.0]
