@@ -142,3 +142,23 @@ def test_bfloat16_with_stop_strings_and_filtered_sampling(tiny_model_dir, tmp_pa
     assert any(r["completion"].endswith("1") for r in rows)
     weights = final_weights(run)
     assert all(w.dtype == torch.bfloat16 and torch.isfinite(w.float()).all() for w in weights.values())
+
+
+def test_data_shuffle_false_draws_the_prompts_in_the_datas_own_order(tiny_model_dir, tmp_path):
+    """data.shuffle = false (TRL's shuffle_dataset=False): batch after batch from the first row, and the
+    next epoch starts at the first row again; the default draws a seeded shuffled order."""
+    from dataclasses import replace
+
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)]
+    base = make_config(tiny_model_dir, tmp_path / "ordered", steps=4, prompts_per_step=4,
+                       output={"completions_every": 1})
+    ordered = replace(base, data=replace(base.data, shuffle=False))
+
+    def prompts(run) -> list[str]:
+        return [json.loads(line)["prompt"] for line in (run / "completions.jsonl").read_text().splitlines()][::4]
+
+    got = prompts(train(ordered, rows=rows, reward_functions=[parity]))
+    assert got == [r["prompt"] for r in rows * 3][:16]  # 4 steps x 4 prompts, 4 answers each
+    shuffled = prompts(train(replace(base, output=replace(base.output, dir=str(tmp_path / "shuffled"))), rows=rows,
+                             reward_functions=[parity]))
+    assert sorted(shuffled[:6]) == sorted(r["prompt"] for r in rows) and shuffled[:6] != got[:6]

@@ -273,10 +273,11 @@ def test_generation_kwargs_stop_strings_and_the_refused_rest(tmp_path):
                                                                                ("END",))]:
         c = grpokit_config(GRPOConfig(generation_kwargs=kwargs), model_path="m", dtype="float32", num_rows=64)
         assert c.rollout.stop_strings == stops
+    assert grpokit_config(GRPOConfig(shuffle_dataset=False), model_path="m", dtype="float32",
+                          num_rows=64).data.shuffle is False  # the dataset's own order (data.shuffle)
     cases = [(dict(generation_kwargs={"repetition_penalty": 1.1, "stop": "x"}), r"refused keys: repetition_penalty"),
              (dict(generation_kwargs={"do_sample": False}), "refused keys: do_sample"),
              (dict(accelerator_config={"split_batches": True}), "split_batches would change the batches"),
-             (dict(shuffle_dataset=False), "shuffle_dataset=False .grpokit always draws the prompts in a seeded"),
              (dict(dataloader_num_workers=-1), "dataloader_num_workers=-1 .must be >= 0"),
              (dict(loss_type="grpo", entropy_coef=0.01), "entropy_coef=0.01 .TRL adds the plain token mean")]
     for trl_args, match in cases:

@@ -36,6 +36,7 @@ TRL_NAMES = {
     "model.fsdp": "fsdp",
     "rewards.weights": "reward_weights",
     "rollout.group_size": "num_generations",
+    "data.shuffle": "shuffle_dataset",
     "rollout.max_new_tokens": "max_completion_length",
     "rollout.temperature": "temperature",
     "rollout.top_p": "top_p",

@@ -54,6 +54,7 @@ class DataConfig:
     task_args: dict = field(default_factory=dict)  # e.g. {digits = 2}
     num_prompts: int = 5000  # prompts generated for a built-in task
     seed: int = 0
+    shuffle: bool = True  # each epoch in a seeded shuffled order; false = the data's own order (TRL: shuffle_dataset)
 
     def __post_init__(self):
         _check_fields(self, "data")

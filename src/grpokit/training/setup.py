@@ -53,9 +53,9 @@ class PreparedData:
     rows: list[dict]  # "prompt" plus the columns reward functions receive
     task: object | None  # the built-in task when data.task is set
 
-    def stream(self, batch_size: int, seed: int) -> PromptStream:
-        """Batches of row indices, reshuffled every epoch, resumable."""
-        return PromptStream(list(range(len(self.rows))), batch_size, seed=seed)
+    def stream(self, batch_size: int, seed: int, shuffle: bool = True) -> PromptStream:
+        """Batches of row indices, reshuffled every epoch (or in the data's order), resumable."""
+        return PromptStream(list(range(len(self.rows))), batch_size, seed=seed, shuffle=shuffle)
 
 
 @dataclass
@@ -366,7 +366,8 @@ def build_run(config: Config, inputs: Inputs, dist: DistributedContext, engine=N
     torch.manual_seed(config.train.seed)
     policy = build_policy(config, model)
     sampler = torch.Generator(device=policy.model.device).manual_seed(config.train.seed + dist.rank)
-    stream = dist.shard_stream(inputs.data.stream(config.train.prompts_per_step, seed=config.data.seed))
+    stream = dist.shard_stream(inputs.data.stream(config.train.prompts_per_step, seed=config.data.seed,
+                                                  shuffle=config.data.shuffle))
     rollout_engine = engine(inputs.local, policy.model, inputs.tokenizer) if engine else \
         build_engine(inputs.local, policy.model, inputs.tokenizer, tools=inputs.tools)
     if engine and inputs.tools is not None:  # an engine of the caller's: it gets the tools as `engine.tools`

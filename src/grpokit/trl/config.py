@@ -88,6 +88,7 @@ class _Supported:
     reward_weights: list[float] | None = None
     scale_rewards: str = "group"
     loss_type: str = "dapo"
+    shuffle_dataset: bool = True
     mask_truncated_completions: bool = False
     top_entropy_quantile: float = 1.0
     entropy_coef: float = 0.0
@@ -362,7 +363,7 @@ REFUSED: dict[str, Any] = {
     "ddp_bucket_cap_mb": None, "ddp_broadcast_buffers": None, "ddp_static_graph": None, "ddp_backend": None,
     "ddp_timeout": 1800, "fsdp": None, "fsdp_config": None, "deepspeed": None, "debug": "", "skip_memory_metrics": True,
     "data_seed": None, "resume_from_checkpoint": None, "trust_remote_code": False, "router_aux_loss_coef": None,
-    "cast_lm_head_to_fp32": False, "ds3_gather_for_generation": True, "shuffle_dataset": True, "min_p": None,
+    "cast_lm_head_to_fp32": False, "ds3_gather_for_generation": True, "min_p": None,
     "chat_template_kwargs": None, "repetition_penalty": 1.0, "cache_implementation": None,
     "vllm_model_impl": "vllm", "vllm_structured_outputs_regex": None, "vllm_server_base_url": None,
     "vllm_server_host": "0.0.0.0", "vllm_server_port": 8000, "vllm_server_timeout": 240.0, "vllm_group_port": 51216,
@@ -374,8 +375,6 @@ REFUSED: dict[str, Any] = {
 
 # What the ConfigError says about some refused fields: the way to get what they ask for.
 REFUSED_WHY = {
-    "shuffle_dataset": "grpokit always draws the prompts in a seeded shuffled order (seed); it has no option for "
-    "the dataset's own order yet",
     "eval_on_start": "grpokit evaluates after training steps only; call trainer.evaluate() before trainer.train()",
     "eval_delay": "grpokit evaluates every eval_steps from the start",
     "bf16_full_eval": "grpokit evaluates in the dtype it trains in", "fp16_full_eval": "grpokit evaluates in the "

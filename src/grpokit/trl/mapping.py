@@ -106,7 +106,7 @@ def grpokit_config(args, *, model_path: str, dtype: str, lora: dict | None = Non
     report = _report_to(args.report_to)
     return Config(
         model=ModelConfig(path=model_path, dtype=dtype, device="cpu" if args.use_cpu else "auto", lora=lora or {}),
-        data=DataConfig(path=DATA_PATH, seed=args.seed),
+        data=DataConfig(path=DATA_PATH, seed=args.seed, shuffle=args.shuffle_dataset),
         rewards=RewardConfig(aggregation=args.multi_objective_aggregation),  # weights: set by trainer.py
         rollout=RolloutConfig(
             group_size=args.num_generations, max_new_tokens=args.max_completion_length,
