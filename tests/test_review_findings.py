@@ -55,9 +55,9 @@ OVERFLOW = ("import sys\np = sys._getframe(1).f_locals['private']\n"
             "p['dumps'] = lambda x: '[{\"f\": \"0x1p99999\"}]'\n" + WRONG)
 
 
-@pytest.mark.xfail(strict=True, reason="sandbox_checks._decode: float.fromhex raises OverflowError, which judge() "
-                   "does not catch; the reward raises and (on_error='raise') the run stops")
 def test_an_overflowing_float_in_a_forged_report_does_not_stop_training():
+    """Fixed (judge() scores any report it cannot decode 0.0): float.fromhex's OverflowError used to
+    escape it, and the reward raised, which (on_error='raise') stopped the run."""
     specs = reward_specs(["code_execution"], args={"code_execution": {
         "time_limit": 3.0, "memory_mb": 256, "sandbox": "none"}})
     _, total = compute_rewards(specs, ["p"] * 2, [OVERFLOW, GOOD], [[1]] * 2,
