@@ -132,9 +132,14 @@ def _match(pattern: str, keys: list[str]) -> list[str]:
 
 
 def _value(v) -> float | None:
+    """A plottable number: finite, and with room for the chart's arithmetic (a range of +-1e308 overflows)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
-    return float(v) if math.isfinite(v) else None
+    try:
+        v = float(v)  # an int past float's range: OverflowError
+    except OverflowError:
+        return None
+    return v if math.isfinite(v) and abs(v) <= 1e300 else None
 
 
 def data_uri(svg: str) -> str:

@@ -241,7 +241,7 @@ def _number(value) -> float | None:
         return None
     try:
         value = float(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # an int past float's range
         return None
     return value if math.isfinite(value) else None
 
