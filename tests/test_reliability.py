@@ -369,6 +369,7 @@ def test_too_little_free_disk_is_explained_before_the_model_loads(tiny_model_dir
 
     monkeypatch.setattr(run_folder_mod.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(10**12, 10**12, 0))
     monkeypatch.setattr(setup_mod, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(run_folder_mod, "checkpoint_damage", lambda c: None)  # previous_run's stand-in checkpoint
     cfg = cli_config(tmp_path, tiny_model_dir, previous_run, steps=2)
     before = snapshot(previous_run)
     assert cli_main(["train", str(cfg), "--resume"]) == 2

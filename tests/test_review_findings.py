@@ -153,10 +153,9 @@ def test_a_correct_answer_returning_an_object_passes_is_not_none():
     assert _reward()([code], [["assert build(1) is not None", "assert build(2).v == 2"]]) == [1.0]
 
 
-@pytest.mark.xfail(strict=True, reason="rollout/environments.py start(): a KeyboardInterrupt raised by reset in its "
-                   "call_within thread is re-raised, so the CLI says 'stopped: interrupted (Ctrl-C)' (exit 130) "
-                   "naming nothing; a real Ctrl-C reaches the main thread, never that worker thread")
 def test_an_environment_reset_raising_keyboardinterrupt_is_an_environment_fault():
+    """Fixed (call_within turns a KeyboardInterrupt from its thread into an error naming it): reset's own
+    KeyboardInterrupt used to read as a Ctrl-C (exit 130, naming nothing)."""
     from grpokit.errors import EnvironmentFault
     from grpokit.rollout.environments import Environments
 

@@ -253,6 +253,9 @@ def call_within(fn: Callable[[], Any], timeout_s: float, name: str = "grpokit-to
     if thread.is_alive():
         _abandoned.append(thread)
         raise TimeoutError(f"the tool did not answer within {timeout_s:g} s")
+    if isinstance(outcome.get("error"), KeyboardInterrupt):  # signals reach the main thread: this is the code's own
+        raise RuntimeError("KeyboardInterrupt raised by the code itself (a Ctrl-C reaches the main thread, not "
+                           "this one)") from outcome["error"]
     if "error" in outcome:
         raise outcome["error"]
     return outcome["value"]
