@@ -130,6 +130,7 @@ MAPPING = [
           entropy_coef_max=0.1, entropy_coef_delta=0.002),
      {"algorithm.adaptive_entropy": True, "algorithm.entropy_coef": 0.01, "algorithm.entropy_target": 0.5,
       "algorithm.entropy_coef_min": 0.001, "algorithm.entropy_coef_max": 0.1, "algorithm.entropy_coef_delta": 0.002}),
+    (dict(shuffle_dataset=False), {"data.shuffle": False}),
     (dict(loss_type="bnpo", entropy_coef=0.01, mask_truncated_completions=True),
      {"algorithm.loss_type": "bnpo", "algorithm.entropy_coef": 0.01, "algorithm.mask_truncated_completions": True}),
     (dict(top_entropy_quantile=0.2), {"algorithm.top_entropy_quantile": 0.2}),
