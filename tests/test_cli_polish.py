@@ -61,8 +61,9 @@ def test_data_help_lists_the_file_formats():
 
 
 def test_tiny_model_arch_typo_lists_the_short_list(tmp_path):
-    from grpokit.models.tiny import TINY_ARCHS
+    from grpokit.models.tiny import TINY_ARCHS, TINY_VLM_ARCHS
 
+    TINY_ARCHS = TINY_ARCHS + TINY_VLM_ARCHS  # the text families, then the vision-language ones
     r = run_cli("tiny-model", tmp_path / "m", "--arch", "qwen")
     line = assert_user_error(r, "--arch", "'qwen'", *TINY_ARCHS)
     assert "bert" not in r.stderr and len(line) < 300 and not (tmp_path / "m").exists()

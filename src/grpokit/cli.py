@@ -198,10 +198,11 @@ def cmd_tiny_model(args) -> int:
     if not base.is_dir() or not os.access(base, os.W_OK | os.X_OK):
         raise ConfigError(f"OUT {args.out!r} cannot be created: {str(base)!r} is "
                           f"{'a file' if not base.is_dir() else 'not writable'}; choose another folder")
-    from grpokit.models.tiny import build_tiny_model, build_tool_tokenizer
+    from grpokit.models.tiny import build_tool_tokenizer
+    from grpokit.models.tiny_vision import build_tiny_any
 
-    build_tiny_model(args.out, arch=args.arch, hidden_size=args.hidden_size, num_layers=args.layers, seed=args.seed,
-                     tokenizer=build_tool_tokenizer() if args.tools else None)
+    build_tiny_any(args.out, arch=args.arch, hidden_size=args.hidden_size, num_layers=args.layers, seed=args.seed,
+                   tokenizer=build_tool_tokenizer() if args.tools else None)
     print(f"saved: {args.out}")
     return 0
 
@@ -366,9 +367,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tiny-model", help="write a tiny random-init model + char tokenizer to a folder")
     p.add_argument("out", help="a new (or empty) folder")
-    from grpokit.models.tiny import TINY_ARCHS
+    from grpokit.models.tiny import TINY_ARCHS, TINY_VLM_ARCHS
 
-    _add_choice(p, "--arch", TINY_ARCHS, default="qwen2", help="architecture (Hugging Face model_type)")
+    _add_choice(p, "--arch", TINY_ARCHS + TINY_VLM_ARCHS, default="qwen2", help="architecture (HF model_type)")
     p.add_argument("--hidden-size", type=int, default=128, help="hidden size, a multiple of 8")
     p.add_argument("--layers", type=int, default=4, help="decoder layers, >= 1")
     p.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
