@@ -99,6 +99,7 @@ def completion_logprobs(
     fused: bool = True,
     grad_fn=None,
     share_prompts: bool = True,
+    media=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs `[N, T]` (and entropies) of the completion tokens under `model`.
 
@@ -106,7 +107,14 @@ def completion_logprobs(
     with `grad_fn` (dLoss/dlogp of a chunk of the flattened `[N*T]` log-probs); `fused=False` is
     the plain checkpointed path, kept for ablations and tests. `share_prompts` (linear heads): run
     each distinct prompt once and repeat its KV cache over its answers (`train.shared_prompt_forward`;
-    False runs every row's prompt, for ablations)."""
+    False runs every row's prompt, for ablations). `media` (`models.media.RowMedia`): the rows' images, for a
+    vision-language model (`models/vision_forward.py`)."""
+    if media is not None:
+        from grpokit.models.vision_forward import vision_completion_logprobs
+
+        return vision_completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, media,
+                                          temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
+                                          linear_head=linear_head, fused=fused, grad_fn=grad_fn)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P+T]
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P+T]
     positions = position_ids_from_mask(attention_mask)
