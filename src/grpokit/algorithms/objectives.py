@@ -45,10 +45,12 @@ Options beside the loss type, each off by default:
   The normalisers stay those of the full mask, as in TRL. The quantile is over the tokens
   passed in: the trainer passes one micro-batch (the whole minibatch unless
   ``train.micro_batch_size`` is set), as TRL does per device.
-- ``entropy_coef`` c > 0: an entropy bonus, loss_t -= c * H_t on the tokens the policy
-  term acts on, aggregated with the loss type's own aggregation (so for dapo/bnpo it is
-  c times the mean token entropy). TRL instead always takes a plain token mean of H; the
-  two agree for bnpo, and for dapo when ``num_items_in_batch`` is this call's token count.
+- ``entropy_coef`` c > 0: an entropy bonus on the tokens the policy term acts on, aggregated
+  (``entropy_aggregation``) as ``"loss"``: loss_t -= c * H_t, then the loss type's own
+  aggregation (for bnpo c times the mean token entropy, for luspo c times each answer's sum);
+  or as ``"token_mean"``, TRL 1.16's for every loss type: loss -= c * mean(H) over this call's
+  acting tokens, divided by ``entropy_parts`` (the calls one optimizer step adds up unscaled),
+  so that the bonus is the mean of the micro-batches' token means whatever the policy normaliser.
 
 ``importance_sampling_level="sequence"`` is GSPO: one ratio per answer,
 exp(mean_t(logp_t - old_logp_t)) (length-normalised), shape [N, 1], broadcast
@@ -237,9 +239,22 @@ def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
     return (torch.where(valid, ent, 0.0) >= threshold.to(ent.dtype)) & valid  # [N, T]
 
 
-def _check_entropy_args(logp, entropy, entropy_coef, top_entropy_quantile) -> None:
+def mean_token_entropy(entropy: Tensor, acting: Tensor) -> Tensor:
+    """TRL 1.16's entropy bonus before its coefficient: the plain mean of H over the acting tokens (``acting``
+    [N, T], 0/1: the mask, or the high-entropy tokens), not rescaled by any loss type's normaliser, so
+    that entropy_coef means the same for each. Padding never reaches the sum (its entropy may be NaN)."""
+    return torch.where(acting != 0, entropy, 0.0).sum() / acting.sum().clamp(min=1.0)
+
+
+ENTROPY_AGGREGATIONS = ("loss", "token_mean")  # config/algorithm.py names the same; a test keeps them equal
+
+
+def _check_entropy_args(logp, entropy, entropy_coef, top_entropy_quantile, aggregation, parts) -> None:
     if entropy_coef < 0:
         raise ValueError(f"entropy_coef must be >= 0, got {entropy_coef!r}")
+    if aggregation not in ENTROPY_AGGREGATIONS or not parts >= 1:
+        raise ValueError(f"entropy_aggregation must be one of {ENTROPY_AGGREGATIONS} and entropy_parts >= 1, got "
+                         f"{aggregation!r} and {parts!r}")
     if not 0.0 <= top_entropy_quantile <= 1.0:
         raise ValueError(f"top_entropy_quantile must be in [0, 1], got {top_entropy_quantile!r}")
     if (entropy_coef > 0 or top_entropy_quantile < 1.0) and entropy is None:
@@ -302,6 +317,8 @@ def policy_loss(
     kl_bias_correction: bool = False,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    entropy_aggregation: str = "loss",
+    entropy_parts: int = 1,
     top_entropy_quantile: float = 1.0,
     token_weights: Tensor | None = None,
     delta: float | None = None,
@@ -321,9 +338,10 @@ def policy_loss(
     (``algorithms/mismatch.py``); vespo folds them into its sequence weight instead, as TRL.
     ``vespo``: its k_pos / lambda_pos / k_neg / lambda_neg (TRL's defaults when omitted).
     ``sampling_logp``: the sampler's log-probs for the off-policy mask (default: ``old_logp``).
+    ``entropy_aggregation`` / ``entropy_parts``: the entropy bonus's aggregation (module docstring).
     """
     _check_policy_args(logp, old_logp, advantages, mask, ref_logp, beta, loss_type)
-    _check_entropy_args(logp, entropy, entropy_coef, top_entropy_quantile)
+    _check_entropy_args(logp, entropy, entropy_coef, top_entropy_quantile, entropy_aggregation, entropy_parts)
     surrogate, aggregate = LOSS_TYPES[loss_type]
     gate = Gate(epsilon, epsilon if epsilon_high is None else epsilon_high, delta, sapo_temperature_pos,
                 sapo_temperature_neg)
@@ -352,7 +370,7 @@ def policy_loss(
         per_token = per_token * acting
     else:
         acting = maskf
-    if entropy_coef > 0:
+    if entropy_coef > 0 and entropy_aggregation == "loss":
         per_token = per_token - entropy_coef * torch.where(valid, entropy, 0.0).to(logp.dtype) * acting
     if beta > 0:
         log_ratio_ref = torch.where(valid, ref_logp - logp, 0.0)  # [N, T]
@@ -363,6 +381,8 @@ def policy_loss(
         stats["kl"] = _masked_mean(kl, maskf)
     per_token = torch.where(valid, per_token, 0.0)  # [N, T]
     loss = aggregate(per_token, maskf, max_completion_length, num_items_in_batch)
+    if entropy_coef > 0 and entropy_aggregation == "token_mean":  # TRL's: outside the loss type's normaliser
+        loss = loss - entropy_coef * mean_token_entropy(entropy.to(logp.dtype), acting) / entropy_parts
     return loss, stats
 
 

@@ -27,6 +27,9 @@ from grpokit.config.variants import (
     TOKEN_SUM_LOSSES,
 )
 
+# algorithm.entropy_aggregation (algorithms/objectives.py ENTROPY_AGGREGATIONS; a test keeps them equal)
+ENTROPY_AGGREGATIONS = ("loss", "token_mean")
+
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
@@ -67,7 +70,11 @@ class AlgorithmConfig:
     # Off-policy sequence masking (DeepSeek-V3.2): an answer with a negative advantage whose mean KL from the
     # sampling policy exceeds this threshold is left out of the policy term; 0 = off (0.5 is an example)
     off_policy_mask_threshold: float = 0.0
-    entropy_coef: float = 0.0  # entropy bonus: loss -= coef * H_t, aggregated like the loss
+    entropy_coef: float = 0.0  # entropy bonus: loss -= coef * H_t, aggregated as entropy_aggregation says
+    # How the entropy bonus is aggregated: "loss" = like the policy loss (coef * H_t per token, then the loss
+    # type's own aggregation); "token_mean" = TRL 1.16's, coef times the plain mean token entropy of each
+    # micro-batch whatever the loss type (the TRL drop-in's)
+    entropy_aggregation: str = "loss"
     # Adaptive entropy coefficient (TRL's use_adaptive_entropy): after each optimizer step the coefficient
     # moves by entropy_coef_delta (up while the token entropy is at or below entropy_target, down above it),
     # within [entropy_coef_min, entropy_coef_max], starting at entropy_coef; the bonus acts only while the
@@ -101,6 +108,7 @@ class AlgorithmConfig:
                f"{self.scale_rewards!r} applies to advantage_estimator = 'grpo' only; "
                f"{self.advantage_estimator!r} sets its own scale (leave scale_rewards at 'group')")
         _check(self.entropy_coef >= 0, "algorithm.entropy_coef", "must be >= 0 (0 = no entropy bonus)")
+        _one_of(self.entropy_aggregation, ENTROPY_AGGREGATIONS, "algorithm.entropy_aggregation")
         _check(0 <= self.top_entropy_quantile <= 1, "algorithm.top_entropy_quantile",
                "must be in [0, 1] (1 = every token; 0.2 = the 20% highest-entropy tokens)")
         _one_of(self.loss_type, LOSS_TYPES, "algorithm.loss_type")
@@ -222,10 +230,12 @@ class AlgorithmConfig:
                                           self.entropy_coef_delta) != (0.2, 0.0, 1.0, 0.005):
             out.append(("adaptive_entropy", "algorithm.entropy_target / entropy_coef_min / _max / _delta are set but "
                                             "adaptive_entropy = false: they steer only the adaptive coefficient."))
-        if self.loss_type == "luspo" and (self.entropy_coef or self.adaptive_entropy):
+        if self.loss_type == "luspo" and (self.entropy_coef or self.adaptive_entropy) and \
+                self.entropy_aggregation == "loss":
             out.append(("luspo_entropy", "algorithm.loss_type = 'luspo' with an entropy bonus: the bonus is aggregated "
                                          "like the loss, summed over each answer's tokens, so it grows with the "
-                                         "answer length; use a smaller entropy_coef (or entropy_coef_max)."))
+                                         "answer length; use a smaller entropy_coef (or entropy_coef_max), or "
+                                         "entropy_aggregation = 'token_mean'."))
         if self.loss_type == "vespo" and self.importance_sampling_level != "token":
             out.append(("vespo_level", "algorithm.loss_type = 'vespo' computes its own sequence weight: "
                                        "importance_sampling_level should stay 'token'."))
@@ -246,6 +256,8 @@ _INERT = [
      "loss_type is not 'sapo'"),
     ("vespo_gate", ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
      lambda a: a.loss_type == "vespo", "loss_type is not 'vespo'"),
+    ("entropy_aggregation", ("entropy_aggregation",), lambda a: a.entropy_coef > 0 or a.adaptive_entropy,
+     "there is no entropy bonus (entropy_coef = 0, adaptive_entropy = false)"),
 ]
 
 

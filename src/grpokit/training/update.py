@@ -19,7 +19,7 @@ from grpokit.algorithms.mismatch import importance_correction
 from grpokit.algorithms.objectives import adapt_entropy_coef, high_entropy_mask, policy_loss
 from grpokit.config.schema import Config
 from grpokit.models.forward import completion_logprobs
-from grpokit.models.parallel import global_sum, reduce_gradients
+from grpokit.models.parallel import global_sum, reduce_gradients, world_size
 from grpokit.training.generate import GenerationBatch
 from grpokit.training.optimizer import AdamWInBackward
 from grpokit.training.setup import Policy
@@ -169,6 +169,8 @@ def _micro_step(config: Config, policy: Policy, batch: GenerationBatch, old_logp
             loss_type=algo.loss_type, importance_sampling_level=algo.importance_sampling_level,
             max_completion_length=config.rollout.max_new_tokens, num_items_in_batch=n_items,
             kl_bias_correction=algo.kl_bias_correction, entropy=entropy, entropy_coef=entropy_coef,
+            entropy_aggregation=algo.entropy_aggregation,  # token_mean: one mean per micro-batch and process
+            entropy_parts=n_micro * world_size() if algo.sums_over_global_tokens else 1,
             top_entropy_quantile=algo.top_entropy_quantile, token_weights=weights, delta=algo.delta or None,
             sapo_temperature_pos=algo.sapo_temperature_pos, sapo_temperature_neg=algo.sapo_temperature_neg,
             vespo={"k_pos": algo.vespo_k_pos, "lambda_pos": algo.vespo_lambda_pos, "k_neg": algo.vespo_k_neg,

@@ -280,15 +280,10 @@ def _value_problems(c) -> list[str]:
          "give the answer budget in tokens"),
         ("model_init_kwargs", set(c.model_init_kwargs or {}) <= {"dtype", "torch_dtype"}, "grpokit reads only dtype"),
         ("vllm_mode", not c.use_vllm or c.vllm_mode == "colocate", "grpokit runs vLLM colocated only"),
+        ("entropy_coef", c.entropy_coef >= 0, "grpokit's entropy bonus needs a coefficient >= 0; a negative one, "
+         "an entropy penalty, is not supported"),
         ("vllm_importance_sampling_clip_max", c.vllm_importance_sampling_clip_max is None
          or c.vllm_importance_sampling_clip_max > 0, "must be > 0, or None (no upper bound)"),
-        ("use_adaptive_entropy" if c.use_adaptive_entropy and not c.entropy_coef else "entropy_coef",
-         not (c.entropy_coef or c.use_adaptive_entropy) or c.top_entropy_quantile == 1 and (
-            c.loss_type == "bnpo" or c.loss_type == "dapo" and c.gradient_accumulation_steps == 1
-            and c.world_size == 1),
-         "TRL adds the plain token mean of the entropy (over the high-entropy tokens with top_entropy_quantile < 1), "
-         "grpokit aggregates it like the loss: the same only for bnpo, and for dapo with "
-         "gradient_accumulation_steps=1 on one process, with top_entropy_quantile=1"),
     ]
     return [f"{name}={getattr(c, name)!r} ({why})" for name, ok, why in checks if not ok] + _eval_problems(c) + \
         accepted_problems(c)

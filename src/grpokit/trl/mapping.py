@@ -167,8 +167,11 @@ def stop_strings(args) -> tuple[str, ...]:
 
 
 def _entropy(args) -> dict:
-    """TRL's entropy bonus and its adaptive controller (`use_adaptive_entropy`): the same fields."""
+    """TRL's entropy bonus and its adaptive controller (`use_adaptive_entropy`): the same fields, with TRL's
+    aggregation of the bonus (the plain token mean, for every loss type)."""
     fields = {"entropy_coef": args.entropy_coef}
+    if args.entropy_coef or args.use_adaptive_entropy:
+        fields["entropy_aggregation"] = "token_mean"
     if args.use_adaptive_entropy:
         fields.update(adaptive_entropy=True, entropy_target=args.entropy_target, entropy_coef_min=args.entropy_coef_min,
                       entropy_coef_max=args.entropy_coef_max, entropy_coef_delta=args.entropy_coef_delta)
