@@ -270,9 +270,10 @@ def _check_policy_args(logp, old_logp, advantages, mask, ref_logp, beta, loss_ty
     for name, x in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp)):
         if x is not None and tuple(x.shape) != shape:
             raise ValueError(f"{name} must have shape [N, T] = {shape} like logp, got {tuple(x.shape)}")
-    if tuple(advantages.shape) != shape[:1]:
+    if tuple(advantages.shape) not in (shape[:1], shape):
         got = tuple(advantages.shape)
-        raise ValueError(f"advantages must have shape [N] = {shape[:1]} (one per answer), got {got}")
+        raise ValueError(f"advantages must have shape [N] = {shape[:1]} (one per answer) or [N, T] = {shape} (one "
+                         f"per token: per-turn credit), got {got}")
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {sorted(LOSS_TYPES)}, got {loss_type!r}")
     if beta < 0:
@@ -330,7 +331,9 @@ def policy_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Scalar policy loss and detached stats; see the module docstring for the math.
 
-    logp, old_logp, ref_logp, mask, entropy, sampling_logp: ``[N, T]``; advantages: ``[N]``.
+    logp, old_logp, ref_logp, mask, entropy, sampling_logp: ``[N, T]``; advantages: ``[N]``, or ``[N, T]``
+    when each turn of a multi-turn answer has its own (``algorithm.turn_advantage``): every per-answer rule
+    that reads the advantage's sign (SAPO's and VESPO's gates, the off-policy mask) then reads it per token.
     ``old_logp=None`` means on-policy (``logp.detach()``: ratio 1, gradient still flows). ``entropy``
     (with its gradient, for the bonus) is needed only when ``entropy_coef > 0`` or
     ``top_entropy_quantile < 1``. ``token_weights`` ``[N, T]`` or ``[N, 1]`` (no gradient) multiply
@@ -348,7 +351,8 @@ def policy_loss(
     old_logp = logp.detach() if old_logp is None else old_logp
     valid = mask != 0  # [N, T]
     maskf = valid.to(logp.dtype)  # [N, T]
-    adv = advantages.to(logp.dtype).unsqueeze(-1)  # [N, 1]
+    adv = advantages.to(logp.dtype)
+    adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # [N, 1], or [N, T] per token (per-turn credit)
 
     ratio = importance_log_ratio(logp, old_logp, mask, level=importance_sampling_level).exp()  # [N, T] | [N, 1]
     per_token = surrogate(ratio, adv, logp, gate).expand_as(logp)  # [N, T]

@@ -99,6 +99,12 @@ class AlgorithmConfig:
     # ref_mixup_alpha * policy + (1 - ref_mixup_alpha) * reference; 0 = never (needs beta > 0)
     ref_sync_every: int = 0
     ref_mixup_alpha: float = 0.6
+    # Per-turn credit for multi-turn answers (docs/AGENTS.md): "none" = every turn gets the answer's advantage;
+    # "gigpo" (GiGPO: step groups of identical environment states, discounted step returns; needs an environment
+    # with get_state) or "mt_grpo" (MT-GRPO: each turn's reward normalised among the group at that turn)
+    turn_advantage: str = "none"
+    turn_advantage_weight: float = 1.0  # GiGPO's omega / MT-GRPO's lambda on the turn term (both papers: 1.0)
+    turn_discount: float = 0.95  # GiGPO's gamma for the step returns (the paper's 0.95)
 
     def __post_init__(self):
         _check_fields(self, "algorithm")
@@ -123,6 +129,13 @@ class AlgorithmConfig:
         _one_of(self.old_logprobs, OLD_LOGPROBS, "algorithm.old_logprobs")
         self._check_objective()
         self._check_corrections()
+        self._check_turns()
+
+    def _check_turns(self) -> None:
+        _one_of(self.turn_advantage, TURN_ADVANTAGES, "algorithm.turn_advantage")
+        _check(self.turn_advantage_weight >= 0, "algorithm.turn_advantage_weight",
+               "must be >= 0 (0 = the turn term off; 1.0 is both papers')")
+        _check(0 <= self.turn_discount <= 1, "algorithm.turn_discount", "must be in [0, 1] (0.95 is GiGPO's)")
 
     def _check_objective(self) -> None:
         _check(self.delta == 0 or self.loss_type in CLIPPED_LOSSES, "algorithm.delta",
@@ -252,6 +265,8 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(AlgorithmConfig)}
 _INERT = [
     ("is_bounds", ("is_cap_max", "is_cap_min"), lambda a: a.is_correction != "none", "is_correction = 'none'"),
     ("ref_mixup", ("ref_mixup_alpha",), lambda a: a.ref_sync_every > 0, "ref_sync_every = 0"),
+    ("turn_weight", ("turn_advantage_weight",), lambda a: a.turn_advantage != "none", "turn_advantage = 'none'"),
+    ("turn_discount", ("turn_discount",), lambda a: a.turn_advantage == "gigpo", "turn_advantage is not 'gigpo'"),
     ("sapo_temperature", ("sapo_temperature_pos", "sapo_temperature_neg"), lambda a: a.loss_type == "sapo",
      "loss_type is not 'sapo'"),
     ("vespo_gate", ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"),
@@ -259,6 +274,9 @@ _INERT = [
     ("entropy_aggregation", ("entropy_aggregation",), lambda a: a.entropy_coef > 0 or a.adaptive_entropy,
      "there is no entropy bonus (entropy_coef = 0, adaptive_entropy = false)"),
 ]
+
+
+TURN_ADVANTAGES = ("none", "gigpo", "mt_grpo")  # algorithms/turn_advantages.py names the same; a test keeps them equal
 
 
 def _check_preset(name) -> None:

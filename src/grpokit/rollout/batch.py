@@ -10,6 +10,30 @@ from torch import Tensor
 
 
 @dataclass(frozen=True)
+class Turns:
+    """The assistant turns of N multi-turn answers, for per-turn credit (algorithms/turn_advantages.py).
+    Indexed by rows like a tensor (`turns[rows]`), so it is selected and joined with its answers."""
+
+    token_turn: Tensor  # [N, T] long: the turn (0, 1, ...) of each sampled token; -1 on tool results and padding
+    rewards: Tensor  # [N, K] float32: each turn's step reward; NaN where none was reported or there is no turn k
+    states: Tensor  # [N, K] long: the state each turn started from as an id (equal ids, same state); -1 = none
+    counts: Tensor  # [N] long: the answer's turns (1 .. K)
+
+    def __getitem__(self, rows) -> "Turns":
+        return Turns(self.token_turn[rows], self.rewards[rows], self.states[rows], self.counts[rows])
+
+    @staticmethod
+    def concat(parts: Sequence["Turns"], T: int) -> "Turns":
+        """Rows of several in order; token_turn right-padded to T, the per-turn columns to the most turns."""
+        K = max(p.rewards.shape[1] for p in parts)
+        pad = torch.nn.functional.pad
+        return Turns(torch.cat([pad(p.token_turn, (0, T - p.token_turn.shape[1]), value=-1) for p in parts]),
+                     torch.cat([pad(p.rewards, (0, K - p.rewards.shape[1]), value=float("nan")) for p in parts]),
+                     torch.cat([pad(p.states, (0, K - p.states.shape[1]), value=-1) for p in parts]),
+                     torch.cat([p.counts for p in parts]))
+
+
+@dataclass(frozen=True)
 class Rollout:
     """G sampled completions per prompt; rows group by group (prompt b → rows b*G .. b*G+G-1)."""
 
@@ -20,6 +44,7 @@ class Rollout:
     logprobs: Tensor  # [N, T] float32 log-probs under softmax(logits / T), 0 on padding
     truncated: Tensor  # [N] bool: no EOS / stop string within max_new_tokens
     tool_mask: Tensor | None = None  # [N, T] multi-turn only: 1 on tool-result tokens (context, not actions)
+    turns: Turns | None = None  # multi-turn only: each token's turn, each turn's step reward and start state
 
     @property
     def action_mask(self) -> Tensor:
@@ -93,4 +118,6 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
                    completion_mask=cat("completion_mask", False, T, 0), logprobs=cat("logprobs", False, T, 0.0),
                    truncated=torch.cat([r.truncated for r in rollouts]),
                    tool_mask=None if all(r.tool_mask is None for r in rollouts) else
-                   cat("tool_mask", False, T, 0))
+                   cat("tool_mask", False, T, 0),
+                   turns=None if any(r.turns is None for r in rollouts) else
+                   Turns.concat([r.turns for r in rollouts], T))

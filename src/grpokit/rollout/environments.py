@@ -9,6 +9,10 @@
             return self.count
         def get_reward(self) -> float:          # optional: one more reward source, named after the class
             return float(self.count == 3)
+        def get_turn_reward(self) -> float | None:  # optional (grpokit): the step reward of the turn just run
+            return 0.1
+        def get_state(self):                    # optional (grpokit): what the next turn starts from (GiGPO)
+            return self.count
 
     grpokit.train(config, environment_factory=Counter)       # or [tools] environment = "envs.py:Counter"
     grpokit.train(config, environment_factory={"count": Counter, "game": Game})  # rows name theirs: "environment"
@@ -19,6 +23,14 @@ exist, as TRL does). With several named environments each row selects one by its
 column (not passed to `reset`), and only that environment's tools are shown in its prompt. Reward
 functions receive the batch's instances as the keyword `environments` (one per answer, group by
 group).
+
+Per-turn credit (`algorithm.turn_advantage`, docs/AGENTS.md) reads two optional methods, not in TRL's
+contract (TRL has no step rewards), so a TRL environment runs unchanged: `get_turn_reward()` is called
+after each assistant turn whose tool calls ran and returns that turn's step reward (a finite number, or
+None for none); `get_state()` is called after `reset` and after each such turn, and returns the state the
+next turn starts from (anything hashable once lists become tuples: equal values are identical states,
+GiGPO's anchor states). Both get `tools.timeout_s`; what they raise or a value of the wrong type is one
+error naming the environment.
 """
 
 from __future__ import annotations
@@ -30,13 +42,13 @@ from typing import Callable, Mapping, Sequence
 from grpokit.data.prompts import render_prompt
 from grpokit.errors import EnvironmentFault, RewardTimeoutError
 from grpokit.rewards.core import RewardSpec
-from grpokit.rollout.tools import ResultTooLong, ToolBox, as_text, call_within
+from grpokit.rollout.tools import HOOKS, ResultTooLong, ToolBox, as_text, call_within, is_finite_number
 
 
 def _public_methods(cls) -> list[str]:
-    """The tool methods of an environment class: public functions other than reset and get_reward."""
+    """The tool methods of an environment class: public functions other than the contract's own (HOOKS)."""
     return [name for name, _ in inspect.getmembers(cls, predicate=inspect.isfunction)
-            if name not in ("reset", "get_reward") and not name.startswith("_")]
+            if name not in HOOKS and not name.startswith("_")]
 
 
 class _Kind:
@@ -117,6 +129,7 @@ class Environments:
                 raise EnvironmentFault(f"environment {kind.cls.__name__}: reset raised {type(e).__name__}: {e} "
                                        f"(row {_show(row)}); fix the environment or the row") from e
             boxes.append(kind.toolbox.rebound([getattr(env, m) for m in kind.methods]))
+            boxes[-1].environment = env  # its get_turn_reward / get_state, read after each turn (multiturn.py)
             self.active.append(env)
         return boxes, observations
 
@@ -246,3 +259,56 @@ def with_observation(prompt, observation: str | None) -> list[dict]:
 def _show(row) -> str:
     text = repr(row)
     return text if len(text) <= 120 else text[:117] + "..."
+
+
+def turn_reward(env, timeout_s: float) -> float | None:
+    """`env.get_turn_reward()` after a turn (None when the environment has none): a finite number or None."""
+    value = _hook(env, "get_turn_reward", timeout_s)
+    if value is not None and not is_finite_number(value):
+        raise EnvironmentFault(f"environment {type(env).__name__}: get_turn_reward returned {_show(value)} "
+                               f"({type(value).__name__}); it must return the turn's step reward as a finite number, "
+                               "or None for none")
+    return None if value is None else float(value)
+
+
+def state_key(env, timeout_s: float):
+    """`env.get_state()` as a hashable key (lists become tuples, dicts sorted items); None when it has none."""
+    value = _hook(env, "get_state", timeout_s)
+    try:
+        key = _hashable(value)
+        hash(key)
+    except TypeError:
+        raise EnvironmentFault(f"environment {type(env).__name__}: get_state returned {_show(value)} "
+                               f"({type(value).__name__}), which cannot be compared as a state; return a string, "
+                               "a number or a tuple (equal states must be equal values)") from None
+    return key
+
+
+def _hashable(value):
+    if isinstance(value, (list, tuple)):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((str(k), _hashable(v)) for k, v in value.items()))
+    if isinstance(value, set):
+        return frozenset(_hashable(v) for v in value)
+    return value
+
+
+def _hook(env, name: str, timeout_s: float):
+    """An optional method of the environment, within `timeout_s` (awaited when async); None when absent."""
+    method = getattr(env, name, None)
+    if env is None or not callable(method):
+        return None
+
+    def run():
+        value = method()
+        return asyncio.run(value) if inspect.iscoroutine(value) else value
+
+    try:
+        return call_within(run, timeout_s, f"grpokit-{name}")
+    except TimeoutError:
+        raise EnvironmentFault(f"environment {type(env).__name__}: {name} did not return within {timeout_s:g} s "
+                               "(tools.timeout_s); make it return sooner or raise tools.timeout_s") from None
+    except BaseException as e:  # noqa: BLE001 - the user's code (even SystemExit): one line naming it
+        raise EnvironmentFault(f"environment {type(env).__name__}: {name} raised {type(e).__name__}: {e}; fix the "
+                               "environment") from None

@@ -29,6 +29,7 @@ statistics and the token counts.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -38,8 +39,9 @@ import torch
 from torch import Tensor
 
 from grpokit.models.forward import position_ids_from_mask
-from grpokit.rollout.batch import Rollout, left_pad, rollout_from_tokens
+from grpokit.rollout.batch import Rollout, Turns, left_pad, rollout_from_tokens
 from grpokit.rollout.decode import _Decoder
+from grpokit.rollout.environments import state_key, turn_reward
 from grpokit.rollout.sampling import sample_tokens
 from grpokit.rollout.tools import ToolBox, ToolCall, ToolResult, call_parser, run_calls, tool_suffix_ids
 
@@ -102,12 +104,17 @@ class _Answers:
         self.stats = ToolStats([0] * N, [0] * N, [1] * N, [[] for _ in range(N)])
         self.budget, self.tokenizer, self.tools, self.max_tool_turns = budget, tokenizer, tools, max_tool_turns
         self.parse_calls, self.render = parse_calls or call_parser(tokenizer), render
+        self.turns = _TurnLog([self._box(i) for i in range(N)])
+
+    def _box(self, i: int) -> ToolBox:
+        return self.tools if isinstance(self.tools, ToolBox) else self.tools[i]
 
     def add(self, i: int, tokens: list[int], logps: list[float]) -> None:
         """Sampled tokens of answer i."""
         self.tokens[i] += tokens
         self.logps[i] += logps
         self.is_tool[i] += [0] * len(tokens)
+        self.turns.token_turn[i] += [self.stats.turns[i] - 1] * len(tokens)
 
     def end_turn(self, i: int, ended: bool, final: bool = False) -> list[ToolCall] | None:
         """After answer i's latest tokens: the calls to run when its turn `ended` with calls it may still
@@ -136,6 +143,7 @@ class _Answers:
         self.stats.seconds += time.perf_counter() - t0
         suffixes = []
         for box, (i, calls), results in zip(boxes, waiting, per_answer):
+            self.turns.ran(i, results)  # the turn's calls took effect: its step reward
             suffix = self.render(results)
             self.stats.calls[i] += len(calls)
             self.stats.failures[i] += sum(r.failed for r in results)
@@ -149,13 +157,59 @@ class _Answers:
             self.tokens[i] += suffix
             self.logps[i] += [0.0] * len(suffix)
             self.is_tool[i] += [1] * len(suffix)
+            self.turns.token_turn[i] += [-1] * len(suffix)
             self.turn_start[i] = len(self.tokens[i])
             self.stats.turns[i] += 1
+            self.turns.starts(i)  # the state the next turn starts from
             suffixes.append(suffix)
         return suffixes
 
     def rollout(self, prompt_ids, G: int, pad_id: int, device) -> Rollout:
-        return _to_rollout(prompt_ids, self.tokens, self.logps, self.is_tool, self.truncated, G, pad_id, device)
+        rollout = _to_rollout(prompt_ids, self.tokens, self.logps, self.is_tool, self.truncated, G, pad_id, device)
+        return dataclasses.replace(rollout, turns=self.turns.tensors(self.stats.turns, rollout.completion_ids.shape[1],
+                                                                     device))
+
+
+class _TurnLog:
+    """Per answer: the turn of each completion token, each turn's step reward (its tools' `WithReward`
+    rewards plus its environment's `get_turn_reward()`, read once its calls ran; None when neither
+    reported one) and the state it started from (the environment's `get_state()` after `reset` and after
+    each turn, as an id: equal states, equal ids)."""
+
+    def __init__(self, boxes: list[ToolBox]):
+        self.boxes = boxes
+        self.token_turn: list[list[int]] = [[] for _ in boxes]
+        self.rewards: list[list[float | None]] = [[] for _ in boxes]
+        self.ids: dict = {}
+        self.states: list[list[int]] = [[] for _ in boxes]
+        for i in range(len(boxes)):
+            self.starts(i)
+
+    def _env(self, i: int):
+        return getattr(self.boxes[i], "environment", None)
+
+    def ran(self, i: int, results: list[ToolResult]) -> None:
+        own = [r.reward for r in results if r.reward is not None]
+        env = turn_reward(self._env(i), self.boxes[i].timeout_s)
+        parts = own + ([] if env is None else [env])
+        self.rewards[i].append(sum(parts) if parts else None)
+
+    def starts(self, i: int) -> None:
+        key = state_key(self._env(i), self.boxes[i].timeout_s)
+        self.states[i].append(-1 if key is None else self.ids.setdefault(key, len(self.ids)))
+
+    def tensors(self, counts: list[int], T: int, device) -> Turns:
+        K = max(counts)
+        token_turn = torch.full((len(counts), T), -1, dtype=torch.long)  # [N, T]
+        rewards = torch.full((len(counts), K), float("nan"))  # [N, K]
+        states = torch.full((len(counts), K), -1, dtype=torch.long)  # [N, K]
+        for i, n in enumerate(counts):
+            token_turn[i, :len(self.token_turn[i])] = torch.tensor(self.token_turn[i], dtype=torch.long)
+            rewards[i, :n] = torch.tensor([float("nan") if r is None else r for r in self.rewards[i][:n]] +
+                                          [float("nan")] * (n - len(self.rewards[i][:n])))
+            states[i, :n] = torch.tensor(self.states[i][:n], dtype=torch.long)
+        return Turns(token_turn.to(device), rewards.to(device), states.to(device),
+                     torch.tensor(counts, dtype=torch.long, device=device))
 
 
 def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_turns, sampling, parse_calls,

@@ -21,7 +21,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from grpokit.rollout.tools import ToolBox, ToolCall, ToolResult, _error, _run_one, call_within
+from grpokit.rollout.tools import HOOKS, ToolBox, ToolCall, ToolResult, _error, _run_one, call_within
 
 SLACK_S = 30.0  # beyond the calls' own deadlines, before a worker that does not answer is killed
 LOST = "the environment's worker process died earlier in this answer, and its state with it"
@@ -84,7 +84,7 @@ class ToolHost:
             if env is None:
                 return [(name or "unknown", _error(LOST), True) for name, _, _ in calls]
             box = box.rebound([getattr(env, m) for m in dir(type(env)) if not m.startswith("_")
-                               and m not in ("reset", "get_reward") and inspect.isfunction(getattr(type(env), m))])
+                               and m not in HOOKS and inspect.isfunction(getattr(type(env), m))])
         results = [_run_one(box, ToolCall(*call)) for call in calls]
         return [(r.name, r.content, r.failed) for r in results]
 

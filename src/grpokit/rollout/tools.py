@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import math
+import numbers
 import re
 import threading
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ from grpokit.rollout.exit_guard import guarded
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 MAX_ABANDONED = 64  # timed-out calls whose threads still run; past it, calls fail without a new thread
 _abandoned: list[threading.Thread] = []
+HOOKS = ("reset", "get_reward", "get_turn_reward", "get_state")  # an environment's contract methods, never tools
 
 
 class ResultTooLong(ValueError):
@@ -70,6 +73,17 @@ class ToolResult:
     name: str  # the tool's name, or "unknown" when the call named none
     content: str  # what the model is shown
     failed: bool
+    reward: float | None = None  # the step reward the tool returned with its result (`WithReward`)
+
+
+@dataclass(frozen=True)
+class WithReward:
+    """What a tool returns to give its turn a step reward besides its result: the model is shown `value`
+    (as any result), `reward` (a finite number) adds to the turn's reward for per-turn credit
+    (`algorithm.turn_advantage`). A reward that is not a finite number makes the call a failed one."""
+
+    value: Any
+    reward: float
 
 
 def parse_tool_calls(text: str, **_) -> list[ToolCall]:
@@ -210,23 +224,34 @@ def _run_one(box: ToolBox, call: ToolCall) -> ToolResult:
         return ToolResult(name, _error(f"unknown tool {call.name!r}; the tools are: {', '.join(box.functions)}"), True)
     fn, limit = box.functions[call.name], box.max_result_chars
 
-    def work() -> tuple[bool, str]:  # shown as text here, within the timeout: a huge or odd result costs the call
+    def work() -> tuple[bool, str, float | None]:  # shown as text here, within the timeout: an odd result fails
         try:
             value = box._call(fn, call.arguments)
         except BaseException as e:  # noqa: BLE001 - SystemExit, CancelledError...: the model's problem, not the run's
-            return False, _describe(e)
+            return False, _describe(e), None
+        reward = None
+        if isinstance(value, WithReward):
+            value, reward = value.value, value.reward
+            if not is_finite_number(reward):
+                return False, f"the tool returned the reward {as_text(repr(reward))[:80]} ({type(reward).__name__}); " \
+                              "a step reward must be a finite number", None
         try:
-            return True, as_text(value, limit)
+            return True, as_text(value, limit), None if reward is None else float(reward)
         except ResultTooLong as e:
-            return False, str(e)
+            return False, str(e), None
         except BaseException as e:  # noqa: BLE001 - a result whose __str__ raises
-            return False, f"the result could not be shown as text ({_describe(e)})"
+            return False, f"the result could not be shown as text ({_describe(e)})", None
 
     try:
-        ok, content = call_within(work, box.timeout_s, f"grpokit-tool-{call.name}")
+        ok, content, reward = call_within(work, box.timeout_s, f"grpokit-tool-{call.name}")
     except TimeoutError as e:
         return ToolResult(name, _error(str(e)), True)
-    return ToolResult(name, content if ok else _error(content), not ok)
+    return ToolResult(name, content if ok else _error(content), not ok, reward)
+
+
+def is_finite_number(value: Any) -> bool:
+    """A real number (int, float, numpy's, bool) that is neither NaN nor infinite: what a step reward must be."""
+    return isinstance(value, numbers.Real) and math.isfinite(value)
 
 
 def call_within(fn: Callable[[], Any], timeout_s: float, name: str = "grpokit-tool") -> Any:

@@ -21,6 +21,7 @@ from grpokit.rollout.engines import RolloutEngine, SamplingParams
 from grpokit.rollout.environments import Environments
 from grpokit.rollout.grading import Draw, grade
 from grpokit.training.setup import PromptTable
+from grpokit.training.turn_credit import turn_credit
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,11 @@ class GenerationBatch:
     old_logp: torch.Tensor | None = None  # [N, T] only when μ > 1 or several minibatches
     ref_logp: torch.Tensor | None = None  # [N, T] only when β > 0
     is_weight: torch.Tensor | None = None  # [N, T] or [N, 1], only with algorithm.is_correction (sampler != trainer)
+    token_advantages: torch.Tensor | None = None  # [N, T] only with algorithm.turn_advantage: each turn's own
+
+    def loss_advantages(self, rows: torch.Tensor, T: int) -> torch.Tensor:
+        """What the loss applies to `rows`: one advantage per answer [n], or per token [n, T] (per-turn credit)."""
+        return self.advantages[rows] if self.token_advantages is None else self.token_advantages[rows, :T]
 
     @property
     def rollout(self) -> Rollout:
@@ -90,7 +96,11 @@ def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts
         metrics["frac_reward_zero_std"] = seen["frac_reward_zero_std"]
         metrics["dynamic_sampling/groups_kept"] = draw.size / G
         metrics["dynamic_sampling/draws"] = len(draws)
-    return GenerationBatch(draw, advantages, loss_mask), metrics
+    token_advantages = None
+    if algo.turn_advantage != "none":  # per-turn credit: each turn's tokens get that turn's advantage [N, T]
+        token_advantages, turn_metrics = turn_credit(algo, rollout, draw.total, advantages, G)
+        metrics.update(turn_metrics)
+    return GenerationBatch(draw, advantages, loss_mask, token_advantages=token_advantages), metrics
 
 
 def _start_environments(environments: Environments, engine, tokenizer, rows: list[dict], ids: list[list[int]],

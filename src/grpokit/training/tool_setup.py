@@ -10,6 +10,7 @@ from grpokit.rewards.registry import load_reward
 from grpokit.rollout.environments import Environments
 from grpokit.rollout.tools import ToolBox
 from grpokit.tasks import task_tools
+from grpokit.training.turn_credit import check_turn_setup
 
 
 def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
@@ -26,6 +27,7 @@ def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
         if not functions and factory is None and t.task_tools:
             functions = task_tools(task)
     if not functions and factory is None:
+        check_turn_setup(config, None, None)
         return None, None
     functions = list(functions)
     try:
@@ -36,6 +38,7 @@ def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
         if t.isolation == "process":  # tools and environments in worker processes
             from grpokit.rollout.tool_workers import attach_workers
             attach_workers(box, environments, t, None if own_functions else functions, environment_factory)
-        return box, environments
     except ValueError as e:
         raise SetupError(f"{'tools.environment' if factory is not None else 'tools.functions'}: {e}") from None
+    check_turn_setup(config, box, environments)  # algorithm.turn_advantage: what it needs of the tools
+    return box, environments

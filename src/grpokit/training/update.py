@@ -155,7 +155,7 @@ def _micro_step(config: Config, policy: Policy, batch: GenerationBatch, old_logp
     [n, T] layout (0 log-probs in those rows), so every normaliser stays what it was."""
     algo, r, train, model, linear_head = config.algorithm, batch.rollout, config.train, policy.model, policy.linear_head
     T = int(r.completion_mask[rows].sum(-1).max().clamp(min=1))  # trim padding columns of this micro-batch
-    mask, adv = batch.loss_mask[rows, :T], batch.advantages[rows]
+    mask, adv = batch.loss_mask[rows, :T], batch.loss_advantages(rows, T)  # adv [n], or [n, T] per turn
     old = None if old_logp is None else old_logp[rows, :T]
     ref = None if batch.ref_logp is None else batch.ref_logp[rows, :T]
     weights = None if batch.is_weight is None else batch.is_weight[rows, :T]  # [n, T] or [n, 1]
@@ -181,7 +181,7 @@ def _micro_step(config: Config, policy: Policy, batch: GenerationBatch, old_logp
 
     n = len(rows)
     # entropy options: a zero-advantage answer still has an entropy gradient, and its tokens count in the quantile
-    keep = (adv != 0).nonzero()[:, 0] if config.skips_zero_advantage else torch.arange(n)
+    keep = (adv != 0).reshape(n, -1).any(-1).nonzero()[:, 0] if config.skips_zero_advantage else torch.arange(n)
     keep = keep.to(mask.device)
     constant = old is None and algo.beta == 0  # on-policy, no KL: dLoss/dlogp does not depend on logp
     grad_fn = None
