@@ -27,25 +27,26 @@ def _reward():
     return code_execution_reward(time_limit=3.0, memory_mb=256, workers=4, sandbox="none")
 
 
-@pytest.mark.xfail(strict=True, reason="asserts under def/if/try are 'runs any': an answer that drops its check "
-                   "lines (via the harness's private dict reached from its frame) passes HumanEval-style tests")
 def test_humaneval_style_check_function_cannot_be_forged():
+    """Fixed (the tests run in a judge process the answer never ran in): asserts under def/if/try used to be
+    'runs any', and an answer that dropped its check lines (via the harness's private dict reached from its
+    frame) passed HumanEval-style tests."""
     tests = ["def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(1, 1) == 2\ncheck(add)",
              "if True:\n    assert add(2, 3) == 5"]
     assert _reward()([DROP_CHECK_LINES + WRONG, GOOD], [tests] * 2) == [0.0, 1.0]
 
 
-@pytest.mark.xfail(strict=True, reason="the per-test builtins come from the `pristine` dict the answer can reach "
-                   "and mutate through sys._getframe(1).f_locals; a non-literal expected side is then forgeable")
 def test_the_tests_builtins_cannot_be_patched_through_the_harness_frame():
+    """Fixed (the tests' builtins are the judge's own): the per-test builtins came from a `pristine` dict the
+    answer could reach through sys._getframe(1).f_locals."""
     code = PATCH_PRISTINE + "def add(a, b):\n    return 'same' if isinstance(a, int) else 7.0\n"
     tests = ["assert [add(2, 3)] == sorted([5])", "assert abs(add(0.1, 0.2) - 0.3) < 1e-9"]
     assert _reward()([code, GOOD], [tests] * 2) == [0.0, 1.0]
 
 
-@pytest.mark.xfail(strict=True, reason="a truthy assert whose expected value is an argument of a module function "
-                   "(math.isclose) is evaluated in the answer's interpreter, where the answer patched the module")
 def test_math_isclose_patched_by_the_answer_does_not_pass():
+    """Fixed (`math` in the tests is the judge's own module): a truthy assert on math.isclose was evaluated in
+    the answer's interpreter, where the answer had patched the module."""
     code = "import math\nmath.isclose = lambda *a, **k: True\n" + WRONG
     tests = ["import math\nassert math.isclose(add(0.1, 0.2), 0.3)"]
     assert _reward()([code, GOOD], [tests] * 2) == [0.0, 1.0]
@@ -65,9 +66,9 @@ def test_an_overflowing_float_in_a_forged_report_does_not_stop_training():
     assert total.tolist() == [0.0, 1.0]
 
 
-@pytest.mark.xfail(strict=True, reason="the tests run in the answer's globals: a wrong add that rebinds the loop "
-                   "variable (globals()['a'] = 0) makes the non-literal expected side `a + 1` equal its return value")
 def test_an_answer_cannot_rebind_the_tests_loop_variable():
+    """Fixed (the tests' globals live in the judge): the tests ran in the answer's globals, so a wrong add that
+    rebound the loop variable made the non-literal expected side `a + 1` equal its return value."""
     tests = ["assert add(2, 3) == 5", "assert add(-1, 4) == 3", "for a in range(3):\n    assert add(a, 1) == a + 1"]
     rebind = "def add(x, y):\n    globals()['a'] = 0\n    return 1\n"
     assert _reward()([rebind, GOOD], [tests] * 2) == [0.0, 1.0]
@@ -131,24 +132,23 @@ def test_tool_exits_the_guard_does_not_see_do_not_end_the_trainer(tmp_path, how)
 @pytest.mark.parametrize("test", ["assert add(2, 3) == 5 and add(1, 1) == 2",
                                   "assert all(add(a, 1) == a + 1 for a in range(3))",
                                   "assert (add(2, 3) == 5) is True"])
-@pytest.mark.xfail(strict=True, reason="sandbox_checks._classify: only a top-level Compare keeps its literal; a "
-                   "comparison nested in and/all()/`is True` runs in the sandbox, where a lying __eq__ answers True")
 def test_an_object_whose_eq_says_yes_fails_nested_comparisons(test):
+    """Fixed (an answer's object is a handle in the judge, unequal to any plain value): only a top-level
+    Compare kept its literal, so a comparison nested in and/all()/`is True` trusted a lying __eq__."""
     liar = "class A:\n    def __eq__(self, other):\n        return True\ndef add(a, b):\n    return A()\n"
     assert _reward()([liar, GOOD], [[test]] * 2) == [0.0, 1.0]
 
 
-@pytest.mark.xfail(strict=True, reason="every assert run sends one line: a correct answer to a test whose assert runs "
-                   "100000 times in a loop passes REPORT_CAP (8 MiB) and is scored 0.0 as a refused (forged) report")
 def test_a_correct_answer_to_a_long_assert_loop_scores_one():
+    """Fixed (no report size cap: each call is a request to the answer's process): every assert run sent one
+    line, and 100000 of them passed the old 8 MiB cap and scored 0.0 as a forged report."""
     reward = code_execution_reward(time_limit=10.0, memory_mb=512, sandbox="none")
     assert reward(["def sq(x):\n    return x * x\n"], [["for i in range(100000):\n    assert sq(i) == i * i"]]) == [1.0]
 
 
-@pytest.mark.xfail(strict=True, reason="sandbox_checks: `x is not None` against the kept literal None needs x "
-                   "as plain data, so a correct answer returning its own object (a tree node) fails; identity with "
-                   "None cannot be forged and python passes these asserts")
 def test_a_correct_answer_returning_an_object_passes_is_not_none():
+    """Fixed (identity is the judge's: a handle is not None): `x is not None` used to need x as plain data,
+    so a correct answer returning its own object failed."""
     code = "class Node:\n    def __init__(self, v):\n        self.v = v\ndef build(v):\n    return Node(v)\n"
     assert _reward()([code], [["assert build(1) is not None", "assert build(2).v == 2"]]) == [1.0]
 

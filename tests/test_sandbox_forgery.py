@@ -22,7 +22,7 @@ from grpokit.config.loading import config_from_dict
 from grpokit.rewards.core import compute_rewards
 from grpokit.rewards.registry import reward_specs
 from grpokit.rewards.sandbox import code_execution_reward, sandbox_isolation
-from grpokit.rewards.sandbox_checks import Check, Grade, instrument, judge
+from grpokit.rewards.sandbox_checks import Grade, judge
 
 LEVEL, MESSAGE = sandbox_isolation()
 REQUIRED = os.environ.get("GRPOKIT_REQUIRE_SANDBOX") == "1"
@@ -127,33 +127,56 @@ def test_answers_that_write_into_the_report_are_counted_in_the_metrics():
     assert reward.last_grades[1] == Grade(1.0, None)
 
 
-def test_a_forged_report_cannot_leave_the_rewards_range_or_stop_training():
-    """The relay's report as the trainer reads it: whatever it holds, the score is in [0, 1] and nothing raises."""
-    checks = [[Check("compare", "once", ("eq",), (("sent", 0), ("lit", 5)))]] * 2
-    ok = ["answer ok", 'check 0 0 v [{"i": "5"}]', "end 0", 'check 1 0 v [{"i": "5"}]', "end 1", "done"]
-    assert judge(json.dumps({"lines": ok, "stray": 0, "status": 0}), checks).score == 1.0
-    forged = {
-        "more ends than tests": ok[:-1] + ["end 2", "done"],
-        "a check of another test": ["answer ok", 'check 1 0 v [{"i": "5"}]', "end 0"] + ok[3:],
-        "a non-number": ["answer ok", 'check 0 0 v [{"i": "x"}]', "end 0"] + ok[3:],
-        "a result where a value is due": ["answer ok", "check 0 0 r true", "end 0"] + ok[3:],
-        "a nested blob": ["answer ok", "check 0 0 v " + "[" * 5000 + "]" * 5000, "end 0"] + ok[3:],
-        "500 in the old format": ["done 1000 2"],
-    }
-    for name, lines in forged.items():
-        grade = judge(json.dumps({"lines": lines, "stray": 0, "status": 0}), checks)
+def test_a_verdict_cannot_leave_the_rewards_range_or_stop_training():
+    """The judge's verdict as the trainer reads it: whatever the file holds, the score is in [0, 1] and
+    nothing raises."""
+    def verdict(passed, end="ok", why=None):
+        return json.dumps({"passed": passed, "end": end, "why": why})
+
+    assert judge(verdict([True, True]), 2) == Grade(1.0, None)
+    assert judge(verdict([True, False], why="test 1: AssertionError: "), 2) == Grade(0.5, "test 1: AssertionError: ")
+    broken = {"more passes than tests": verdict([True] * 3), "fewer": verdict([True]), "a number": verdict([500]),
+              "a string": verdict(["yes", "yes"]), "no tests": verdict([]), "an unknown end": verdict([True] * 2, "x"),
+              "the answer raised": verdict([], "raised"), "died": verdict([True, True], "died"),
+              "empty": "", "not JSON": "not json", "a list": json.dumps([1000]),
+              "a nested blob": "[" * 5000 + "]" * 5000, "wrong field types": json.dumps(
+                  {"passed": "x", "end": "ok", "why": None})}
+    for name, text in broken.items():
+        grade = judge(text, 2)
         assert grade.score == 0.0 and grade.reason, name
-    for text in ("", "not json", json.dumps({"lines": "x", "stray": 0, "status": 0}), json.dumps([1000])):
-        assert judge(text, checks).score == 0.0
-    assert judge(json.dumps({"lines": ok, "stray": 1, "status": 0}), checks).refused
+    assert judge(verdict([], "refused", "a frame of 1685024357 bytes"), 2).refused
 
 
-def test_the_expected_side_of_an_assert_never_enters_the_sandbox():
-    sent, checks = instrument("assert add(2, 3) == 5\nassert not is_odd(4)\nfor i in range(3):\n"
-                              "    assert sq(i) == i * i, 'message'")
-    assert "5" not in sent.replace("add(2, 3)", "") and "not" not in sent and "message" not in sent
-    assert [c.kind for c in checks] == ["compare", "falsy", "compare"]
-    assert [c.runs for c in checks] == ["once", "once", "some"]
+MEMORY_SCAN = """
+import ctypes, re
+ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE 1: its own /proc/self/mem, where the judge made it 0
+MARK = re.compile(rb'EXPECTED[-]VALUE[-]7163')  # no byte string in memory matches it but the marker's
+def leaked():
+    found = []
+    with open('/proc/self/maps') as maps, open('/proc/self/mem', 'rb', 0) as mem:
+        for line in maps:
+            span, perms = line.split()[:2]
+            if not perms.startswith('r'):
+                continue
+            start, end = (int(x, 16) for x in span.split('-'))
+            try:
+                mem.seek(start)
+                data = mem.read(end - start)
+            except (OSError, ValueError, OverflowError):
+                continue
+            found.append(len(MARK.findall(data)))
+    return sum(found)
+"""
+
+
+@pytest.mark.parametrize("sandbox", SANDBOXES)
+def test_the_tests_never_enter_the_answers_process(sandbox):
+    """The answer's process reads all its own memory while a test runs: the tests' text, with their expected
+    values, is nowhere in it (the judge forks it before it reads them), and its scan is judged outside it."""
+    reward = code_execution_reward(time_limit=5.0, memory_mb=512, sandbox=sandbox)
+    tests = ["assert leaked() == 0, 'EXPECTED-VALUE-7163'", "x = 'EXPECTED-VALUE-7163'\nassert leaked() == 0"]
+    assert reward([MEMORY_SCAN], [tests]) == [1.0], reward.last_grades
+    assert reward([MEMORY_SCAN.replace("EXPECTED[-]VALUE[-]7163", "def[ ]leaked")], [tests]) == [0.0]
 
 
 @pytest.mark.parametrize("sandbox", SANDBOXES)

@@ -96,7 +96,7 @@ from typing import Any, Callable, Sequence
 from grpokit.errors import RewardLoadError
 from grpokit.rewards import bwrap
 from grpokit.rewards.graders import completion_text
-from grpokit.rewards.sandbox_checks import REPORT_CAP, Grade, instrument, judge
+from grpokit.rewards.sandbox_checks import Grade, judge
 from grpokit.rewards.sandbox_harness import HARNESS
 
 __all__ = ["code_execution", "code_execution_reward", "extract_code", "run_tests", "sandbox_isolation"]
@@ -167,12 +167,11 @@ def _grade(mode: bwrap.Mode, code: str, tests: Sequence[str], time_limit: float,
            errors: list[str] | None = None) -> Grade:
     """One answer at `mode`'s level; `errors` (the probe's) collects what the child wrote on stderr.
 
-    The tests' asserts are turned into checks whose expected sides stay here (`sandbox_checks`); the
-    sandbox's relay process reports the values, and `judge` scores them."""
-    sent, checks = zip(*(instrument(t) for t in tests))
-    job = {"code": code, "tests": list(sent), "uid": None, "nproc": _NPROC, "cap": REPORT_CAP,
-           "nproc_above_mine": False, "cpu": max(1, math.ceil(time_limit)),
-           "fsize": _FILE_LIMIT, "memory": int(memory_mb * 2**20) if memory_mb else 0}
+    The job goes in two parts: the limits and the code, then the tests, which the sandbox's judge
+    reads only once the answer's process has been forked (`sandbox_harness`)."""
+    job = {"code": code, "uid": None, "nproc": _NPROC, "nproc_above_mine": False,
+           "cpu": max(1, math.ceil(time_limit)), "fsize": _FILE_LIMIT,
+           "memory": int(memory_mb * 2**20) if memory_mb else 0}
     popen: dict[str, Any] = {}
     with contextlib.ExitStack() as stack:
         result = stack.enter_context(tempfile.TemporaryFile(prefix="grpokit-result-"))
@@ -197,10 +196,12 @@ def _grade(mode: bwrap.Mode, code: str, tests: Sequence[str], time_limit: float,
             else:
                 job["nproc_above_mine"] = True
         env.update(PATH=path, LANG="C.UTF-8", **_ONE_THREAD)
+        first = json.dumps(job).encode("utf-8", "surrogatepass")
+        message = b"%016x" % len(first) + first + json.dumps(list(tests)).encode("utf-8", "surrogatepass")
         proc = subprocess.Popen(argv, cwd=work, env=env, stdin=subprocess.PIPE, stdout=result, stderr=err,
                                 start_new_session=True, close_fds=True, **popen)
         try:
-            proc.communicate(json.dumps(job).encode("utf-8", "surrogatepass"), timeout=time_limit + _STARTUP_GRACE)
+            proc.communicate(message, timeout=time_limit + _STARTUP_GRACE)
         except subprocess.TimeoutExpired:
             return Grade(0.0, f"over its time limit ({time_limit:g} s)")
         except (BrokenPipeError, OSError):
@@ -211,11 +212,11 @@ def _grade(mode: bwrap.Mode, code: str, tests: Sequence[str], time_limit: float,
             if errors is not None:
                 err.seek(0)
                 errors.extend(err.read(1 << 14).decode("utf-8", "replace").strip().splitlines())
-        if proc.returncode != 0:  # the relay itself died: killed by the answer, or the harness could not start
-            return Grade(0.0, f"the sandbox's relay process ended with status {proc.returncode}")
+        if proc.returncode != 0:  # the judge itself died: killed by the answer, or the harness could not start
+            return Grade(0.0, f"the sandbox's judge process ended with status {proc.returncode}")
         result.seek(0)
-        report = result.read(2 * REPORT_CAP).decode("utf-8", "replace")
-    return judge(report, list(checks))
+        report = result.read(1 << 24).decode("utf-8", "replace")
+    return judge(report, len(tests))
 
 
 _PROBE_CODE = "import os, fractions, decimal\nuid = os.getuid()\n"

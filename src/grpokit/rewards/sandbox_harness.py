@@ -1,31 +1,42 @@
-"""The program that runs one `code_execution` answer inside the sandbox (`python -I -B -c HARNESS`).
+"""The program that grades one `code_execution` answer inside the sandbox (`python -I -B -c HARNESS`).
 
-Two processes, so that the answer never holds the way out:
+Two processes, and the answer's code runs in only one of them:
 
-- The relay (the process the trainer starts) reads the job from stdin, becomes uid 65534 where it
-  must, sets the limits, makes itself non-dumpable (so that no process of the same uid can open its
-  `/proc/<pid>/fd`, read its memory or ptrace it), and forks the answer's process. It never runs a
-  line of the answer's or the tests' code. It alone holds the result file the trainer reads (its
-  fd 1), and writes to it one JSON object: the lines the answer's process sent that carried this
-  run's token, the count of those that did not, and how that process ended.
-- The answer's process closes every descriptor but a pipe to the relay (the result file is gone,
-  stdin/stdout/stderr are /dev/null), runs the answer, then each test. It reports over the pipe
-  only what the trainer asked for: the values of the expressions the tests' asserts were turned
-  into (`rewards.sandbox_checks`), encoded as plain data, and whether each test ran to its end.
-  The harness's own helpers run on a private copy of the builtins and on references taken before
-  the answer ran, so that patching `builtins`, `sys.modules`, `exec` or `json` changes nothing here.
+- The judge is the process the trainer starts. It reads the first part of its job from stdin (the
+  limits and the answer's code: never the tests), becomes uid 65534 where it must, makes itself
+  non-dumpable (so that no process of the same uid can open its `/proc/<pid>/fd`, read its memory or
+  ptrace it), and forks the answer's process. Only then does it read the tests, so they never exist
+  in the answer's memory. It runs them itself (`sandbox_judge`), with the answer's names bound to
+  handles whose every use is a request over a socket to the answer's process (`sandbox_wire`), and
+  alone holds the result file the trainer reads: one JSON object, the verdict.
+- The answer's process keeps only its end of the socket (the result file and stdin are closed;
+  stdout and stderr are /dev/null), runs the answer's code, sends its top-level names and then
+  serves the judge's requests on its own objects until told to end. It never sees a test, an
+  expected value or a verdict: whatever it does to its own interpreter (patched builtins, a patched
+  `math`, a lying `__eq__`, walking its frames or the garbage collector, threads, signal handlers,
+  forks) can change only the values it answers with, which the judge compares as plain data.
 
-What each assert expected never enters the sandbox: the trainer keeps it and compares the values
-itself. A report the answer writes on its own (into the pipe, with or without the token) is at best
-a value it cannot know to be right, and a line without the token makes the trainer score the whole
-answer 0.0.
+The trainer turns the verdict into a score (`sandbox_checks.judge`).
 """
 
-HARNESS = r'''
+from grpokit.rewards.sandbox_judge import JUDGE
+from grpokit.rewards.sandbox_wire import WIRE
+
+MAIN = r'''
+def read_exact(fd, n):
+    out = b""
+    while len(out) < n:
+        chunk = os.read(fd, n - len(out))
+        if not chunk:
+            raise EOFError("the job ended early")
+        out += chunk
+    return out
+
+
 def main():
-    import ctypes, json, os, resource, sys
-    job = json.loads(sys.stdin.read())
-    result = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    import ctypes, resource, signal, socket
+    job = json.loads(read_exact(0, int(read_exact(0, 16), 16)))  # exactly the first part: not the tests
+    result, job_in = os.dup(1), os.dup(0)
     if job["uid"] is not None:
         os.chown(".", job["uid"], job["uid"])
         os.setgroups([])
@@ -51,166 +62,168 @@ def main():
                     nproc += len(os.listdir("/proc/%s/task" % pid))
             except OSError:
                 pass
-    def limits():
-        limit(resource.RLIMIT_NPROC, nproc)
-        limit(resource.RLIMIT_CPU, job["cpu"])
-        limit(resource.RLIMIT_FSIZE, job["fsize"])
-        limit(resource.RLIMIT_CORE, 0)
-        if job["memory"]:
-            limit(resource.RLIMIT_AS, job["memory"])
-    token = os.urandom(16).hex()
-    r, w = os.pipe()
+    mine, theirs = (s.detach() for s in socket.socketpair())
     pid = os.fork()  # before the process limit: where answers share a uid, a sibling's fork bomb must not stop it
-    limits()
+    limit(resource.RLIMIT_NPROC, nproc)
+    limit(resource.RLIMIT_CPU, job["cpu"])
+    limit(resource.RLIMIT_FSIZE, job["fsize"])
+    limit(resource.RLIMIT_CORE, 0)
+    if job["memory"]:
+        limit(resource.RLIMIT_AS, job["memory"])
     if pid == 0:
-        os.close(r)
-        result.close()
-        os.dup2(w, 3)
+        os.dup2(theirs, 3)
         os.closerange(4, 1 << 16)
-        answer(job["code"], job["tests"], token, 3)
-    os.close(w)
-    os.set_blocking(r, False)
-    relay(r, pid, token, result, job["cap"])
-
-def relay(r, pid, token, result, cap):
-    import json, os, select
-    got, status, lines, stray, size, mark = b"", None, [], 0, 0, token.encode()
-    while True:
-        if status is None:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            status = status if done else None
-            if status is None:
-                select.select([r], [], [], 0.05)
-        try:
-            chunk = os.read(r, 1 << 16)
-        except BlockingIOError:
-            chunk = None
-        if chunk == b"" and status is None:  # the answer's process closed the pipe: wait for its end
-            status = os.waitpid(pid, 0)[1]
-        if chunk:
-            size += len(chunk)
-            if size > cap:
-                break
-            got += chunk
-            *whole, got = got.split(b"\n")
-            for line in whole:
-                head, _, rest = line.partition(b" ")
-                if head == mark and rest:
-                    lines.append(rest.decode("utf-8", "replace"))
-                    if rest == b"done":
-                        break
-                else:
-                    stray += 1
-            if lines and lines[-1] == "done":
-                break
-        elif status is not None:  # the answer's process ended and the pipe is drained (or held by its children)
-            break
-    if status is None:
-        status = os.waitpid(pid, 0)[1] if lines and lines[-1] == "done" else -1
-    stray += bool(got.strip())
-    result.write(json.dumps({"lines": lines, "stray": stray, "overflow": size > cap,
-                             "status": status}))
-    result.flush()
+        answer(job["code"], 3)
+    os.close(theirs)
+    peer = Peer(mine, Remote, serve_tests)
+    def on_child(signum, frame):  # the answer's process ended: stop waiting on it (its children may hold the socket)
+        if peer.exited or os.waitpid(pid, os.WNOHANG)[0] != pid:
+            return
+        peer.exited = True
+        if peer.reading and not peer.readable():
+            raise peer.gone("the answer's process ended")
+    signal.signal(signal.SIGCHLD, on_child)
+    on_child(None, None)  # it may have ended before the handler was in place
+    tests = json.loads(read_all(job_in))
+    os.close(job_in)
+    if hasattr(sys, "set_int_max_str_digits"):
+        sys.set_int_max_str_digits(0)
+    sys.setrecursionlimit(3000)
+    try:
+        passed, why, end = judge(peer, tests)
+    except Refused:
+        passed, why, end = [], None, "refused"
+    except Gone:
+        passed, why, end = [], None, "died"
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    if peer.refused:
+        end, why = "refused", peer.refused
+    elif peer.dead:
+        end, why = "died", peer.dead
+    os.write(result, json.dumps({"passed": passed, "end": end, "why": why}).encode("ascii"))
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
     os._exit(0)
 
-def answer(code, tests, token, fd):
-    import builtins, json
-    from os import _exit, write
-    private = {"__builtins__": dict(vars(builtins))}
-    exec(HELPERS, private)
-    send, encode = private["send"], private["encode"]
-    run = builtins.exec, builtins.compile, BaseException, len, str, enumerate
-    private.update(TOKEN=token, FD=fd, write=write, dumps=json.JSONEncoder(ensure_ascii=True).encode)
-    namespace, pristine = {"__name__": "__main__", "__builtins__": builtins}, dict(vars(builtins))
-    try:
-        run[0](run[1](code, "<answer>", "exec"), namespace)
-    except run[2]:
-        send("answer raised")
-        _exit(0)
-    send("answer ok")
-    for i, test in run[5](tests):
-        def check(k, ops, *values, _i=i):
-            send("check %d %d %s" % (_i, k, encode(ops, values)))
-        namespace["__grpokit_check__"] = check
-        namespace["__builtins__"] = pristine.copy()  # the tests see the builtins as they were before the answer
-        try:
-            run[0](run[1](test, "<test %d>" % i, "exec"), namespace)
-        except run[2]:
-            send("raised %d" % i)
-            continue
-        send("end %d" % i)
-    send("done")
-    _exit(0)
 
-HELPERS = """
-def send(text):
-    try:
-        write(FD, (TOKEN + " " + text + "\\n").encode("utf-8", "surrogatepass"))
-    except BaseException:
-        pass
-
-PLAIN = {type(None): None, bool: None, int: "i", float: "f", complex: "c", str: "s", bytes: "b",
-         list: "l", tuple: "t", dict: "d", set: "S", frozenset: "F"}
-
-def plain(x, depth=0):
-    kind = type(x)
-    if depth > 50:
-        raise ValueError("nested deeper than 50")
-    if kind not in PLAIN:
-        to = getattr(x, "tolist", None)  # numpy arrays and scalars
-        if depth == 0 and callable(to):
-            return plain(to(), depth + 1)
-        raise TypeError(kind.__name__)
-    tag = PLAIN[kind]
-    if tag is None:
-        return x
-    if tag == "i":
-        return {"i": str(x)}
-    if tag == "f":
-        return {"f": x.hex()}
-    if tag == "c":
-        return {"c": [x.real.hex(), x.imag.hex()]}
-    if tag == "s":
-        return {"s": x}
-    if tag == "b":
-        return {"b": x.hex()}
-    if tag == "d":
-        return {"d": [[plain(k, depth + 1), plain(v, depth + 1)] for k, v in x.items()]}
-    return {tag: [plain(v, depth + 1) for v in x]}
-
-def plain_or_none(x):
-    try:
-        plain(x)
-        return True
-    except BaseException:
-        return False
-
-def encode(ops, values):
-    try:
-        out = dumps([plain(v) for v in values])
-        if len(out) > 1 << 20:
-            raise ValueError("over 1 MiB")
-        return "v " + out
-    except BaseException as e:
-        reason = type(e).__name__ + ": " + str(e)[:80]
-    if ops is None or (ops != "truth" and any(plain_or_none(v) for v in values)):
-        return "x " + dumps(reason)  # a plain value next to one that is not: judged as plain data, it fails
-    try:  # no expected value is hidden here: the answer's own objects decide, as plain Python would
-        return "r " + dumps(bool(values[0]) if ops == "truth" else compare(ops, values))
-    except BaseException:
-        return "x " + dumps(reason)
-
-OPS = {"eq": lambda a, b: a == b, "ne": lambda a, b: a != b, "lt": lambda a, b: a < b,
-       "le": lambda a, b: a <= b, "gt": lambda a, b: a > b, "ge": lambda a, b: a >= b,
-       "is": lambda a, b: a is b, "is_not": lambda a, b: a is not b, "in": lambda a, b: a in b,
-       "not_in": lambda a, b: a not in b}
-
-def compare(ops, values):
-    for op, a, b in zip(ops, values, values[1:]):
-        if not OPS[op](a, b):
-            return False
-    return True
-"""
-
-main()
+def read_all(fd):
+    out = []
+    while True:
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return b"".join(out)
+        out.append(chunk)
 '''
+
+ANSWER = r'''
+class Callback:
+    """In the answer's process: a handle on an object of the tests (a callback); calls and attributes only."""
+
+    __slots__ = ("_h", "_peer")
+
+    def __init__(self, h):
+        object.__setattr__(self, "_h", h)
+
+    def __call__(self, *args, **kwargs):
+        peer = object.__getattribute__(self, "_peer")
+        reply = peer.request(["call", self._h, [peer.encode(a) for a in args],
+                              [[str(k), peer.encode(v)] for k, v in kwargs.items()]])
+        return peer.decode(reply[1])
+
+    def __getattr__(self, name):
+        peer = object.__getattribute__(self, "_peer")
+        return peer.decode(peer.request(["getattr", self._h, str(name)])[1])
+
+
+class AnswerPeer(Peer):
+    def encode_other(self, x, depth):
+        to = getattr(type(x), "tolist", None)  # numpy arrays and scalars cross as plain data
+        if callable(to):
+            try:
+                return self.encode(to(x), depth + 1)
+            except Exception:
+                pass
+        return {"h": self.export(x)}
+
+
+def answer_ops():
+    import operator as o
+    ops = {"eq": o.eq, "ne": o.ne, "lt": o.lt, "le": o.le, "gt": o.gt, "ge": o.ge, "hash": hash, "bool": bool,
+           "len": len, "index": o.index, "int": int, "float": float, "repr": repr, "str": str, "format": format,
+           "iter": iter, "next": next, "contains": o.contains, "getitem": o.getitem, "setitem": o.setitem,
+           "delitem": o.delitem, "instancecheck": lambda c, x: isinstance(x, c),
+           "subclasscheck": lambda c, s: issubclass(s, c), "neg": o.neg, "pos": o.pos, "abs": abs,
+           "invert": o.invert, "divmod": divmod, "rdivmod": lambda a, b: divmod(b, a), "round": round}
+    for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "lshift", "rshift", "and",
+                 "or", "xor"):
+        f = getattr(o, name + "_" if name in ("and", "or") else name)
+        ops[name] = f
+        ops["r" + name] = (lambda f: lambda a, b: f(b, a))(f)
+    return ops
+
+
+def serve_answer(peer, msg, ops=answer_ops()):
+    """A request of the judge on one of the answer's objects."""
+    kind = msg[0]
+    if kind == "op":
+        args = peer.decode(msg[2])
+        return ops[msg[1]](*args), []
+    obj = peer.mine[msg[1]]
+    if kind == "getattr":
+        return getattr(obj, msg[2]), []
+    if kind == "setattr":
+        return setattr(obj, msg[2], peer.decode(msg[3])), []
+    if kind == "delattr":
+        return delattr(obj, msg[2]), []
+    args = peer.decode(msg[2])
+    kwargs = {k: peer.decode(v) for k, v in msg[3]} if msg[3] else {}
+    value = obj(*args, **kwargs)
+    changed = []  # the lists, dicts and sets it was given and changed in place
+    for where, arg in [*enumerate(args), *kwargs.items()]:
+        if type(arg) in (list, dict, set):
+            now = peer.encode(arg)
+            if now != (msg[2][where] if type(where) is int else dict(msg[3])[where]):
+                changed.append([where, now])
+    return value, changed
+
+
+def describe_names(peer, ns):
+    import types
+    out = []
+    for name, value in list(ns.items()):
+        if isinstance(value, types.ModuleType):
+            out.append([name, "m", str(value.__name__)])
+        elif isinstance(value, type) and issubclass(value, BaseException):
+            base = next((c for c in value.__mro__ if c.__module__ == "builtins"), BaseException)
+            out.append([name, "e", [peer.export(value), base.__name__]])
+        else:
+            try:
+                enc = peer.encode(value)
+                if len(peer.dumps(enc)) > 1 << 20:
+                    raise ValueError
+            except Exception:
+                enc = {"h": peer.export(value)}
+            out.append([name, "v", enc])
+    return out
+
+
+def answer(code, fd):
+    from os import _exit
+    peer = AnswerPeer(fd, Callback, serve_answer)
+    ns = {"__name__": "__main__", "__builtins__": builtins}
+    try:
+        exec(compile(code, "<answer>", "exec"), ns)
+    except BaseException as e:
+        peer.send(["raised", type(e).__name__])
+        _exit(0)
+    try:
+        peer.send(["ready", describe_names(peer, ns)])
+        while True:
+            peer.answer(peer.recv())
+    except BaseException:
+        _exit(0)
+'''
+
+HARNESS = '__name__ = "grpokit_harness"\n' + WIRE + JUDGE + ANSWER + MAIN + "\nmain()\n"
