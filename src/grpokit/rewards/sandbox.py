@@ -66,13 +66,16 @@ Deviations and limits, on purpose:
   Popen's `user=`/`group=`, which run in C in the child and are safe.
 - Grading is lazy about the level: "auto" is probed (one test answer) at first use or
   at `sandbox_isolation()`, so that importing this module starts no process.
-- The grade cannot be forged through the harness (`sandbox_harness`, `sandbox_checks`): a
-  relay process that never runs the answer's code holds the only way out; the answer's process
-  sends it the values of the tests' asserts, whose expected sides stay in the trainer, which
-  compares them itself. A score is passes / tests, within [0, 1]; a report the harness did not
-  write scores 0.0 (its reason in `code_execution.last_grades`, counted as the metric
-  `code_execution/refused_reports`). Tests without an assert (code that raises on failure) and
-  asserts judged by the answer's own objects still rest on its process's word.
+- The grade cannot be forged through the harness (`sandbox_harness`, `sandbox_judge`,
+  `sandbox_wire`): the tests run in a judge process the answer's code never ran in, and which holds
+  the only way out; the answer's process only answers requests on its own objects, and what it
+  answers is data the judge compares itself. A score is passes / tests, within [0, 1]; an answer
+  that breaks the protocol scores 0.0 (its reason in `code_execution.last_grades`, counted as the
+  metric `code_execution/refused_reports`). Values of the answer cross by value when they are plain
+  data, else as handles: a handle never equals a plain value, so an object with a lying `__eq__`
+  fails `assert f() == 5`; a plain list the tests pass is a copy (changes in place come back; a
+  list the answer keeps and changes later does not); the answer's globals that shadow a builtin are
+  not the tests'.
 - RLIMIT_AS counts virtual memory: importing numpy or torch in an answer may
   need more than 512 MB; raise `memory_mb` for such tasks.
 """
