@@ -211,3 +211,23 @@ def test_a_run_trains_with_per_turn_advantages_on_each_turns_tokens(tool_model_d
     assert advantages.dim() == 2 and advantages.shape == mask.shape
     varies = [(row[m.bool()].unique().numel() > 1) for row, m in zip(advantages, mask)]
     assert any(varies)  # some answer's turns got different advantages
+
+
+def test_turns_travel_with_their_answers_when_draws_are_filtered_and_joined():
+    from grpokit.rollout.batch import Rollout, Turns, concat_rollouts
+    from grpokit.rollout.grading import Draw
+
+    def draw(T, K, first, signal=True):
+        n = 2
+        turns = Turns(torch.full((n, T), first, dtype=torch.long), torch.full((n, K), float(first)),
+                      torch.full((n, K), first, dtype=torch.long), torch.full((n,), K, dtype=torch.long))
+        ones = torch.ones(n, T, dtype=torch.long)
+        rollout = Rollout(ones, ones, ones, ones, torch.zeros(n, T), torch.zeros(n, dtype=torch.bool), turns=turns)
+        return Draw(rollout, torch.zeros(n, 1), torch.tensor([0.0, float(signal)]), ["p"] * n, ["t"] * n)
+
+    joined = concat_rollouts([draw(3, 1, 1).rollout, draw(5, 2, 2).rollout], pad_token_id=0).turns
+    assert joined.token_turn.tolist()[0] == [1, 1, 1, -1, -1] and joined.token_turn.tolist()[2] == [2] * 5
+    assert joined.states.tolist() == [[1, -1], [1, -1], [2, 2], [2, 2]] and torch.isnan(joined.rewards[0, 1])
+    # the first draw's group has no signal (dynamic sampling drops it): the second's answers keep their turns
+    kept = Draw.join([draw(3, 1, 1, signal=False).with_signal(2), draw(5, 2, 2).with_signal(2)], 2, 0, draw(3, 1, 1))
+    assert kept.rollout.turns.counts.tolist() == [2, 2] and kept.rollout.turns.states[:, 0].tolist() == [2, 2]
