@@ -12,6 +12,7 @@ training did. The run-level checks of [eval] and keep_best themselves live in gr
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -132,6 +133,9 @@ def test_evaluation_keeps_and_loads_the_best_checkpoint(tmp_path, tiny_model_dir
     trainer.train()
     # TRL's rows: an evaluation is its own eval_... row (eval_reward = grpokit's eval/mean_reward)
     scores = {row["step"]: row["eval_reward"] for row in trainer.state.log_history if "eval_runtime" in row}
+    log = trainer.state.log_history  # an evaluation row carries the step's num_tokens, as TRL's does
+    assert all(row["eval_num_tokens"] == log[i - 1]["num_tokens"] > 0 for i, row in enumerate(log)
+               if "eval_runtime" in row)
     best = json.loads((trainer.run_dir / "best.json").read_text())
     assert set(scores) == {1, 2} and best["value"] == max(scores.values()) == scores[best["step"]]
     s = trainer.state
@@ -149,3 +153,38 @@ def test_evaluation_keeps_and_loads_the_best_checkpoint(tmp_path, tiny_model_dir
     trainer.save_model(str(tmp_path / "final"))
     saved = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
     assert all(torch.equal(a, b) for a, b in zip(saved.parameters(), expected.parameters()))
+
+
+def test_evaluate_draws_the_answers_once_and_counts_them_as_grpokits_evaluation(tmp_path, tiny_model_dir,
+                                                                                  monkeypatch):
+    from grpokit.data.files import load_prompts
+    from grpokit.models.loading import max_positions_of
+    from grpokit.rollout import decode
+    from grpokit.training import evaluation
+    from grpokit.training.setup import PreparedData, eval_max_new_tokens, resolve_reward_specs, tokenize_prompts
+
+    draws, real = [], decode.sample_groups
+
+    def counted(*args, **kwargs):
+        draws.append(len(args[1]))  # the prompts of one batch
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "sample_groups", counted)
+    monkeypatch.setattr(evaluation, "sample_groups", counted)
+    args = GRPOConfig(output_dir=str(tmp_path / "o"), num_generations_eval=4, per_device_eval_batch_size=4, **RUN)
+    trainer = GRPOTrainer(str(tiny_model_dir), parity, args=args, train_dataset=ROWS, eval_dataset=ROWS)
+    metrics = trainer.evaluate()
+    assert draws == [len(ROWS)]  # one batch of prompts, sampled once (loss, rewards and accuracy share it)
+    assert math.isfinite(metrics["eval_loss"])  # from those answers
+    # grpokit's own evaluation of the same model, rows and seed draws the same answers: the same numbers
+    config = trainer.config
+    table = tokenize_prompts(config, PreparedData(load_prompts(ROWS, prompt_column="prompt"), None),
+                             trainer.processing_class, max_positions_of(config.model.path), None)
+    own = evaluation.evaluate(trainer.model, trainer.processing_class, table.rows, table.ids,
+                              resolve_reward_specs(config, None, trainer.reward_funcs), samples_per_prompt=4,
+                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              max_new_tokens=eval_max_new_tokens(config), greedy=False, seed=args.seed,
+                              eos_token_ids=table.eos_token_ids, correct_threshold=config.eval.correct_threshold)
+    assert (metrics["eval_reward"], metrics["eval_accuracy"], metrics["eval_pass@4"]) == pytest.approx(
+        (own["mean_reward"], own["accuracy"], own["pass@4"]), abs=1e-9)
+    assert 0 < own["accuracy"] < 1  # answers of both kinds: the comparison can tell counts apart

@@ -40,10 +40,8 @@ def _weights(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-# TRL's keys grpokit does not log, each for a reason docs/TRL.md gives: the input tokens seen so far (TRL's
-# Trainer counter), and in training rows the terminated answers' min / max length.
-NOT_LOGGED = {"num_tokens", "completions/min_terminated_length", "completions/max_terminated_length"}
-NOT_EVALUATED = {"eval_num_tokens"}
+# TRL's keys grpokit does not log (docs/TRL.md): in training rows the terminated answers' min / max length.
+NOT_LOGGED = {"completions/min_terminated_length", "completions/max_terminated_length"}
 
 
 @pytest.fixture(scope="module")
@@ -98,11 +96,23 @@ def test_the_model_is_loaded_and_trained_in_place(tiny_model_dir, tmp_path, trl_
     assert set(output.metrics) == set(trl_run["output"].metrics)
     assert output.training_loss == output.metrics["train_loss"] and math.isfinite(output.training_loss)
     assert output.training_loss == pytest.approx(sum(r["loss"] for r in trainer.state.log_history[:2]) / 2)
-    ours, theirs = trainer.state.log_history, trl_run["log"]
+    ours, theirs = list(trainer.state.log_history), trl_run["log"]  # (an evaluate() below appends its row)
     assert [r["step"] for r in ours] == [r["step"] for r in theirs] == [1, 2, 2]
     assert [r["epoch"] for r in ours] == [r["epoch"] for r in theirs]  # prompts used / rows
     for mine, trls in zip(ours, theirs):
         assert set(trls) - set(mine) <= NOT_LOGGED, set(trls) - set(mine)
+    # num_tokens, TRL's running count: each step adds its answers' prompt tokens (every prompt has 4 characters
+    # here) and the tokens generated (completions/mean_length per answer), as TRL's rows do
+    answers = RUN["per_device_train_batch_size"]
+    for rows in (ours[:2], theirs[:2]):
+        added = [b["num_tokens"] - a for a, b in zip([0.0] + [r["num_tokens"] for r in rows], rows)]
+        prompts = [n - r["completions/mean_length"] * answers for n, r in zip(added, rows)]
+        assert prompts == pytest.approx([4.0 * answers] * 2), prompts
+    for state, rows in ((trainer.state, ours), (trl_run["state_after"], theirs)):  # the state holds the last count
+        assert state.num_input_tokens_seen == rows[1]["num_tokens"] > 0
+    # evaluate() reports that count as eval_num_tokens, unchanged (TRL counts no tokens in evaluation)
+    assert trainer.evaluate(ROWS[:4])["eval_num_tokens"] == trainer.state.num_input_tokens_seen
+    assert trl_run["eval"]["eval_num_tokens"] == trl_run["state_after"].num_input_tokens_seen
     assert set(ours[-1]) == set(theirs[-1])  # train_runtime, ..., total_flos, train_loss, epoch, step
     assert (trainer.state.global_step, trainer.state.max_steps, trainer.state.epoch) == (
         trl_run["state_after"].global_step, trl_run["state_after"].max_steps, trl_run["state_after"].epoch)
@@ -125,7 +135,8 @@ def test_evaluate_returns_trls_keys_and_the_loss(tiny_model_dir, tmp_path, trl_r
     metrics = trainer.evaluate()
     trls = {k.replace("/ordinal/", "/length/") for k in trl_run["eval"]} | {"eval_rewards/parity/mean",
                                                                               "eval_rewards/parity/std"}
-    assert trls - set(metrics) == NOT_EVALUATED, trls - set(metrics)
+    assert trls <= set(metrics), trls - set(metrics)
+    assert metrics["eval_num_tokens"] == trainer.state.num_input_tokens_seen == 0  # nothing trained yet
     assert {"eval_accuracy", "eval_pass@4"} <= set(metrics) and math.isfinite(metrics["eval_loss"])
     # the loss and the per-function rewards come from the same answers as eval_reward
     assert metrics["eval_reward"] == pytest.approx(metrics["eval_rewards/length/mean"]
@@ -279,7 +290,11 @@ def test_generation_kwargs_stop_strings_and_the_refused_rest(tmp_path):
              (dict(generation_kwargs={"do_sample": False}), "refused keys: do_sample"),
              (dict(accelerator_config={"split_batches": True}), "split_batches would change the batches"),
              (dict(dataloader_num_workers=-1), "dataloader_num_workers=-1 .must be >= 0"),
-             (dict(loss_type="grpo", entropy_coef=0.01), "entropy_coef=0.01 .TRL adds the plain token mean")]
+             (dict(entropy_coef=-0.01), "entropy_coef=-0.01 .grpokit's entropy bonus needs a coefficient >= 0")]
+    # entropy_coef with any loss type: TRL's aggregation of the bonus (tests/test_entropy_bonus.py)
+    algo = grpokit_config(GRPOConfig(loss_type="grpo", entropy_coef=0.01), model_path="m", dtype="float32",
+                          num_rows=64).algorithm
+    assert (algo.entropy_coef, algo.entropy_aggregation) == (0.01, "token_mean")
     for trl_args, match in cases:
         with pytest.raises(ConfigError, match=match):
             GRPOConfig(**trl_args)

@@ -7,12 +7,14 @@ token counts, times the slowest rank's (a no-op on one process).
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
 import torch.distributed as tdist
 
-from grpokit.models.parallel import is_distributed
+from grpokit.models.parallel import global_sum, is_distributed, rank
 from grpokit.rewards.core import reward_metrics
 
 
@@ -27,6 +29,36 @@ def completion_metrics(completion_mask: torch.Tensor, truncated: torch.Tensor) -
         "completions/clipped_ratio": truncated.float().mean().item(),
         "completions/mean_terminated_length": terminated.mean().item() if len(terminated) else 0.0,
     }
+
+
+def input_tokens(rollout) -> int:
+    """The tokens one generation batch fed the model, as TRL counts them for `num_tokens`: each answer's
+    prompt (a group's prompt once per answer) plus the tokens the model generated (a tool's result,
+    inserted between them, is not counted: TRL's tool_mask)."""
+    return int(rollout.prompt_mask.sum().item() + rollout.action_mask.sum().item())
+
+
+def num_tokens(metrics_path: Path, rollout) -> float:
+    """TRL's `num_tokens`: the input tokens (`input_tokens`, all processes) of every step so far, this one
+    included. The running total is the previous row's in metrics.jsonl, so it needs no state of its own and
+    a resume continues it (rows after the checkpoint are dropped first). Process 0 reads it (the one that
+    writes the rows); elsewhere it is this step's count. A run folder without it starts from 0."""
+    step = float(global_sum(torch.tensor(input_tokens(rollout), dtype=torch.float64)))
+    before = _last_row(metrics_path).get("num_tokens") if rank() == 0 else None
+    return step + (before if isinstance(before, (int, float)) else 0.0)
+
+
+def _last_row(path: Path, tail_bytes: int = 1 << 20) -> dict:
+    """The last row of a JSONL log ({} when there is none or it cannot be read)."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(0, size - tail_bytes))
+            lines = f.read().splitlines()
+        row = json.loads(lines[-1]) if lines else {}
+    except (OSError, ValueError):
+        return {}
+    return row if isinstance(row, dict) else {}
 
 
 def reward_summary(total: torch.Tensor, group_size: int) -> dict[str, float]:

@@ -25,7 +25,7 @@ from grpokit.models.onednn import onednn_linears
 from grpokit.models.parallel import DistributedContext
 from grpokit.models.threads import configure_threads
 from grpokit.observe.diagnostics import Diagnostics
-from grpokit.observe.metrics import reduce_metrics
+from grpokit.observe.metrics import num_tokens, reduce_metrics
 from grpokit.observe.tracking import ConsoleProgress, MetricsWriter, drop_rows_after, write_completions
 from grpokit.training.checkpoint import CheckpointWeights, save_checkpoint, trainer_state
 from grpokit.training.evaluation import BestCheckpoint, HeldOut
@@ -144,6 +144,7 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
                            "time/rollout": gen_metrics.pop("time/rollout"), "time/train": t2 - t1,
                            "time/step": t2 - t0, "tokens_per_sec": n_tokens / (t2 - t0)}
                 metrics = reduce_metrics(metrics, batch, inputs.specs, local)  # over all processes
+                metrics["num_tokens"] = num_tokens(run_dir / "metrics.jsonl", batch.rollout)  # TRL's: tokens seen
                 if held_out is not None and held_out.due(step):  # [eval]: every process scores its share
                     t3 = time.perf_counter()
                     try:

@@ -311,7 +311,7 @@ def _eval_problems(c) -> list[str]:
         default = " (transformers' default with load_best_model_at_end)" if c.metric_for_best_model == "loss" else ""
         problems.append(f"metric_for_best_model={c.metric_for_best_model!r}{default} (grpokit's evaluation scores "
                         f"the held-out mean reward: use 'reward', TRL's eval_reward = grpokit's eval/mean_reward; "
-                        f"eval_loss and the per-function eval rewards are not computed)")
+                        f"eval_loss and the per-function eval rewards are not computed during training)")
     elif c.greater_is_better is False:
         problems.append("greater_is_better=False (grpokit's evaluation metrics are higher-is-better; leave it unset)")
     if c.num_generations_eval is not None and c.num_generations_eval < 1:

@@ -6,15 +6,19 @@ for a GRPO trainer): `eval_loss`, `eval_runtime`, `eval_samples_per_second`, `ev
 `eval_completions/*`, `eval_entropy`, `eval_clip_ratio/*` (`eval_kl` with beta > 0), and grpokit's
 `eval_accuracy` and `eval_pass@K`.
 
-- `eval_reward`, `eval_accuracy`, `eval_pass@K` come from grpokit's own `training.evaluation.evaluate`,
-  the one the `[eval]` section runs during training, with the settings the trainer's config gives it
-  (num_generations_eval answers per prompt at the training temperature, seed `seed`): `eval_reward` is
-  grpokit's eval/mean_reward, the mean total reward of the answers.
-- The rest come from the same answers (drawn again with the same seed and batches, so they are the same
-  tokens), as TRL computes them in its evaluation: per eval batch of `per_device_eval_batch_size`
+The answers are drawn once: num_generations_eval per prompt at the training temperature, with the
+generator, seed (`seed`) and prompt batches of grpokit's own `training.evaluation.evaluate` (the one the
+`[eval]` section runs during training), so they are the tokens that evaluation would draw.
+
+- `eval_reward`, `eval_accuracy`, `eval_pass@K` are that evaluation's numbers, counted as it counts them
+  (`eval_reward` is grpokit's eval/mean_reward, the mean total reward of the answers).
+- The rest are TRL's evaluation on the same answers: per eval batch of `per_device_eval_batch_size`
   answers (whole groups), the group advantages, and the GRPO loss at ratio 1 (on-policy: no update
-  happens during evaluation) with the KL to the reference when beta > 0; each metric is the mean over the
-  batches (NaN-skipping, as TRL's log averages them).
+  happens during evaluation) with the KL to the reference when beta > 0 and the entropy bonus (TRL's
+  prediction_step calls its compute_loss); each metric, `eval_loss` too, is the mean over the batches
+  (NaN-skipping, as transformers' evaluation loop and TRL's log average them).
+- `eval_num_tokens` is the trainer's count of input tokens seen in training (`state.num_input_tokens_seen`:
+  TRL logs it unchanged in evaluation).
 `best_checkpoint` is the checkpoint best.json names (`output.keep_best`), what transformers'
 `load_best_model_at_end` loads at the end of training.
 """
@@ -49,7 +53,6 @@ def run_evaluation(trainer, model, rows: list[dict], prefix: str) -> dict[str, f
     from grpokit.data.files import load_prompts
     from grpokit.errors import DataError
     from grpokit.models.loading import max_positions_of
-    from grpokit.training.evaluation import evaluate
     from grpokit.training.setup import (
         PreparedData,
         eval_max_new_tokens,
@@ -74,18 +77,17 @@ def run_evaluation(trainer, model, rows: list[dict], prefix: str) -> dict[str, f
     specs = resolve_reward_specs(config, None, trainer.reward_funcs)
     samples = args.num_generations_eval or args.num_generations
     started, was_training = time.perf_counter(), model.training
-    sampling = dict(samples_per_prompt=samples, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                    max_new_tokens=eval_max_new_tokens(config), seed=args.seed, tools=tools,
-                    max_tool_turns=config.tools.max_calls, eos_token_ids=table.eos_token_ids)
-    result = evaluate(model, tokenizer, table.rows, table.ids, specs, correct_threshold=config.eval.correct_threshold,
-                      greedy=False, stop_strings=config.rollout.stop_strings, **sampling)
-    batches = _answer_metrics(trainer, model, tokenizer, table, specs, **sampling)
+    model.eval()
+    batches, totals = _answer_metrics(trainer, model, tokenizer, table, specs, samples_per_prompt=samples,
+                                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                      max_new_tokens=eval_max_new_tokens(config), seed=args.seed, tools=tools,
+                                      max_tool_turns=config.tools.max_calls, eos_token_ids=table.eos_token_ids)
     model.train(was_training)
     runtime = time.perf_counter() - started
     keys = dict.fromkeys(k for b in batches for k in b)  # TRL's log: each metric's mean over the eval batches
     metrics = {k: _mean([b.get(k, math.nan) for b in batches]) for k in keys}
-    metrics.update({"reward": result["mean_reward"], "accuracy": result["accuracy"],
-                    f"pass@{samples}": result[f"pass@{samples}"]})
+    metrics.update(_scores(totals, config.eval.correct_threshold))
+    metrics["num_tokens"] = float(trainer.state.num_input_tokens_seen)
     eval_batch = args.per_device_eval_batch_size * args.world_size
     speed = {"runtime": round(runtime, 4)}
     if runtime > 0:  # transformers' speed_metrics: rows and eval batches per second
@@ -95,6 +97,19 @@ def run_evaluation(trainer, model, rows: list[dict], prefix: str) -> dict[str, f
     return {f"{prefix}_{k}": v for k, v in ordered.items()}
 
 
+def _scores(totals: torch.Tensor, correct_threshold: float) -> dict[str, float]:
+    """grpokit's evaluation numbers of the total rewards [P, K] (training.evaluation.evaluate's rules): the
+    mean reward of the graded answers, the share of answers reaching `correct_threshold`, pass@K."""
+    from grpokit.training.evaluation import pass_at_k
+
+    n, k = totals.shape
+    correct = torch.nan_to_num(totals, nan=0.0) >= correct_threshold  # [P, K]
+    graded = int((~torch.isnan(totals)).sum())
+    return {"reward": float(torch.nansum(totals)) / graded if graded else math.nan,
+            "accuracy": float(correct.sum()) / (n * k) if n else math.nan,
+            f"pass@{k}": sum(pass_at_k(k, int(c), k) for c in correct.sum(-1)) / n if n else math.nan}
+
+
 def _mean(values: list[float]) -> float:
     valid = [v for v in values if not math.isnan(v)]
     return sum(valid) / len(valid) if valid else math.nan
@@ -102,8 +117,10 @@ def _mean(values: list[float]) -> float:
 
 @torch.no_grad()
 def _answer_metrics(trainer, model, tokenizer, table, specs, *, samples_per_prompt, temperature, top_p, top_k,
-                    max_new_tokens, seed, tools, max_tool_turns, eos_token_ids, batch_prompts: int = 64) -> list[dict]:
-    """The answers `evaluate` drew (the same generator, seed and batches), scored per TRL eval batch."""
+                    max_new_tokens, seed, tools, max_tool_turns, eos_token_ids, batch_prompts: int = 64
+                    ) -> tuple[list[dict], torch.Tensor]:
+    """The answers, drawn as grpokit's `evaluate` draws them (its generator, seed and prompt batches), scored
+    per TRL eval batch; and their total rewards [P, K]."""
     from grpokit.models.fsdp import full_params_for_generation
     from grpokit.rollout.decode import sample_groups
     from grpokit.rollout.grading import grade
@@ -115,7 +132,7 @@ def _answer_metrics(trainer, model, tokenizer, table, specs, *, samples_per_prom
                   temperature=temperature, top_p=top_p, top_k=top_k, tokenizer=tokenizer, generator=generator,
                   eos_token_ids=list(eos_token_ids))
     per_batch = max(1, trainer.args.per_device_eval_batch_size // G)  # prompts in one TRL eval batch
-    out = []
+    out, totals = [], [torch.zeros(0, G)]
     for start in range(0, len(table.ids), batch_prompts):
         ids, rows = table.ids[start:start + batch_prompts], table.rows[start:start + batch_prompts]
         conversations = None
@@ -126,10 +143,11 @@ def _answer_metrics(trainer, model, tokenizer, table, specs, *, samples_per_prom
             else:
                 rollout = sample_groups(model, ids, stop_strings=config.rollout.stop_strings, **common)
         draw = grade(rollout, rows, tokenizer, specs, G, prompt_column="prompt", conversations=conversations)
+        totals.append(draw.total.view(-1, G).cpu())
         for first in range(0, len(ids), per_batch):
             answers = torch.arange(first * G, min(first + per_batch, len(ids)) * G)
             out.append(_batch_metrics(trainer, model, draw, answers, specs, G))
-    return out
+    return out, torch.cat(totals)
 
 
 def _batch_metrics(trainer, model, draw, answers: torch.Tensor, specs, G: int) -> dict:
@@ -166,6 +184,7 @@ def _batch_metrics(trainer, model, draw, answers: torch.Tensor, specs, G: int) -
         importance_sampling_level=algo.importance_sampling_level, max_completion_length=config.rollout.max_new_tokens,
         num_items_in_batch=mask.sum().clamp(min=1), kl_bias_correction=algo.kl_bias_correction,
         entropy=entropy if algo.uses_entropy else None, entropy_coef=algo.entropy_coef,
+        entropy_aggregation=algo.entropy_aggregation,  # one eval batch, no accumulation: entropy_parts 1, as TRL
         top_entropy_quantile=algo.top_entropy_quantile, delta=algo.delta or None,
         sapo_temperature_pos=algo.sapo_temperature_pos, sapo_temperature_neg=algo.sapo_temperature_neg,
         vespo={"k_pos": algo.vespo_k_pos, "lambda_pos": algo.vespo_lambda_pos, "k_neg": algo.vespo_k_neg,

@@ -3,12 +3,13 @@ and `trainer.accelerator` (the few members TRL's own scripts use).
 
 TRL's rows, as its GRPOTrainer logs them (transformers' Trainer.log): one per logging step with `loss`,
 `grad_norm`, `learning_rate`, `reward`, `reward_std`, `frac_reward_zero_std`, `rewards/<name>/mean`,
-`completions/*`, `entropy`, `clip_ratio/*`, `kl` (beta > 0), `step_time`, `epoch` and `step` (the optimizer
-step); one per evaluation with `eval_*`; and a last one with `train_runtime`, `train_samples_per_second`,
-`train_steps_per_second`, `total_flos`, `train_loss`. grpokit's metrics rows already use TRL's names for
-what both compute; here each becomes such a row: `step` in TRL's optimizer steps (a grpokit step is one
-generation batch), `time/step` as `step_time`, the `eval/...` columns of a step as its own `eval_...`
-row (`eval/mean_reward` is `eval_reward`), and grpokit's other columns kept as they are.
+`completions/*`, `entropy`, `clip_ratio/*`, `kl` (beta > 0), `num_tokens`, `step_time`, `epoch` and `step`
+(the optimizer step); one per evaluation with `eval_*`; and a last one with `train_runtime`,
+`train_samples_per_second`, `train_steps_per_second`, `total_flos`, `train_loss`. grpokit's metrics rows
+already use TRL's names for what both compute; here each becomes such a row: `step` in TRL's optimizer
+steps (a grpokit step is one generation batch), `time/step` as `step_time`, the `eval/...` columns of a
+step as its own `eval_...` row (`eval/mean_reward` is `eval_reward`, and `eval_num_tokens` the step's
+`num_tokens`, as TRL logs its unchanged count there), and grpokit's other columns kept as they are.
 `total_flos` is 0.0: grpokit does not count FLOPs (TRL's GRPO trainer reports 0.0 on its inputs too).
 """
 
@@ -56,8 +57,16 @@ def log_rows(rows: list[dict], args, config, num_rows: int) -> list[dict]:
         evaluated = {k: v for k, v in row.items() if k.startswith("eval/") or k == "time/eval"}
         if evaluated:
             renamed = {_EVAL_NAMES.get(k, "eval_" + k.removeprefix("eval/")): v for k, v in evaluated.items()}
+            if "num_tokens" in row:
+                renamed["eval_num_tokens"] = row["num_tokens"]
             out.append({**renamed, "epoch": epoch, "step": step * per_step})
     return out
+
+
+def tokens_seen(rows: list[dict]) -> int:
+    """TrainerState.num_input_tokens_seen after these rows: the last row's `num_tokens` (0 without one)."""
+    counts = [r["num_tokens"] for r in rows if isinstance(r.get("num_tokens"), (int, float))]
+    return int(counts[-1]) if counts else 0
 
 
 def summary(rows: list[dict], args, config, num_rows: int, runtime: float, steps_run: int) -> dict:

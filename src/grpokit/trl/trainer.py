@@ -135,6 +135,7 @@ class GRPOTrainer:
         self.state.global_step = self.config.train.steps * per_step
         self.state.epoch = results.epoch_at(self.config, self.config.train.steps, len(self.rows))
         self.state.log_history = results.log_rows(rows, self.args, self.config, len(self.rows))
+        self.state.num_input_tokens_seen = results.tokens_seen(rows)
         metrics = results.summary([r for r in rows if r.get("step", 0) > start], self.args, self.config,
                                   len(self.rows), runtime, self.config.train.steps - start)
         self.state.log_history.append({**{k: v for k, v in metrics.items() if k != "epoch"}, "total_flos": 0.0,
