@@ -417,3 +417,41 @@ def test_trl_accepts_the_same_arguments(trl_args, tmp_path):
     for name in ("steps_per_generation", "generation_batch_size", "scale_rewards", "num_generations", "eval_steps",
                  "metric_for_best_model", "greater_is_better", "do_eval"):
         assert getattr(ours, name) == getattr(theirs, name), name
+
+
+def _documented_names(text: str) -> tuple[set, list]:
+    """The argument names docs/TRL.md spells in backticks: plain, `a_pos/neg`, `a(_b, _c)`, `prefix_*`, `_suffix`."""
+    import re
+
+    names, patterns = set(), []
+    for token in re.findall(r"`([a-z_][a-z0-9_/*(), ]*)`", text):
+        token = token.replace(" ", "")
+        if token.endswith("*"):
+            patterns.append(lambda n, p=token[:-1]: n.startswith(p))
+        elif token.startswith("_"):
+            patterns.append(lambda n, p=token: n.endswith(p))
+        elif "(" in token:
+            base, rest = token.rstrip(")").split("(", 1)
+            names |= {base} | {base + part for part in rest.split(",")}
+        elif "/" in token:
+            first, *others = token.split("/")
+            stem = first.rsplit("_", 1)[0]
+            names |= {first} | {f"{stem}_{o}" for o in others}
+        else:
+            names.add(token)
+    return names, patterns
+
+
+def test_docs_list_every_trl_argument_and_count_them():
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "TRL.md").read_text(encoding="utf-8")
+    names, patterns = _documented_names(text)
+    missing = [n for n in (*SUPPORTED, *REFUSED) if n not in names and not any(p(n) for p in patterns)]
+    assert not missing, f"docs/TRL.md does not list (with its decision): {missing}"
+    with_a_note = {"use_liger_kernel", "dataloader_num_workers", "dataloader_pin_memory",
+                   "dataloader_persistent_workers", "dataloader_prefetch_factor", "accelerator_config",
+                   "generation_kwargs"}
+    assert with_a_note <= set(SUPPORTED)
+    assert f"{len(SUPPORTED) - len(with_a_note)} arguments below map" in text.replace("\n", " ")
+    assert f"{len(SUPPORTED) + len(REFUSED)} argument names" in text
