@@ -34,7 +34,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from grpokit.rollout.exit_guard import guarded
+from grpokit.rollout.exit_guard import ToolExit, guarded
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 MAX_ABANDONED = 64  # timed-out calls whose threads still run; past it, calls fail without a new thread
@@ -246,6 +246,8 @@ def _run_one(box: ToolBox, call: ToolCall) -> ToolResult:
         ok, content, reward = call_within(work, box.timeout_s, f"grpokit-tool-{call.name}")
     except TimeoutError as e:
         return ToolResult(name, _error(str(e)), True)
+    except ToolExit as e:  # a thread the tool started tried to end the trainer, after the tool itself returned
+        return ToolResult(name, _error(_describe(e)), True)
     return ToolResult(name, content if ok else _error(content), not ok, reward)
 
 
@@ -265,14 +267,15 @@ def call_within(fn: Callable[[], Any], timeout_s: float, name: str = "grpokit-to
         raise TimeoutError(f"not run: {len(_abandoned)} earlier calls are still running past tools.timeout_s; set "
                            "tools.isolation = \"process\" to have such calls killed")
     outcome: dict = {}
+    run = guarded(fn)  # os._exit & co. raise in its thread (and in threads it starts)
 
     def target() -> None:
         try:
-            outcome["value"] = fn()
+            outcome["value"] = run()
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             outcome["error"] = e
 
-    thread = threading.Thread(target=guarded(target), daemon=True, name=name)  # os._exit & co. raise in it
+    thread = threading.Thread(target=target, daemon=True, name=name)
     thread.start()
     thread.join(timeout_s or None)
     if thread.is_alive():
