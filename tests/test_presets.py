@@ -3,6 +3,7 @@ precedence, errors, the saved config, and a short training run of each from the 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -79,7 +80,8 @@ def test_unknown_preset_is_a_config_error_with_a_suggestion():
 def test_no_preset_changes_nothing():
     raw = {**BASE, "algorithm": {"beta": 0.1}}
     assert apply_preset(raw) is raw
-    assert build(algorithm={}).algorithm == AlgorithmConfig()
+    # a Config resolves is_correction "auto" for its rollout mode (sync: "none")
+    assert build(algorithm={}).algorithm == dataclasses.replace(AlgorithmConfig(), is_correction="none")
 
 
 def test_preset_fields_is_a_copy():

@@ -106,3 +106,8 @@ class RewardTimeoutError(RewardError):
 
 class EnvironmentFault(UserError, RuntimeError):
     """An environment's own code (`reset`, the factory) raised during the run; the message names it."""
+
+
+class RolloutWorkerError(UserError, RuntimeError):
+    """An asynchronous rollout worker crashed, hung, fell behind or failed its weight transfer; the message
+    names the worker, what happened and how to continue."""

@@ -89,8 +89,9 @@ class AlgorithmConfig:
     # Mismatch correction for a sampler whose log-probs are not the trainer's (vLLM; any engine): each
     # token's (token_*) or answer's (sequence_*) policy term is weighted by its ratio trainer/sampler, clipped
     # into [is_cap_min, is_cap_max] (*_truncate) or zeroed outside it (*_mask); "none" = off. TRL's
-    # vllm_importance_sampling_mode / _clip_max / _clip_min; 0 = no bound on that side.
-    is_correction: str = "none"
+    # vllm_importance_sampling_mode / _clip_max / _clip_min; 0 = no bound on that side. "auto": off in sync
+    # mode, token_truncate in rollout.mode = "async" (the sampler's weights lag the trainer's; docs/ASYNC.md)
+    is_correction: str = "auto"
     is_cap_max: float = 3.0
     is_cap_min: float = 0.0
     # The earlier spelling of is_correction = "token_truncate" with is_cap_max = tis_cap; 0 = unset
@@ -164,7 +165,7 @@ class AlgorithmConfig:
         _check(self.tis_cap >= 0, "algorithm.tis_cap", "must be >= 0 (0 = unset; prefer is_correction = "
                "\"token_truncate\" with is_cap_max)")
         if self.tis_cap:  # the earlier spelling: one value for the token-level truncation
-            _check(self.is_correction in ("none", "token_truncate") and self.is_cap_max in (3.0, self.tis_cap),
+            _check(self.is_correction in ("auto", "none", "token_truncate") and self.is_cap_max in (3.0, self.tis_cap),
                    "algorithm.tis_cap", f"is the old spelling of is_correction = \"token_truncate\" with is_cap_max, "
                    f"and is_correction = {self.is_correction!r} / is_cap_max = {self.is_cap_max:g} are set too: "
                    f"keep one spelling")
@@ -180,9 +181,9 @@ class AlgorithmConfig:
                "sampler and trainer agree")
         _check(not (self.is_cap_max and self.is_cap_min >= self.is_cap_max), "algorithm.is_cap_min",
                f"must be below is_cap_max ({self.is_cap_max:g})")
-        _check(self.is_correction == "none" or self.is_cap_max or self.is_cap_min, "algorithm.is_cap_max",
+        _check(self.is_correction in ("auto", "none") or self.is_cap_max or self.is_cap_min, "algorithm.is_cap_max",
                f"is_correction = {self.is_correction!r} needs a bound: set is_cap_max (e.g. 3.0) or is_cap_min")
-        _check(self.loss_type != "vespo" or self.is_correction in ("none", "token_truncate", "token_mask"),
+        _check(self.loss_type != "vespo" or self.is_correction in ("auto", "none", "token_truncate", "token_mask"),
                "algorithm.is_correction", f"loss_type = 'vespo' folds the token-level correction into its sequence "
                f"weight: use 'token_truncate' or 'token_mask', not {self.is_correction!r}")
         _check(self.ref_sync_every >= 0, "algorithm.ref_sync_every", "must be >= 0 (0 = never; TR-DPO syncs every "

@@ -4,6 +4,7 @@ type and range, with the field named in the error (their sections live in schema
 from __future__ import annotations
 
 from grpokit.config.checks import _check, _checked, _installed, _one_of
+from grpokit.config.variants import ROLLOUT_MODES
 
 # rollout.vllm options (rollout/vllm.VLLMEngine's keyword arguments): type, example
 VLLM_OPTIONS = {"gpu_memory_utilization": (float, "0.3"), "enable_sleep_mode": (bool, "true"),
@@ -35,3 +36,26 @@ def check_lora(lora) -> None:
     if not isinstance(targets, str):
         _checked("model.lora.target_modules", tuple[str, ...], targets, '["q_proj", "v_proj"] or "all-linear"')
     _check(not lora or _installed("peft"), "model.lora", "needs the peft package: pip install 'grpokit[peft]'")
+
+
+def check_async(rollout) -> None:
+    """`rollout.mode` and the asynchronous rollout's knobs (training/async_rollout.py)."""
+    _one_of(rollout.mode, ROLLOUT_MODES, "rollout.mode")
+    for name in ("max_staleness", "weight_sync_every", "workers", "worker_threads"):
+        value = getattr(rollout, name)
+        _check(isinstance(value, int) and not isinstance(value, bool), f"rollout.{name}",
+               f"must be an integer, got {value!r}")
+    _check(rollout.max_staleness >= 0, "rollout.max_staleness",
+           "must be >= 0 (0 = every answer sampled with the newest weights; TRL's default is 4)")
+    _check(rollout.weight_sync_every >= 1, "rollout.weight_sync_every", "must be >= 1 (1 = after every step)")
+    _check(rollout.workers >= 1, "rollout.workers", "must be >= 1")
+    _check(rollout.worker_threads >= 0, "rollout.worker_threads", "must be >= 0 (0 = split the cores)")
+    _check(rollout.worker_timeout_s > 0, "rollout.worker_timeout_s", "must be > 0 seconds")
+    # the workers hold only every weight_sync_every-th version: a bound tighter than that could never be met
+    _check(rollout.mode == "sync" or rollout.max_staleness >= rollout.weight_sync_every - 1, "rollout.max_staleness",
+           f"is {rollout.max_staleness}, but with rollout.weight_sync_every = {rollout.weight_sync_every} the workers "
+           f"hold weights up to {rollout.weight_sync_every - 1} steps old: raise max_staleness to at least "
+           f"{rollout.weight_sync_every - 1} or lower weight_sync_every")
+    _check(rollout.mode == "sync" or rollout.engine == "hf", "rollout.engine",
+           "rollout.mode = \"async\" runs the built-in sampler (engine = \"hf\") in worker processes; a vLLM server "
+           "on devices of its own is not built yet: use engine = \"hf\", or mode = \"sync\" with vLLM colocated")

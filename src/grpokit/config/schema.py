@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from grpokit.config.algorithm import AlgorithmConfig
 from grpokit.config.checks import _check, _check_fields, _did_you_mean, _installed, _one_of, _show
 from grpokit.config.evaluation import EvalConfig, check_eval
-from grpokit.config.options import check_lora, check_vllm
+from grpokit.config.options import check_async, check_lora, check_vllm
 from grpokit.config.variants import (
     ENGINES,
     REWARD_AGGREGATIONS,
@@ -137,9 +137,17 @@ class RolloutConfig:
     preallocated_kv_cache: bool = True
     shared_prefill: bool = True
     packed_weights: bool = True
+    # Asynchronous rollout (docs/ASYNC.md): workers sample while the trainer updates
+    mode: str = "sync"  # sync (sample, then train) | async (worker processes sample while the trainer updates)
+    max_staleness: int = 1  # async: steps an answer's weights may lag the trainer's (0 = the newest; TRL's name)
+    weight_sync_every: int = 1  # async: the workers get new weights every this many steps (TRL: weight_sync_steps)
+    workers: int = 1  # async: rollout worker processes, each with a copy of the policy
+    worker_threads: int = 0  # async: torch threads of each worker; 0 = the cores split between workers and trainer
+    worker_timeout_s: float = 300.0  # async: no heartbeat or batch this long ends the run (TRL: heartbeat_stale_after_s)
 
     def __post_init__(self):
         _check_fields(self, "rollout")
+        check_async(self)
         _one_of(self.engine, ENGINES, "rollout.engine")
         _one_of(self.sampler, SAMPLERS, "rollout.sampler")
         builtin = (self.sampler, self.preallocated_kv_cache, self.shared_prefill, self.packed_weights) == (
@@ -333,6 +341,12 @@ class Config:
                f"algorithm.scale_rewards = {algo.scale_rewards!r} would be ignored (a preset such as dr_grpo sets "
                "it); set algorithm.scale_rewards = \"group\" or rewards.aggregation = \"sum_then_normalize\"")
         check_eval(self)
+        if algo.is_correction == "auto":  # async: the lag is corrected (decoupled PPO, docs/ASYNC.md); sync: off
+            resolved = "token_truncate" if self.rollout.mode == "async" else "none"
+            _check(resolved == "none" or algo.is_cap_max or algo.is_cap_min, "algorithm.is_cap_max",
+                   "rollout.mode = \"async\" corrects the sampler's lag with is_correction = \"token_truncate\", "
+                   "which needs a bound: set is_cap_max (e.g. 3.0), or is_correction = \"none\"")
+            object.__setattr__(self, "algorithm", dataclasses.replace(algo, is_correction=resolved))  # its own copy
 
     @property
     def generation_batch_size(self) -> int:

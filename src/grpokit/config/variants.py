@@ -29,10 +29,11 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # sequence = GSPO
 OLD_LOGPROBS = ("recompute", "first_pass", "sampler")
 # algorithm.is_correction: how a sampler's log-probs that are not the trainer's are corrected (TRL's
 # vllm_importance_sampling_mode); "none" = off
-IS_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+IS_CORRECTIONS = ("auto", "none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 # config/presets.py; a test keeps them equal
 PRESET_NAMES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "luspo", "vespo")
 ENGINES = ("hf", "vllm")  # rollout/engines.py
+ROLLOUT_MODES = ("sync", "async")  # training/async_rollout.py
 SAMPLERS = ("inverse_cdf", "gumbel")  # rollout/sampling.py
 # The built-in task names (tasks.TASKS; not imported here: that imports torch). A test keeps them equal.
 TASK_NAMES = ("addition", "countdown", "multiplication")

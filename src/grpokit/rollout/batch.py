@@ -45,6 +45,8 @@ class Rollout:
     truncated: Tensor  # [N] bool: no EOS / stop string within max_new_tokens
     tool_mask: Tensor | None = None  # [N, T] multi-turn only: 1 on tool-result tokens (context, not actions)
     turns: Turns | None = None  # multi-turn only: each token's turn, each turn's step reward and start state
+    # [N] asynchronous rollout: the optimizer step of the weights that sampled each answer (its policy version)
+    policy_version: Tensor | None = None
 
     @property
     def action_mask(self) -> Tensor:
@@ -120,4 +122,6 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
                    tool_mask=None if all(r.tool_mask is None for r in rollouts) else
                    cat("tool_mask", False, T, 0),
                    turns=None if any(r.turns is None for r in rollouts) else
-                   Turns.concat([r.turns for r in rollouts], T))
+                   Turns.concat([r.turns for r in rollouts], T),
+                   policy_version=None if any(r.policy_version is None for r in rollouts) else
+                   torch.cat([r.policy_version for r in rollouts]))

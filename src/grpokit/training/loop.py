@@ -20,7 +20,7 @@ from typing import Callable, Iterable, Sequence
 
 from grpokit.config.loading import to_toml
 from grpokit.config.schema import Config
-from grpokit.errors import RewardError, TrainingDiverged
+from grpokit.errors import RewardError, RolloutWorkerError, TrainingDiverged
 from grpokit.models.onednn import onednn_linears
 from grpokit.models.parallel import DistributedContext
 from grpokit.models.threads import configure_threads
@@ -29,8 +29,8 @@ from grpokit.observe.metrics import num_tokens, reduce_metrics
 from grpokit.observe.tracking import ConsoleProgress, MetricsWriter, drop_rows_after, write_completions
 from grpokit.training.checkpoint import CheckpointWeights, save_checkpoint, trainer_state
 from grpokit.training.evaluation import BestCheckpoint, HeldOut
-from grpokit.training.generate import generate_and_grade
 from grpokit.training.reference import sync_reference
+from grpokit.training.rollout_source import build_rollouts, check_async, split_threads
 from grpokit.training.run_folder import RunFolderLock, record_segment, with_resolved_paths
 from grpokit.training.setup import Run, build_run, check_inputs
 from grpokit.training.stopping import (
@@ -81,11 +81,15 @@ def train(
                     print(f"{inputs.folder.path} is already complete at step {config.train.steps} (train.steps = "
                           f"{config.train.steps}); raise train.steps to continue it", flush=True)
                 return inputs.folder.path
-            _, crowded = configure_threads(config.train.num_threads)
+            check_async(config, engine)
+            threads = split_threads(config)[0] if config.rollout.mode == "async" else config.train.num_threads
+            _, crowded = configure_threads(threads)
             if crowded and dist.is_main:
                 print(crowded, flush=True)
             run = build_run(config, inputs, dist, engine, model)
-            return _loop(config, run, dist, hint, command)
+            objects = dict(rows=rows, reward_functions=reward_functions, tools=tools,
+                           environment_factory=environment_factory)  # what async rollout workers rebuild
+            return _loop(config, run, dist, hint, command, objects)
     finally:
         if inputs is not None and inputs.reward_pool is not None:
             inputs.reward_pool.close()  # the isolated rewards' worker processes
@@ -93,7 +97,8 @@ def train(
             lock.release()
 
 
-def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command: str | None) -> Path:
+def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command: str | None,
+          objects: dict) -> Path:
     local, inputs, policy = run.inputs.local, run.inputs, run.policy  # local: this process's share
     run_dir = inputs.folder.path
     if dist.is_main:
@@ -119,13 +124,20 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
 
     failed_steps = 0  # consecutive steps whose every update was skipped as non-finite
     ungraded_steps = 0  # consecutive steps in which no reward function graded any answer
+    saved = run.start_step  # the newest step with a checkpoint
+    rollouts = None
     try:
         with GracefulStop() as stop:
+            rollouts = build_rollouts(config, run, run_dir, **objects)  # sync, or worker processes (async)
             for step in range(run.start_step + 1, config.train.steps + 1):
                 t0 = time.perf_counter()
-                # rollout -> grade -> advantages
-                batch, gen_metrics = generate_and_grade(local, run.engine, inputs.tokenizer, inputs.prompts,
-                                                        run.stream, inputs.specs, run.sampler, inputs.environments)
+                # rollout -> grade -> advantages (async: a batch the workers sampled meanwhile)
+                try:
+                    batch, gen_metrics = rollouts.next(step)
+                except RolloutWorkerError as e:  # the finished steps are kept, the folder resumable
+                    path = save(step - 1) if step - 1 > saved and dist.world_size == 1 else None
+                    kept = f"step {step - 1} is saved ({path})" if path else "the newest checkpoint stays"
+                    raise RolloutWorkerError(f"{e}; {kept}. Continue with: {hint}") from None
                 t1 = time.perf_counter()
                 # update: old / reference log-probs, then μ passes of clipped-surrogate steps
                 # (oneDNN linears: the backward runs inside the block)
@@ -136,7 +148,7 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
                         gen_metrics.update(is_metrics)
                     train_metrics, _ = optimize(local, policy, batch)
                 train_metrics.update(sync_reference(local, policy, step))  # ref_sync_every: reference -> policy
-                run.engine.sync_weights(policy.model)  # vLLM: push the new weights; HF: the sampler is the model
+                train_metrics.update(rollouts.publish(policy.model, step))  # the samplers get the new weights
                 t2 = time.perf_counter()
                 # log
                 n_tokens = batch.rollout.completion_mask.sum().item()
@@ -179,7 +191,7 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
                 improved = dist.any(best is not None and best.improves(metrics))  # rank 0 decides
                 stopping = dist.any(bool(stop.requested))  # a signal to any process stops them all
                 if due or stopping or improved:
-                    path = save(step, step if improved else (best.step if best else None))
+                    path, saved = save(step, step if improved else (best.step if best else None)), step
                 if improved and best is not None:
                     best.record(step, metrics[best.metric], path)
                     console.print(f"step {step}: best {best.metric} so far ({best.value:.4f}): {path.name} is kept")
@@ -188,6 +200,8 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
                                   f"saved {path}. Continue with: {hint}")
                     break
     finally:
+        if rollouts is not None:
+            rollouts.close()  # async: the worker processes stop
         console.close()
         writer.close()
         dist.close()

@@ -60,6 +60,10 @@ RESUMABLE_FIELDS = frozenset({
     "train.keep_freed_memory", "train.onednn_linear", "train.num_threads",
     "rollout.preallocated_kv_cache", "rollout.shared_prefill",
     "rollout.packed_weights",
+    # where and how far ahead the answers are sampled (sync or async workers), and the lag's correction:
+    # the trainer's state is the same either way
+    "rollout.mode", "rollout.max_staleness", "rollout.weight_sync_every", "rollout.workers", "rollout.worker_threads",
+    "rollout.worker_timeout_s", "algorithm.is_correction",
     "model.device", "rollout.vllm", "rewards.timeout_s", "tools.timeout_s",
     "rewards.isolation", "rewards.workers", "rewards.on_error",  # where graders run, what a failure does
     "tools.isolation", "tools.workers",  # where tools and environments run

@@ -1,0 +1,168 @@
+"""Moving the trainer's weights to rollout workers: torch.distributed broadcast in buckets.
+
+    trainer:  channel = WeightChannel.open(workers=W, timeout_s)        # rank 0 of a group of its own
+              channel.publish(model, version, full=False)               # every weight_sync_every steps
+    worker w: receiver = WeightReceiver(model, port, rank=w + 1, size=W + 1, timeout_s)
+              receiver.wait_for(version, deadline); receiver.apply()    # between two batches
+
+The group is a gloo `ProcessGroup` built on its own `TCPStore` (127.0.0.1, a free port), not the default
+group: under torchrun every trainer rank has its own workers and its own group, so no collective of the
+training ranks ever waits on a worker (TRL's async trainer deadlocked above 2 trainer processes when its
+weight sync shared the training group). gloo moves CPU tensors; on a GPU the same calls would take NCCL.
+
+A transfer is announced first (a shared counter the worker's receiving thread polls), so the gloo
+operations only start when the trainer is about to send and their timeout measures the transfer, not
+the time between two syncs. The first transfer holds every parameter (the worker loaded the model from
+its folder; the trainer may have resumed or been handed a model in memory); later ones only the
+parameters that train (with LoRA the adapter alone). Parameters travel in buckets of about `bucket_mb`,
+one flat tensor per bucket and dtype, in the order of `named_parameters()` on both sides.
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import torch
+import torch.distributed as tdist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+BUCKET_MB = 64
+
+
+def transferred(model: torch.nn.Module, full: bool) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters a transfer moves, in order: all of them, or those that train."""
+    return [(n, p) for n, p in model.named_parameters() if full or p.requires_grad]
+
+
+def buckets(params: list[tuple[str, torch.Tensor]], bucket_mb: float = BUCKET_MB) -> list[list[int]]:
+    """Indices of `params` grouped into runs of one dtype of at most ~bucket_mb each (one bucket per
+    parameter larger than that); the same on both sides, since both see the same shapes."""
+    out, size, limit = [], 0, bucket_mb * 2 ** 20
+    for i, (_, p) in enumerate(params):
+        nbytes = p.numel() * p.element_size()
+        if not out or size + nbytes > limit or params[out[-1][-1]][1].dtype != p.dtype:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += nbytes
+    return out
+
+
+def _group(port: int, rank: int, size: int, timeout_s: float, is_master: bool, store=None):
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = store or tdist.TCPStore("127.0.0.1", port, size, is_master, timeout=timeout)
+    return store, tdist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _broadcast(group, tensor: torch.Tensor) -> None:
+    options = tdist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+class WeightChannel:
+    """The trainer's end: rank 0 of a gloo group with its W workers."""
+
+    def __init__(self, workers: int, timeout_s: float, announced):
+        self.size, self.timeout_s, self.announced = workers + 1, timeout_s, announced  # announced: mp.Value
+        self.store = tdist.TCPStore("127.0.0.1", 0, self.size, True, timeout=datetime.timedelta(seconds=timeout_s),
+                                    wait_for_workers=False)
+        self.group = None  # built by connect(), once the workers have started
+
+    @property
+    def port(self) -> int:
+        return self.store.port
+
+    def connect(self) -> None:
+        """Form the group (every worker joins with its WeightReceiver); a collective with the workers."""
+        _, self.group = _group(self.port, 0, self.size, self.timeout_s, True, store=self.store)
+
+    def publish(self, model: torch.nn.Module, version: int, *, full: bool) -> float:
+        """Send `model`'s weights as `version`; the seconds it took. Raises RuntimeError (gloo's) when a
+        worker does not take part within the timeout."""
+        t0 = time.perf_counter()
+        params = transferred(model, full)
+        header = torch.tensor([version, int(full), len(params)], dtype=torch.long)
+        with self.announced.get_lock():
+            self.announced.value = version
+        _broadcast(self.group, header)
+        with torch.no_grad():
+            for bucket in buckets(params):
+                flat = _flatten_dense_tensors([params[i][1].detach() for i in bucket])
+                _broadcast(self.group, flat)
+        return time.perf_counter() - t0
+
+
+class WeightReceiver:
+    """A worker's end: a thread that takes every transfer into buffers of its own; `apply()` copies the
+    newest into the model between two batches (never during one: each answer has one version)."""
+
+    def __init__(self, model: torch.nn.Module, port: int, rank: int, size: int, timeout_s: float, announced):
+        self.model, self.announced = model, announced
+        self.version = -1  # the version in the model now
+        self._staged: dict[str, torch.Tensor] = {}  # name -> newest received tensor, not yet applied
+        self._staged_version = -1
+        self._received = threading.Condition()
+        self.error: BaseException | None = None
+        self.seconds = 0.0  # time spent receiving
+        _, self.group = _group(port, rank, size, timeout_s, False)
+        self._thread = threading.Thread(target=self._receive_forever, daemon=True, name="weight-receiver")
+        self._thread.start()
+
+    def _receive_forever(self) -> None:
+        seen = -1
+        try:
+            while True:
+                while self.announced.value <= seen:
+                    time.sleep(0.002)
+                t0 = time.perf_counter()
+                header = torch.zeros(3, dtype=torch.long)
+                _broadcast(self.group, header)
+                version, full, count = (int(x) for x in header)
+                params = transferred(self.model, bool(full))
+                if len(params) != count:
+                    raise RuntimeError(f"the trainer sent {count} parameters, this worker's model has {len(params)}")
+                received = {}
+                for bucket in buckets(params):
+                    parts = [params[i][1] for i in bucket]
+                    flat = torch.empty(sum(p.numel() for p in parts), dtype=parts[0].dtype)
+                    _broadcast(self.group, flat)
+                    for i, t in zip(bucket, _unflatten_dense_tensors(flat, parts)):
+                        received[params[i][0]] = t
+                with self._received:
+                    self._staged.update(received)
+                    self._staged_version, seen = version, version
+                    self.seconds += time.perf_counter() - t0
+                    self._received.notify_all()
+        except BaseException as e:  # noqa: BLE001 - told to the worker's main thread, which reports it
+            with self._received:
+                self.error = e
+                self._received.notify_all()
+
+    def wait_for(self, version: int, timeout_s: float) -> bool:
+        """Block until a transfer of at least `version` has arrived (True), or `timeout_s` passed (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self._received:
+            while max(self._staged_version, self.version) < version and self.error is None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._received.wait(min(left, 1.0))
+        if self.error is not None:
+            raise RuntimeError(f"receiving weights failed: {self.error}") from self.error
+        return True
+
+    @torch.no_grad()
+    def apply(self) -> int:
+        """Copy the newest received weights into the model; the version it now holds."""
+        with self._received:
+            staged, version = self._staged, self._staged_version
+            self._staged = {}
+        if staged:
+            for name, p in self.model.named_parameters():
+                if name in staged:
+                    p.copy_(staged[name])
+            self.version = max(self.version, version)
+        return self.version

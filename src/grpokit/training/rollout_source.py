@@ -1,0 +1,306 @@
+"""Where each step's graded batch comes from: the loop's own rollout (sync) or worker processes (async).
+
+    batch, metrics = rollouts.next(step)        # rollout -> grade -> advantages
+    metrics = rollouts.publish(model, step)     # after the update: the samplers get the new weights
+
+`SyncRollouts` is the loop as it always was: sample on the training model, then train. `AsyncRollouts`
+(`rollout.mode = "async"`, docs/ASYNC.md) keeps `max_staleness + 1` steps' batches ordered from
+`rollout.workers` processes (training/rollout_workers.py), so sampling and grading run while the trainer
+updates. The order for step s says which weights it needs at least: version s - 1 - max_staleness, where
+version v is the weights after optimizer step v. A worker waits for them before it samples, so no answer
+the trainer takes lags it by more than `max_staleness` steps, and none has to be thrown away; with
+`max_staleness = 0` each order waits for the newest weights, which is the sync loop in two processes.
+A batch that would still be too old (a worker that fell behind a resume) is dropped, counted, and ordered
+again. Batches are taken in step order, round robin over the workers, so a run is reproducible.
+
+The lag is corrected in the loss: `algorithm.is_correction` ("auto" = "token_truncate" here) weights each
+token by the trainer's / the sampler's probability, truncated, and the clipped ratio is taken against the
+trainer's own log-probs before the update (decoupled PPO). Every wait has a deadline
+(`rollout.worker_timeout_s`): a worker that exits, stops beating, or delivers nothing in time ends the
+run with one error naming it; the loop saves the finished steps first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pickle
+import queue
+import re
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+from grpokit.errors import RolloutWorkerError, SetupError
+from grpokit.models.threads import usable_cores
+from grpokit.models.weight_sync import WeightChannel
+from grpokit.training.generate import generate_and_grade
+from grpokit.training.rollout_workers import HEARTBEAT_S, WorkerSpec, worker_main
+
+
+class SyncRollouts:
+    """Sample on the training model itself, then train on it: nothing overlaps."""
+
+    def __init__(self, config, run):
+        self.config, self.run = config, run
+
+    def next(self, step: int):
+        r, i = self.run, self.run.inputs
+        return generate_and_grade(i.local, r.engine, i.tokenizer, i.prompts, r.stream, i.specs, r.sampler,
+                                  i.environments)
+
+    def publish(self, model, step: int) -> dict:
+        self.run.engine.sync_weights(model)  # vLLM: push the new weights; HF: the sampler is the model
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def split_threads(config) -> tuple[int, int]:
+    """(trainer threads, each worker's threads): `rollout.worker_threads` and `train.num_threads` where set,
+    else the usable cores shared out, one at least each."""
+    cores, workers = len(usable_cores()), config.rollout.workers
+    each = config.rollout.worker_threads or max(1, cores // (workers + 1))
+    return config.train.num_threads or max(1, cores - workers * each), each
+
+
+def check_async(config, engine) -> None:
+    """What asynchronous rollout cannot do yet, refused before the model loads."""
+    if config.rollout.mode != "async":
+        return
+    if engine is not None:
+        raise SetupError("rollout.mode = \"async\": train(engine=...) samples in the trainer's process; the "
+                         "workers run the built-in sampler. Leave engine out, or use rollout.mode = \"sync\"")
+    if config.model.fsdp:
+        raise SetupError("rollout.mode = \"async\" with model.fsdp: the workers need whole weights, and sending "
+                         "FSDP shards is not built yet; set model.fsdp = false (data parallel) or mode = \"sync\"")
+
+
+class _MainFinder(pickle.Pickler):
+    """Pickles to nowhere, noting the first object that lives in `__main__` (the user's script)."""
+
+    def __init__(self):
+        super().__init__(io.BytesIO())
+        self.from_main = None
+
+    def persistent_id(self, obj):
+        if self.from_main is None and isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
+            self.from_main = obj.__qualname__
+        return None
+
+
+def _sendable(what: str, value) -> str | None:
+    """A start-up error when `value` cannot travel to a worker process (a lambda, a local function, a
+    function of a script the worker cannot load without running it); the name of what it takes from
+    `__main__`, if anything."""
+    finder = _MainFinder()
+    try:
+        finder.dump(value)
+    except Exception as e:  # noqa: BLE001 - pickle raises many kinds
+        raise SetupError(f"rollout.mode = \"async\": {what} cannot be sent to the rollout worker processes "
+                         f"({type(e).__name__}: {e}); define it at module level in an importable file, or use "
+                         f"rollout.mode = \"sync\"") from None
+    if finder.from_main is None:
+        return None
+    path = getattr(sys.modules["__main__"], "__file__", None)  # a worker imports the script to find it
+    if not path or not re.search(r"^if\s+__name__\s*==\s*['\"]__main__['\"]\s*:", Path(path).read_text(), re.M):
+        raise SetupError(f"rollout.mode = \"async\": {what} uses {finder.from_main}, defined in "
+                         f"{path or 'the interactive session'}, which a rollout worker process can only find by "
+                         "running the script again; put the script's code under `if __name__ == \"__main__\":` "
+                         "or move the function into its own .py file")
+    return finder.from_main
+
+
+@contextlib.contextmanager
+def _main_hidden(hide: bool):
+    """Spawned workers re-import the user's script to find what it defines; when they need nothing from it,
+    they are started without it (a script with no `__main__` guard would run its training again)."""
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__}
+    if hide:
+        main.__dict__.pop("__file__", None)
+        main.__spec__ = None
+    try:
+        yield
+    finally:
+        if hide:
+            main.__dict__.update(saved)
+            if "__spec__" not in saved:
+                del main.__spec__
+
+
+class AsyncRollouts:
+    """The trainer's side of asynchronous rollout: W worker processes, their orders, their batches."""
+
+    def __init__(self, config, run, run_dir: Path, *, rows=None, reward_functions=None, tools=None,
+                 environment_factory=None):
+        r, local = config.rollout, run.inputs.local
+        self.config, self.run, self.K, self.W, self.timeout_s = config, run, r.max_staleness, r.workers, \
+            r.worker_timeout_s
+        self.start = self.published = run.start_step
+        self.next_order = run.start_step + 1  # the step whose batch is ordered next
+        self.arrived: dict[int, tuple[int, object]] = {}  # step -> (worker, WorkerBatch)
+        self.dropped = 0
+        self.started = False  # every worker has said "ready"
+        self.timeline = run_dir / "timeline.jsonl" if run.inputs.folder is not None else None
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no copy of the trainer's threads or locks
+        self.announced = ctx.Value("q", -1)
+        self.beats = ctx.Array("d", [time.monotonic()] * self.W)
+        self.results, self.orders = ctx.Queue(), [ctx.Queue() for _ in range(self.W)]
+        self.channel = WeightChannel(self.W, self.timeout_s, self.announced)
+        spec = WorkerSpec(local, run.inputs.data.rows, run.inputs.prompts,
+                          [n for n, p in run.policy.model.named_parameters() if p.requires_grad], run.stream,
+                          run.sampler.get_state(), self.W, split_threads(config)[1], self.channel.port,
+                          self.timeout_s, reward_functions, tools, environment_factory)
+        from_main = [_sendable(what, value) for what, value in (
+            ("train(reward_functions=...)", reward_functions), ("train(tools=...)", tools),
+            ("train(environment_factory=...)", environment_factory), ("the run's rows, prompts or config", spec))]
+        self.procs = [ctx.Process(target=worker_main, name=f"grpokit-rollout-{i}", daemon=True,
+                                  args=(spec, i, self.orders[i], self.results, self.beats, self.announced,
+                                        os.getpid())) for i in range(self.W)]
+        with _main_hidden(not any(from_main)):
+            for p in self.procs:
+                p.start()
+        try:
+            ready: set[int] = set()
+            while len(ready) < self.W:  # each builds its model, rewards and tools (imports may starve its beat)
+                kind, index, _, _ = self._get(waiting_for=min(set(range(self.W)) - ready), what="start-up (loading "
+                                              "the model, rewards and tools)", within_s=max(self.timeout_s, 600))
+                ready.add(index)
+            self.started = True
+            self.channel.connect()
+            self._publish(run.policy.model, self.start, full=True)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- taking batches --------------------------------------------------------------------------------
+
+    def next(self, step: int):
+        while self.next_order <= step + self.K:  # keep max_staleness + 1 steps ordered ahead
+            self._order(self.next_order)
+            self.next_order += 1
+        t0 = time.perf_counter()
+        while True:
+            while step not in self.arrived:
+                kind, index, s, payload = self._get(waiting_for=self._worker_of(step), what=f"batch for step {step}")
+                self.arrived[s] = (index, payload)
+            index, got = self.arrived.pop(step)
+            if step - 1 - got.version <= self.K:
+                break
+            self.dropped += len(got.batch.advantages)  # too old (e.g. ordered before a resume): again
+            self._order(step)
+        idle = time.perf_counter() - t0
+        if index == 0:  # the checkpoint's stream and sampler: where worker 0 continues from (in-flight redone)
+            self.run.stream.load_state_dict(got.stream_state)
+            self.run.sampler.set_state(got.sampler_state)
+        lag = step - 1 - got.batch.rollout.policy_version.double()  # [N]
+        metrics = {**got.metrics, "async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max()),
+                   "async/dropped": self.dropped, "time/trainer_idle": idle, "time/sampler_idle": got.waited_s,
+                   "async/sampler_tokens_per_sec": got.tokens / max(got.ended - got.started, 1e-9)}
+        self._record(step, [(f"worker {index}", "sample", got.started, got.ended),
+                            ("trainer", "wait", time.time() - idle, time.time())])
+        return got.batch, metrics
+
+    def _worker_of(self, step: int) -> int:
+        return (step - 1) % self.W
+
+    def _order(self, step: int) -> None:
+        self.orders[self._worker_of(step)].put((step, max(self.start, step - 1 - self.K)))
+
+    def _get(self, *, waiting_for: int, what: str, within_s: float | None = None):
+        """The next message of any worker; a worker's error, exit, silence or slowness is one error."""
+        deadline = time.monotonic() + (within_s or self.timeout_s)
+        while True:
+            try:
+                message = self.results.get(timeout=0.2)
+            except queue.Empty:
+                self._check(waiting_for, what, deadline)
+                continue
+            if message[0] == "error":
+                raise RolloutWorkerError(f"rollout worker {message[1]}: {message[3]}")
+            return message
+
+    def _check(self, waiting_for: int, what: str, deadline: float) -> None:
+        for i, p in enumerate(self.procs):
+            if p.exitcode is not None:
+                how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
+                oom = " (SIGKILL: often the kernel's out-of-memory killer)" if p.exitcode == -9 else ""
+                raise RolloutWorkerError(f"rollout worker {i} {how}{oom} while the trainer waited for {what}")
+        now = time.monotonic()
+        for i in range(self.W if self.started else 0):
+            if now - self.beats[i] > max(self.timeout_s, 4 * HEARTBEAT_S):
+                raise RolloutWorkerError(f"rollout worker {i} is hung: no heartbeat for {now - self.beats[i]:.0f} s "
+                                         f"(rollout.worker_timeout_s = {self.timeout_s:g}); it is stopped")
+        if now > deadline:
+            within = f"rollout.worker_timeout_s = {self.timeout_s:g} s" if self.started else \
+                f"{max(self.timeout_s, 600):g} s"
+            raise RolloutWorkerError(
+                f"rollout worker {waiting_for}: no {what} within {within} (it is alive: slow, or waiting on a tool, "
+                "reward or grader that does not return); raise rollout.worker_timeout_s, or bound what it waits on "
+                "(tools.timeout_s, rewards.timeout_s)")
+
+    # ---- weights ---------------------------------------------------------------------------------------
+
+    def publish(self, model, step: int) -> dict:
+        """After optimizer step `step`: the workers get its weights every `weight_sync_every` steps (not after
+        the last step: no batch is sampled after it)."""
+        r = self.config.rollout
+        if step % r.weight_sync_every or step >= self.config.train.steps:
+            return {}
+        return {"time/weight_sync": self._publish(model, step, full=False)}
+
+    def _publish(self, model, version: int, *, full: bool) -> float:
+        started = time.time()
+        try:
+            seconds = self.channel.publish(model, version, full=full)
+        except RuntimeError as e:  # gloo's timeout: a worker did not take part
+            for i, p in enumerate(self.procs):
+                self._check(i, "a weight transfer", time.monotonic() + 1)
+            raise RolloutWorkerError(f"the weight transfer of step {version} to the rollout workers failed within "
+                                     f"rollout.worker_timeout_s = {self.timeout_s:g} s ({e})") from None
+        self.published = version
+        self._record(version, [("trainer", "weight sync", started, time.time())])
+        return seconds
+
+    # ---- the timeline and the end ----------------------------------------------------------------------
+
+    def _record(self, step: int, spans: list[tuple[str, str, float, float]]) -> None:
+        """What each process did when (timeline.jsonl; the HTML report draws it)."""
+        if self.timeline is None or not self.run.inputs.folder or os.environ.get("RANK", "0") != "0":
+            return
+        with open(self.timeline, "a") as f:
+            for process, phase, start, end in spans:
+                f.write(json.dumps({"step": step, "process": process, "phase": phase, "start": start,
+                                    "end": end}) + "\n")
+
+    def close(self) -> None:
+        """Stop every worker: a None order, then terminate, then kill."""
+        for q in self.orders:
+            try:
+                q.put(None)
+            except (ValueError, OSError):
+                pass
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(2)
+        for q in [self.results, *self.orders]:
+            q.cancel_join_thread()
+            q.close()
+
+
+def build_rollouts(config, run, run_dir: Path, **objects):
+    """The source the loop takes batches from (`rollout.mode`)."""
+    if config.rollout.mode != "async":
+        return SyncRollouts(config, run)
+    return AsyncRollouts(config, run, run_dir, **objects)
+

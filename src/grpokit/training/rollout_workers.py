@@ -1,0 +1,199 @@
+"""An asynchronous rollout worker: a process of its own that samples and grades while the trainer updates.
+
+    for step, min_version in orders:                     # from the trainer (training/async_rollout.py)
+        wait for weights >= min_version; apply them      # models/weight_sync.py, between two batches
+        batch, metrics = generate_and_grade(...)         # the sync loop's own step: rollout -> grade -> advantages
+        results.put(batch tagged with its policy version, the stream's and the sampler's state after it)
+
+A worker rebuilds its half of the run from what the trainer hands it at spawn: the config, the prepared
+rows and tokenized prompts, the reward functions / tools / environment factory given to `train()` (sent by
+pickle: module-level functions, not lambdas), the prompt stream and sampling generator at the start. Tools,
+environments and rewards live here, next to the sampler, so grading overlaps the trainer's update too.
+Worker w takes every W-th prompt batch of the stream; the first worker starts from the trainer's own
+generator state, so one worker draws exactly the prompts and noise the sync loop would.
+
+A worker never outlives the trainer (the kernel's parent-death signal), ignores Ctrl-C and SIGTERM (the
+trainer stops it after saving), and beats a heartbeat every half second from a thread of its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from grpokit.config.schema import Config
+from grpokit.errors import UserError
+from grpokit.models.loading import load_model, load_tokenizer, max_positions_of
+from grpokit.models.lora import apply_lora
+from grpokit.models.weight_sync import WeightReceiver
+from grpokit.rollout.engines import build_engine
+from grpokit.training.generate import generate_and_grade
+from grpokit.training.setup import PromptTable, isolate_rewards, prepare_data, resolve_reward_specs
+from grpokit.training.tool_setup import resolve_tools
+
+HEARTBEAT_S = 0.5
+
+
+@dataclass
+class WorkerSpec:
+    """What the trainer hands every worker at spawn (pickled once)."""
+
+    config: Config  # this trainer process's share of the run
+    rows: list[dict]  # the prepared training rows
+    prompts: PromptTable  # ... tokenized and checked
+    trainable: list[str]  # the parameters that train (the rest arrive once, with the first transfer)
+    stream: object  # the trainer's prompt stream at the start
+    sampler_state: torch.Tensor  # the trainer's sampling generator at the start
+    workers: int
+    threads: int  # torch threads of each worker
+    port: int  # the weight channel's store
+    timeout_s: float  # rollout.worker_timeout_s
+    reward_functions: list | None = None  # what train() was given; None: the config's
+    tools: list | None = None
+    environment_factory: Callable | dict | None = None
+
+
+@dataclass
+class WorkerBatch:
+    """One step's batch as a worker delivers it."""
+
+    batch: object  # GenerationBatch, its rollout tagged with policy_version
+    metrics: dict
+    version: int  # the optimizer step of the weights that sampled it
+    stream_state: dict  # the worker's prompt stream after it
+    sampler_state: torch.Tensor  # ... and its generator
+    waited_s: float  # idle: waiting for an order or for fresh weights since the previous batch
+    started: float  # wall-clock time.time() of the sampling's start and end (the timeline)
+    ended: float
+    tokens: int  # sampled tokens (the sampler's throughput)
+
+
+class EveryNth:
+    """Batches offset, offset + n, offset + 2n, ... of a prompt stream (worker `offset` of n)."""
+
+    def __init__(self, stream, offset: int, n: int):
+        self.stream, self.n, self._skip = stream, n, offset
+
+    def next_batch(self):
+        for _ in range(self._skip):
+            self.stream.next_batch()
+        self._skip = self.n - 1
+        return self.stream.next_batch()
+
+    def state_dict(self) -> dict:
+        return self.stream.state_dict()
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGKILL this process when the trainer dies, however it dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the heartbeat thread's parent check remains
+        pass
+    if os.getppid() != parent:  # the trainer died before the prctl took effect
+        os._exit(1)
+
+
+def _beat(beats, index: int, parent: int) -> None:
+    while True:
+        beats[index] = time.monotonic()
+        if os.getppid() != parent:
+            os._exit(1)
+        time.sleep(HEARTBEAT_S)
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, UserError):
+        return str(e)
+    print(f"rollout worker: {''.join(traceback.format_exception(e))}", file=sys.stderr, flush=True)  # a bug: its trace
+    return f"{type(e).__name__}: {e}"
+
+
+class _Worker:
+    """The worker's half of the run, built in the worker process."""
+
+    def __init__(self, spec: WorkerSpec, index: int, announced):
+        config = spec.config
+        data = prepare_data(config, spec.rows)
+        self.toolbox, self.environments = resolve_tools(config, spec.tools, spec.environment_factory, data.task)
+        own = self.environments.reward_specs() if self.environments is not None else []
+        specs, self.pool = isolate_rewards(config, resolve_reward_specs(
+            config, data.task, spec.reward_functions, optional=bool(own), rows=data.rows))
+        self.specs = specs + own
+        self.tokenizer = load_tokenizer(config.model.path)
+        if self.environments is not None:
+            self.environments.max_positions = max_positions_of(config.model.path)
+        model = load_model(config.model.path, dtype=config.model.dtype, device="cpu")
+        if config.model.lora:
+            model = apply_lora(model, config.model.lora)
+        trainable = set(spec.trainable)
+        for name, p in model.named_parameters():
+            p.requires_grad_(name in trainable)
+        self.model = model.eval()
+        self.engine = build_engine(config, model, self.tokenizer, tools=self.toolbox)
+        self.config, self.prompts, self.spec, self.announced, self.index = config, spec.prompts, spec, announced, index
+        self.stream = EveryNth(spec.stream, index, spec.workers)
+        self.sampler = torch.Generator().manual_seed(0)
+        self.sampler.set_state(spec.sampler_state)
+        if index:  # the others: noise of their own, from the trainer's generator
+            self.sampler.manual_seed(int(torch.randint(2 ** 62, (1,), generator=self.sampler)) + index)
+        self.receiver: WeightReceiver | None = None
+
+    def connect(self) -> None:
+        s = self.spec
+        self.receiver = WeightReceiver(self.model, s.port, self.index + 1, s.workers + 1, s.timeout_s, self.announced)
+
+    def draw(self, step: int, min_version: int, waited_s: float) -> WorkerBatch:
+        t0 = time.perf_counter()
+        if not self.receiver.wait_for(min_version, self.spec.timeout_s):
+            raise UserError(f"no weights of step {min_version} arrived within rollout.worker_timeout_s = "
+                            f"{self.spec.timeout_s:g} s for step {step}")
+        version = self.receiver.apply()
+        waited_s += time.perf_counter() - t0
+        started = time.time()
+        batch, metrics = generate_and_grade(self.config, self.engine, self.tokenizer, self.prompts, self.stream,
+                                            self.specs, self.sampler, self.environments)
+        rollout = batch.rollout
+        tagged = dataclasses.replace(rollout, policy_version=torch.full((rollout.num_sequences,), version))
+        batch = dataclasses.replace(batch, draw=dataclasses.replace(batch.draw, rollout=tagged))
+        return WorkerBatch(batch, metrics, version, self.stream.state_dict(), self.sampler.get_state(),
+                           waited_s, started, time.time(),
+                           int(rollout.action_mask.sum()))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
+def worker_main(spec: WorkerSpec, index: int, orders, results, beats, announced, parent: int) -> None:
+    """The worker process: build, say "ready", join the weight channel, then serve orders until None."""
+    _die_with_parent(parent)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the trainer stops the workers, after saving
+        signal.signal(sig, signal.SIG_IGN)
+    torch.set_num_threads(spec.threads)
+    threading.Thread(target=_beat, args=(beats, index, parent), daemon=True, name="heartbeat").start()
+    worker = None
+    try:
+        worker = _Worker(spec, index, announced)
+        results.put(("ready", index, 0, None))
+        worker.connect()
+        idle_since = time.perf_counter()
+        while (order := orders.get()) is not None:
+            step, min_version = order
+            results.put(("batch", index, step, worker.draw(step, min_version, time.perf_counter() - idle_since)))
+            idle_since = time.perf_counter()
+    except BaseException as e:  # noqa: BLE001 - the trainer says it, naming this worker
+        results.put(("error", index, -1, _describe(e)))
+    finally:
+        if worker is not None:
+            worker.close()

@@ -1,0 +1,226 @@
+"""Asynchronous rollout (rollout.mode = "async", training/rollout_source.py): workers sample while the trainer
+updates. Each run spawns a worker process (a few seconds: it imports torch and loads the model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import comparable, make_config, parity
+from grpokit.config.schema import RolloutConfig
+from grpokit.errors import ConfigError, RolloutWorkerError, SetupError
+from grpokit.training.loop import train
+
+_calls = {"n": 0}
+
+
+def exits_on_second_batch(completions, **kwargs):
+    _calls["n"] += 1
+    if _calls["n"] == 2:
+        os._exit(3)
+    return parity(completions)
+
+
+def killed_on_second_batch(completions, **kwargs):
+    _calls["n"] += 1
+    if _calls["n"] == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: no heartbeat, no batch
+    return parity(completions)
+
+
+def hangs_on_second_batch(completions, **kwargs):
+    _calls["n"] += 1
+    if _calls["n"] == 2:
+        time.sleep(3600)  # alive and beating, but no batch comes
+    return parity(completions)
+
+
+def raises_on_second_batch(completions, **kwargs):
+    _calls["n"] += 1
+    if _calls["n"] == 2:
+        raise ValueError("the grader's database is gone")
+    return parity(completions)
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def config(model_dir, out, *, steps=3, rollout=None, **kw):
+    return make_config(model_dir, out, steps=steps, rollout={"mode": "async", **(rollout or {})},
+                       train={"num_threads": 1, **kw.pop("train", {})}, **kw)
+
+
+def weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / f"checkpoint-{step}" / "model.safetensors")
+
+
+def test_async_with_max_staleness_0_is_the_sync_loop(tiny_model_dir, tmp_path):
+    """Orders wait for the newest weights: the same prompts, noise, answers and updates as sync, in two processes."""
+    sync = train(make_config(tiny_model_dir, tmp_path / "sync", steps=3, train={"num_threads": 1}),
+                 reward_functions=[parity])
+    run = train(config(tiny_model_dir, tmp_path / "async", rollout={"max_staleness": 0}), reward_functions=[parity])
+    a, b = comparable(rows(sync / "metrics.jsonl")), comparable(rows(run / "metrics.jsonl"))
+    assert len(a) == len(b) == 3
+    for x, y in zip(a, b):
+        assert y["async/staleness_max"] == 0
+        for key in x:  # the async rows add their own keys (async/*, sampling/*)
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), key
+    w_sync, w_async = weights(sync, 3), weights(run, 3)
+    assert w_sync.keys() == w_async.keys()
+    for name in w_sync:
+        torch.testing.assert_close(w_async[name], w_sync[name], rtol=1e-4, atol=1e-6)
+    initial = load_file(tiny_model_dir / "model.safetensors")
+    assert any(not torch.equal(w_async[n], initial[n]) for n in w_async if n in initial)  # it trained
+
+
+def test_versions_lag_as_ordered_and_the_lag_is_corrected(tiny_model_dir, tmp_path):
+    """weight_sync_every = 3, max_staleness = 2: the workers hold versions 0, 3, ... only, so steps 1-3 are
+    sampled by version 0 (lag 0, 1, 2) and steps 4-6 by version 3 (lag 0, 1, 2): deterministic. The
+    sampler-trainer gap is 0 where the lag is 0 and the correction weights move where it is not."""
+    run = train(config(tiny_model_dir, tmp_path / "run", steps=6, learning_rate=1e-2,
+                       rollout={"max_staleness": 2, "weight_sync_every": 3}), reward_functions=[parity])
+    got = rows(run / "metrics.jsonl")
+    assert [r["async/staleness_max"] for r in got] == [0, 1, 2, 0, 1, 2]
+    assert [r["async/staleness_mean"] for r in got] == [0, 1, 2, 0, 1, 2]
+    assert all(r["async/dropped"] == 0 for r in got)
+    for r in got:  # is_correction "auto" = token_truncate in async
+        lagging = r["async/staleness_max"] > 0
+        assert (r["sampling/logprob_gap_max"] > 1e-4) == lagging, r
+        assert "time/trainer_idle" in r and "time/sampler_idle" in r
+    timeline = rows(run / "timeline.jsonl")
+    assert {t["process"] for t in timeline} == {"trainer", "worker 0"}
+    assert all(t["end"] >= t["start"] for t in timeline)
+
+
+def test_two_workers_take_turns_and_resume(tiny_model_dir, tmp_path):
+    out = tmp_path / "run"
+    cfg = config(tiny_model_dir, out, steps=4, rollout={"workers": 2, "max_staleness": 1},
+                 output={"save_every": 2})
+    train(cfg, reward_functions=[parity])
+    longer = config(tiny_model_dir, out, steps=6, rollout={"workers": 2, "max_staleness": 1},
+                    output={"save_every": 2})
+    train(longer, reward_functions=[parity], resume=True)
+    got = rows(out / "metrics.jsonl")
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    assert all(0 <= r["async/staleness_max"] <= 1 for r in got)
+    assert {t["process"] for t in rows(out / "timeline.jsonl")} >= {"worker 0", "worker 1"}
+
+
+@pytest.mark.parametrize("reward, words", [
+    (exits_on_second_batch, "rollout worker 0 exited with code 3"),
+    (killed_on_second_batch, "rollout worker 0 is hung: no heartbeat"),
+    (hangs_on_second_batch, "rollout worker 0: no batch for step 2 within rollout.worker_timeout_s = 4 s"),
+    (raises_on_second_batch, "rollout worker 0: reward function 'raises_on_second_batch'"),
+])
+def test_a_failing_worker_ends_the_run_with_one_error_and_a_resumable_folder(tiny_model_dir, tmp_path, reward,
+                                                                            words):
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    with pytest.raises(RolloutWorkerError) as err:
+        train(config(tiny_model_dir, out, steps=4, rollout={"max_staleness": 0, "worker_timeout_s": 4}),
+              reward_functions=[reward])
+    assert words in str(err.value)
+    assert "\n" not in str(err.value)
+    assert "step 1 is saved" in str(err.value) and "Continue with: train(config, resume=True)" in str(err.value)
+    assert time.monotonic() - t0 < 60
+    assert (out / "checkpoint-1").is_dir()
+    run = train(config(tiny_model_dir, out, steps=2), reward_functions=[parity], resume=True)
+    assert [r["step"] for r in rows(run / "metrics.jsonl")] == [1, 2]
+
+
+def test_what_async_cannot_do_is_refused_before_the_model_loads(tiny_model_dir, tmp_path):
+    with pytest.raises(SetupError, match="train\\(reward_functions=...\\) cannot be sent"):
+        train(config(tiny_model_dir, tmp_path / "a"), reward_functions=[lambda completions, **kw: [0.0] * len(
+            completions)])
+    with pytest.raises(SetupError, match="train\\(engine=...\\)"):
+        train(config(tiny_model_dir, tmp_path / "b"), reward_functions=[parity], engine=lambda *a: None)
+    with pytest.raises(ConfigError, match="rollout.max_staleness"):
+        RolloutConfig(mode="async", max_staleness=0, weight_sync_every=2)
+    with pytest.raises(ConfigError, match="rollout.mode"):
+        RolloutConfig(mode="asynch")
+    with pytest.raises(ConfigError, match="rollout.engine"):
+        RolloutConfig(mode="async", engine="vllm")
+    for field, value in (("workers", 0), ("max_staleness", -1), ("worker_timeout_s", 0), ("weight_sync_every", 0)):
+        with pytest.raises(ConfigError, match=f"rollout.{field}"):
+            RolloutConfig(mode="async", **{field: value})
+
+
+SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from conftest import make_config, parity
+from grpokit.training.loop import train
+train(make_config({model!r}, {out!r}, steps=1000, rollout={{"mode": "async"}}, train={{"num_threads": 1}}),
+      reward_functions=[parity])
+"""
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def _wait_for(predicate, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_no_worker_outlives_the_trainer(tiny_model_dir, tmp_path, sig):
+    """A script with no __main__ guard (the workers do not run it again); SIGKILL of the trainer takes its
+    workers with it (parent-death signal), SIGTERM stops after the step, saves, and stops them."""
+    script = tmp_path / "run.py"
+    out = tmp_path / "run"
+    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent), model=str(tiny_model_dir), out=str(out)))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        assert _wait_for(lambda: (out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").stat().st_size,
+                         120), "the run never logged a step"
+        workers = [p for p in _children(proc.pid) if "grpokit" in Path(f"/proc/{p}/cmdline").read_text()
+                   or "multiprocessing" in Path(f"/proc/{p}/cmdline").read_text()]
+        assert workers
+        proc.send_signal(sig)
+        proc.wait(60)
+        assert _wait_for(lambda: not any(Path(f"/proc/{p}").exists() for p in workers), 10), "orphan worker"
+        if sig == signal.SIGTERM:
+            output = proc.stdout.read()
+            assert proc.returncode == 0, output
+            assert "SIGTERM: stopped after step" in output and "Traceback" not in output
+            assert list(out.glob("checkpoint-*"))
+    finally:
+        proc.kill()
+
+
+def test_a_script_without_guard_whose_reward_lives_in_it_is_refused(tiny_model_dir, tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(textwrap.dedent(f"""
+        from grpokit.config import schema
+        from grpokit.training.loop import train
+        def my_reward(completions, **kwargs):
+            return [0.0] * len(completions)
+        cfg = schema.Config(model=schema.ModelConfig(path={str(tiny_model_dir)!r}),
+                            data=schema.DataConfig(task="addition", num_prompts=8),
+                            rollout=schema.RolloutConfig(group_size=2, max_new_tokens=3, mode="async"),
+                            train=schema.TrainConfig(steps=1, prompts_per_step=2),
+                            output=schema.OutputConfig(dir={str(tmp_path / 'out')!r}, console=False))
+        train(cfg, reward_functions=[my_reward])
+    """))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "uses my_reward, defined in" in done.stderr and "__main__" in done.stderr
