@@ -143,7 +143,7 @@ class RolloutConfig:
     weight_sync_every: int = 1  # async: the workers get new weights every this many steps (TRL: weight_sync_steps)
     workers: int = 1  # async: rollout worker processes, each with a copy of the policy
     worker_threads: int = 0  # async: torch threads of each worker; 0 = the cores split between workers and trainer
-    worker_timeout_s: float = 300.0  # async: no heartbeat or batch this long ends the run (TRL: heartbeat_stale_after_s)
+    worker_timeout_s: float = 300.0  # async: no heartbeat or batch this long ends it (TRL: heartbeat_stale_after_s)
 
     def __post_init__(self):
         _check_fields(self, "rollout")
