@@ -406,3 +406,17 @@ def test_resume_from_a_damaged_newest_checkpoint_continues_from_the_one_before(t
                                      f"output.dir={json.dumps(str(run))}", "--resume"),
                              "checkpoint-3 is damaged (trainer_state.pt is missing)", "no earlier checkpoint")
     assert "Traceback" not in line
+
+
+def test_resume_from_the_only_checkpoint_with_damaged_tensor_data_says_to_start_again(tiny_model_dir, tmp_path):
+    """NaN bytes in the weights of the only checkpoint (the header intact, so the start-up check passes):
+    found as the tensors are read at resume, one error line naming the file and that there is nothing earlier."""
+    run = tmp_path / "run"
+    assert_clean_exit(run_cli("train", write_train_config(tmp_path, tiny_model_dir, run, steps=1)))
+    weights = run / "checkpoint-1" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-64:] = b"\xff" * 64
+    weights.write_bytes(bytes(data))
+    assert_user_error(run_cli("train", write_train_config(tmp_path, tiny_model_dir, run, steps=2), "--resume"),
+                      f"--resume: {run / 'checkpoint-1'} cannot be read (model.safetensors: tensor",
+                      "holds NaN values", "it is the only checkpoint, so start again without --resume")

@@ -198,7 +198,7 @@ def load_checkpoint_weights(checkpoint: Path, model) -> None:
         return
     weights = {}
     for shard in sorted(checkpoint.glob("*.safetensors")):
-        weights.update(load_file(str(shard), device="cpu" if is_fsdp(model) else str(model.device)))
+        weights.update(_intact(load_file(str(shard), device="cpu" if is_fsdp(model) else str(model.device)), shard))
     if is_fsdp(model):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
@@ -207,6 +207,20 @@ def load_checkpoint_weights(checkpoint: Path, model) -> None:
         set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
         return
     model.load_state_dict(weights, strict=False)  # tied weights may be stored once
+
+
+class DamagedTensors(ValueError):
+    """A weights file whose header is intact but whose tensor bytes are not (NaN, which no trained weight is)."""
+
+
+def _intact(weights: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    """`weights` as read from `path`, checked on the way (the tensors are read once, at resume, anyway): a NaN
+    in any floating tensor means damaged bytes (a bad copy or disk), which sampling would only meet later as
+    a traceback. The start-up check (`checkpoint_damage`) reads headers only, to stay cheap."""
+    for name, tensor in weights.items():  # aminmax propagates NaN and is some 15x faster than isnan().any()
+        if tensor.is_floating_point() and tensor.numel() and bool(torch.aminmax(tensor).min.isnan()):
+            raise DamagedTensors(f"{path.name}: tensor {name!r} holds NaN values, so its bytes are damaged")
+    return weights
 
 
 def trainer_state(step: int, policy, sampler: torch.Generator, stream) -> dict:
@@ -264,9 +278,12 @@ def restore_checkpoint(checkpoint: Path, policy, sampler: torch.Generator, strea
             raise
         # damage the start-up check cannot see without reading every byte (garbage inside a file)
         why = " ".join(str(e).split())[:200]
-        raise CheckpointError(f"--resume: {checkpoint} cannot be read ({type(e).__name__}: {why}); it is damaged: "
-                              f"move it out of {checkpoint.parent} and --resume again to continue from the "
-                              "checkpoint before it") from None
+        why = why if isinstance(e, DamagedTensors) else f"{type(e).__name__}: {why}"
+        earlier = [c for c in list_checkpoints(checkpoint.parent) if checkpoint_step(c) < checkpoint_step(checkpoint)]
+        fix = (f"move it out of {checkpoint.parent} and --resume again to continue from {earlier[-1].name}"
+               if earlier else "it is the only checkpoint, so start again without --resume (output.overwrite = "
+                               "true, or another output.dir)")
+        raise CheckpointError(f"--resume: {checkpoint} cannot be read ({why}); it is damaged: {fix}") from None
     load_optimizer_state(policy.model, policy.optimizer, state["optimizer"])
     policy.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
@@ -292,7 +309,7 @@ def _load_adapter(wrapper, checkpoint: Path) -> None:
     device = str(next(wrapper.parameters()).device)
     weights = {}
     for f in files:
-        weights.update(load_file(str(f), device=device))
+        weights.update(_intact(load_file(str(f), device=device), f))
     result = peft.set_peft_model_state_dict(wrapper, weights)
     missing = [k for k in getattr(result, "unexpected_keys", []) if "lora_" in k]
     if missing:
