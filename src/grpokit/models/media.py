@@ -71,6 +71,10 @@ class RowMedia:
             picked = tuple(self.rows[i] for i in index)
         return RowMedia(self.family, tuple(picked), self.image_token_id)
 
+    def __getitem__(self, index: Tensor | Sequence[int] | slice) -> "RowMedia":
+        """`select`: so a batch's per-row fields are all indexed alike (`Draw.select`'s `field[rows]`)."""
+        return self.select(index)
+
     def repeat_interleave(self, repeats: int) -> "RowMedia":
         return RowMedia(self.family, tuple(r for r in self.rows for _ in range(repeats)), self.image_token_id)
 

@@ -8,6 +8,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from grpokit.models.media import RowMedia
+
 
 @dataclass(frozen=True)
 class Turns:
@@ -47,6 +49,7 @@ class Rollout:
     turns: Turns | None = None  # multi-turn only: each token's turn, each turn's step reward and start state
     # [N] asynchronous rollout: the optimizer step of the weights that sampled each answer (its policy version)
     policy_version: Tensor | None = None
+    media: RowMedia | None = None  # [N] vision-language models: each answer's prompt images (models/media.py)
 
     @property
     def action_mask(self) -> Tensor:
@@ -124,4 +127,5 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
                    turns=None if any(r.turns is None for r in rollouts) else
                    Turns.concat([r.turns for r in rollouts], T),
                    policy_version=None if any(r.policy_version is None for r in rollouts) else
-                   torch.cat([r.policy_version for r in rollouts]))
+                   torch.cat([r.policy_version for r in rollouts]),
+                   media=RowMedia.concat([r.media for r in rollouts], [r.num_sequences for r in rollouts]))

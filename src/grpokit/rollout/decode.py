@@ -40,8 +40,10 @@ import torch
 from torch import Tensor
 
 from grpokit.models.forward import position_ids_from_mask
+from grpokit.models.media import RowMedia
 from grpokit.rollout.batch import Rollout, left_pad
 from grpokit.rollout.sampling import sample_tokens
+from grpokit.rollout.vision import MediaPrefill, suppressed_tokens
 
 
 def _preallocated_layer(capacity: int):
@@ -100,7 +102,7 @@ class _Decoder:
     cache layers are replaced by preallocated ones sized for ``capacity`` positions.
     """
 
-    def __init__(self, model, capacity: int | None = None):
+    def __init__(self, model, capacity: int | None = None, media: RowMedia | None = None):
         from transformers import DynamicCache
         from transformers.cache_utils import DynamicLayer
 
@@ -112,6 +114,7 @@ class _Decoder:
                                  for layer in self.cache.layers]
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.keep_last = "logits_to_keep" in params
+        self.media = None if media is None else MediaPrefill(media)  # prompts with images (rollout/vision.py)
 
     def __call__(self, ids: Tensor, mask: Tensor, positions: Tensor) -> Tensor:
         """Run ids [n, L] (mask [n, past+L], positions [n, L]); return last logits [n, V]."""
@@ -123,13 +126,20 @@ class _Decoder:
         kwargs = {self.cache_kwarg: self.cache, "use_cache": True}
         if self.keep_last:
             kwargs["logits_to_keep"] = keep or ids.shape[1]
+        if self.media is not None:  # the prefill's pixels; multimodal positions
+            positions, extra = self.media.inputs(self.model, ids, mask, positions)
+            kwargs.update(extra)
         return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs).logits
 
     def repeat_rows(self, repeats: int) -> None:
         self.cache.batch_repeat_interleave(repeats)
+        if self.media is not None:
+            self.media.repeat_rows(repeats)
 
     def select_rows(self, rows: Tensor) -> None:
         self.cache.batch_select_indices(rows)
+        if self.media is not None:
+            self.media.select_rows(rows)
 
     def keep_columns(self, columns: Tensor) -> None:
         """Keep, per row, the cache positions `columns` [n, W] (in that order) and drop the others: the
@@ -163,12 +173,13 @@ def _stop_string_hits(tokens: Tensor, rows: Tensor, t: int, tokenizer, stops, wi
 
 def _decode_loop(model, ids: Tensor, mask: Tensor, *, group_size: int, max_new_tokens: int,
                  eos: Tensor | None, pad_token_id: int, sampling: dict, stops: tuple[str, ...],
-                 tokenizer, preallocate: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Prefill [B, P] once, expand to N rows and decode them.
+                 tokenizer, preallocate: bool = True, media: RowMedia | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Prefill [B, P] once (with `media`: the B prompts' images), expand to N rows and decode them.
 
     Returns tokens and logprobs [N, max_new_tokens], lengths [N] and finished [N].
     """
-    step = _Decoder(model, capacity=ids.shape[1] + max_new_tokens if preallocate else None)
+    step = _Decoder(model, capacity=ids.shape[1] + max_new_tokens if preallocate else None, media=media)
     positions = position_ids_from_mask(mask)  # [B, P]
     logits = step(ids, mask, positions)  # [B, V]: the prefill runs on B rows, not N
     step.repeat_rows(group_size)
@@ -249,7 +260,7 @@ def sample_groups(
     eos_token_ids: int | Sequence[int] | None, pad_token_id: int, temperature: float = 1.0,
     top_p: float = 1.0, top_k: int = 0, stop_strings: Sequence[str] = (), tokenizer=None,
     generator: torch.Generator | None = None, ignore_eos: bool = False, sampler: str = "inverse_cdf",
-    preallocate_kv_cache: bool = True, share_prefill: bool = True,
+    preallocate_kv_cache: bool = True, share_prefill: bool = True, media: RowMedia | None = None,
 ) -> Rollout:
     """Sample ``group_size`` completions for each prompt; see the module docstring for how.
 
@@ -266,10 +277,16 @@ def sample_groups(
     `rollout.preallocated_kv_cache`, `rollout.shared_prefill`; benchmark ablations): the
     token sampler, a preallocated KV cache (False: transformers' DynamicCache, which
     concatenates every step), and one prefill per prompt (False: all N = B*G rows).
+
+    `media` (`models.media.RowMedia`, one row per prompt): the prompts' images, for a vision-language
+    model (rollout/vision.py): they go into the prefill only, Qwen2-VL's decode positions carry its
+    rope deltas, image tokens are never sampled, and the returned rollout carries them per answer.
     """
     stops = tuple(stop_strings)
     _validate(model, prompt_ids, group_size, max_new_tokens, temperature, top_p, top_k,
               stops, tokenizer, generator)
+    if media is not None and len(media) != len(prompt_ids):
+        raise ValueError(f"media has {len(media)} rows for {len(prompt_ids)} prompts: give one per prompt")
     device = model.device
     eos = None
     if eos_token_ids is not None and not ignore_eos:
@@ -277,6 +294,8 @@ def sample_groups(
         eos = eos if eos.numel() else None
     ids, mask = left_pad(prompt_ids, pad_token_id, device)  # [B, P]
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, sampler=sampler)
+    if media is not None:
+        sampling["suppress"] = suppressed_tokens(model, device)  # image placeholders: never drawn
     was_training = model.training
     model.eval()
     try:
@@ -286,7 +305,8 @@ def sample_groups(
                 model, ids if share else ids.repeat_interleave(group_size, 0),
                 mask if share else mask.repeat_interleave(group_size, 0), group_size=group_size if share else 1,
                 max_new_tokens=max_new_tokens, eos=eos, pad_token_id=pad_token_id, sampling=sampling, stops=stops,
-                tokenizer=tokenizer, preallocate=preallocate_kv_cache)
+                tokenizer=tokenizer, preallocate=preallocate_kv_cache,
+                media=None if media is None else media if share else media.repeat_interleave(group_size))
     finally:
         model.train(was_training)
     tokens, logps, lengths, finished = (x.clone() for x in (tokens, logps, lengths, finished))
@@ -299,4 +319,5 @@ def sample_groups(
         completion_mask=completion_mask.long(),  # [N, T]
         logprobs=logps[:, :width].masked_fill(~completion_mask, 0.0),  # [N, T]
         truncated=~finished,  # [N]
+        media=None if media is None else media.repeat_interleave(group_size),  # [N] each answer's prompt images
     )

@@ -79,7 +79,7 @@ SAMPLERS = {"inverse_cdf": inverse_cdf_sample, "gumbel": exponential_race}
 
 def sample_tokens(
     logits: Tensor, *, temperature: float, top_k: int = 0, top_p: float = 1.0,
-    generator: torch.Generator | None = None, sampler: str = "inverse_cdf",
+    generator: torch.Generator | None = None, sampler: str = "inverse_cdf", suppress: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Sample one token per row from logits [n, V]; return ids [n] and their log-probs [n].
 
@@ -88,10 +88,14 @@ def sample_tokens(
 
     The log-prob is under the unfiltered ``softmax(logits / temperature)``
     (``softmax(logits)`` when greedy), in float32. Greedy ignores top-k / top-p.
+
+    `suppress` [S]: token ids that are never drawn (a vision-language model's image placeholders, as TRL's
+    `suppress_tokens`); like top-k / top-p filtering it changes what is drawn, not the reported log-prob,
+    which stays that of the unmasked distribution the trainer recomputes.
     """
     z = logits.float()  # [n, V]
     if temperature == 0:
-        tokens = z.argmax(-1)  # [n]
+        tokens = (z if suppress is None else z.index_fill(1, suppress, float("-inf"))).argmax(-1)  # [n]
         return tokens, z.gather(1, tokens[:, None])[:, 0] - z.logsumexp(-1)
     if temperature != 1.0:
         z = z / temperature
@@ -99,9 +103,12 @@ def sample_tokens(
         top = z.amax(-1, keepdim=True)  # [n, 1]
         weights = (z - top).exp_()  # [n, V] unnormalised probabilities
         log_norm = top[:, 0] + weights.sum(-1).log()  # [n]
+        if suppress is not None:
+            weights.index_fill_(1, suppress, 0.0)
         tokens = SAMPLERS[sampler](weights, generator)  # [n]
     else:
-        vals, idx = filter_candidates(z, top_k, top_p)  # [n, C]
+        allowed = z if suppress is None else z.index_fill(1, suppress, float("-inf"))  # [n, V]
+        vals, idx = filter_candidates(allowed, top_k, top_p)  # [n, C]
         pick = exponential_race((vals - vals[:, :1]).exp_(), generator)  # [n]
         tokens = idx.gather(1, pick[:, None])[:, 0]  # [n]
         log_norm = z.logsumexp(-1)  # [n]
