@@ -195,7 +195,8 @@ def test_bad_values_through_the_cli_in_subprocesses(base_config, tiny_model_dir,
 
 def test_a_config_error_under_torchrun_is_printed_once(base_config, tmp_path):
     """Every torchrun process loads the config; the error used to be printed once per process. Each still
-    exits 2 (torchrun then adds its own summary of the failed processes, which grpokit cannot silence)."""
+    exits 2 (torchrun's own process then adds its ChildFailedError traceback, which no process it started
+    can silence: `grpokit train --nproc-per-node`, the next test, is the launch without it)."""
     import os
     import subprocess
     import sys
@@ -212,3 +213,42 @@ def test_a_config_error_under_torchrun_is_printed_once(base_config, tmp_path):
     # one process of a machine alone (LOCAL_RANK 1) says nothing; a fault during a run is printed on any process
     quiet = run_cli("train", base_config, "--set", "train.steps=abc", env={"LOCAL_RANK": "1", "RANK": "1"})
     assert quiet.returncode == 2 and quiet.stderr == "", quiet.describe()
+
+
+KILLED_ON_RANK_1 = """
+import os, signal
+def boom(completions, **kwargs):
+    if os.environ.get("RANK") == "1":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [0.0] * len(completions)
+"""
+
+
+def test_grpokit_train_nproc_per_node_shows_the_processes_error_line_not_torchruns_traceback(base_config, tmp_path):
+    """`grpokit train --nproc-per-node 2` runs torchrun's launcher in grpokit's process: a config error is found
+    before any process starts (once, exit 2); a start-up error in the processes is their one line and exit 2; a
+    process killed by a signal is one line naming it, the last; no torchrun traceback or agent log line in any
+    case; and a good run trains on 2 processes and exits 0."""
+    run = f"output.dir={json.dumps(str(tmp_path / 'run'))}"
+    before = time.monotonic()
+    assert_user_error(run_cli("train", base_config, "--nproc-per-node", "2", "--set", "train.steps=abc"),
+                      "train.steps: must be an integer, got 'abc'")
+    assert time.monotonic() - before < 30  # no process was started for it
+    startup = run_cli("train", base_config, "--nproc-per-node", "2", "--set", run, "--set", "model.path=/no/model")
+    assert_user_error(startup, "model.path '/no/model' is not a folder")
+    assert "ChildFailedError" not in startup.stderr and "torch.distributed" not in startup.stderr, startup.describe()
+    (tmp_path / "r.py").write_text(KILLED_ON_RANK_1)
+    killed = run_cli("train", base_config, "--nproc-per-node", "2", "--set", run, "--set", "output.overwrite=true",
+                     "--set", f"rewards.functions=[{json.dumps(str(tmp_path / 'r.py') + ':boom')}]")
+    # (process 0's own collective then fails with its traceback: the peer it waited on is gone)
+    assert killed.returncode == 128 + 9 and "ChildFailedError" not in killed.stderr, killed.describe()
+    assert killed.error_lines == ["error: training process 1 was ended by SIGKILL (killed from outside, or out of "
+                                  "memory: dmesg names the OOM killer's victims); the other processes were stopped"]
+    assert killed.stderr.rstrip().endswith("the other processes were stopped"), killed.describe()
+    good = run_cli("train", base_config, "--nproc-per-node", "2", "--set", run, "--set", "output.overwrite=true")
+    assert good.returncode == 0 and "Traceback" not in good.stderr, good.describe()
+    assert good.stdout.count("run folder:") == 1 and (tmp_path / "run" / "checkpoint-1").is_dir(), good.describe()
+    with pytest.raises(Exception, match="--nproc-per-node must be >= 1, got 0"):
+        from grpokit.models.parallel import launch
+
+        launch(0, ["train", str(base_config)])

@@ -19,6 +19,8 @@ from grpokit.errors import ConfigError, UserError
 def _key_values(items: list[str]) -> dict:
     from grpokit.config.loading import parse_override
 
+    if bad := next((i for i in items or [] if "=" not in i or "." in i.split("=", 1)[0]), None):  # --task-arg
+        raise ConfigError(f"--task-arg {bad!r}: expected KEY=VALUE, e.g. --task-arg digits=3")
     return {path[1]: value for path, value in (parse_override(f"arg.{item}") for item in items or [])}
 
 
@@ -26,6 +28,9 @@ def cmd_train(args) -> int:
     from grpokit.config.loading import load_config
 
     config = load_config(args.config, args.set)  # a bad field fails here, before torch is imported
+    if args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ:  # this machine's torchrun processes
+        from grpokit.models.parallel import launch  # (each says its error; torchrun's traceback is not shown)
+        return launch(args.nproc_per_node, shlex.split(_train_command(args))[1:])
     from grpokit.training.loop import train
 
     run_dir = train(config, resume=args.resume, command=_train_command(args))
@@ -63,9 +68,6 @@ def cmd_eval(args) -> int:
         raise ConfigError(f"--temperature must be a number > 0 (sampling divides the logits by it), got "
                           f"{args.temperature}; for greedy answers read greedy_accuracy (the greedy pass runs unless "
                           "--no-greedy)")
-    for item in args.task_arg or []:
-        if "=" not in item or "." in item.split("=", 1)[0]:
-            raise ConfigError(f"--task-arg {item!r}: expected KEY=VALUE, e.g. --task-arg digits=3")
     if args.no_tools and args.tool:
         raise ConfigError("--no-tools and --tool contradict each other; give one")
     from grpokit.evaluate import check_context, eval_rows_and_specs, eval_tools, evaluate
@@ -105,9 +107,6 @@ def cmd_sft(args) -> int:
             raise ConfigError(f"{flag} must be >= 1, got {value}")
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise ConfigError(f"--lr must be a number > 0, got {args.lr}; e.g. --lr 1e-3")
-    for item in args.task_arg or []:
-        if "=" not in item or "." in item.split("=", 1)[0]:
-            raise ConfigError(f"--task-arg {item!r}: expected KEY=VALUE, e.g. --task-arg digits=3")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {args.out!r} is a file; sft saves a model folder there: give a folder path")
@@ -288,6 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run GRPO from a TOML config")
     _add_config_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
+    p.add_argument("--nproc-per-node", type=int, metavar="N", help="start N torchrun processes on this machine")
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("config", help="print the resolved config (defaults and preset filled in) and check it",

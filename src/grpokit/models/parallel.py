@@ -1,7 +1,9 @@
 """Data parallel over `torchrun` processes: the process group, collectives, gradient all-reduce.
 
 Launch with the engine users already have: `torchrun --nproc_per_node W -m grpokit.cli train run.toml`
-(gloo on CPU, NCCL on GPU; `RANK`, `WORLD_SIZE`, `LOCAL_RANK` and the rendezvous come from torchrun).
+(gloo on CPU, NCCL on GPU; `RANK`, `WORLD_SIZE`, `LOCAL_RANK` and the rendezvous come from torchrun), or,
+on one machine, `grpokit train run.toml --nproc-per-node W` (`launch`: the same launcher, in grpokit's
+process, so that a failure reads as the process's own `error:` line rather than torchrun's traceback).
 Every process runs the same `train()`; this module makes them one run. With one process (no
 `WORLD_SIZE`, or 1) every function here is a no-op and `train()` is exactly the single-process loop.
 
@@ -309,3 +311,43 @@ def is_fsdp(model) -> bool:
     except ImportError:  # pragma: no cover - torch without FSDP2
         return False
     return isinstance(model, FSDPModule)
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """`python -m grpokit.cli *argv` in `nproc` processes on this machine (`grpokit train --nproc-per-node N`),
+    started by torch's own launcher (`torchrun --standalone`) run in this process; the run's exit code.
+
+    A process that fails says why itself (its `error:` line, once per machine for a start-up error, exit 2; a
+    bug keeps its traceback); the launcher then ends with that process's exit code and adds nothing: not
+    torchrun's `ChildFailedError` traceback (printed by torchrun's own process, which no rank can silence:
+    `launch` is why), nor its agent's log lines. A process ended by a signal gets one line naming it."""
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
+    import logging
+    import signal
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.run")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(["--standalone", "--nproc-per-node", str(nproc), "-m", "grpokit.cli", *argv]))
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        if failure.exitcode >= 0:
+            return failure.exitcode or 1
+        try:
+            name = signal.Signals(-failure.exitcode).name
+        except ValueError:
+            name = f"signal {-failure.exitcode}"
+        print(f"error: training process {rank} was ended by {name} (killed from outside, or out of memory: "
+              "dmesg names the OOM killer's victims); the other processes were stopped", file=sys.stderr)
+        return 128 - failure.exitcode
+    finally:
+        for logger, level in zip(quiet, levels):
+            logger.setLevel(level)
+    return 0
