@@ -15,6 +15,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import MODELS, REWARDS, emit, load_rows, peak_rss_mb, read_spec, set_threads  # noqa: E402
 
 
+def per_or_0(key: str, rows: list[dict]) -> float:
+    return sum(m.get(key, 0.0) for m in rows) / len(rows)
+
+
 def main(spec: dict) -> None:
     set_threads(spec.get("threads", 2))
     from grpokit.config.schema import (
@@ -63,6 +67,10 @@ def main(spec: dict) -> None:
         "frac_reward_zero_std": per("frac_reward_zero_std"),
         "loss": measured[-1].get("loss"),
         "peak_rss_mb": peak_rss_mb(), "wall_s": wall, "per_step": [m["time/step"] for m in measured],
+        # asynchronous rollout (rollout.mode = "async"): the trainer's wait for batches, the sampler's for orders
+        # and weights, per step (bench/async_rollout.py)
+        "trainer_idle_s": per_or_0("time/trainer_idle", measured),
+        "sampler_idle_s": per_or_0("time/sampler_idle", measured),
         # the first (warm-up) step, from the same weights and prompts in every run: what a lever changes
         "first_step": {k: lines[0].get(k) for k in ("loss", "grad_norm", "entropy")},
     })

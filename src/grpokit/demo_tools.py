@@ -73,7 +73,8 @@ def trace_sampler(task, rows, tokenizer, tools, *, no_call: float, wrong_argumen
     return sample
 
 
-def run_tool_demo(out: str | Path = "demo_tools_run", *, quick: bool = False, seed: int = 0) -> dict:
+def run_tool_demo(out: str | Path = "demo_tools_run", *, quick: bool = False, seed: int = 0,
+                  rollout: dict | None = None) -> dict:
     from rich.console import Console
 
     from grpokit.config.schema import (
@@ -137,7 +138,8 @@ def run_tool_demo(out: str | Path = "demo_tools_run", *, quick: bool = False, se
     config = Config(
         model=ModelConfig(path=str(out / "sft")),
         data=DataConfig(task=TASK["name"], task_args={"digits": TASK["digits"]}, seed=seed),
-        rollout=RolloutConfig(group_size=GRPO["group_size"], max_new_tokens=GRPO["max_new_tokens"], temperature=1.0),
+        rollout=RolloutConfig(group_size=GRPO["group_size"], max_new_tokens=GRPO["max_new_tokens"], temperature=1.0,
+                              **(rollout or {})),  # e.g. {"mode": "async"} (bench/async_rollout.py)
         algorithm=AlgorithmConfig(loss_type="dapo", beta=0.0),
         train=TrainConfig(steps=QUICK["grpo_steps"] if quick else GRPO["steps"],
                           prompts_per_step=GRPO["prompts_per_step"],
