@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -224,3 +225,45 @@ def test_a_script_without_guard_whose_reward_lives_in_it_is_refused(tiny_model_d
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     assert "uses my_reward, defined in" in done.stderr and "__main__" in done.stderr
+
+
+class Counter:
+    """A TRL-style environment (module level: it travels to the worker by pickle)."""
+
+    def reset(self, **row):
+        self.count = 0
+
+    def increment(self, step: int) -> int:
+        """Add to the counter.
+
+        Args:
+            step: How much to add.
+        """
+        self.count += step
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count)
+
+
+def last_turn_parity(completions, **kwargs):
+    return parity([c[-1]["content"] for c in completions])
+
+
+def test_environments_rewards_evaluation_and_dynamic_sampling_work_in_async(tiny_model_dir, tmp_path):
+    """Environments and their rewards live in the worker beside the sampler; [eval] runs in the trainer."""
+    from test_tools_training import TOOL_CHAT_TEMPLATE
+
+    model = tmp_path / "tool-model"
+    shutil.copytree(tiny_model_dir, model)
+    tok = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**tok, "chat_template": TOOL_CHAT_TEMPLATE}))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = config(model, tmp_path / "run", steps=2, max_new_tokens=24, rollout={"max_staleness": 1},
+                 algorithm={"dynamic_sampling": True, "max_resample_rounds": 1},
+                 eval={"every": 2, "num_prompts": 4, "samples_per_prompt": 2})
+    run = train(cfg, reward_functions=[last_turn_parity], environment_factory=Counter)
+    got = rows(run / "metrics.jsonl")
+    assert [r["step"] for r in got] == [1, 2]
+    assert all("tools/call_frequency" in r and "rewards/Counter/mean" in r for r in got)
+    assert "dynamic_sampling/draws" in got[0] and "eval/mean_reward" in got[1]
