@@ -267,3 +267,46 @@ def test_environments_rewards_evaluation_and_dynamic_sampling_work_in_async(tiny
     assert [r["step"] for r in got] == [1, 2]
     assert all("tools/call_frequency" in r and "rewards/Counter/mean" in r for r in got)
     assert "dynamic_sampling/draws" in got[0] and "eval/mean_reward" in got[1]
+
+
+TOML = """
+[model]
+path = {model!r}
+device = "cpu"
+[data]
+task = "addition"
+num_prompts = 64
+[rollout]
+group_size = 4
+max_new_tokens = 5
+mode = {mode!r}
+max_staleness = 0
+[train]
+steps = 2
+prompts_per_step = 4
+learning_rate = 1e-2
+num_threads = 1
+[rewards]
+functions = ["{tests}/conftest.py:parity"]
+[output]
+dir = {out!r}
+console = false
+"""
+
+
+def test_torchrun_data_parallel_trainer_with_its_own_workers_equals_sync(tiny_model_dir, tmp_path):
+    """Two trainer processes (torchrun, gloo), each with its own worker and its own weight group: the same
+    steps as two processes sampling themselves."""
+    got = {}
+    for mode in ("sync", "async"):
+        toml = tmp_path / f"{mode}.toml"
+        toml.write_text(TOML.format(model=str(tiny_model_dir), mode=mode, out=str(tmp_path / mode),
+                                    tests=str(Path(__file__).parent)))
+        done = subprocess.run([sys.executable, "-m", "grpokit.cli", "train", str(toml), "--nproc-per-node", "2"],
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        got[mode] = comparable(rows(tmp_path / mode / "metrics.jsonl"))
+    assert len(got["sync"]) == len(got["async"]) == 2
+    for x, y in zip(got["sync"], got["async"]):
+        for key in x:
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), key
