@@ -20,6 +20,8 @@ from safetensors.torch import load_file
 from conftest import comparable, make_config, parity
 from grpokit.config.schema import RolloutConfig
 from grpokit.errors import ConfigError, RolloutWorkerError, SetupError
+from grpokit.observe.report import build_report
+from grpokit.observe.timeline import timeline_svg
 from grpokit.training.loop import train
 
 _calls = {"n": 0}
@@ -101,7 +103,25 @@ def test_versions_lag_as_ordered_and_the_lag_is_corrected(tiny_model_dir, tmp_pa
         assert "time/trainer_idle" in r and "time/sampler_idle" in r
     timeline = rows(run / "timeline.jsonl")
     assert {t["process"] for t in timeline} == {"trainer", "worker 0"}
+    assert {t["phase"] for t in timeline} == {"sample", "wait", "train", "weight sync"}
     assert all(t["end"] >= t["start"] for t in timeline)
+    # the trainer's spans follow each other; worker 0 sampled step 2's batch while the trainer trained step 1
+    span = {(t["process"], t["phase"], t["step"]): t for t in timeline}
+    assert span[("worker 0", "sample", 2)]["start"] < span[("trainer", "train", 1)]["end"]
+    page = build_report(run).read_text()
+    assert "<h2>Timeline</h2>" in page
+
+
+def test_the_timeline_chart_draws_each_process_in_its_lane_and_skips_damaged_rows():
+    spans = [{"step": 1, "process": "worker 0", "phase": "sample", "start": 0.0, "end": 1.0},
+             {"step": 1, "process": "trainer", "phase": "train", "start": 1.0, "end": 2.0},
+             {"step": 2, "process": "worker 0", "phase": "sample", "start": 1.0, "end": 2.0},
+             {"step": 2, "process": "trainer", "phase": "wait", "start": 2.0, "end": float("nan")},
+             "not a span", {"process": "trainer"}]
+    svg = timeline_svg(spans)
+    assert svg.count("<title>") == 3 and svg.index(">trainer<") < svg.index(">worker 0<")
+    assert "steps 1-2 (2.00 s)" in svg
+    assert timeline_svg([]) is None and timeline_svg(["x"]) is None
 
 
 def test_two_workers_take_turns_and_resume(tiny_model_dir, tmp_path):

@@ -30,7 +30,8 @@ from pathlib import Path
 from grpokit.errors import ReportError
 from grpokit.observe.charts import _match, _value, data_uri, svg_chart
 from grpokit.observe.diagnostics import replay
-from grpokit.observe.run_logs import load_run
+from grpokit.observe.run_logs import _read, load_run
+from grpokit.observe.timeline import timeline_svg
 
 CHARTS = [  # (title, metric names; "*" matches one reward function name)
     ("Reward (total and per function)", ["reward", "rewards/*/mean"]),
@@ -268,6 +269,12 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, *, groups_p
         else:
             parts.append(f'<figure><img alt="{e(title)}" src="{data_uri(svg)}"></figure>')
     parts.append("</div>")
+
+    timeline = timeline_svg(_read(run["dir"] / "timeline.jsonl", run["notes"]))  # asynchronous rollout only
+    if timeline is not None:
+        parts += ["<h2>Timeline</h2>", "<p>Asynchronous rollout: what the trainer and each rollout worker did "
+                  "when (hover a bar for its step and length).</p>", f'<figure><img alt="timeline" '
+                  f'src="{data_uri(timeline)}"></figure>']
 
     parts.append("<h2>Sampled groups</h2>")
     parts.append(_groups_section(run, groups_per_step, max_steps))

@@ -148,6 +148,7 @@ class AsyncRollouts:
         self.arrived: dict[int, tuple[int, object]] = {}  # step -> (worker, WorkerBatch)
         self.dropped = 0
         self.started = False  # every worker has said "ready"
+        self.took = time.time()  # when the trainer last took a batch
         self.timeline = run_dir / "timeline.jsonl" if run.inputs.folder is not None else None
         ctx = mp.get_context("spawn")  # a fresh interpreter: no copy of the trainer's threads or locks
         self.announced = ctx.Value("q", -1)
@@ -206,6 +207,7 @@ class AsyncRollouts:
                    "async/sampler_tokens_per_sec": got.tokens / max(got.ended - got.started, 1e-9)}
         self._record(step, [(f"worker {index}", "sample", got.started, got.ended),
                             ("trainer", "wait", time.time() - idle, time.time())])
+        self.took = time.time()  # the update of this batch starts
         return got.batch, metrics
 
     def _worker_of(self, step: int) -> int:
@@ -252,6 +254,7 @@ class AsyncRollouts:
         """After optimizer step `step`: the workers get its weights every `weight_sync_every` steps (not after
         the last step: no batch is sampled after it)."""
         r = self.config.rollout
+        self._record(step, [("trainer", "train", self.took, time.time())])
         if step % r.weight_sync_every or step >= self.config.train.steps:
             return {}
         return {"time/weight_sync": self._publish(model, step, full=False)}
