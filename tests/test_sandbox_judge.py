@@ -1,7 +1,7 @@
 """The code_execution judge: tests run in a process the answer never ran in, against handles on the
 answer's objects. Honest answers grade as plain Python would (objects, callbacks, in-place changes,
-exceptions, generators); what crosses the channel cannot reach the judge's state (callbacks the answer
-calls are limited, forged frames are refused).
+exceptions, generators both ways, the stdlib's value types); what crosses the channel cannot reach the
+judge's state (callbacks the answer calls are limited, forged frames are refused).
 
 Each case runs under `sandbox = "none"` and, where it is in force, under bubblewrap.
 """
@@ -58,6 +58,12 @@ def same(x):
 def pair():
     node = Stack()
     return node, node
+def count(s):
+    from collections import Counter
+    return Counter(s)
+def next_day(d):
+    from datetime import timedelta
+    return d + timedelta(days=1)
 '''
 
 OBJECT_TESTS = [
@@ -71,6 +77,9 @@ OBJECT_TESTS = [
     "s = Stack()\nassert same(s) is s and same(None) is None\na, b = pair()\nassert a is b",
     "s = Stack()\ns.items = [5]\nassert s.pop() == 5",
     "class Node:\n    def __init__(self, v):\n        self.v = v\nassert apply(lambda n: n.v, Node(4)) == 4",
+    "assert apply(sum, range(5)) == 10 and apply(sum, (x * 2 for x in [1, 2])) == 6",
+    "from datetime import date\nassert count('aab') == {'a': 2, 'b': 1} and count('a')['z'] == 0\n"
+    "assert next_day(date(2020, 2, 28)) == date(2020, 2, 29)",
 ]
 
 
@@ -79,7 +88,7 @@ def test_honest_answers_using_objects_callbacks_and_exceptions_grade_as_python_w
     reward = _reward(sandbox)
     assert reward([OBJECTS], [OBJECT_TESTS]) == [1.0], reward.last_grades
     wrong = OBJECTS.replace("xs.sort()", "xs.reverse()").replace("yield i * i", "yield i")
-    assert reward([wrong], [OBJECT_TESTS]) == [8 / 10]
+    assert reward([wrong], [OBJECT_TESTS]) == [10 / 12]
 
 
 ESCAPES = '''

@@ -119,7 +119,7 @@ def read_all(fd):
 
 ANSWER = r'''
 class Callback:
-    """In the answer's process: a handle on an object of the tests (a callback); calls and attributes only."""
+    """In the answer's process: a handle on an object of the tests: calls, attributes and iteration only."""
 
     __slots__ = ("_h", "_peer")
 
@@ -135,6 +135,12 @@ class Callback:
     def __getattr__(self, name):
         peer = object.__getattribute__(self, "_peer")
         return peer.decode(peer.request(["getattr", self._h, str(name)])[1])
+
+    def __iter__(self):
+        return self._peer.decode(self._peer.request(["iter", self._h])[1])
+
+    def __next__(self):
+        return self._peer.decode(self._peer.request(["next", self._h])[1])
 
 
 class AnswerPeer(Peer):

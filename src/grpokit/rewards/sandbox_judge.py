@@ -25,7 +25,8 @@ Arithmetic, `len`, `bool`, iteration, indexing, attributes and calls on a handle
 The answer may call back only what the tests hand it: functions, methods and classes the tests
 define, plain-data types, a list of pure builtins (`len`, `sorted`, ...), `math` / `operator`
 functions and methods of plain values (`"".join`, `results.append`); attributes of the tests' own
-objects, never a name with a leading underscore. Anything else it gets is a handle it can do nothing
+objects, never a name with a leading underscore; iterators the tests hand over (a generator, a `map`)
+and the tests' own iterable objects, as iterators. Anything else it gets is a handle it can do nothing
 with, so it cannot reach this process's builtins, frames or descriptors through a callback.
 
 The verdict: a test passes when its code ran to its end here with no exception (an assert that
@@ -238,7 +239,7 @@ def test_class(c):
 
 def serve_tests(peer, msg):
     """A request of the answer's process on one of the tests' objects it was given."""
-    if len(msg) < 3 or type(msg[1]) is not int or msg[1] not in peer.mine:
+    if len(msg) < 2 or type(msg[1]) is not int or msg[1] not in peer.mine:
         raise peer.refuse("a request on nothing the tests gave it")
     obj = peer.mine[msg[1]]
     if msg[0] == "call" and len(msg) == 4 and type(msg[2]) is list and type(msg[3]) is list:
@@ -255,6 +256,10 @@ def serve_tests(peer, msg):
         except AssertionError:
             STATE["assert_failed"] = True
             raise
+    if msg[0] in ("iter", "next") and len(msg) == 2:  # an iterator the tests hand over (a generator, a map)
+        if not (hasattr(type(obj), "__next__") or test_class(type(obj)) and hasattr(type(obj), "__iter__")):
+            raise TypeError("the tests' %s cannot be iterated from the answer" % type(obj).__name__)
+        return (iter(obj) if msg[0] == "iter" else next(obj)), []
     if msg[0] == "getattr" and len(msg) == 3 and type(msg[2]) is str:
         name = msg[2]
         if name.startswith("_") or not (test_class(type(obj)) or test_class(obj)):

@@ -10,10 +10,12 @@ between objects 4 and 5"). Both ends speak the same protocol, over one socket:
   one that is not a JSON list headed by a string, is refused (`Refused`): only the answer's side
   writes such things, and the judge then scores the answer 0.0.
 - Values cross by value when they are plain data (None, bool, int, float, complex, str, bytes, list,
-  tuple, dict, set, frozenset, Fraction, Decimal; exact types only, containers to 100 levels) and by
-  handle otherwise: `{"h": n}`, the sender's n-th exported object, which the receiver wraps in its
-  proxy type; `{"y": n}` sends a receiver's object back to it. So an answer's object with a lying
-  `__eq__` reaches the judge as a handle, and the judge compares plain values itself.
+  tuple, dict, set, frozenset, range, Fraction, Decimal, Counter, OrderedDict, deque, a defaultdict
+  whose factory is a plain type, naive date / datetime / time and timedelta; exact types only,
+  containers to 100 levels), rebuilt from the receiver's own classes, and by handle otherwise:
+  `{"h": n}`, the sender's n-th exported object, which the receiver wraps in its proxy type;
+  `{"y": n}` sends a receiver's object back to it. So an answer's object with a lying `__eq__`
+  reaches the judge as a handle, and the judge compares plain values itself.
 - A request is `[op, ...]`; its reply is `["ok", value, mutated]` or `["err", class name, builtin
   base name, text, class handle or None]`. While waiting for a reply either side serves the other's
   nested requests (a test's callback the answer calls, an answer's method the callback calls).
@@ -38,6 +40,8 @@ class Gone(Exception):
 
 
 TAGS = {tuple: "t", set: "S", frozenset: "F"}
+FACTORY_NAMES = {"int": int, "float": float, "str": str, "list": list, "dict": dict, "set": set, "tuple": tuple}
+FACTORIES = {None: None, **{f: name for name, f in FACTORY_NAMES.items()}}  # defaultdict's that cross by value
 
 
 class Peer:
@@ -146,12 +150,34 @@ class Peer:
             return {"b": x.hex()}
         if t is complex:
             return {"c": [x.real, x.imag]}
+        if t is range:
+            return {"R": [self.encode(x.start), self.encode(x.stop), self.encode(x.step)]}
         m = sys.modules.get("fractions")
         if m is not None and t is m.Fraction:
             return {"Q": [hex(x.numerator), hex(x.denominator)]}
         m = sys.modules.get("decimal")
         if m is not None and t is m.Decimal:
             return {"D": str(x)}
+        m = sys.modules.get("collections")
+        if m is not None and t in (m.Counter, m.OrderedDict, m.defaultdict):
+            pairs = [[self.encode(k, depth + 1), self.encode(v, depth + 1)] for k, v in x.items()]
+            if t is not m.defaultdict:
+                return {"C" if t is m.Counter else "O": pairs}
+            factory = FACTORIES.get(x.default_factory, False) if x.default_factory is None or isinstance(
+                x.default_factory, type) else False
+            if factory is not False:
+                return {"DD": [factory, pairs]}
+        if m is not None and t is m.deque:
+            return {"dq": [[self.encode(v, depth + 1) for v in x], x.maxlen]}
+        m = sys.modules.get("datetime")
+        if m is not None and t in (m.date, m.datetime, m.time, m.timedelta):
+            if t is m.timedelta:
+                return {"T": ["timedelta", [x.days, x.seconds, x.microseconds]]}
+            if t is m.date:
+                return {"T": ["date", [x.year, x.month, x.day]]}
+            if x.tzinfo is None and not x.fold:  # naive values only: a time zone is an object of its own
+                fields = [x.hour, x.minute, x.second, x.microsecond]
+                return {"T": ["time", fields] if t is m.time else ["datetime", [x.year, x.month, x.day, *fields]]}
         if t is self.proxy_type:
             return {"y": object.__getattribute__(x, "_h")}
         return self.encode_other(x, depth)
@@ -203,14 +229,33 @@ class Peer:
         kinds = {"t": tuple, "S": set, "F": frozenset}
         if tag in kinds:
             return kinds[tag](self.decode(w, depth + 1) for w in v)
-        if tag == "d":
-            out = {}
-            for pair in v:
-                if type(pair) is not list or len(pair) != 2:
-                    raise TypeError("pair")
-                out[self.decode(pair[0], depth + 1)] = self.decode(pair[1], depth + 1)
-            return out
+        if tag == "R" and len(v) == 3:
+            return range(*(self.decode(w, depth + 1) for w in v))
+        if tag in ("d", "C", "O"):
+            import collections
+            return {"d": dict, "C": collections.Counter, "O": collections.OrderedDict}[tag](self.pairs(v, depth))
+        if tag == "DD" and len(v) == 2 and (v[0] is None or v[0] in FACTORY_NAMES):
+            import collections
+            return collections.defaultdict(FACTORY_NAMES.get(v[0]), self.pairs(v[1], depth))
+        if tag == "dq" and len(v) == 2 and type(v[0]) is list and (v[1] is None or type(v[1]) is int):
+            import collections
+            return collections.deque((self.decode(w, depth + 1) for w in v[0]), v[1])
+        if tag == "T" and len(v) == 2 and type(v[1]) is list and all(type(f) is int for f in v[1]):
+            import datetime
+            kinds = {"date": datetime.date, "datetime": datetime.datetime, "time": datetime.time,
+                     "timedelta": datetime.timedelta}
+            return kinds[v[0]](*v[1])
         raise ValueError(tag)
+
+    def pairs(self, v, depth):
+        out = []
+        if type(v) is not list:
+            raise TypeError("pairs")
+        for pair in v:
+            if type(pair) is not list or len(pair) != 2:
+                raise TypeError("pair")
+            out.append((self.decode(pair[0], depth + 1), self.decode(pair[1], depth + 1)))
+        return dict(out)
 
     def proxy(self, h):
         if type(h) is not int:
