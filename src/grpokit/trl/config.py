@@ -148,6 +148,8 @@ class _Supported:
     accelerator_config: Any = None  # grpokit does not run on Accelerate: checked for what would change the batch
     generation_kwargs: dict | None = None  # only stop strings (`stop_strings` / vLLM's `stop`) and do_sample=True
 
+    _label = "grpokit.trl.GRPOConfig"  # what its errors name (AsyncGRPOConfig's translation names itself)
+
     def __post_init__(self):
         if self.output_dir is None:
             self.output_dir = "trainer_output"  # TrainingArguments' default
@@ -160,7 +162,7 @@ class _Supported:
                     for name, default in REFUSED.items() if getattr(self, name) != default]
         problems += _value_problems(self)
         if problems:
-            raise ConfigError("grpokit.trl.GRPOConfig: grpokit does not support "
+            raise ConfigError(f"{self._label}: grpokit does not support "
                               + ("this TRL argument" if len(problems) == 1 else "these TRL arguments")
                               + " (leave them at TRL's default, or use grpokit's own Config; docs/TRL.md): "
                               + "; ".join(problems))

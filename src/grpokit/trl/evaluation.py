@@ -61,7 +61,7 @@ def run_evaluation(trainer, model, rows: list[dict], prefix: str) -> dict[str, f
         tokenize_prompts,
     )
 
-    config, args = trainer.config, trainer.args
+    config, args = trainer.config, trainer._grpo_args
     if trainer.environment_factory is not None:
         raise ConfigError("GRPOTrainer.evaluate: grpokit's evaluation does not run environment_factory's environments "
                           "yet; evaluate without them")
@@ -131,7 +131,7 @@ def _answer_metrics(trainer, model, tokenizer, table, specs, *, samples_per_prom
     common = dict(group_size=G, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                   temperature=temperature, top_p=top_p, top_k=top_k, tokenizer=tokenizer, generator=generator,
                   eos_token_ids=list(eos_token_ids))
-    per_batch = max(1, trainer.args.per_device_eval_batch_size // G)  # prompts in one TRL eval batch
+    per_batch = max(1, trainer._grpo_args.per_device_eval_batch_size // G)  # prompts in one TRL eval batch
     out, totals = [], [torch.zeros(0, G)]
     for start in range(0, len(table.ids), batch_prompts):
         ids, rows = table.ids[start:start + batch_prompts], table.rows[start:start + batch_prompts]

@@ -58,14 +58,14 @@ class GRPOTrainer:
         refused = [name for name, value in given.items() if value is not None]
         refused += ["optimizers"] if tuple(optimizers or (None, None)) != (None, None) else []
         if refused:
-            raise ConfigError(f"GRPOTrainer: grpokit does not support {', '.join(refused)} (docs/TRL.md); leave "
-                              f"{'it' if len(refused) == 1 else 'them'} unset")
+            raise ConfigError(f"{type(self).__name__}: grpokit does not support {', '.join(refused)} (docs/TRL.md); "
+                              f"leave {'it' if len(refused) == 1 else 'them'} unset")
         if args is None:
             args = GRPOConfig(output_dir=f"{_model_name(model).split('/')[-1]}-GRPO")  # TRL's default
         if not isinstance(args, GRPOConfig):
             raise TypeError(f"args must be a grpokit.trl.GRPOConfig (same arguments as TRL's), got "
                             f"{type(args).__module__}.{type(args).__name__}")
-        self.args = args
+        self.args = self._grpo_args = args  # AsyncGRPOTrainer: args is its own config, _grpo_args the translation
         funcs = reward_list(reward_funcs, environment_factory)
         reward_classes = processing_classes(reward_processing_classes, len(funcs))
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -73,9 +73,9 @@ class GRPOTrainer:
         self.eval_rows = datasets.eval_sets(eval_dataset, args, environment_factory)
         self.tools, self.environment_factory = tools, environment_factory
         module, tokenizer, path, dtype, lora = models.load(model, processing_class, args, peft_config)
-        self.config = grpokit_config(args, model_path=path, dtype=dtype, lora=lora,
-                                     num_rows=len(self.rows) if self.rows is not None else None,
-                                     num_eval_rows=len(self.eval_rows) if isinstance(self.eval_rows, list) else None)
+        self.config = self._config_for(args, model_path=path, dtype=dtype, lora=lora,
+                                       num_rows=len(self.rows) if self.rows is not None else None,
+                                       num_eval_rows=len(self.eval_rows) if isinstance(self.eval_rows, list) else None)
         if self.rows is None:  # streaming: as many prompts as the run uses
             needed = self.config.train.steps * self.config.train.prompts_per_step
             self.rows = datasets.stream_rows(train_dataset, needed, args.remove_unused_columns)
@@ -120,7 +120,7 @@ class GRPOTrainer:
                               "module (a transformers PreTrainedModel or a peft PeftModel of model's architecture): "
                               "assign one, or pass the model to GRPOTrainer(model=...)")
         resume = self._resume(resume_from_checkpoint)
-        start = _newest_step(self.args.output_dir) if resume else 0  # TRL's train metrics: this call's steps
+        start = _newest_step(self._grpo_args.output_dir) if resume else 0  # TRL's train metrics: this call's steps
         policy = models.policy_module(self.model)
         policy.to(self.accelerator.device if not self.config.model.fsdp else "cpu")
         started = time.time()
@@ -129,14 +129,14 @@ class GRPOTrainer:
                              eval_rows=self.eval_rows if self.config.eval.every else None, model=policy)
         runtime = time.time() - started
         rows = read_metrics(self.run_dir)
-        per_step = optimizer_steps_per_generation(self.args)
+        per_step = optimizer_steps_per_generation(self._grpo_args)
         best = best_checkpoint(self.run_dir) if self.config.output.keep_best else None
-        self.state = results.new_state(self.args, max_steps=self.config.train.steps * per_step)
+        self.state = results.new_state(self._grpo_args, max_steps=self.config.train.steps * per_step)
         self.state.global_step = self.config.train.steps * per_step
         self.state.epoch = results.epoch_at(self.config, self.config.train.steps, len(self.rows))
-        self.state.log_history = results.log_rows(rows, self.args, self.config, len(self.rows))
+        self.state.log_history = results.log_rows(rows, self._grpo_args, self.config, len(self.rows))
         self.state.num_input_tokens_seen = results.tokens_seen(rows)
-        metrics = results.summary([r for r in rows if r.get("step", 0) > start], self.args, self.config,
+        metrics = results.summary([r for r in rows if r.get("step", 0) > start], self._grpo_args, self.config,
                                   len(self.rows), runtime, self.config.train.steps - start)
         self.state.log_history.append({**{k: v for k, v in metrics.items() if k != "epoch"}, "total_flos": 0.0,
                                        "epoch": metrics["epoch"], "step": self.state.global_step})
@@ -144,7 +144,7 @@ class GRPOTrainer:
             checkpoint, record = best
             self.state.best_metric, self.state.best_model_checkpoint = record.get("value"), str(checkpoint)
             self.state.best_global_step = record["step"] * per_step
-            if self.args.load_best_model_at_end:  # transformers' _load_best_model: into the model, in place
+            if self._grpo_args.load_best_model_at_end:  # transformers' _load_best_model: into the model, in place
                 from grpokit.training.checkpoint import load_checkpoint_weights
 
                 load_checkpoint_weights(checkpoint, policy)
@@ -156,7 +156,7 @@ class GRPOTrainer:
         if ignore_keys is not None:
             raise ConfigError("GRPOTrainer.evaluate(ignore_keys=...): not supported (grpokit returns no model "
                               "outputs); leave it unset")
-        given = SimpleNamespace(eval_strategy="no", remove_unused_columns=self.args.remove_unused_columns)
+        given = SimpleNamespace(eval_strategy="no", remove_unused_columns=self._grpo_args.remove_unused_columns)
         sets = self.eval_rows if eval_dataset is None else datasets.eval_sets(eval_dataset, given, None)
         if sets is None:
             raise ConfigError("GRPOTrainer.evaluate: no eval_dataset; pass one here or to "
@@ -174,7 +174,7 @@ class GRPOTrainer:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Write `trainer.model` and its tokenizer to output_dir (default: args.output_dir), as TRL does: a
         PeftModel writes its adapter. Under FSDP the final checkpoint's files (gathered when it was saved)."""
-        target = Path(output_dir or self.args.output_dir)
+        target = Path(output_dir or self._grpo_args.output_dir)
         if not self.is_world_process_zero():
             return
         target.mkdir(parents=True, exist_ok=True)
@@ -196,12 +196,16 @@ class GRPOTrainer:
 
     # ---- helpers -------------------------------------------------------------------------------
 
+    def _config_for(self, args, **given):
+        """grpokit's Config for `args` (AsyncGRPOTrainer adds its asynchronous rollout here, before any load)."""
+        return grpokit_config(args, **given)
+
     def _resume(self, resume_from_checkpoint) -> bool:
         if not isinstance(resume_from_checkpoint, str):
             return bool(resume_from_checkpoint)
         from grpokit.training.checkpoint import list_checkpoints
 
-        newest = list_checkpoints(self.args.output_dir)
+        newest = list_checkpoints(self._grpo_args.output_dir)
         if newest and Path(resume_from_checkpoint).resolve() == newest[-1].resolve():
             return True
         raise ConfigError(f"GRPOTrainer.train(resume_from_checkpoint={resume_from_checkpoint!r}): grpokit resumes from "
