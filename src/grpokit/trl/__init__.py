@@ -7,9 +7,15 @@ supports maps onto its `Config` with the same meaning (trl/mapping.py); the few 
 nothing to act on are accepted with a note (trl/accepted.py); each other is refused with one ConfigError
 listing them, never ignored (trl/config.py). What maps to what, what is refused, and where defaults
 differ: docs/TRL.md.
+
+TRL's asynchronous trainer, `AsyncGRPOConfig` / `AsyncGRPOTrainer` (trl/async_config.py, trl/async_trainer.py),
+runs on the same machinery with grpokit's asynchronous rollout; it is also importable by TRL's own path,
+`grpokit.trl.experimental.async_grpo`.
 """
 
+from grpokit.trl.async_config import AsyncGRPOConfig
+from grpokit.trl.async_trainer import AsyncGRPOTrainer
 from grpokit.trl.config import GRPOConfig
 from grpokit.trl.trainer import GRPOTrainer
 
-__all__ = ["GRPOConfig", "GRPOTrainer"]
+__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "GRPOConfig", "GRPOTrainer"]

@@ -1,0 +1,1 @@
+"""`trl.experimental`'s import paths under grpokit.trl: `from grpokit.trl.experimental.async_grpo import ...`."""
