@@ -1,7 +1,8 @@
 """Findings of the adversarial review of the code_execution grading rewrite and the new code (issue 26 point 0).
 
-Each test reproduces one confirmed bug and is marked xfail(strict=True): it starts passing (and so
-fails the suite, prompting removal of the mark) once the bug is fixed.
+Each test reproduces one confirmed bug. While a bug is open its test is marked xfail(strict=True), so that
+it fails the suite once it starts passing, prompting removal of the mark; a fixed one says "Fixed (how)".
+One documents a limit instead (an `_exit` bound before grpokit was imported, which needs tools.isolation).
 """
 
 from __future__ import annotations

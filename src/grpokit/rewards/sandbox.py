@@ -53,7 +53,8 @@ Reward: the fraction of tests that passed, if the program ran to its end.
 A list of N tests gives k/N; one string of test code gives 1.0 or 0.0. An answer
 whose own code raises (SyntaxError and PermissionError included) passes no test:
 0.0. An answer that hangs, runs out of memory, crashes the interpreter or exits
-early (`sys.exit`, `os._exit`, a signal), in its code or in any test, gets 0.0. A
+early (`sys.exit` in its own code, `os._exit`, a signal, anywhere), gets 0.0; a
+`SystemExit` raised by one of its functions during a test fails that test. A
 row whose `tests` is None or empty is not graded (None). Nothing an answer does
 raises here; only a failure of the machinery itself (no `python` to start) raises.
 
