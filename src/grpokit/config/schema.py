@@ -34,6 +34,7 @@ class ModelConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     lora: dict = field(default_factory=dict)  # LoRA (models/lora.py): {r = 8, alpha = 16, target_modules = [...]}
     fsdp: bool = False  # shard parameters, gradients, optimizer state over torchrun processes (FSDP2)
+    train_vision_tower: bool = False  # vision-language models: train the image encoder too (frozen by default)
 
     def __post_init__(self):
         _check_fields(self, "model")

@@ -272,6 +272,12 @@ def _read_source(source: Any, split: str, csv_types: dict[str, str], name: str |
     return rows, "<rows>", None
 
 
+def _is_content(content: Any) -> bool:
+    """A message's content: a string, or (TRL's multimodal layout) a list of {"type": ...} parts."""
+    return isinstance(content, str) or (isinstance(content, list) and all(
+        isinstance(part, dict) and isinstance(part.get("type"), str) for part in content))
+
+
 def _check_prompt(prompt: Any, where: str, column: str) -> None:
     if prompt is None or (isinstance(prompt, (str, list)) and not (prompt.strip() if isinstance(prompt, str)
                                                                   else prompt)):
@@ -280,9 +286,10 @@ def _check_prompt(prompt: Any, where: str, column: str) -> None:
         return
     if isinstance(prompt, list):
         for j, m in enumerate(prompt):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and _is_content(m.get("content"))):
                 raise DataError(f"{where}: {column!r} message {j} is {m!r}; a conversational prompt is a list "
-                                f"of {{\"role\": str, \"content\": str}} messages")
+                                f"of {{\"role\": str, \"content\": str}} messages (or content as a list of "
+                                f"{{\"type\": \"text\" | \"image\", ...}} parts, with images)")
         return
     raise DataError(f"{where}: {column!r} is a {type(prompt).__name__} ({prompt!r:.60}); a prompt is a string "
                     f"or a list of {{\"role\", \"content\"}} messages")

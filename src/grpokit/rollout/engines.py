@@ -79,7 +79,8 @@ class HFEngine:
         self.tools, self.max_tool_turns = tools, max_tool_turns
         self.tool_stats: ToolStats | None = None  # the last batch's, with tools
 
-    def generate(self, prompt_ids, *, group_size, sampling, generator=None) -> Rollout:
+    def generate(self, prompt_ids, *, group_size, sampling, generator=None, media=None) -> Rollout:
+        """`media` (`models.media.RowMedia`, one row per prompt): the prompts' images (rollout/vision.py)."""
         s = sampling
         rows = len(prompt_ids) * group_size
         with full_params_for_generation(self.model), packed_linears(self.model, rows, self.packed_weights):
@@ -94,7 +95,7 @@ class HFEngine:
                 self.model, prompt_ids, group_size=group_size, max_new_tokens=s.max_new_tokens,
                 eos_token_ids=list(s.eos_token_ids), pad_token_id=s.pad_token_id, temperature=s.temperature,
                 top_p=s.top_p, top_k=s.top_k, stop_strings=s.stop_strings, tokenizer=self.tokenizer,
-                generator=generator, ignore_eos=s.ignore_eos, **self.speed)
+                generator=generator, ignore_eos=s.ignore_eos, media=media, **self.speed)
 
     def sync_weights(self, model) -> None:
         """Nothing to do: the sampler is the training model."""

@@ -64,7 +64,8 @@ def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts
         if environments is not None:
             ids, group = _start_environments(environments, engine, tokenizer, rows, ids, G, sampling.max_new_tokens)
         t0 = time.perf_counter()
-        rollout = engine.generate(ids, group_size=group, sampling=sampling, generator=sampler)
+        media = {} if prompts.media is None else {"media": prompts.media.rows(indices)}  # image rows: their pixels
+        rollout = engine.generate(ids, group_size=group, sampling=sampling, generator=sampler, **media)
         t1 = time.perf_counter()
         stats = getattr(engine, "tool_stats", None)  # an engine given to train() may not know of tools
         tool_stats += [stats] if stats is not None else []

@@ -25,7 +25,7 @@ from grpokit.errors import DataError, SetupError
 from grpokit.models.allocator import keep_freed_memory
 from grpokit.models.checkpointing import enable_activation_checkpointing
 from grpokit.models.forward import head_is_linear
-from grpokit.models.fsdp import load_device, prepare_model
+from grpokit.models.fsdp import prepare_model
 from grpokit.models.loading import check_model_folder, load_model, load_tokenizer, max_positions_of, resolve_device
 from grpokit.models.lora import AdapterDisabled, LoraReference, adapter_of, apply_lora
 from grpokit.models.onednn import kernel_note
@@ -42,6 +42,7 @@ from grpokit.rollout.environments import Environments
 from grpokit.rollout.multiturn import check_full_attention
 from grpokit.rollout.tools import ToolBox, check_tool_template
 from grpokit.tasks import get_task
+from grpokit.training import vision_setup as vision_setup  # vision-language models: processor, images
 from grpokit.training.checkpoint import list_checkpoints, restore_checkpoint
 from grpokit.training.optimizer import build_optimizer, lr_lambda
 from grpokit.training.run_folder import RunFolder, prepare_run_folder
@@ -63,6 +64,7 @@ class PromptTable:
     rows: list[dict]
     ids: list[list[int]]  # the tokenized prompt of each row
     eos_token_ids: list[int]
+    media: object = None  # image rows: vision_setup.PromptMedia (each step's rows encoded as RowMedia)
 
 
 def prepare_data(config: Config, rows: Iterable[dict] | None = None) -> PreparedData:
@@ -303,6 +305,8 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
     resolve_device(config.model.device)  # a device this machine lacks fails here, not after the folder is prepared
     data = prepare_data(config, rows)
     toolbox, environments = resolve_tools(config, tools, environment_factory, data.task)
+    vision = vision_setup.check_vision_inputs(config, data, folder,  # images vs the model: before anything loads
+                                              multi_turn=toolbox is not None or environments is not None)
     if toolbox is not None:
         try:
             check_full_attention(AutoConfig.from_pretrained(folder))
@@ -321,11 +325,14 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
             environments.check_rows(data.rows)
         except ValueError as e:
             raise DataError(f"{config.data.path or 'rows'}: {e}") from None
-    tokenizer = load_tokenizer(config.model.path)
-    max_positions = max_positions_of(config.model.path)
+    tokenizer = load_tokenizer(config.model.path) if vision is None else \
+        vision_setup.vision_tokenizer(vision, config.model.path)
+    max_positions = max_positions_of(config.model.path) if vision is None else \
+        vision_setup.context_length(vision.model_config)
     if environments is not None:  # what reset returns is checked against it at each batch
         environments.max_positions = max_positions
-    prompts = tokenize_prompts(config, data, tokenizer, max_positions, toolbox, environments)
+    prompts = PromptTable(data.rows, *vision_setup.tokenize_image_prompts(config, data, vision, tokenizer)) \
+        if vision and vision.images else tokenize_prompts(config, data, tokenizer, max_positions, toolbox, environments)
     held_out = prepare_held_out(config, data.task, tokenizer, max_positions, toolbox, dist, eval_rows, data.rows)
     folder = dist.run_on_main(prepare_run_folder, config, resume=resume, lock=lock)
     return Inputs(local, data, specs, tokenizer, prompts, folder, resume, toolbox, environments, held_out,
@@ -337,10 +344,11 @@ def build_policy(config: Config, model=None) -> Policy:
     sharded (FSDP2) or replicated across processes. A `model` given (on its device) is trained in place."""
     if config.train.keep_freed_memory and resolve_device(config.model.device).type == "cpu":
         keep_freed_memory()  # glibc: freed buffers stay mapped for the next step (models/allocator.py)
-    model = model or load_model(config.model.path, dtype=config.model.dtype, device=load_device(config))
+    model = vision_setup.apply_vision_tower_option(config, model) if model is not None else \
+        vision_setup.load_policy_model(config, load_model)  # a vision-language folder: its own class
     ref_model = None
     if config.algorithm.beta > 0 and not config.model.lora:  # with β = 0 no reference model is loaded at all
-        ref_model = load_model(config.model.path, dtype=config.model.dtype, device=load_device(config))
+        ref_model = vision_setup.load_policy_model(config, load_model)
         ref_model.eval().requires_grad_(False)
     model.eval()  # dropout stays off throughout: ratio is exactly 1 before the first update
     linear_head = head_is_linear(model)

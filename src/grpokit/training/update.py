@@ -49,7 +49,8 @@ def _score(config: Config, model, batch: GenerationBatch, linear_head: bool) -> 
                                       r.completion_mask[rows], temperature=config.rollout.temperature,
                                       chunk_size=config.train.logprob_chunk_size, linear_head=linear_head,
                                       fused=config.train.fused_logprobs,
-                                      share_prompts=config.train.shared_prompt_forward)
+                                      share_prompts=config.train.shared_prompt_forward,
+                                      media=None if r.media is None else r.media.select(rows))  # each row's images
         out.append(logp)
     return torch.cat(out)  # [N, T]
 
@@ -195,7 +196,8 @@ def _micro_step(config: Config, policy: Policy, batch: GenerationBatch, old_logp
             model, r.prompt_ids[sel], r.prompt_mask[sel], r.completion_ids[sel, :T], r.completion_mask[sel, :T],
             temperature=config.rollout.temperature, chunk_size=train.logprob_chunk_size, with_entropy=True,
             linear_head=linear_head, fused=train.fused_logprobs, grad_fn=grad_fn,
-            share_prompts=train.shared_prompt_forward and not train.gradient_checkpointing)  # [k, T]
+            share_prompts=train.shared_prompt_forward and not train.gradient_checkpointing,
+            media=None if r.media is None else r.media.select(sel))  # [k, T]
         # (a checkpointed layer cannot write the shared prompt's KV cache: its replay would write it twice)
         logp = logp_kept if len(keep) == n else logp_kept.new_zeros(n, T).index_copy(0, keep, logp_kept)
     else:  # nothing carries a gradient: no model call at all

@@ -1,0 +1,198 @@
+"""Setting a vision-language run up: what `setup.py` does for text, with a processor and images.
+
+    vision = check_vision_inputs(config, data, folder)   # before anything loads: images vs the model, options
+    tokenizer = vision_tokenizer(vision)                  # the processor's tokenizer (saves the whole processor)
+    prompts = tokenize_image_prompts(config, data, vision)  # ids with each image expanded to its tokens
+    model = load_policy_model(config)                     # AutoModelForImageTextToText, vision tower frozen
+
+A model folder whose config has a vision tower is loaded as an image-text-to-text model and its
+processor renders the prompts. The pixels are not kept for the whole data set (a 448x448 image is
+about 5 MB of Qwen2-VL patches): the prompts' token ids are computed once here, for the context check
+and the prompt table; each step's B prompts are encoded again (`PromptMedia.rows`), which is what TRL
+does every step, and the result travels with the answers as `RowMedia`.
+
+What is not built with images, refused here before the model loads: tool calls and environments
+(multi-turn), asynchronous rollout, the vLLM engine, and `[eval]` during training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from grpokit.config.schema import Config
+from grpokit.data.images import check_image_rows, row_images, with_image_placeholders
+from grpokit.errors import DataError, SetupError
+from grpokit.models.media import RowMedia
+from grpokit.models.vision import (
+    encode_image_prompt,
+    freeze_vision_tower,
+    has_vision_tower,
+    load_processor,
+    save_processor,
+    vision_family,
+)
+
+
+@dataclass
+class VisionInputs:
+    """A vision-language model's run: its family, whether the rows carry images, its processor."""
+
+    family: str | None  # models/vision.VISION_FAMILIES; None: a vision-language model grpokit does not know
+    images: bool  # the rows carry images
+    model_config: object  # the folder's transformers config
+    base: Path | None  # relative image paths are read from here (the data file's folder)
+    processor: object = None  # loaded by vision_tokenizer
+
+    @property
+    def image_token_id(self) -> int:
+        return int(self.model_config.image_token_id)
+
+
+def _model_config(folder: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, KeyError):
+        return None  # the model load names what is wrong with the folder
+
+
+def check_vision_inputs(config: Config, data, folder: Path, *, multi_turn: bool = False) -> VisionInputs | None:
+    """The checks of a run with a vision-language model or image rows, before any model loads; None for a
+    text model with text rows. `multi_turn`: the run has tools or environments."""
+    model_config = _model_config(folder)
+    vision = model_config is not None and has_vision_tower(model_config)
+    family = vision_family(model_config) if vision else None
+    if config.model.train_vision_tower and not vision:
+        raise SetupError(f"model.train_vision_tower: {config.model.path} is a text-only model (model_type "
+                         f"{getattr(model_config, 'model_type', None)!r}), it has no vision tower; drop the option")
+    if config.model.train_vision_tower and config.model.lora:
+        raise SetupError("model.train_vision_tower: with model.lora only the language model's adapters train; set "
+                         "one of them, not both")
+    base = Path(config.data.path).parent if config.data.path and Path(config.data.path).is_file() else None
+    images = check_image_rows(data.rows, model_type=getattr(model_config, "model_type", None),
+                              supported=family is not None, has_vision=vision, model_path=config.model.path,
+                              base=base)
+    if not vision:
+        return None
+    if images:
+        _refuse_unbuilt(config, multi_turn)
+    return VisionInputs(family, images, model_config, base)
+
+
+def _refuse_unbuilt(config: Config, multi_turn: bool) -> None:
+    """Options that cannot take image rows yet: one error naming the option, before the model loads."""
+    unbuilt = [("tools", multi_turn, "tool calls and environments (multi-turn rollouts) with images"),
+               ("rollout.mode", config.rollout.mode == "async", "asynchronous rollout with images"),
+               ("rollout.engine", config.rollout.engine != "hf", "the vLLM engine with images"),
+               ("eval.every", config.eval.every > 0, "evaluation during training with images")]
+    for field, hit, what in unbuilt:
+        if hit:
+            raise SetupError(f"{field}: {what} is not built yet; the data has image rows: use the defaults "
+                             f"(hf engine, sync rollout, no tools, eval.every = 0) or text rows")
+
+
+def vision_tokenizer(vision: VisionInputs, path: str):
+    """The processor's tokenizer, which is what the run decodes and pads with; its `save_pretrained` writes
+    the whole processor, so every checkpoint loads as the vision-language model it is."""
+    import copy
+
+    processor = vision.processor = load_processor(path, vision.model_config.model_type)
+    if processor.tokenizer.pad_token_id is None:
+        processor.tokenizer.pad_token = processor.tokenizer.eos_token
+    tokenizer = copy.copy(processor.tokenizer)  # the same tokenizer; only its save differs (the processor's own
+    # tokenizer keeps its save, which save_processor calls)
+    tokenizer.save_pretrained = lambda directory, *args, **kwargs: save_processor(processor, directory)
+    return tokenizer
+
+
+def context_length(model_config) -> int | None:
+    """The language model's context (a vision-language config keeps it in its text config)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return getattr(text, "max_position_embeddings", None)
+
+
+class PromptMedia:
+    """Each row's images, encoded again for the rows of each step: `rows(indices)` -> `RowMedia` [B]."""
+
+    def __init__(self, vision: VisionInputs, rows: Sequence[dict]):
+        self.vision, self.data = vision, rows
+
+    def encode(self, index: int):
+        """Row `index`'s (token ids, PromptImages or None)."""
+        row, v = self.data[index], self.vision
+        images = row_images(row, index=index, base=v.base)
+        messages = with_image_placeholders(row["prompt"], len(images), index=index,
+                                           column="images" if "images" in row else "image")
+        return encode_image_prompt(v.processor, messages, images, v.family)
+
+    def rows(self, indices: Sequence[int]) -> RowMedia:
+        return RowMedia(self.vision.family, tuple(self.encode(i)[1] for i in indices), self.vision.image_token_id)
+
+
+def tokenize_image_prompts(config: Config, data, vision: VisionInputs, tokenizer):
+    """The prompt table of image rows (setup's `PromptTable` fields after the rows: ids, EOS ids, media): each
+    prompt rendered by the processor with its images' tokens, checked against the context with
+    `rollout.max_new_tokens` (an image's tokens count: a large image is named)."""
+    media = PromptMedia(vision, data.rows)
+    limit, budget = context_length(vision.model_config), config.rollout.max_new_tokens
+    ids = []
+    for i in range(len(data.rows)):
+        prompt_ids, images = media.encode(i)
+        if limit and len(prompt_ids) + budget > limit:
+            image_tokens = sum(1 for t in prompt_ids if t == vision.image_token_id)
+            raise DataError(f"prompt row {i + 1} has {len(prompt_ids)} tokens ({image_tokens} of them for its "
+                            f"{0 if images is None else images.num_images} image(s)); with rollout.max_new_tokens = "
+                            f"{budget} it exceeds the model's context of {limit}: use smaller images, shorten the "
+                            f"prompt or lower rollout.max_new_tokens")
+        ids.append(prompt_ids)
+    eos = tokenizer.eos_token_id
+    return ids, [eos] if isinstance(eos, int) else list(eos or []), media
+
+
+def load_policy_model(config: Config, loader):
+    """The model of `config.model.path`: `loader` (setup's `load_model`) for a text model, else
+    `AutoModelForImageTextToText` with the vision tower frozen unless `model.train_vision_tower`."""
+    from grpokit.models.loading import check_model_folder
+
+    folder = check_model_folder(config.model.path)
+    model_config = _model_config(folder)
+    if model_config is None or not has_vision_tower(model_config):
+        return loader(config.model.path, dtype=config.model.dtype, device=_device(config))
+    return apply_vision_tower_option(config, load_vision_model(config.model.path, dtype=config.model.dtype,
+                                                               device=_device(config)))
+
+
+def _device(config: Config):
+    from grpokit.models.fsdp import load_device
+
+    return load_device(config)
+
+
+def apply_vision_tower_option(config: Config, model):
+    """Freeze the image encoder (the default: the reward is about the text) unless `model.train_vision_tower`."""
+    if has_vision_tower(model.config) and vision_family(model.config) and not config.model.train_vision_tower:
+        freeze_vision_tower(model)
+    return model
+
+
+def load_vision_model(path: str, *, dtype: str = "float32", device: str = "auto", field: str = "model.path"):
+    """`AutoModelForImageTextToText.from_pretrained`, with the errors `models.loading.load_model` gives."""
+    from transformers import AutoModelForImageTextToText
+
+    from grpokit.models import loading
+
+    p = loading.check_model_folder(path, field=field)
+    target = loading.resolve_device(device)
+    try:
+        with loading.no_progress_bars():
+            model = AutoModelForImageTextToText.from_pretrained(str(p), dtype=loading.DTYPES[dtype])
+    except Exception as e:
+        if not (isinstance(e, loading._load_errors()) or loading._raised_by_torch_load(e)):
+            raise
+        raise loading._load_failed(p, field, "model", e) from e
+    model.to(target)
+    model.config.use_cache = False
+    return model

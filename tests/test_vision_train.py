@@ -1,0 +1,153 @@
+"""Training a tiny vision-language model end to end, from Python rows and from the CLI, and its bad inputs.
+
+Each run is a few steps of GRPO on image rows: the language model's weights move, the vision tower's
+stay (unless `model.train_vision_tower`), the metrics rows are written, the reward functions receive
+the image column, and the checkpoint loads back as the image-text-to-text model it is (processor too).
+Bad input is refused in the first second, before any model loads.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+import grpokit.training.setup as setup_mod
+from grpokit import train
+from grpokit.cli import main
+from grpokit.errors import DataError, SetupError
+from grpokit.models.tiny_vision import build_tiny_vlm
+from grpokit.models.vision import load_processor
+from tests.conftest import make_config
+
+COLORS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220)}
+
+
+@pytest.fixture(scope="module")
+def vlm_dirs(tmp_path_factory):
+    out = {}
+    for arch in ("qwen2_vl", "idefics3"):
+        out[arch] = tmp_path_factory.mktemp(arch)
+        build_tiny_vlm(out[arch], arch=arch, hidden_size=32, num_layers=1, seed=1)
+    return out
+
+
+def _rows(n=4):
+    names = list(COLORS)
+    return [{"prompt": [{"role": "user", "content": "colour?"}], "image": Image.new("RGB", (32, 32), COLORS[c]),
+             "answer": c} for c in (names[i % 3] for i in range(n))]
+
+
+def distinct_letters(completions, image, **kwargs):
+    """A reward that varies between answers (so the groups carry signal) and checks the image column."""
+    assert all(isinstance(im, Image.Image) for im in image)
+    return [float(len(set(c[-1]["content"]))) for c in completions]
+
+
+def _config(model_dir, out, **sections):
+    return make_config(model_dir, out, steps=2, prompts_per_step=2, max_new_tokens=4, learning_rate=1e-2,
+                       **sections)
+
+
+def _weights(folder):
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _last_checkpoint(run):
+    return sorted(run.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3"])
+def test_a_tiny_vlm_trains_from_image_rows(vlm_dirs, tmp_path, arch):
+    from transformers import AutoModelForImageTextToText
+
+    # is_correction: the trainer scores the sampled tokens before the update and reports its gap to the sampler
+    run = train(_config(vlm_dirs[arch], tmp_path / "run", output={"completions_every": 1},
+                        algorithm={"is_correction": "token_truncate"}), rows=_rows(), reward_functions=[distinct_letters])
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2] and all(m["grad_norm"] > 0 for m in metrics)
+    assert all(m["sampling/logprob_gap_max"] < 1e-4 for m in metrics)  # the pixels reach sampler and trainer alike
+    assert len((run / "completions.jsonl").read_text().splitlines()) == 2 * 2 * 4  # steps x prompts x answers
+    before, after = _weights(vlm_dirs[arch]), _weights(_last_checkpoint(run))
+    tower = ("visual." if arch == "qwen2_vl" else "vision_model.")
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert any(".layers.0." in k for k in moved)  # the decoder learned
+    assert not any(tower in k for k in moved)  # the vision tower is frozen by default
+    model = AutoModelForImageTextToText.from_pretrained(str(_last_checkpoint(run)))  # a VLM checkpoint, processor too
+    assert model.config.model_type == arch and load_processor(_last_checkpoint(run)).image_processor is not None
+
+
+def test_train_vision_tower_trains_it(vlm_dirs, tmp_path):
+    run = train(_config(vlm_dirs["qwen2_vl"], tmp_path / "run", model={"train_vision_tower": True}), rows=_rows(),
+                reward_functions=[distinct_letters])
+    before, after = _weights(vlm_dirs["qwen2_vl"]), _weights(_last_checkpoint(run))
+    assert any("visual." in k and not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_cli_trains_from_a_jsonl_with_image_files(vlm_dirs, tmp_path, capsys):
+    (tmp_path / "img").mkdir()
+    lines = []
+    for i, (name, color) in enumerate(COLORS.items()):
+        Image.new("RGB", (24, 32), color).save(tmp_path / "img" / f"{name}.png")
+        lines.append(json.dumps({"prompt": [{"role": "user", "content": [{"type": "image"},
+                                                                         {"type": "text", "text": "colour?"}]}],
+                                 "images": [f"img/{name}.png"], "answer": name}))
+    (tmp_path / "data.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "run.toml").write_text(f"""
+[model]
+path = "{vlm_dirs['idefics3']}"
+[data]
+path = "{tmp_path / 'data.jsonl'}"
+[rewards]
+functions = ["format"]
+args = {{format = {{pattern = "^[a-z]+$"}}}}
+[rollout]
+group_size = 2
+max_new_tokens = 3
+[train]
+steps = 2
+prompts_per_step = 2
+learning_rate = 0.01
+[output]
+dir = "{tmp_path / 'run'}"
+console = false
+""")
+    assert main(["train", str(tmp_path / "run.toml")]) == 0, capsys.readouterr().err
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    monkeypatch.setattr(setup_mod, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
+    monkeypatch.setattr(setup_mod.vision_setup, "load_vision_model", lambda *a, **k: pytest.fail("the model loaded"))
+
+
+def test_image_rows_with_a_text_only_model_are_refused_before_it_loads(tiny_model_dir, tmp_path, no_model_load):
+    with pytest.raises(DataError, match=r"'image' column but .* text-only model \(model_type 'qwen2'\).*tiny-model"):
+        train(_config(tiny_model_dir, tmp_path / "run"), rows=_rows(), reward_functions=[distinct_letters])
+    assert not (tmp_path / "run").exists()
+
+
+def test_train_vision_tower_with_a_text_only_model_is_refused(tiny_model_dir, tmp_path, no_model_load):
+    with pytest.raises(SetupError, match="model.train_vision_tower: .* text-only model"):
+        train(_config(tiny_model_dir, tmp_path / "run", model={"train_vision_tower": True}),
+              reward_functions=[distinct_letters])
+
+
+@pytest.mark.parametrize("sections,field", [({"eval": {"every": 1}}, "eval.every"),
+                                            ({"rollout": {"mode": "async"}}, "rollout.mode")])
+def test_what_is_not_built_with_images_is_refused(vlm_dirs, tmp_path, no_model_load, sections, field):
+    with pytest.raises(SetupError, match=f"^{field}: .* not built yet"):
+        train(_config(vlm_dirs["qwen2_vl"], tmp_path / "run", **sections), rows=_rows(),
+              reward_functions=[distinct_letters])
+
+
+def test_more_image_tokens_than_the_context_holds_is_named(tmp_path, no_model_load):
+    build_tiny_vlm(tmp_path / "small", arch="idefics3", hidden_size=32, num_layers=1, max_positions=40)
+    with pytest.raises(DataError, match=r"prompt row 1 has 31 tokens \(4 of them for its 1 image\(s\)\); with "
+                                        r"rollout.max_new_tokens = 10 .* context of 40: use smaller images"):
+        train(_config(tmp_path / "small", tmp_path / "run", rollout={"max_new_tokens": 10}), rows=_rows(),
+              reward_functions=[distinct_letters])
