@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from conftest import comparable, make_config, parity
 from grpokit.config.schema import RolloutConfig
-from grpokit.errors import ConfigError, RolloutWorkerError, SetupError
+from grpokit.errors import ConfigError, ModelLoadError, RolloutWorkerError, SetupError
 from grpokit.observe.report import build_report
 from grpokit.observe.timeline import timeline_svg
 from grpokit.training.loop import train
@@ -172,6 +172,11 @@ def test_what_async_cannot_do_is_refused_before_the_model_loads(tiny_model_dir, 
         RolloutConfig(mode="asynch")
     with pytest.raises(ConfigError, match="rollout.engine"):
         RolloutConfig(mode="async", engine="vllm")
+    with pytest.raises(ConfigError, match="rollout.worker_devices"):
+        RolloutConfig(mode="async", workers=2, worker_devices=("cpu",))
+    with pytest.raises(ModelLoadError, match="rollout.worker_devices 'cuda:7'"):
+        train(config(tiny_model_dir, tmp_path / "c", rollout={"worker_devices": ("cuda:7",)}),
+              reward_functions=[parity])
     for field, value in (("workers", 0), ("max_staleness", -1), ("worker_timeout_s", 0), ("weight_sync_every", 0)):
         with pytest.raises(ConfigError, match=f"rollout.{field}"):
             RolloutConfig(mode="async", **{field: value})

@@ -51,6 +51,9 @@ def check_async(rollout) -> None:
     _check(rollout.workers >= 1, "rollout.workers", "must be >= 1")
     _check(rollout.worker_threads >= 0, "rollout.worker_threads", "must be >= 0 (0 = split the cores)")
     _check(rollout.worker_timeout_s > 0, "rollout.worker_timeout_s", "must be > 0 seconds")
+    _check(not rollout.worker_devices or len(rollout.worker_devices) == rollout.workers, "rollout.worker_devices",
+           f"lists {len(rollout.worker_devices)} devices for rollout.workers = {rollout.workers}: give one per worker "
+           "(e.g. [\"cuda:1\"]), or none to put every worker on model.device")
     # the workers hold only every weight_sync_every-th version: a bound tighter than that could never be met
     _check(rollout.mode == "sync" or rollout.max_staleness >= rollout.weight_sync_every - 1, "rollout.max_staleness",
            f"is {rollout.max_staleness}, but with rollout.weight_sync_every = {rollout.weight_sync_every} the workers "

@@ -145,6 +145,7 @@ class RolloutConfig:
     workers: int = 1  # async: rollout worker processes, each with a copy of the policy
     worker_threads: int = 0  # async: torch threads of each worker; 0 = the cores split between workers and trainer
     worker_timeout_s: float = 300.0  # async: no heartbeat or batch this long ends it (TRL: heartbeat_stale_after_s)
+    worker_devices: tuple[str, ...] = ()  # async: each worker's device ("cpu", "cuda:1", ...); none = model.device
 
     def __post_init__(self):
         _check_fields(self, "rollout")

@@ -8,7 +8,9 @@
 The group is a gloo `ProcessGroup` built on its own `TCPStore` (127.0.0.1, a free port), not the default
 group: under torchrun every trainer rank has its own workers and its own group, so no collective of the
 training ranks ever waits on a worker (TRL's async trainer deadlocked above 2 trainer processes when its
-weight sync shared the training group). gloo moves CPU tensors; on a GPU the same calls would take NCCL.
+weight sync shared the training group). gloo moves host tensors: a GPU trainer's buckets are copied to
+the host, and a GPU worker copies them onto its device when it applies them (NCCL between GPUs would
+skip the host; not built yet).
 
 A transfer is announced first (a shared counter the worker's receiving thread polls), so the gloo
 operations only start when the trainer is about to send and their timeout measures the transfer, not
@@ -90,7 +92,7 @@ class WeightChannel:
         _broadcast(self.group, header)
         with torch.no_grad():
             for bucket in buckets(params):
-                flat = _flatten_dense_tensors([params[i][1].detach() for i in bucket])
+                flat = _flatten_dense_tensors([params[i][1].detach() for i in bucket]).cpu()  # gloo: host memory
                 _broadcast(self.group, flat)
         return time.perf_counter() - t0
 
@@ -127,7 +129,7 @@ class WeightReceiver:
                 received = {}
                 for bucket in buckets(params):
                     parts = [params[i][1] for i in bucket]
-                    flat = torch.empty(sum(p.numel() for p in parts), dtype=parts[0].dtype)
+                    flat = torch.empty(sum(p.numel() for p in parts), dtype=parts[0].dtype)  # host; apply() moves it
                     _broadcast(self.group, flat)
                     for i, t in zip(bucket, _unflatten_dense_tensors(flat, parts)):
                         received[params[i][0]] = t

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 from grpokit.errors import RolloutWorkerError, SetupError
+from grpokit.models.loading import resolve_device
 from grpokit.models.threads import usable_cores
 from grpokit.models.weight_sync import WeightChannel
 from grpokit.training.generate import generate_and_grade
@@ -77,6 +78,8 @@ def check_async(config, engine) -> None:
     if engine is not None:
         raise SetupError("rollout.mode = \"async\": train(engine=...) samples in the trainer's process; the "
                          "workers run the built-in sampler. Leave engine out, or use rollout.mode = \"sync\"")
+    for device in config.rollout.worker_devices:  # a device this machine lacks: now, not after the model loads
+        resolve_device(device, field="rollout.worker_devices")
     if config.model.fsdp:
         raise SetupError("rollout.mode = \"async\" with model.fsdp: the workers need whole weights, and sending "
                          "FSDP shards is not built yet; set model.fsdp = false (data parallel) or mode = \"sync\"")
@@ -93,6 +96,13 @@ class _MainFinder(pickle.Pickler):
         if self.from_main is None and isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
             self.from_main = obj.__qualname__
         return None
+
+
+def worker_devices(config, model) -> list[str]:
+    """Each worker's device: `rollout.worker_devices`, else the trainer's (its own GPU under torchrun)."""
+    r = config.rollout
+    named = r.worker_devices or [str(next(model.parameters()).device)] * r.workers
+    return [str(resolve_device(d, field="rollout.worker_devices")) for d in named]
 
 
 def _sendable(what: str, value) -> str | None:
@@ -162,9 +172,10 @@ class AsyncRollouts:
         from_main = [_sendable(what, value) for what, value in (
             ("train(reward_functions=...)", reward_functions), ("train(tools=...)", tools),
             ("train(environment_factory=...)", environment_factory), ("the run's rows, prompts or config", spec))]
+        self.devices = worker_devices(config, run.policy.model)
         self.procs = [ctx.Process(target=worker_main, name=f"grpokit-rollout-{i}", daemon=True,
-                                  args=(spec, i, self.orders[i], self.results, self.beats, self.announced,
-                                        os.getpid())) for i in range(self.W)]
+                                  args=(spec, i, self.devices[i], self.orders[i], self.results, self.beats,
+                                        self.announced, os.getpid())) for i in range(self.W)]
         with _main_hidden(not any(from_main)):
             for p in self.procs:
                 p.start()
@@ -200,7 +211,8 @@ class AsyncRollouts:
         idle = time.perf_counter() - t0
         if index == 0:  # the checkpoint's stream and sampler: where worker 0 continues from (in-flight redone)
             self.run.stream.load_state_dict(got.stream_state)
-            self.run.sampler.set_state(got.sampler_state)
+            if got.sampler_state.numel() == self.run.sampler.get_state().numel():  # a generator of its kind
+                self.run.sampler.set_state(got.sampler_state)
         lag = step - 1 - got.batch.rollout.policy_version.double()  # [N]
         metrics = {**got.metrics, "async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max()),
                    "async/dropped": self.dropped, "time/trainer_idle": idle, "time/sampler_idle": got.waited_s,

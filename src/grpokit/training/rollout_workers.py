@@ -122,7 +122,7 @@ def _describe(e: BaseException) -> str:
 class _Worker:
     """The worker's half of the run, built in the worker process."""
 
-    def __init__(self, spec: WorkerSpec, index: int, announced):
+    def __init__(self, spec: WorkerSpec, index: int, announced, device: str):
         config = spec.config
         data = prepare_data(config, spec.rows)
         self.toolbox, self.environments = resolve_tools(config, spec.tools, spec.environment_factory, data.task)
@@ -133,7 +133,7 @@ class _Worker:
         self.tokenizer = load_tokenizer(config.model.path)
         if self.environments is not None:
             self.environments.max_positions = max_positions_of(config.model.path)
-        model = load_model(config.model.path, dtype=config.model.dtype, device="cpu")
+        model = load_model(config.model.path, dtype=config.model.dtype, device=device)
         if config.model.lora:
             model = apply_lora(model, config.model.lora)
         trainable = set(spec.trainable)
@@ -143,10 +143,13 @@ class _Worker:
         self.engine = build_engine(config, model, self.tokenizer, tools=self.toolbox)
         self.config, self.prompts, self.spec, self.announced, self.index = config, spec.prompts, spec, announced, index
         self.stream = EveryNth(spec.stream, index, spec.workers)
-        self.sampler = torch.Generator().manual_seed(0)
-        self.sampler.set_state(spec.sampler_state)
+        self.sampler = torch.Generator(device=device)
+        try:  # the trainer's generator state: the same noise as the sync loop
+            self.sampler.set_state(spec.sampler_state)
+        except RuntimeError:  # a generator of another device kind (a CUDA trainer, a CPU worker)
+            self.sampler.manual_seed(config.train.seed)
         if index:  # the others: noise of their own, from the trainer's generator
-            self.sampler.manual_seed(int(torch.randint(2 ** 62, (1,), generator=self.sampler)) + index)
+            self.sampler.manual_seed(int(torch.randint(2 ** 62, (1,), generator=self.sampler, device=device)) + index)
         self.receiver: WeightReceiver | None = None
 
     def connect(self) -> None:
@@ -175,7 +178,7 @@ class _Worker:
             self.pool.close()
 
 
-def worker_main(spec: WorkerSpec, index: int, orders, results, beats, announced, parent: int) -> None:
+def worker_main(spec: WorkerSpec, index: int, device: str, orders, results, beats, announced, parent: int) -> None:
     """The worker process: build, say "ready", join the weight channel, then serve orders until None."""
     _die_with_parent(parent)
     for sig in (signal.SIGINT, signal.SIGTERM):  # the trainer stops the workers, after saving
@@ -184,7 +187,7 @@ def worker_main(spec: WorkerSpec, index: int, orders, results, beats, announced,
     threading.Thread(target=_beat, args=(beats, index, parent), daemon=True, name="heartbeat").start()
     worker = None
     try:
-        worker = _Worker(spec, index, announced)
+        worker = _Worker(spec, index, announced, device)
         results.put(("ready", index, 0, None))
         worker.connect()
         idle_since = time.perf_counter()
