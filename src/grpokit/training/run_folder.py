@@ -290,6 +290,7 @@ def _defaults() -> dict:
         for f in dataclasses.fields(cls):
             value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             out[f"{section}.{f.name}"] = list(value) if isinstance(value, tuple) else value
+    out["algorithm.is_correction"] = "none"  # "auto" as a run written before it existed resolved it (sync)
     return out
 
 
