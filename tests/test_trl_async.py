@@ -117,7 +117,10 @@ MAPPING = [
           "algorithm.scale_rewards": "group", "algorithm.is_correction": "token_truncate", "algorithm.is_cap_max": 3.0,
           "algorithm.epsilon": 0.2, "algorithm.epsilon_high": 0.0, "data.shuffle": False, "model.dtype": "float32",
           "output.completions_every": 0, "tools.max_calls": 2048}),
-    # TRL counts weight versions, one per weight_sync_steps steps; grpokit counts optimizer steps
+    # TRL counts weight versions, one per weight_sync_steps = k steps, and drops a sample whose version lags the
+    # trainer's by more than K = max_staleness: for optimizer step s (after s - 1 updates) the trainer holds version
+    # 1 + (s - 1) // k, a sample of weights after u updates has version 1 + u // k, so the lag in updates s - 1 - u
+    # reaches at most (K + 1) k - 1 (u = 0, s - 1 = 8 for K = 2, k = 3): grpokit's bound in steps
     (dict(max_staleness=2, weight_sync_steps=3), {"rollout.max_staleness": 8, "rollout.weight_sync_every": 3}),
     (dict(max_staleness=0), {"rollout.max_staleness": 0}),
     (dict(heartbeat_stale_after_s=60.0), {"rollout.worker_timeout_s": 60.0}),
@@ -197,10 +200,23 @@ def test_shared_fields_keep_grpoconfigs_decisions():
     (dict(per_device_train_batch_size=6, num_generations=4), r"6 answers per optimizer step, not whole groups of "
                                                             r"num_generations=4"),
     (dict(num_generations=1, per_device_train_batch_size=1), "at least 2 generations"),
+    (dict(per_device_train_batch_size="4"), r"per_device_train_batch_size='4' \(must be a number\)"),
 ])
 def test_refused_configs(trl_args, match):
     with pytest.raises(ConfigError, match=match):
         AsyncGRPOConfig(**trl_args)
+
+
+@pytest.mark.parametrize("config, given, match", [
+    (config, dict(per_device_train_batch_size="4"), r"per_device_train_batch_size='4' \(must be a number\)")
+    for config in (GRPOConfig, AsyncGRPOConfig)] + [
+    (config, dict(gradient_accumulation_steps="2"), r"gradient_accumulation_steps='2' \(must be a number\)")
+    for config in (GRPOConfig, AsyncGRPOConfig)] + [
+    (GRPOConfig, dict(eval_strategy="steps", eval_steps="3"), r"eval_steps='3' \(must be a number\)")])
+def test_a_wrong_type_in_a_resolved_field_is_one_error_line(config, given, match):
+    """The batch and evaluation fields are resolved with arithmetic (TRL's rules): their types are checked first."""
+    with pytest.raises(ConfigError, match=match):
+        config(**given)
 
 
 def test_grpo_only_arguments_are_type_errors_as_in_trl():

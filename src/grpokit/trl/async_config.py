@@ -137,8 +137,9 @@ def own_problems(c) -> list[str]:
          "GRPOTrainer for evaluation during training, or leave eval_strategy='no'"),
     ]
     problems = [f"{name}={getattr(c, name)!r} ({why})" for name, ok, why in checks if not ok]
-    G = c.num_generations
-    if isinstance(G, int) and G >= 1 and c.samples_per_step % G:
+    G, counts = c.num_generations, (c.num_generations, c.per_device_train_batch_size, c.gradient_accumulation_steps)
+    whole = all(isinstance(n, int) and not isinstance(n, bool) for n in counts)  # else GRPOConfig's type check
+    if whole and G >= 1 and c.samples_per_step % G:
         problems.append(f"per_device_train_batch_size={c.per_device_train_batch_size} (times "
                         f"{c.gradient_accumulation_steps} gradient_accumulation_steps and {c.world_size} processes: "
                         f"{c.samples_per_step} answers per optimizer step, not whole groups of num_generations={G}; "

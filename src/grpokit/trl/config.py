@@ -156,11 +156,12 @@ class _Supported:
         self.scale_rewards = {True: "group", False: "none"}.get(self.scale_rewards, self.scale_rewards)
         if self.vllm_importance_sampling_cap is not None:  # TRL's own resolution of its deprecated spelling
             self.vllm_importance_sampling_clip_max = self.vllm_importance_sampling_cap
-        self._resolve_evaluation()
-        self._resolve_batch()
+        if not _type_problems(self):  # the resolutions compute with the numbers; a wrong type is listed below
+            self._resolve_evaluation()
+            self._resolve_batch()
         problems = [f"{name}={getattr(self, name)!r}" + (f" ({REFUSED_WHY[name]})" if name in REFUSED_WHY else "")
                     for name, default in REFUSED.items() if getattr(self, name) != default]
-        problems += _value_problems(self)
+        problems += _value_problems(self)  # the type problems first, when there are any
         if problems:
             raise ConfigError(f"{self._label}: grpokit does not support "
                               + ("this TRL argument" if len(problems) == 1 else "these TRL arguments")
