@@ -151,3 +151,16 @@ def test_more_image_tokens_than_the_context_holds_is_named(tmp_path, no_model_lo
                                         r"rollout.max_new_tokens = 10 .* context of 40: use smaller images"):
         train(_config(tmp_path / "small", tmp_path / "run", rollout={"max_new_tokens": 10}), rows=_rows(),
               reward_functions=[distinct_letters])
+
+
+def test_lora_adapts_the_language_model_only(vlm_dirs, tmp_path):
+    from grpokit.models.lora import apply_lora
+
+    for arch, outside in (("qwen2_vl", ("visual",)), ("idefics3", ("vision_model", "connector"))):
+        model, _ = build_tiny_vlm(arch=arch, hidden_size=32, num_layers=1)
+        adapted = {name for name, _ in apply_lora(model, {"r": 2}).named_modules() if name.endswith("lora_A")}
+        assert adapted and not any(f".{part}." in name for name in adapted for part in outside)
+        assert any(".layers.0.self_attn.q_proj" in name for name in adapted)
+    run = train(_config(vlm_dirs["idefics3"], tmp_path / "run", model={"lora": {"r": 4}}), rows=_rows(),
+                reward_functions=[distinct_letters])
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from grpokit.errors import SetupError
+from grpokit.models.vision import outside_language_model
 
 LORA_KEYS = ("r", "alpha", "target_modules")
 
@@ -51,9 +52,11 @@ def apply_lora(model, options: dict):
     """Inject LoRA adapters into `model` (in place); returns the same model, adapters trainable only."""
     peft = import_peft()
     target = options.get("target_modules") or "all-linear"
+    exclude = outside_language_model(model)  # a vision-language model: adapters on its language model only
     config = peft.LoraConfig(r=int(options.get("r", 8)), lora_alpha=float(options.get("alpha", 16)),
                              lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
-                             target_modules=target if isinstance(target, str) else list(target))
+                             target_modules=target if isinstance(target, str) else list(target),
+                             **({} if exclude is None else {"exclude_modules": exclude}))
     was_training = model.training
     wrapper = peft.get_peft_model(model, config)
     inner = wrapper.get_base_model()  # the very model passed in, now with LoRA layers

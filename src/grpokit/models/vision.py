@@ -125,6 +125,18 @@ def vision_tower(model):
     raise ValueError(f"{type(model).__name__} has no vision tower grpokit knows (visual, vision_model, vision_tower)")
 
 
+def outside_language_model(model) -> str | None:
+    """A regex (peft's `exclude_modules`) over every module of a vision-language model outside its language
+    model (the vision tower, the projector), so LoRA adapts the language model only; None for a text model."""
+    import re
+
+    if not has_vision_tower(model.config):
+        return None
+    decoder = model.get_decoder()
+    names = [name for name, child in model.base_model.named_children() if child is not decoder]
+    return rf"(.*\.)?({'|'.join(map(re.escape, names))})(\..*)?" if names else None
+
+
 def freeze_vision_tower(model) -> int:
     """Stop the gradient of the image encoder (the default: GRPO's reward is about the text). Returns how
     many parameters were frozen. The projector between encoder and decoder stays trainable."""
