@@ -16,12 +16,12 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import grpokit.training.setup as setup_mod
+from conftest import make_config
 from grpokit import train
 from grpokit.cli import main
 from grpokit.errors import DataError, SetupError
 from grpokit.models.tiny_vision import build_tiny_vlm
 from grpokit.models.vision import load_processor
-from tests.conftest import make_config
 
 COLORS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220)}
 
@@ -65,8 +65,9 @@ def test_a_tiny_vlm_trains_from_image_rows(vlm_dirs, tmp_path, arch):
     from transformers import AutoModelForImageTextToText
 
     # is_correction: the trainer scores the sampled tokens before the update and reports its gap to the sampler
-    run = train(_config(vlm_dirs[arch], tmp_path / "run", output={"completions_every": 1},
-                        algorithm={"is_correction": "token_truncate"}), rows=_rows(), reward_functions=[distinct_letters])
+    config = _config(vlm_dirs[arch], tmp_path / "run", output={"completions_every": 1},
+                     algorithm={"is_correction": "token_truncate"})
+    run = train(config, rows=_rows(), reward_functions=[distinct_letters])
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2] and all(m["grad_norm"] > 0 for m in metrics)
     assert all(m["sampling/logprob_gap_max"] < 1e-4 for m in metrics)  # the pixels reach sampler and trainer alike

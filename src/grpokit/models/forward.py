@@ -25,7 +25,8 @@ def head_is_linear(model) -> bool:
     base, head = model.base_model, model.get_output_embeddings()
     if head is None or base is model:
         return False
-    ids = torch.arange(4, device=model.device).unsqueeze(0) % model.config.get_text_config().vocab_size  # VLMs: its text
+    vocab = model.config.get_text_config().vocab_size  # a vision-language config keeps it in its text config
+    ids = torch.arange(4, device=model.device).unsqueeze(0) % vocab
     with torch.no_grad():
         full = model(input_ids=ids).logits.float()
         hidden = base(input_ids=ids).last_hidden_state
