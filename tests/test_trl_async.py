@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import math
 import re
 import warnings
@@ -280,6 +281,45 @@ def test_trl_accepts_the_same_arguments(trl_args, tmp_path):
     forced = ("split_batches", "dispatch_batches")  # both configs force them True
     assert {k: theirs.accelerator_config.to_dict()[k] for k in forced} == {k: ours.accelerator_config[k] for k in
                                                                            forced} == dict.fromkeys(forced, True)
+
+
+def test_advantages_are_trls_async_workers(monkeypatch):
+    """TRL's async worker scores a group with numpy's std (no Bessel correction); the mapped config's advantages
+    (algorithm.std = "population", group scale) are its, up to the std guard (TRL 1e-8, grpokit 1e-4)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import torch
+
+    from grpokit.algorithms.advantages import group_advantages
+
+    worker = pytest.importorskip("trl.experimental.async_grpo.async_rollout_worker")
+    monkeypatch.setattr(worker, "logger", logging.getLogger("trl-async"))  # accelerate's needs its global state
+    completions = ["1", "22", "333", "4444", "55555", "", "7", "1212"]  # two groups of 4
+    me = SimpleNamespace(reward_funcs=[reward_len, parity], _env_reward_types=[], _provides_rollout_reward=False,
+                         reward_func_names=["reward_len", "parity"])
+    theirs = []
+    for g in range(2):
+        part = completions[4 * g:4 * g + 4]
+        rows = [[worker.TrainingSequence([1, 2], [0, 1], [0.0, -0.5], f"r{i}")] for i in range(4)]
+        group = worker.RolloutGroup(prompts=["p"] * 4, reward_kwargs={}, completions=part, completions_ids=[[1]] * 4,
+                                    completions_sequences=rows, tool_call_counts=[0] * 4, tool_failure_counts=[0] * 4,
+                                    model_version=0, group_id=g, env_rewards=[None] * 4, rollout_rewards=[None] * 4)
+        theirs += [s.advantage for s in asyncio.run(_score_group(worker)(me, group))]
+    c = mapped()
+    rewards = torch.tensor([a + b for a, b in zip(reward_len(completions), parity(completions))], dtype=torch.float64)
+    ours = group_advantages(rewards, 4, scale_rewards=c["algorithm.scale_rewards"], std=c["algorithm.std"], eps=1e-8)
+    assert ours.tolist() == pytest.approx(theirs, rel=1e-9, abs=1e-9)
+    used = group_advantages(rewards, 4, scale_rewards="group", std=c["algorithm.std"])  # the trainer's guard
+    assert used.tolist() == pytest.approx(theirs, rel=1e-3)
+    bessel = group_advantages(rewards, 4, scale_rewards="group", std="sample", eps=1e-8)  # what would differ
+    assert bessel.tolist() != pytest.approx(theirs, rel=1e-2)
+
+
+def _score_group(worker):
+    """The method of TRL's worker-side scorer that forms a group's rewards and advantages."""
+    owner = next(v for v in vars(worker).values() if isinstance(v, type) and "_score_group" in vars(v))
+    return vars(owner)["_score_group"]
 
 
 # ---- (e) docs/TRL.md ----------------------------------------------------------------------------------
