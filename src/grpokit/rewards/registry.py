@@ -42,6 +42,7 @@ _REGISTRY: dict[str, Callable[..., Callable]] = {
     "addition": _constant(addition_reward),  # the built-in tasks' verifiers (tasks/)
     "countdown": countdown_reward_fn,
     "multiplication": _constant(addition_reward),  # the same exact match, of the final answer
+    "shapes": _constant(addition_reward),  # the count, matched exactly
 }
 
 

@@ -20,9 +20,10 @@ from grpokit.tasks.addition import AdditionTask
 from grpokit.tasks.base import Task, in_split
 from grpokit.tasks.countdown import CountdownTask
 from grpokit.tasks.multiplication import MultiplicationTask, calculator
+from grpokit.tasks.shapes import ShapeCountTask
 
 TASKS: dict[str, type] = {"addition": AdditionTask, "countdown": CountdownTask,
-                          "multiplication": MultiplicationTask}
+                          "multiplication": MultiplicationTask, "shapes": ShapeCountTask}  # shapes: with images
 
 
 def available_tasks() -> list[str]:
@@ -62,4 +63,4 @@ def cli_task(task: str, task_args: dict):
 
 __all__ = ["AdditionTask", "CountdownTask", "MultiplicationTask", "TASKS", "Task", "TaskError", "addition_reward",
            "available_tasks", "calculator", "cli_task", "countdown_reward_fn", "get_task", "in_split",
-           "parse_expression", "score_expression", "task_tools"]
+           "parse_expression", "score_expression", "ShapeCountTask", "task_tools"]
