@@ -124,6 +124,20 @@ def test_the_timeline_chart_draws_each_process_in_its_lane_and_skips_damaged_row
     assert timeline_svg([]) is None and timeline_svg(["x"]) is None
 
 
+def test_old_logprobs_sampler_clips_around_the_stale_sampler_as_trls_async_trainer(tiny_model_dir, tmp_path):
+    """old_logprobs = "sampler", is_correction = "none": the ratio is taken against the sampler's own log-probs
+    (TRL's AsyncGRPOTrainer), so a stale batch starts away from ratio 1 and is clipped; a fresh one is not."""
+    run = train(config(tiny_model_dir, tmp_path / "run", steps=6, learning_rate=5e-2,
+                       rollout={"max_staleness": 2, "weight_sync_every": 3},
+                       algorithm={"old_logprobs": "sampler", "is_correction": "none"}), reward_functions=[parity])
+    got = rows(run / "metrics.jsonl")
+    assert [r["async/staleness_max"] for r in got] == [0, 1, 2, 0, 1, 2]
+    assert all("sampling/is_ratio_mean" not in r for r in got)  # no correction weights
+    clipped = [r["clip_ratio/region_mean"] for r in got]
+    assert clipped[0] == clipped[3] == 0  # lag 0, one pass: the ratio is exactly 1
+    assert clipped[2] > 0 and clipped[5] > 0  # two updates behind at lr 5e-2: tokens outside [0.8, 1.2]
+
+
 def test_two_workers_take_turns_and_resume(tiny_model_dir, tmp_path):
     out = tmp_path / "run"
     cfg = config(tiny_model_dir, out, steps=4, rollout={"workers": 2, "max_staleness": 1},

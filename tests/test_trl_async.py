@@ -66,8 +66,9 @@ def test_trl_async_script_trains_with_rollout_workers(tiny_model_dir, tmp_path):
     c = trainer.config
     assert (c.rollout.mode, c.rollout.max_staleness, c.rollout.weight_sync_every) == ("async", 1, 1)
     assert (c.train.steps, c.train.prompts_per_step, c.rollout.group_size) == (3, 1, 4)
-    assert (c.algorithm.is_correction, c.algorithm.std, c.algorithm.loss_type) == ("token_truncate", "population",
-                                                                                  "dapo")
+    assert (c.algorithm.is_correction, c.algorithm.old_logprobs, c.algorithm.std, c.algorithm.loss_type) == (
+        "none", "sampler", "population", "dapo")  # TRL's loss: clipped around the sampler's log-probs
+    assert c.needs_old_logprobs
     rows = read_metrics(trainer.run_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
     # sampled by the worker process, with weights at most max_staleness = 1 step old (how far it ran ahead
@@ -115,7 +116,7 @@ MAPPING = [
           "train.micro_batch_size": 0, "train.steps": 3 * 64, "train.learning_rate": 1e-6,
           "train.lr_schedule": "constant", "train.gradient_checkpointing": True, "algorithm.loss_type": "dapo",
           "algorithm.beta": 0.0, "algorithm.num_iterations": 1, "algorithm.std": "population",
-          "algorithm.scale_rewards": "group", "algorithm.is_correction": "token_truncate", "algorithm.is_cap_max": 3.0,
+          "algorithm.scale_rewards": "group", "algorithm.is_correction": "none", "algorithm.old_logprobs": "sampler",
           "algorithm.epsilon": 0.2, "algorithm.epsilon_high": 0.0, "data.shuffle": False, "model.dtype": "float32",
           "output.completions_every": 0, "tools.max_calls": 2048}),
     # TRL counts weight versions, one per weight_sync_steps = k steps, and drops a sample whose version lags the
