@@ -24,6 +24,7 @@ from grpokit.config.variants import (
     REWARD_ON_ERROR,
     SAMPLERS,
     TASK_NAMES,
+    TOOL_HISTORY,
 )
 
 
@@ -267,6 +268,11 @@ class ToolsConfig:
     # which a crash in a call costs instead of the trainer; rollout/tool_workers.py)
     isolation: str = "none"
     workers: int = 2
+    # How each turn sees the earlier ones: "append" (the sampled tokens, tool results appended after them: one
+    # training row per answer, as TRL's GRPOTrainer) or "split" (the conversation as the chat template renders it;
+    # where that no longer continues the sampled tokens, e.g. a template that drops earlier turns' <think>, the
+    # answer goes on as a new training row; rollout/history.py, docs/AGENTS.md)
+    history: str = "append"
 
     def __post_init__(self):
         _check_fields(self, "tools")
@@ -276,6 +282,7 @@ class ToolsConfig:
                "must be >= 0 characters (0 = no limit); 100000 is the default")
         _one_of(self.isolation, REWARD_ISOLATION, "tools.isolation")
         _check(self.workers >= 1, "tools.workers", "must be >= 1 (processes of tools.isolation = \"process\")")
+        _one_of(self.history, TOOL_HISTORY, "tools.history")
 
 
 MAX_ANSWERS_PER_STEP = 2**20  # prompts_per_step * group_size: far past any real run, short of a hang
@@ -370,11 +377,8 @@ class Config:
 
     @property
     def needs_old_logprobs(self) -> bool:
-        """Old logprobs differ from the current ones only after a first update, or, in async mode, when the
-        sampler's are asked for (`old_logprobs = "sampler"`: PPO clipped around the stale sampler, as TRL's
-        AsyncGRPOTrainer does, instead of decoupled PPO's trainer log-probs)."""
-        return (self.algorithm.num_iterations > 1 or self.minibatch_size < self.generation_batch_size
-                or (self.rollout.mode == "async" and self.algorithm.old_logprobs == "sampler"))
+        """Old logprobs differ from the current ones only after a first update."""
+        return self.algorithm.num_iterations > 1 or self.minibatch_size < self.generation_batch_size
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

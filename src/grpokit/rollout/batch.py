@@ -36,6 +36,39 @@ class Turns:
 
 
 @dataclass(frozen=True)
+class Forks:
+    """Where the answers of a rollout sampled with `tools.history = "split"` (rollout/history.py) go on as a new
+    training row: the chat template's rendering of the conversation no longer continued the tokens sampled so far.
+    Per answer, the completion positions where its rows 2, 3, ... begin and those rows' prompts (token ids, the
+    conversation as the template rendered it there); an answer that never forked has none. Indexed by rows like a
+    tensor, so it is selected and joined with its answers."""
+
+    starts: tuple[tuple[int, ...], ...]  # [N] per answer: positions in its completion, increasing
+    prompts: tuple[tuple[tuple[int, ...], ...], ...]  # [N] per answer: one prompt per start
+
+    @property
+    def any(self) -> bool:
+        return any(self.starts)
+
+    def __getitem__(self, rows) -> "Forks":
+        if isinstance(rows, Tensor):
+            rows = (rows.nonzero().flatten() if rows.dtype == torch.bool else rows.flatten()).tolist()
+        elif isinstance(rows, slice):
+            rows = range(len(self.starts))[rows]
+        return Forks(tuple(self.starts[i] for i in rows), tuple(self.prompts[i] for i in rows))
+
+    @staticmethod
+    def concat(parts: Sequence["Forks | None"], sizes: Sequence[int]) -> "Forks":
+        """Rows of several in order; a part without forks (None) holds `size` answers that never forked."""
+        starts: list = []
+        prompts: list = []
+        for part, n in zip(parts, sizes):
+            starts += part.starts if part is not None else [()] * n
+            prompts += part.prompts if part is not None else [()] * n
+        return Forks(tuple(starts), tuple(prompts))
+
+
+@dataclass(frozen=True)
 class Rollout:
     """G sampled completions per prompt; rows group by group (prompt b → rows b*G .. b*G+G-1)."""
 
@@ -50,6 +83,7 @@ class Rollout:
     # [N] asynchronous rollout: the optimizer step of the weights that sampled each answer (its policy version)
     policy_version: Tensor | None = None
     media: RowMedia | None = None  # [N] vision-language models: each answer's prompt images (models/media.py)
+    forks: Forks | None = None  # tools.history = "split" only: where answers go on as new training rows
 
     @property
     def action_mask(self) -> Tensor:
@@ -128,4 +162,6 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
                    Turns.concat([r.turns for r in rollouts], T),
                    policy_version=None if any(r.policy_version is None for r in rollouts) else
                    torch.cat([r.policy_version for r in rollouts]),
-                   media=RowMedia.concat([r.media for r in rollouts], [r.num_sequences for r in rollouts]))
+                   media=RowMedia.concat([r.media for r in rollouts], [r.num_sequences for r in rollouts]),
+                   forks=None if all(r.forks is None for r in rollouts) else
+                   Forks.concat([r.forks for r in rollouts], [r.num_sequences for r in rollouts]))

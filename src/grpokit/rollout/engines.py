@@ -78,6 +78,7 @@ class HFEngine:
         self.model, self.tokenizer, self.speed, self.packed_weights = model, tokenizer, speed, packed_weights
         self.tools, self.max_tool_turns = tools, max_tool_turns
         self.tool_stats: ToolStats | None = None  # the last batch's, with tools
+        self.history = None  # tools.history = "split": this batch's ConversationHistory (rollout/history.py)
 
     def generate(self, prompt_ids, *, group_size, sampling, generator=None, media=None) -> Rollout:
         """`media` (`models.media.RowMedia`, one row per prompt): the prompts' images (rollout/vision.py)."""
@@ -89,7 +90,8 @@ class HFEngine:
                     self.model, prompt_ids, group_size=group_size, max_new_tokens=s.max_new_tokens,
                     eos_token_ids=list(s.eos_token_ids), pad_token_id=s.pad_token_id, tokenizer=self.tokenizer,
                     tools=self.tools, max_tool_turns=self.max_tool_turns, temperature=s.temperature, top_p=s.top_p,
-                    top_k=s.top_k, generator=generator, sampler=self.speed.get("sampler", "inverse_cdf"))
+                    top_k=s.top_k, generator=generator, sampler=self.speed.get("sampler", "inverse_cdf"),
+                    history=self.history)
                 return rollout
             return sample_groups(
                 self.model, prompt_ids, group_size=group_size, max_new_tokens=s.max_new_tokens,

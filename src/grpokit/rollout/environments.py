@@ -88,6 +88,7 @@ class Environments:
         self.active: list = []  # this batch's instances, one per answer
         self.max_positions: int | None = None  # the model's context, set at start-up: reset's text is checked
         self.workers = None  # tools.isolation = "process": tool_workers.ToolWorkers holding the instances
+        self.answer_prompts: list = []  # this batch's prompt of each answer, as messages (`prompts`)
 
     def name_of(self, row: dict):
         return row.get("environment") if self.named else None
@@ -166,6 +167,8 @@ class Environments:
         to a row no longer share one): N prompts, 1 answer each, each checked against the context."""
         per_answer = [row for row in rows for _ in range(G)]
         boxes, observations = self.start(per_answer)
+        # each answer's prompt as messages, reset's text included (tools.history = "split" renders it again)
+        self.answer_prompts = [with_observation(row["prompt"], o) for row, o in zip(per_answer, observations)]
         if all(o is None for o in observations):
             return ids, G, boxes
         own = []

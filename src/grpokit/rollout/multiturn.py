@@ -25,6 +25,12 @@ turn after the last allowed one ends the answer even if it calls a tool again.
 The returned `Rollout` has `tool_mask` [N, T]: 1 on tool-result tokens (context the policy did not
 choose, log-prob 0 here), which the trainer removes from the loss, the KL, the entropy, the clip
 statistics and the token counts.
+
+With `history` (`tools.history = "split"`, rollout/history.py) the tool results are not rendered alone:
+the chat template renders the whole conversation, and where that no longer continues the row's tokens the
+answer forks: that row of the KV cache is masked out and refilled with the rendering (positions from 0),
+and `Rollout.forks` records where the new training row begins. The budget then bounds each row: its prompt
+beyond the first one plus its completion stays within `max_new_tokens`.
 """
 
 from __future__ import annotations
@@ -39,9 +45,10 @@ import torch
 from torch import Tensor
 
 from grpokit.models.forward import position_ids_from_mask
-from grpokit.rollout.batch import Rollout, Turns, left_pad, rollout_from_tokens
+from grpokit.rollout.batch import Forks, Rollout, Turns, left_pad, rollout_from_tokens
 from grpokit.rollout.decode import _Decoder
 from grpokit.rollout.environments import state_key, turn_reward
+from grpokit.rollout.history import ConversationHistory, assistant_message, continues
 from grpokit.rollout.sampling import sample_tokens
 from grpokit.rollout.tools import ToolBox, ToolCall, ToolResult, call_parser, run_calls, tool_suffix_ids
 
@@ -64,13 +71,15 @@ def sample_conversations(
     top_p: float = 1.0, top_k: int = 0, generator: torch.Generator | None = None, sampler: str = "inverse_cdf",
     parse_calls: Callable[..., list[ToolCall]] | None = None,
     render_results: Callable[[list[ToolResult]], list[int]] | None = None,
+    history: ConversationHistory | None = None,
 ) -> tuple[Rollout, ToolStats]:
     """Sample `group_size` multi-turn answers per prompt; see the module docstring. `tools` is one tool
     box for every answer, or one per answer (N, group by group: environments' own methods).
 
     `parse_calls(text, prefix=..., tools=...)` (text of one turn with its special tokens, the
     conversation before it, the tools' schemas -> calls; default: `tools.call_parser`) and
-    `render_results` (results -> suffix token ids, default: the chat template) are the model-format hooks."""
+    `render_results` (results -> suffix token ids, default: the chat template) are the model-format hooks;
+    `history` (one entry per answer) renders whole conversations instead, forking where they are rewritten."""
     render = render_results or (lambda results: tool_suffix_ids(tokenizer, results))
     device = model.device
     eos = torch.as_tensor(list(eos_token_ids), dtype=torch.long, device=device)
@@ -82,7 +91,7 @@ def sample_conversations(
     try:
         with torch.inference_mode():
             answers = _loop(model, prompt_ids, group_size, max_new_tokens, eos, pad_token_id, tokenizer, tools,
-                            max_tool_turns, sampling, parse_calls, render)
+                            max_tool_turns, sampling, parse_calls, render, history)
     finally:
         model.train(was_training)
     # built outside inference mode: the trainer indexes its differentiable log-probs with these tensors
@@ -94,7 +103,8 @@ class _Answers:
     current turn started, truncation, and what the tools did. One home for the rules both samplers
     share: when a turn's calls run, the budget, what a result that does not fit does."""
 
-    def __init__(self, prompt_ids, G: int, budget: int, tokenizer, tools, max_tool_turns: int, parse_calls, render):
+    def __init__(self, prompt_ids, G: int, budget: int, tokenizer, tools, max_tool_turns: int, parse_calls, render,
+                 history: ConversationHistory | None = None):
         N = len(prompt_ids) * G
         self.prompt_ids, self.G = prompt_ids, G
         self.tokens: list[list[int]] = [[] for _ in range(N)]
@@ -105,6 +115,22 @@ class _Answers:
         self.budget, self.tokenizer, self.tools, self.max_tool_turns = budget, tokenizer, tools, max_tool_turns
         self.parse_calls, self.render = parse_calls or call_parser(tokenizer), render
         self.turns = _TurnLog([self._box(i) for i in range(N)])
+        # tools.history = "split": each answer's current training row (its prompt, where it starts in tokens[i]),
+        # the rows begun so far (start, prompt), the messages the template renders, the rows just forked
+        self.history = history
+        self.contexts = [list(prompt_ids[i // G]) for i in range(N)]
+        self.row_start = [0] * N
+        self.forks: list[list[tuple[int, list[int]]]] = [[] for _ in range(N)]
+        self.messages: list[list[dict]] = [[] for _ in range(N)]
+        self.fresh: set[int] = set()
+
+    def used(self, i: int) -> int:
+        """Answer i's share of the budget: its current row's completion and what its prompt adds to the first."""
+        return len(self.contexts[i]) - len(self.prompt_ids[i // self.G]) + len(self.tokens[i]) - self.row_start[i]
+
+    def context(self, i: int) -> list[int]:
+        """What answer i's next token is sampled from: its current row's prompt and completion so far."""
+        return self.contexts[i] + self.tokens[i][self.row_start[i]:]
 
     def _box(self, i: int) -> ToolBox:
         return self.tools if isinstance(self.tools, ToolBox) else self.tools[i]
@@ -120,16 +146,18 @@ class _Answers:
         """After answer i's latest tokens: the calls to run when its turn `ended` with calls it may still
         make; else None. A turn that stops (ended, out of budget, or `final`: the sampler will not go
         on) is recorded as a message; one that stops without an end-of-turn token is truncated."""
-        if not ended and not final and len(self.tokens[i]) < self.budget:
+        if not ended and not final and self.used(i) < self.budget:
             return None
         turn = self.tokens[i][self.turn_start[i]:]
         self.stats.conversations[i].append({"role": "assistant",
                                             "content": self.tokenizer.decode(turn, skip_special_tokens=True)})
+        if self.history is not None:
+            self.messages[i].append(assistant_message(self.tokenizer, turn, ended))
         if not ended:
             self.truncated[i] = True
             return None
         box = self.tools if isinstance(self.tools, ToolBox) else self.tools[i]
-        before = list(self.prompt_ids[i // self.G]) + self.tokens[i][:self.turn_start[i]]
+        before = self.contexts[i] + self.tokens[i][self.row_start[i]:self.turn_start[i]]
         # special tokens kept: some formats close a call with one (Llama 3.1's <|eot_id|>)
         calls = self.parse_calls(self.tokenizer.decode(turn), prefix=self.tokenizer.decode(before), tools=box.schemas)
         return calls if calls and self.stats.turns[i] <= self.max_tool_turns else None
@@ -144,30 +172,51 @@ class _Answers:
         suffixes = []
         for box, (i, calls), results in zip(boxes, waiting, per_answer):
             self.turns.ran(i, results)  # the turn's calls took effect: its step reward
-            suffix = self.render(results)
+            messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
+            suffix, fork = self._next_context(i, results, messages)
             self.stats.calls[i] += len(calls)
             self.stats.failures[i] += sum(r.failed for r in results)
             self.stats.per_tool.update(r.name if r.name in box.functions else "unknown" for r in results)
-            if len(self.tokens[i]) + len(suffix) >= self.budget:  # no room for the results and one more token
+            if suffix is None:  # no room for the results and one more token
                 self.truncated[i] = True
                 suffixes.append(None)
                 continue
-            self.stats.conversations[i].extend({"role": "tool", "name": r.name, "content": r.content}
-                                               for r in results)
-            self.tokens[i] += suffix
-            self.logps[i] += [0.0] * len(suffix)
-            self.is_tool[i] += [1] * len(suffix)
-            self.turns.token_turn[i] += [-1] * len(suffix)
+            self.stats.conversations[i].extend(messages)
+            if fork:  # the rendering is the prompt of a new training row; the cache must be refilled with it
+                self.forks[i].append((len(self.tokens[i]), suffix))
+                self.contexts[i], self.row_start[i] = suffix, len(self.tokens[i])
+                self.fresh.add(i)
+            else:
+                self.tokens[i] += suffix
+                self.logps[i] += [0.0] * len(suffix)
+                self.is_tool[i] += [1] * len(suffix)
+                self.turns.token_turn[i] += [-1] * len(suffix)
             self.turn_start[i] = len(self.tokens[i])
             self.stats.turns[i] += 1
             self.turns.starts(i)  # the state the next turn starts from
             suffixes.append(suffix)
         return suffixes
 
+    def _next_context(self, i: int, results: list[ToolResult], messages: list[dict]) -> tuple[list[int] | None, bool]:
+        """After answer i's tool results: (the tokens to append, False), or with `history` where the template's
+        rendering does not continue the row (the rendering, True: a fork); (None, _) when that leaves no room
+        within the budget for one more token."""
+        if self.history is None:
+            suffix, fork = self.render(results), False
+        else:
+            self.messages[i] += messages
+            rendered, current = self.history.render(i, self.messages[i]), self.context(i)
+            fork = not continues(rendered, current)
+            suffix = rendered if fork else rendered[len(current):]
+        grown = len(suffix) - len(self.prompt_ids[i // self.G]) if fork else self.used(i) + len(suffix)
+        return (suffix if grown < self.budget else None), fork
+
     def rollout(self, prompt_ids, G: int, pad_id: int, device) -> Rollout:
         rollout = _to_rollout(prompt_ids, self.tokens, self.logps, self.is_tool, self.truncated, G, pad_id, device)
+        forks = None if self.history is None else Forks(tuple(tuple(s for s, _ in f) for f in self.forks),
+                                                        tuple(tuple(tuple(p) for _, p in f) for f in self.forks))
         return dataclasses.replace(rollout, turns=self.turns.tensors(self.stats.turns, rollout.completion_ids.shape[1],
-                                                                     device))
+                                                                     device), forks=forks)
 
 
 class _TurnLog:
@@ -213,7 +262,7 @@ class _TurnLog:
 
 
 def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_turns, sampling, parse_calls,
-          render):
+          render, history=None):
     """The decode loop; returns the `_Answers` it wrote."""
     ids, mask = left_pad(prompt_ids, pad_id, model.device)  # [B, P]
     step = _Decoder(model, capacity=ids.shape[1] + budget)  # grows if holes need more room
@@ -222,7 +271,7 @@ def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_
     step.repeat_rows(G)
     mask = mask.repeat_interleave(G, 0)  # [N, P+...]: 0 on left padding and on holes
     next_pos = positions[:, -1].repeat_interleave(G) + 1  # [N] position of each row's next real token
-    answers = _Answers(prompt_ids, G, budget, tokenizer, tools, max_tool_turns, parse_calls, render)
+    answers = _Answers(prompt_ids, G, budget, tokenizer, tools, max_tool_turns, parse_calls, render, history)
     active = list(range(logits.shape[0]))  # original row ids, in cache order
     while active:
         tok, lp = sample_tokens(logits, **sampling)  # [n]
@@ -243,8 +292,8 @@ def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_
         for (row, _), suffix in zip(waiting, answers.run_tools(waiting) if waiting else []):
             if suffix is not None:
                 j, end_token = rows_of[row]
-                keep.append(j)
-                feed.append([end_token, *suffix])  # the cache has not seen the turn's end token yet
+                keep.append(j)  # the cache has not seen the turn's end token yet; a fork refills the whole row
+                feed.append(suffix if row in answers.fresh else [end_token, *suffix])
         if not keep:
             break
         order = sorted(range(len(keep)), key=lambda k: keep[k])  # keep the cache's row order
@@ -253,6 +302,9 @@ def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_
         if len(keep) < len(active):
             step.select_rows(keep_t)
         active, mask, next_pos = [active[j] for j in keep], mask[keep_t], next_pos[keep_t]
+        for k in [k for k, row in enumerate(active) if row in answers.fresh]:  # forked: what it saw is masked out
+            mask[k], next_pos[k] = 0, 0
+        answers.fresh.clear()
         mask = _compact(step, mask)
         logits, mask, next_pos = _feed(step, feed, mask, next_pos, pad_id)
     return answers
@@ -275,19 +327,21 @@ def converse(prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: in
              generate_turns: Callable[[list[list[int]], list[int]], list[tuple[list[int], list[float]]]],
              parse_calls: Callable[..., list[ToolCall]] | None = None,
              render_results: Callable[[list[ToolResult]], list[int]] | None = None,
-             device="cpu") -> tuple[Rollout, ToolStats]:
+             device="cpu", history: ConversationHistory | None = None) -> tuple[Rollout, ToolStats]:
     """Multi-turn answers turn by turn, for an engine that cannot append to its own cache (vLLM, whose
     prefix cache makes the repeated conversation cheap): `generate_turns(contexts, max_tokens)` samples
     one turn (ending at an end-of-turn token, kept) for each token-id context, returning its tokens and
     their log-probs. Same rules as `sample_conversations`: the same budget, turn limit, tool faults,
-    truncation and `tool_mask`; the next turn's context is the prompt plus everything so far."""
+    truncation and `tool_mask`; the next turn's context is the prompt plus everything so far (with `history`:
+    the current row's prompt, the conversation as the template rendered it where it last forked)."""
     render = render_results or (lambda results: tool_suffix_ids(tokenizer, results))
     eos, N = set(eos_token_ids), len(prompt_ids) * group_size
-    answers = _Answers(prompt_ids, group_size, max_new_tokens, tokenizer, tools, max_tool_turns, parse_calls, render)
+    answers = _Answers(prompt_ids, group_size, max_new_tokens, tokenizer, tools, max_tool_turns, parse_calls, render,
+                       history)
     pending = list(range(N))
     while pending:
-        turns = generate_turns([list(prompt_ids[i // group_size]) + answers.tokens[i] for i in pending],
-                               [max_new_tokens - len(answers.tokens[i]) for i in pending])
+        turns = generate_turns([answers.context(i) for i in pending],
+                               [max_new_tokens - answers.used(i) for i in pending])
         waiting = []
         for i, (turn, turn_logps) in zip(pending, turns):
             answers.add(i, turn, turn_logps)

@@ -316,15 +316,18 @@ def tool_suffix_ids(tokenizer, results: Sequence[ToolResult], **template_kwargs)
     if eos:
         prefix = prefix[: eos[-1] + 1]
     if full[: len(prefix)] != prefix:
-        raise ValueError("the chat template renders an assistant turn differently once tool messages follow it; "
-                         "grpokit cannot append tool results to the sampled tokens with this template")
+        raise ValueError("the chat template renders an assistant turn differently once tool messages follow it "
+                         "(as Qwen3's drops earlier turns' <think>), so tool results cannot be appended to the "
+                         "sampled tokens; set tools.history = \"split\" to train such conversations as the template "
+                         "renders them (a new training row where it rewrites them), or use a template that does not")
     return full[len(prefix):]
 
 
-def check_tool_template(tokenizer, tools: ToolBox) -> None:
+def check_tool_template(tokenizer, tools: ToolBox, history: str = "append") -> None:
     """Fail at start-up, naming the fix, when the chat template cannot show the model its tools, cannot
     render a tool result after an assistant turn, or writes tool calls in a format that neither the
-    tokenizer's response template nor the Hermes / Qwen parser reads back."""
+    tokenizer's response template nor the Hermes / Qwen parser reads back. With `history = "split"`
+    (tools.history) the results are rendered in the whole conversation, which may rewrite earlier turns."""
     fix = ("use a model whose chat template writes calls as <tool_call>{json}</tool_call> (Qwen2.5, Hermes) or whose "
            "tokenizer has a response template that reads its calls (tokenizer.response_template; TRL's "
            "add_response_schema sets one for Llama 3.1, gpt-oss, Qwen3, ...), or set tokenizer.chat_template to one "
@@ -341,12 +344,16 @@ def check_tool_template(tokenizer, tools: ToolBox) -> None:
         with_tools = tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=True,
                                                    tools=tools.schemas)
         with_call = tokenizer.apply_chat_template(user + [call], tokenize=False)
-        suffix = tool_suffix_ids(tokenizer, [ToolResult(name, "42", False)])
+        if history == "split":  # the probe conversation rendered whole, as each turn will be
+            shown = tokenizer.apply_chat_template(user + [call, {"role": "tool", "name": name, "content": "42"}],
+                                                  tokenize=False, add_generation_prompt=True)
+        else:
+            shown = tokenizer.decode(tool_suffix_ids(tokenizer, [ToolResult(name, "42", False)]))
     except Exception as e:  # noqa: BLE001 - jinja raises many types
         raise ValueError(f"the chat template fails on tool messages ({type(e).__name__}: {e}); {fix}") from None
     if plain == with_tools:
         raise ValueError(f"the chat template ignores the tools (the prompt is the same with and without them); {fix}")
-    if "42" not in tokenizer.decode(suffix):
+    if "42" not in shown:
         raise ValueError(f"the chat template drops tool results (a tool message renders as nothing); {fix}")
     if not with_call.startswith(plain):
         raise ValueError(f"the chat template renders the start of an assistant turn differently once it holds a "

@@ -58,6 +58,7 @@ class VLLMEngine:
         # cache keeps the repeated part cheap); `tools` may be replaced per batch (environments)
         self.tokenizer, self.tools, self.max_tool_turns = tokenizer, tools, max_tool_turns
         self.tool_stats: ToolStats | None = None
+        self.history = None  # tools.history = "split": this batch's ConversationHistory (rollout/history.py)
         self.bucket_bytes = int(sync_bucket_mb * 2**20)
         self.sleep_mode, self.lora = enable_sleep_mode, lora
         self.lora_request, self._lora_dir, self._lora_version = None, None, 0
@@ -133,7 +134,7 @@ class VLLMEngine:
         rollout, self.tool_stats = converse(
             prompt_ids, group_size=group_size, max_new_tokens=s.max_new_tokens, eos_token_ids=s.eos_token_ids,
             pad_token_id=s.pad_token_id, tokenizer=self.tokenizer, tools=self.tools,
-            max_tool_turns=self.max_tool_turns, generate_turns=generate_turns, device=device)
+            max_tool_turns=self.max_tool_turns, generate_turns=generate_turns, device=device, history=self.history)
         return rollout
 
     # ---- weights ---------------------------------------------------------------------------

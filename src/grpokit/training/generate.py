@@ -1,7 +1,9 @@
 """One step's data: rollout -> grade -> (dynamic sampling) -> group-relative advantages.
 
 The result is a `GenerationBatch`: the graded answers, their advantages and the loss mask;
-the update (update.py) adds the old / reference log-probs it needs as a new record.
+the update (update.py) adds the old / reference log-probs it needs as a new record. With
+`tools.history = "split"` an answer whose conversation forked trains as several rows (split_rows.py):
+everything here is per answer, the rows are cut last.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from grpokit.rollout.engines import RolloutEngine, SamplingParams
 from grpokit.rollout.environments import Environments
 from grpokit.rollout.grading import Draw, grade
 from grpokit.training.setup import PromptTable
+from grpokit.training.split_rows import conversation_history, split_rows
 from grpokit.training.turn_credit import turn_credit
 
 
 @dataclass(frozen=True)
 class GenerationBatch:
-    """One step's sampled, graded answers; N = B * G rows, group by group."""
+    """One step's sampled, graded answers, N = B * G, group by group; the update trains on `rollout`'s R rows:
+    the answers themselves (R = N), or with answers that forked (tools.history = "split") their training rows."""
 
     draw: Draw  # rollout (ids, masks, sampling logprobs, truncation), rewards [N] and [N, F], texts
     advantages: torch.Tensor  # [N]
@@ -35,14 +39,35 @@ class GenerationBatch:
     ref_logp: torch.Tensor | None = None  # [N, T] only when β > 0
     is_weight: torch.Tensor | None = None  # [N, T] or [N, 1], only with algorithm.is_correction (sampler != trainer)
     token_advantages: torch.Tensor | None = None  # [N, T] only with algorithm.turn_advantage: each turn's own
+    # tools.history = "split", when an answer forked: the training rows (loss_mask, token_advantages and the
+    # log-probs the update adds are then [R, T], one per row) and the answer of each row [R] (split_rows.py)
+    rows: Rollout | None = None
+    conversation: torch.Tensor | None = None
 
     def loss_advantages(self, rows: torch.Tensor, T: int) -> torch.Tensor:
-        """What the loss applies to `rows`: one advantage per answer [n], or per token [n, T] (per-turn credit)."""
-        return self.advantages[rows] if self.token_advantages is None else self.token_advantages[rows, :T]
+        """What the loss applies to `rows` (training rows): their answer's advantage [n], or per token [n, T]."""
+        return self.row_advantages[rows] if self.token_advantages is None else self.token_advantages[rows, :T]
 
     @property
     def rollout(self) -> Rollout:
-        return self.draw.rollout
+        """What the update trains on: the answers, or the training rows of answers that forked."""
+        return self.draw.rollout if self.rows is None else self.rows
+
+    @property
+    def num_rows(self) -> int:
+        return self.rollout.num_sequences
+
+    @property
+    def row_advantages(self) -> torch.Tensor:
+        """[R] each training row's answer-level advantage."""
+        return self.advantages if self.conversation is None else self.advantages[self.conversation]
+
+    def rows_of(self, answers: torch.Tensor) -> torch.Tensor:
+        """The training rows of `answers` (indices into `draw`), answer by answer: an update's minibatch of
+        answers takes all their rows."""
+        if self.conversation is None:
+            return answers
+        return (answers.cpu()[:, None] == self.conversation.cpu()[None, :]).nonzero()[:, 1]
 
 
 def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts: PromptTable, stream,
@@ -63,6 +88,8 @@ def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts
         ids, group = [prompts.ids[i] for i in indices], G
         if environments is not None:
             ids, group = _start_environments(environments, engine, tokenizer, rows, ids, G, sampling.max_new_tokens)
+        if config.tools.history == "split":  # each answer's conversation, as the chat template renders it
+            engine.history = conversation_history(tokenizer, rows, G, getattr(engine, "tools", None), environments)
         t0 = time.perf_counter()
         media = {} if prompts.media is None else {"media": prompts.media.rows(indices)}  # image rows: their pixels
         rollout = engine.generate(ids, group_size=group, sampling=sampling, generator=sampler, **media)
@@ -101,7 +128,9 @@ def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts
     if algo.turn_advantage != "none":  # per-turn credit: each turn's tokens get that turn's advantage [N, T]
         token_advantages, turn_metrics = turn_credit(algo, rollout, draw.total, advantages, G)
         metrics.update(turn_metrics)
-    return GenerationBatch(draw, advantages, loss_mask, token_advantages=token_advantages), metrics
+    batch, split_metrics = split_rows(GenerationBatch(draw, advantages, loss_mask, token_advantages=token_advantages),
+                                      tokenizer.pad_token_id)  # answers that forked: their training rows, cut last
+    return batch, {**metrics, **split_metrics}
 
 
 def _start_environments(environments: Environments, engine, tokenizer, rows: list[dict], ids: list[list[int]],

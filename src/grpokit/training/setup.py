@@ -166,7 +166,7 @@ def tokenize_prompts(config: Config, data: PreparedData, tokenizer, max_position
     one user message."""
     if tools:
         try:
-            check_tool_template(tokenizer, tools)
+            check_tool_template(tokenizer, tools, history=config.tools.history)
         except ValueError as e:
             raise SetupError(f"tools: {config.model.path}: {e}") from None
         schemas = (lambda row: tools.schemas) if environments is None else environments.schemas_for

@@ -10,6 +10,7 @@ from grpokit.rewards.registry import load_reward
 from grpokit.rollout.environments import Environments
 from grpokit.rollout.tools import ToolBox
 from grpokit.tasks import task_tools
+from grpokit.training.split_rows import check_history_setup
 from grpokit.training.turn_credit import check_turn_setup
 
 
@@ -28,6 +29,7 @@ def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
             functions = task_tools(task)
     if not functions and factory is None:
         check_turn_setup(config, None, None)
+        check_history_setup(config, None, None)
         return None, None
     functions = list(functions)
     try:
@@ -41,4 +43,5 @@ def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
     except ValueError as e:
         raise SetupError(f"{'tools.environment' if factory is not None else 'tools.functions'}: {e}") from None
     check_turn_setup(config, box, environments)  # algorithm.turn_advantage: what it needs of the tools
+    check_history_setup(config, box, environments)  # tools.history = "split": what it cannot run with yet
     return box, environments

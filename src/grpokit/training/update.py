@@ -44,7 +44,7 @@ def score_old_and_ref(config: Config, policy: Policy, batch: GenerationBatch) ->
 
 def _score(config: Config, model, batch: GenerationBatch, linear_head: bool) -> torch.Tensor:
     r, out = batch.rollout, []
-    for rows in torch.arange(len(batch.advantages)).split(config.micro_batch_size):
+    for rows in torch.arange(batch.num_rows).split(config.micro_batch_size):
         logp, _ = completion_logprobs(model, r.prompt_ids[rows], r.prompt_mask[rows], r.completion_ids[rows],
                                       r.completion_mask[rows], temperature=config.rollout.temperature,
                                       chunk_size=config.train.logprob_chunk_size, linear_head=linear_head,
@@ -90,6 +90,7 @@ def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[di
     for iteration in range(algo.num_iterations):
         order = torch.randperm(N) if config.minibatch_size < N else torch.arange(N)
         for minibatch in order.split(config.minibatch_size):
+            minibatch = batch.rows_of(minibatch)  # answers -> their training rows (tools.history = "split")
             policy.optimizer.zero_grad(set_to_none=True)
             micro_batches = minibatch.split(config.micro_batch_size)
             n_items = global_sum(batch.loss_mask[minibatch].sum()).clamp(min=1)  # dapo: minibatch tokens, all ranks
