@@ -377,8 +377,11 @@ class Config:
 
     @property
     def needs_old_logprobs(self) -> bool:
-        """Old logprobs differ from the current ones only after a first update."""
-        return self.algorithm.num_iterations > 1 or self.minibatch_size < self.generation_batch_size
+        """Old logprobs differ from the current ones only after a first update, or, in async mode, when the
+        sampler's are asked for (`old_logprobs = "sampler"`: PPO clipped around the stale sampler, as TRL's
+        AsyncGRPOTrainer does, instead of decoupled PPO's trainer log-probs)."""
+        return (self.algorithm.num_iterations > 1 or self.minibatch_size < self.generation_batch_size
+                or (self.rollout.mode == "async" and self.algorithm.old_logprobs == "sampler"))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
