@@ -289,3 +289,21 @@ def test_a_run_with_a_rewriting_template_trains_on_the_rows(think_dir, tmp_path,
     rows = read_jsonl(run / "completions.jsonl")
     assert len(rows) == 3 * 8  # one per answer, not per training row
     assert all(json.dumps(r["conversation"]) and isinstance(r["advantage"], float) for r in rows)
+
+
+def test_held_out_evaluation_samples_from_the_rendered_conversation(think, monkeypatch):
+    """`[eval]` with tools.history = "split" samples as training does; append cannot run this template at all."""
+    import grpokit.rollout.multiturn as multiturn
+    from grpokit.rewards.core import RewardSpec
+    from grpokit.training.evaluation import evaluate
+
+    model, tok = think
+    monkeypatch.setattr(multiturn, "call_parser", lambda tokenizer: _scripted)
+    rows = [{"prompt": p} for p in PROMPTS]
+    specs = [RewardSpec("final_parity", final_parity, 1.0)]
+    common = dict(samples_per_prompt=2, max_new_tokens=40, tools=ToolBox([add]), max_tool_turns=2,
+                  eos_token_ids=_digits(tok), greedy=False)
+    result = evaluate(model, tok, rows, _prompt_ids(tok), specs, history="split", **common)
+    assert result["tool_call_share"] == 1.0 and 0 <= result["mean_reward"] <= 1
+    with pytest.raises(ValueError, match='tools.history = "split"'):
+        evaluate(model, tok, rows, _prompt_ids(tok), specs, **common)

@@ -35,6 +35,7 @@ from grpokit.rollout.multiturn import sample_conversations
 from grpokit.rollout.tools import ToolBox
 from grpokit.training.checkpoint import BEST_FILE
 from grpokit.training.setup import PromptTable, eval_max_new_tokens
+from grpokit.training.split_rows import conversation_history
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -46,7 +47,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def _grade(model, tokenizer, prompt_ids, rows, specs, *, group_size, temperature, max_new_tokens, generator,
            batch_prompts, stop_strings, prompt_column, tools, max_tool_turns, eos_token_ids, top_p, top_k,
-           environments=None):
+           environments=None, history="append"):
     """Total rewards [num_prompts, group_size] of `group_size` sampled answers per prompt, and with
     tools the calls and failed calls of every answer ([num_prompts * group_size] each). With
     `environments`, each answer gets its own instance, reset with its row, as in training."""
@@ -59,9 +60,12 @@ def _grade(model, tokenizer, prompt_ids, rows, specs, *, group_size, temperature
         if environments is not None:
             batch_ids, G, boxes = environments.prompts(tokenizer, batch_rows, batch_ids, group_size, max_new_tokens,
                                                        "eval.max_new_tokens")
-        if tools:
+        if tools:  # tools.history = "split": each turn sees the conversation as the template renders it
+            rendered = None if history != "split" else \
+                conversation_history(tokenizer, batch_rows, group_size, tools, environments)
             rollout, stats = sample_conversations(model, batch_ids, eos_token_ids=eos_token_ids, tools=boxes,
-                                                  max_tool_turns=max_tool_turns, **{**common, "group_size": G})
+                                                  max_tool_turns=max_tool_turns, history=rendered,
+                                                  **{**common, "group_size": G})
             conversations = stats.conversations
             calls += stats.calls
             failures += stats.failures
@@ -102,6 +106,7 @@ def evaluate(
     eos_token_ids: Sequence[int] | None = None,
     reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce,
     environments: Environments | None = None,
+    history: str = "append",
 ) -> dict:
     """Metrics over `rows` (with their tokenized prompts): an answer is correct when its
     total reward reaches `correct_threshold`. With `tools` (the prompts rendered with their
@@ -109,13 +114,15 @@ def evaluate(
     `tool_call_share` (answers that called a tool at least once) and `tool_failure_rate`
     (failed calls / calls) of the sampled answers. `reduce` sums the counts over processes
     (each evaluated its own share of the rows), so every process returns the whole set's metrics.
-    With `environments` (and `tools`, their tool box) each answer runs in its own instance, as in training."""
+    With `environments` (and `tools`, their tool box) each answer runs in its own instance, as in training;
+    `history = "split"` (tools.history) samples each turn from the conversation as the template renders it."""
     model.eval()
     generator = torch.Generator(device=model.device).manual_seed(seed)
     eos = list(eos_token_ids) if eos_token_ids is not None else [tokenizer.eos_token_id]
     common = dict(max_new_tokens=max_new_tokens, generator=generator, batch_prompts=batch_prompts,
                   stop_strings=stop_strings, prompt_column=prompt_column, tools=tools,
-                  max_tool_turns=max_tool_turns, eos_token_ids=eos, top_k=top_k, environments=environments)
+                  max_tool_turns=max_tool_turns, eos_token_ids=eos, top_k=top_k, environments=environments,
+                  history=history)
     with full_params_for_generation(model):  # FSDP: gathered once, each process decodes its own share
         sampled, calls, failures = _grade(model, tokenizer, prompt_ids, rows, specs, group_size=samples_per_prompt,
                                           temperature=temperature, top_p=top_p, **common)  # [P, k]
@@ -177,7 +184,8 @@ class HeldOut:
                         max_new_tokens=eval_max_new_tokens(self.config), correct_threshold=e.correct_threshold,
                         greedy=e.greedy, seed=e.seed, stop_strings=self.config.rollout.stop_strings,
                         tools=self.tools, max_tool_turns=self.config.tools.max_calls,
-                        eos_token_ids=self.prompts.eos_token_ids, reduce=global_sum, environments=self.environments)
+                        eos_token_ids=self.prompts.eos_token_ids, reduce=global_sum, environments=self.environments,
+                        history=self.config.tools.history)
 
 
 class BestCheckpoint:
