@@ -307,3 +307,21 @@ def test_held_out_evaluation_samples_from_the_rendered_conversation(think, monke
     assert result["tool_call_share"] == 1.0 and 0 <= result["mean_reward"] <= 1
     with pytest.raises(ValueError, match='tools.history = "split"'):
         evaluate(model, tok, rows, _prompt_ids(tok), specs, **common)
+
+
+def test_forks_travel_with_their_answers_through_dynamic_samplings_filter_and_join(think):
+    model, tok = think
+    rollout, _ = _sample(think)
+    total = torch.tensor([0.0, 0.0, 1.0, 0.0, 0.5, 0.5])  # group 0 and group 2 have no signal
+    draw = Draw(rollout, total[:, None], total, ["p"] * 6, ["t"] * 6)
+    kept = draw.with_signal(2)
+    assert kept.size == 2 and kept.rollout.forks == rollout.forks[torch.tensor([2, 3])]
+    plain, _ = _sample(think, history=False, template=PLAIN_TEMPLATE, G=1)  # another draw, no forks recorded
+    tok.chat_template = THINK_TEMPLATE
+    plain_draw = Draw(plain, torch.ones(3, 1), torch.ones(3), ["p"] * 3, ["t"] * 3)
+    joined = Draw.join([kept, plain_draw], 4, tok.pad_token_id, fallback=kept)
+    assert joined.rollout.forks.starts == (*rollout.forks.starts[2:4], (), ())
+    batch, _ = split_rows(GenerationBatch(joined, torch.zeros(4), joined.rollout.action_mask.clone()), tok.pad_token_id)
+    rows = batch.rollout
+    action = rows.action_mask.bool()
+    torch.testing.assert_close(_recompute(model, rows)[action], rows.logprobs[action], atol=1e-4, rtol=0)
