@@ -182,7 +182,8 @@ def epoch_steps(args, train_dataset) -> int | None:
 
 def async_config(args, config):
     """grpokit's Config for the GRPOConfig translation, with TRL's asynchronous rollout: the workers, the staleness
-    bound in optimizer steps, the weight sync, the deadline, and TRL's loss: clipped around the sampler (docs/TRL.md)."""
+    bound in optimizer steps, the weight sync, the deadline, and TRL's loss: clipped around the sampler
+    (docs/TRL.md)."""
     rollout = dataclasses.replace(
         config.rollout, mode="async", max_staleness=(args.max_staleness + 1) * args.weight_sync_steps - 1,
         weight_sync_every=args.weight_sync_steps, worker_timeout_s=float(args.heartbeat_stale_after_s))
