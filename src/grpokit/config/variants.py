@@ -33,7 +33,7 @@ IS_CORRECTIONS = ("auto", "none", "token_truncate", "token_mask", "sequence_trun
 # config/presets.py; a test keeps them equal
 PRESET_NAMES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo", "luspo", "vespo")
 ENGINES = ("hf", "vllm")  # rollout/engines.py
-ROLLOUT_MODES = ("sync", "async")  # training/async_rollout.py
+ROLLOUT_MODES = ("sync", "async")  # training/rollout_source.py
 SAMPLERS = ("inverse_cdf", "gumbel")  # rollout/sampling.py
 # The built-in task names (tasks.TASKS; not imported here: that imports torch). A test keeps them equal.
 TASK_NAMES = ("addition", "countdown", "multiplication", "shapes")
