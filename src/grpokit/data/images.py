@@ -15,7 +15,9 @@ loads.
 
 from __future__ import annotations
 
+import hashlib
 import io
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -130,3 +132,31 @@ def check_image_rows(rows: Sequence[dict], *, model_type: str | None, supported:
         images = row_images(row, index=i, base=base)
         with_image_placeholders(row["prompt"], len(images), index=i, column=column)
     return True
+
+
+@dataclass(frozen=True, eq=False)
+class ImageRef:
+    """How the logs name one image: a hash of its pixels (and its file path where it came from a file); the
+    decoded image rides along in memory for the run's thumbnails (`completions.jsonl` never holds pixels)."""
+
+    sha256: str  # the first 16 hex digits of SHA-256 over the RGB size and pixels
+    path: str | None
+    image: object  # the RGB PIL image
+
+    def record(self) -> dict:
+        return {"sha256": self.sha256, **({"path": self.path} if self.path else {})}
+
+
+def image_refs(row: dict, images: Sequence) -> tuple[ImageRef, ...]:
+    """The row's images (as `row_images` decoded them) named for the logs: hash, and path where the data gave
+    one (as written in the data: relative paths stay relative to the data file)."""
+    column = "images" if "images" in row else "image"
+    values = row.get(column)
+    values = [] if values is None else values if column == "images" else [values]
+    refs = []
+    for value, image in zip(values, images):
+        source = value.get("path") if isinstance(value, dict) else value
+        path = str(source) if isinstance(source, (str, Path)) else None
+        digest = hashlib.sha256(f"{image.size[0]}x{image.size[1]}:".encode() + image.tobytes()).hexdigest()[:16]
+        refs.append(ImageRef(digest, path, image))
+    return tuple(refs)

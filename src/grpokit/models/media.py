@@ -33,6 +33,8 @@ class PromptImages:
     # [I, 3, H, W], pixel_attention_mask [I, H, W]
     num_images: int
     digest: str  # a hash of the pixels: equal prompts with equal images share a prefill; logs name images by it
+    sources: tuple = ()  # data.images.ImageRef per image (hash, path, the decoded image): completions.jsonl names
+    # the images by them and the run keeps their thumbnails; () where the caller did not give them
 
     @classmethod
     def from_processor(cls, family: str, encoded: dict) -> "PromptImages":

@@ -13,7 +13,8 @@ present `config_history.jsonl` and (`output.completions_every = K`) `completions
   learning rate, and any other metric the run logged; a dashed vertical line
   marks the step each resume continued from;
 - sampled groups laid out like the group-relative advantage worked example: each answer, its score, minus
-  the group mean, divided by the std = the advantage the trainer used.
+  the group mean, divided by the std = the advantage the trainer used; with images, their thumbnails
+  (`RUN_DIR/images/`, named by hash in `completions.jsonl`) beside the answers.
 
 Curves are drawn as SVG by this module (no plotting dependency) and embedded as
 base64 `data:` images, so the one HTML file is the whole report: it can be
@@ -22,6 +23,7 @@ mailed, attached to an issue or opened offline.
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 import math
@@ -32,6 +34,7 @@ from grpokit.observe.charts import _match, _value, data_uri, svg_chart
 from grpokit.observe.diagnostics import replay
 from grpokit.observe.run_logs import _read, load_run
 from grpokit.observe.timeline import timeline_svg
+from grpokit.observe.tracking import THUMBNAILS
 
 CHARTS = [  # (title, metric names; "*" matches one reward function name)
     ("Reward (total and per function)", ["reward", "rewards/*/mean"]),
@@ -124,9 +127,10 @@ def _signed(v: float | None, digits: int = 2) -> str:
     return "—" if v is None else f"{v:+.{digits}f}".replace("-", "−")
 
 
-def group_table(group: list[dict], *, std_kind: str = "population", scale: str = "group") -> str:
+def group_table(group: list[dict], *, std_kind: str = "population", scale: str = "group",
+                images_dir: Path | None = None) -> str:
     """One group as the group-relative advantage worked example lays it out: answers as columns;
-    score, − mean, ÷ std = advantage as rows."""
+    score, − mean, ÷ std = advantage as rows; the prompt's images (their thumbnails in `images_dir`) beside."""
     e = html.escape
     scores = [_value(r.get("reward")) for r in group]
     valid = [s for s in scores if s is not None]
@@ -161,8 +165,34 @@ def group_table(group: list[dict], *, std_kind: str = "population", scale: str =
         note += " — all equal: no signal"
     rows.append(f"<tr><th>{label}</th>{''.join(cells)}<td class=\"note\">{note}</td></tr>")
     prompt = _prompt_text(group[0].get("prompt", ""))
+    table = f'<table class="seed">{"".join(rows)}</table>'
+    images = _thumbnails(group[0].get("images"), images_dir)
+    if images:
+        table = f'<div class="beside">{images}{table}</div>'
     return (f'<div class="group"><div class="prompt">prompt: <code>{e(_clip(prompt, 300))}</code></div>'
-            f'<table class="seed">{"".join(rows)}</table>{_conversations(group)}</div>')
+            f'{table}{_conversations(group)}</div>')
+
+
+def _thumbnails(records, images_dir: Path | None) -> str:
+    """The prompt's images as `<img>` thumbnails (base64, so the page stays one file), each titled with its hash
+    and path; an image whose thumbnail is not in the run folder is its name in a box. Records that are not
+    {"sha256": 16 hex digits} (a damaged row) are left out: a name never reaches a file path unchecked."""
+    if not isinstance(records, list):
+        return ""
+    e, parts = html.escape, []
+    for record in records:
+        sha = record.get("sha256") if isinstance(record, dict) else None
+        if not (isinstance(sha, str) and len(sha) == 16 and all(c in "0123456789abcdef" for c in sha)):
+            continue
+        path = record.get("path")
+        title = e(f"sha256 {sha}" + (f", {path}" if isinstance(path, str) else ""))
+        file = None if images_dir is None else images_dir / f"{sha}.png"
+        if file is not None and file.is_file():
+            uri = "data:image/png;base64," + base64.b64encode(file.read_bytes()).decode("ascii")
+            parts.append(f'<img class="thumb" alt="image {sha}" title="{title}" src="{uri}">')
+        else:
+            parts.append(f'<div class="thumb missing-thumb" title="{title}">image {sha}<br>(no thumbnail)</div>')
+    return f'<div class="thumbs">{"".join(parts)}</div>' if parts else ""
 
 
 def _conversations(group: list[dict]) -> str:
@@ -228,6 +258,10 @@ table.seed tr.fn th, table.seed tr.fn td { color: #666; }
 details.conversations { font-size: 13px; margin-top: 4px; } .turn { margin: 2px 0; padding: 2px 6px;
   font-family: monospace; white-space: pre-wrap; } .turn.assistant { border-left: 3px solid #1f77b4; }
 .turn.tool { border-left: 3px solid #ff7f0e; background: #fff5e8; color: #664400; }
+.beside { display: flex; gap: 10px; align-items: flex-start; }
+.thumbs { display: flex; flex-direction: column; gap: 4px; }
+img.thumb { width: 96px; image-rendering: pixelated; border: 1px solid #ccc; }
+.missing-thumb { width: 96px; font-size: 11px; color: #777; border: 1px dashed #ccc; padding: 4px; }
 table.segments { border-collapse: collapse; font-size: 13px; }
 table.segments th, table.segments td { border: 1px solid #ddd; padding: 3px 8px; text-align: left;
                                        vertical-align: top; }
@@ -358,5 +392,6 @@ def _groups_section(run: dict, groups_per_step: int, max_steps: int) -> str:
         shown = sorted(range(len(groups)), key=lambda i: flat[i])[:groups_per_step]  # groups with signal first
         parts.append(f"<h3>step {step}: {len(shown)} of {len(groups)} groups ({sum(flat)} with no signal)</h3>")
         parts += [group_table(groups[i], std_kind=str(algo.get("std", "population")),
-                              scale=str(algo.get("scale_rewards", "group"))) for i in sorted(shown)]
+                              scale=str(algo.get("scale_rewards", "group")), images_dir=run["dir"] / THUMBNAILS)
+                  for i in sorted(shown)]
     return "".join(parts)

@@ -157,7 +157,9 @@ class ConsoleProgress:
 
 def write_completions(run_dir: Path, step: int, draw, advantages: torch.Tensor, specs) -> None:
     """Append this step's answers to `completions.jsonl`: prompt, completion, each reward, advantage;
-    multi-turn answers also as their messages ("conversation": assistant turns and tool results)."""
+    multi-turn answers also as their messages ("conversation": assistant turns and tool results); answers to
+    prompts with images also name them ("images": [{"sha256", "path" where the data gave a file}]), and each
+    image's thumbnail is kept in `RUN_DIR/images/`."""
     d = draw
     rows = [{"step": step, "prompt": d.prompts[i], "completion": d.texts[i],
              "rewards": {s.name: finite_or_none(d.per_fn[i, j].item()) for j, s in enumerate(specs)},
@@ -166,7 +168,33 @@ def write_completions(run_dir: Path, step: int, draw, advantages: torch.Tensor, 
     if d.conversations is not None:
         for row, conversation in zip(rows, d.conversations):
             row["conversation"] = conversation
+    media = getattr(getattr(d, "rollout", None), "media", None)  # [N] vision-language rows' images
+    if media is not None:
+        for row, prompt_images in zip(rows, media.rows):
+            refs = () if prompt_images is None else prompt_images.sources
+            row["images"] = [ref.record() for ref in refs]
+            save_thumbnails(run_dir, refs)
     append_jsonl(run_dir / "completions.jsonl", rows)
+
+
+THUMBNAILS = "images"  # RUN_DIR/images/<sha256>.png: one small PNG per distinct image the logs name
+THUMBNAIL_PIXELS = 96  # the longer side, at most
+
+
+def save_thumbnails(run_dir: Path, refs) -> None:
+    """A small PNG of each image (`data.images.ImageRef`) not saved yet, named by its hash: the report shows it
+    beside the answers, and completions.jsonl stays text (an image the data repeats is written once)."""
+    folder = run_dir / THUMBNAILS
+    for ref in refs:
+        path = folder / f"{ref.sha256}.png"
+        if path.is_file():
+            continue
+        folder.mkdir(exist_ok=True)
+        thumbnail = ref.image.copy()
+        thumbnail.thumbnail((THUMBNAIL_PIXELS, THUMBNAIL_PIXELS))
+        tmp = path.with_name(f".{path.name}.tmp")
+        thumbnail.save(tmp, format="PNG")
+        tmp.replace(path)
 
 
 HISTORY = "config_history.jsonl"

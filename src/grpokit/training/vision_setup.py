@@ -17,12 +17,12 @@ What is not built with images, refused here before the model loads: tool calls a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
 from grpokit.config.schema import Config
-from grpokit.data.images import check_image_rows, row_images, with_image_placeholders
+from grpokit.data.images import check_image_rows, image_refs, row_images, with_image_placeholders
 from grpokit.errors import DataError, SetupError
 from grpokit.models.media import RowMedia
 from grpokit.models.vision import (
@@ -126,7 +126,8 @@ class PromptMedia:
         images = row_images(row, index=index, base=v.base)
         messages = with_image_placeholders(row["prompt"], len(images), index=index,
                                            column="images" if "images" in row else "image")
-        return encode_image_prompt(v.processor, messages, images, v.family)
+        ids, encoded = encode_image_prompt(v.processor, messages, images, v.family)
+        return ids, None if encoded is None else replace(encoded, sources=image_refs(row, images))
 
     def rows(self, indices: Sequence[int]) -> RowMedia:
         return RowMedia(self.vision.family, tuple(self.encode(i)[1] for i in indices), self.vision.image_token_id)
