@@ -157,6 +157,7 @@ class AsyncRollouts:
         self.next_order = run.start_step + 1  # the step whose batch is ordered next
         self.arrived: dict[int, tuple[int, object]] = {}  # step -> (worker, WorkerBatch)
         self.dropped = 0
+        self.failed: RolloutWorkerError | None = None  # a weight transfer's fault, said at the next batch
         self.started = False  # every worker has said "ready"
         self.took = time.time()  # when the trainer last took a batch
         self.timeline = run_dir / "timeline.jsonl" if run.inputs.folder is not None else None
@@ -195,7 +196,10 @@ class AsyncRollouts:
     # ---- taking batches --------------------------------------------------------------------------------
 
     def next(self, step: int):
-        while self.next_order <= step + self.K:  # keep max_staleness + 1 steps ordered ahead
+        if self.failed is not None:  # the loop saves the step whose weights failed to travel, then says it
+            raise self.failed
+        last = self.config.train.steps  # nothing past it: a worker would wait for weights never sent
+        while self.next_order <= min(step + self.K, last):  # keep max_staleness + 1 steps ordered ahead
             self._order(self.next_order)
             self.next_order += 1
         t0 = time.perf_counter()
@@ -269,7 +273,11 @@ class AsyncRollouts:
         self._record(step, [("trainer", "train", self.took, time.time())])
         if step % r.weight_sync_every or step >= self.config.train.steps:
             return {}
-        return {"time/weight_sync": self._publish(model, step, full=False)}
+        try:
+            return {"time/weight_sync": self._publish(model, step, full=False)}
+        except RolloutWorkerError as e:  # this step's update is done: its row and checkpoint come first
+            self.failed = e
+            return {}
 
     def _publish(self, model, version: int, *, full: bool) -> float:
         started = time.time()
