@@ -48,7 +48,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    task: str = ""  # a built-in task name (addition, countdown, multiplication: with its own tool) ...
+    task: str = ""  # a built-in task name (addition, countdown, gridworld, multiplication: with its own tool) ...
     path: str = ""  # ... or a JSONL / CSV / Parquet file, a saved datasets folder, or a Hub dataset (openai/gsm8k)
     name: str = ""  # the Hub dataset's config (e.g. "main" for openai/gsm8k); empty = its only or default one
     split: str = ""  # the split of a Hub dataset or a saved datasets folder; empty = "train"

@@ -36,7 +36,7 @@ ENGINES = ("hf", "vllm")  # rollout/engines.py
 ROLLOUT_MODES = ("sync", "async")  # training/rollout_source.py
 SAMPLERS = ("inverse_cdf", "gumbel")  # rollout/sampling.py
 # The built-in task names (tasks.TASKS; not imported here: that imports torch). A test keeps them equal.
-TASK_NAMES = ("addition", "countdown", "multiplication", "shapes")
+TASK_NAMES = ("addition", "countdown", "gridworld", "multiplication", "shapes")
 REWARD_ISOLATION = ("none", "process")  # rewards/isolation.py
 REWARD_ON_ERROR = ("raise", "skip")
 TOOL_HISTORY = ("append", "split")  # tools.history: rollout/history.py

@@ -19,10 +19,11 @@ from grpokit.rewards.verifiers import addition_reward, countdown_reward_fn, pars
 from grpokit.tasks.addition import AdditionTask
 from grpokit.tasks.base import Task, in_split
 from grpokit.tasks.countdown import CountdownTask
+from grpokit.tasks.gridworld import GridWorld, GridWorldTask
 from grpokit.tasks.multiplication import MultiplicationTask, calculator
 from grpokit.tasks.shapes import ShapeCountTask
 
-TASKS: dict[str, type] = {"addition": AdditionTask, "countdown": CountdownTask,
+TASKS: dict[str, type] = {"addition": AdditionTask, "countdown": CountdownTask, "gridworld": GridWorldTask,
                           "multiplication": MultiplicationTask, "shapes": ShapeCountTask}  # shapes: with images
 
 
@@ -53,6 +54,12 @@ def task_tools(task) -> list:
     return list(getattr(task, "tools", lambda: [])())
 
 
+def task_environment(task):
+    """The environment class a task brings (gridworld: `GridWorld`); None for most tasks."""
+    make = getattr(task, "environment", None)
+    return make() if callable(make) else None
+
+
 def cli_task(task: str, task_args: dict):
     """`get_task` for the command line: its errors name the flag (--task or --task-arg)."""
     try:
@@ -63,4 +70,5 @@ def cli_task(task: str, task_args: dict):
 
 __all__ = ["AdditionTask", "CountdownTask", "MultiplicationTask", "TASKS", "Task", "TaskError", "addition_reward",
            "available_tasks", "calculator", "cli_task", "countdown_reward_fn", "get_task", "in_split",
-           "parse_expression", "score_expression", "ShapeCountTask", "task_tools"]
+           "parse_expression", "score_expression", "ShapeCountTask", "task_tools",
+           "GridWorld", "GridWorldTask", "task_environment"]

@@ -9,7 +9,7 @@ from grpokit.errors import SetupError
 from grpokit.rewards.registry import load_reward
 from grpokit.rollout.environments import Environments
 from grpokit.rollout.tools import ToolBox
-from grpokit.tasks import task_tools
+from grpokit.tasks import task_environment, task_tools
 from grpokit.training.split_rows import check_history_setup
 from grpokit.training.turn_credit import check_turn_setup
 
@@ -27,6 +27,7 @@ def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
         functions = [load_reward(ref, kind="tool") for ref in t.functions]
         if not functions and factory is None and t.task_tools:
             functions = task_tools(task)
+            factory = task_environment(task)  # gridworld's GridWorld
     if not functions and factory is None:
         check_turn_setup(config, None, None)
         check_history_setup(config, None, None)
