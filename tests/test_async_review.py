@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,3 +77,42 @@ def test_a_worker_lost_during_a_weight_transfer_keeps_the_finished_step(tiny_mod
     monkeypatch.setattr(rollout_source.AsyncRollouts, "publish", publish)
     train(config(tiny_model_dir, out, steps=3), reward_functions=[parity], resume=True)
     assert [r["step"] for r in rows(out / "metrics.jsonl")] == [1, 2, 3]
+
+
+SCRIPT = """
+import sys
+sys.path.insert(0, {tests!r})
+from conftest import make_config, parity
+from grpokit.training.loop import train
+train(make_config({model!r}, {out!r}, steps=1000, rollout={{"mode": "async"}}, train={{"num_threads": 1}}),
+      reward_functions=[parity])
+"""
+
+
+def _children(pid: int) -> list[int]:
+    return [int(x) for x in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+
+
+def test_ctrl_c_while_a_worker_starts_is_a_graceful_stop(tiny_model_dir, tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group. A worker only ignores SIGINT once it has imported
+    torch and reached worker_main; before that it died of it, and the run ended in "rollout worker 0 was killed
+    by signal 2" instead of finishing its step, saving and stopping."""
+    script, out = tmp_path / "run.py", tmp_path / "run"
+    script.write_text(SCRIPT.format(tests=str(Path(__file__).parent), model=str(tiny_model_dir), out=str(out)))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _children(proc.pid) and time.monotonic() < deadline:  # the worker is spawned: it imports
+            time.sleep(0.05)
+        time.sleep(0.3)
+        logged = out / "metrics.jsonl"
+        assert not logged.exists() or not logged.stat().st_size, "too late: a step was already logged"
+        os.killpg(proc.pid, signal.SIGINT)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert "killed by signal 2" not in output, output[-3000:]
+    assert proc.returncode == 0, output[-3000:]
+    assert "SIGINT: stopped after step 1" in output
+    assert (out / "checkpoint-1").is_dir()

@@ -29,6 +29,7 @@ import os
 import pickle
 import queue
 import re
+import signal
 import sys
 import time
 import types
@@ -145,6 +146,20 @@ def _main_hidden(hide: bool):
                 del main.__spec__
 
 
+@contextlib.contextmanager
+def _stop_signals_held():
+    """A Ctrl-C while a worker starts must not kill it: it only ignores SIGINT / SIGTERM once it has imported
+    torch, seconds later. Held (blocked) here, the signals stay blocked in the spawned interpreter (the mask is
+    inherited through fork and exec) until worker_main ignores them; the trainer gets its own when released."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held) if hasattr(signal, "pthread_sigmask") else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 class AsyncRollouts:
     """The trainer's side of asynchronous rollout: W worker processes, their orders, their batches."""
 
@@ -177,7 +192,7 @@ class AsyncRollouts:
         self.procs = [ctx.Process(target=worker_main, name=f"grpokit-rollout-{i}", daemon=True,
                                   args=(spec, i, self.devices[i], self.orders[i], self.results, self.beats,
                                         self.announced, os.getpid())) for i in range(self.W)]
-        with _main_hidden(not any(from_main)):
+        with _main_hidden(not any(from_main)), _stop_signals_held():
             for p in self.procs:
                 p.start()
         try:

@@ -183,6 +183,8 @@ def worker_main(spec: WorkerSpec, index: int, device: str, orders, results, beat
     _die_with_parent(parent)
     for sig in (signal.SIGINT, signal.SIGTERM):  # the trainer stops the workers, after saving
         signal.signal(sig, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # held by the trainer while it started this process: now ignored
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     torch.set_num_threads(spec.threads)
     threading.Thread(target=_beat, args=(beats, index, parent), daemon=True, name="heartbeat").start()
     worker = None
