@@ -44,6 +44,7 @@ _EXAMPLES = {
     "algorithm.preset": '"dapo"',
     "tools.functions": '["tools.py:calculator"]',
     "tools.environment": '"envs.py:Counter"',
+    "tools.agent": '"agents.py:my_agent"',
 }
 
 

@@ -273,6 +273,11 @@ class ToolsConfig:
     # where that no longer continues the sampled tokens, e.g. a template that drops earlier turns' <think>, the
     # answer goes on as a new training row; rollout/history.py, docs/AGENTS.md)
     history: str = "append"
+    # "file.py:function": a black-box agent, agent(base_url, row) -> final answer, that calls the model through
+    # the OpenAI-compatible endpoint grpokit serves on 127.0.0.1 during rollout (rollout/agent_endpoint.py)
+    agent: str = ""
+    agent_time_limit_s: float = 300.0  # all agents of a batch; one still running then is a failed answer
+    agent_port: int = 0  # the endpoint's port on 127.0.0.1; 0 = a free one
 
     def __post_init__(self):
         _check_fields(self, "tools")
@@ -283,6 +288,8 @@ class ToolsConfig:
         _one_of(self.isolation, REWARD_ISOLATION, "tools.isolation")
         _check(self.workers >= 1, "tools.workers", "must be >= 1 (processes of tools.isolation = \"process\")")
         _one_of(self.history, TOOL_HISTORY, "tools.history")
+        _check(self.agent_time_limit_s > 0, "tools.agent_time_limit_s", "must be > 0 seconds; 300 is the default")
+        _check(0 <= self.agent_port <= 65535, "tools.agent_port", "must be a port from 0 (a free one) to 65535")
 
 
 MAX_ANSWERS_PER_STEP = 2**20  # prompts_per_step * group_size: far past any real run, short of a hang

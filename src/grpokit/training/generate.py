@@ -85,6 +85,8 @@ def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts
     for _ in range(1 + (algo.max_resample_rounds if algo.dynamic_sampling else 0)):
         indices = stream.next_batch()  # B row indices
         rows = [prompts.rows[i] for i in indices]
+        if hasattr(engine, "rows"):  # an agent engine (rollout/agent_endpoint.py) runs each answer's agent on its row
+            engine.rows = rows
         ids, group = [prompts.ids[i] for i in indices], G
         if environments is not None:
             ids, group = _start_environments(environments, engine, tokenizer, rows, ids, G, sampling.max_new_tokens)
@@ -119,7 +121,8 @@ def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts
     metrics = {**reward_summary(draw.total, G), **reward_metrics(specs, draw.per_fn),
                **completion_metrics(rollout.action_mask, rollout.truncated),
                "time/rollout": t_rollout, "time/reward": t_reward, **(tool_metrics(tool_stats) if tool_stats else {}),
-               **{name: sum(values) / len(values) for name, values in logged.items()}}
+               **{name: sum(values) / len(values) for name, values in logged.items()},
+               **getattr(engine, "agent_metrics", {})}  # an agent engine's: failed agents, model calls, rewrites
     if algo.dynamic_sampling:  # what the filter saw before it dropped groups
         metrics["frac_reward_zero_std"] = seen["frac_reward_zero_std"]
         metrics["dynamic_sampling/groups_kept"] = draw.size / G

@@ -27,6 +27,7 @@ from grpokit.models.threads import configure_threads
 from grpokit.observe.diagnostics import Diagnostics
 from grpokit.observe.metrics import num_tokens, reduce_metrics
 from grpokit.observe.tracking import ConsoleProgress, MetricsWriter, drop_rows_after, write_completions
+from grpokit.rollout.agent_engine import agent_engine_from_config
 from grpokit.training.checkpoint import CheckpointWeights, save_checkpoint, trainer_state
 from grpokit.training.evaluation import BestCheckpoint, HeldOut
 from grpokit.training.reference import sync_reference
@@ -65,6 +66,8 @@ def train(
     this together (models/parallel.py): each takes its share of every batch, rank 0 writes the
     files. `command` is how the run was started (the CLI's own words); stop messages build the
     exact command that continues the run from it."""
+    if engine is None and config.tools.agent:  # a black-box agent: the endpoint on the run's own engine
+        engine = agent_engine_from_config(config)
     dist = DistributedContext.from_env()  # alone: rank 0 of 1, and every collective is a no-op
     lock = RunFolderLock(config.output.dir, command) if dist.is_main else None  # rank 0 holds the folder
     hint = continue_command(command)
@@ -89,7 +92,10 @@ def train(
             run = build_run(config, inputs, dist, engine, model)
             objects = dict(rows=rows, reward_functions=reward_functions, tools=tools,
                            environment_factory=environment_factory)  # what async rollout workers rebuild
-            return _loop(config, run, dist, hint, command, objects)
+            try:
+                return _loop(config, run, dist, hint, command, objects)
+            finally:  # an agent engine's endpoint (rollout/agent_endpoint.py) stops with the run
+                getattr(run.engine, "stop_serving", lambda: None)()
     finally:
         if inputs is not None and inputs.reward_pool is not None:
             inputs.reward_pool.close()  # the isolated rewards' worker processes
