@@ -197,6 +197,8 @@ class Environments:
 
             environment_reward.__name__ = cls.__name__
             specs.append(RewardSpec(cls.__name__, environment_reward, 1.0))
+        for cls in dict.fromkeys(k.cls for k in self.kinds.values()):  # an adapted library's rubric (adapters.py)
+            specs += list(getattr(cls, "grpokit_reward_specs", ()))
         return specs
 
 

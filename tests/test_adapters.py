@@ -1,0 +1,217 @@
+"""Environments from OpenEnv and verifiers train unchanged (rollout/adapters.py): built here with those
+libraries' own base classes; OpenEnv's HTTP server started and stopped by grpokit on 127.0.0.1; several
+environments in one run, each scoring its own answers; a missing library names the extra to install."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import socket
+import sys
+
+import pytest
+
+from conftest import make_config
+from grpokit.config.schema import ToolsConfig
+from grpokit.errors import SetupError
+from grpokit.models.tiny import TOOL_CHAT_TEMPLATE
+from grpokit.observe.tracking import read_metrics
+from grpokit.rollout.adapters import adapt_environment, openenv_environment, verifiers_environment
+from grpokit.rollout.engines import HFEngine
+from grpokit.rollout.environments import Environments
+from grpokit.rollout.multiturn import sample_conversations
+from grpokit.rollout.tools import ToolCall
+from grpokit.training.loop import train
+from grpokit.training.tool_setup import resolve_tools
+
+pytest.importorskip("openenv", reason="pip install 'grpokit[agents]'")
+vf = pytest.importorskip("verifiers", reason="pip install 'grpokit[agents]'")
+
+ENV_SOURCE = '''
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+
+
+class GuessAction(Action):
+    """Guess the hidden number."""
+
+    guess: int
+
+
+class GuessObservation(Observation):
+    message: str = ""
+
+
+class Guess(Environment):
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self):
+        super().__init__()
+        self.target = 0
+
+    def reset(self, seed=None, episode_id=None, target: int = 3, **kwargs) -> GuessObservation:
+        self.target = target
+        return GuessObservation(message=" Guess a number.")
+
+    def step(self, action: GuessAction, timeout_s=None, **kwargs) -> GuessObservation:
+        right = action.guess == self.target
+        return GuessObservation(message="right" if right else "wrong", done=right, reward=1.0 if right else -0.1)
+
+    @property
+    def state(self):
+        return State()
+'''
+namespace: dict = {"__name__": "guess_env"}
+exec(ENV_SOURCE, namespace)
+Guess = namespace["Guess"]
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+
+
+def correct(completion, answer) -> float:
+    """verifiers' convention: the completion as messages, the row's answer."""
+    return float(str(answer) in json.dumps(completion))
+
+
+async def short(completion, parser) -> float:
+    return 1.0 / (1 + len(json.dumps(completion))) + 0.0 * len(parser.__class__.__name__)
+
+
+def math_env():
+    from datasets import Dataset
+
+    dataset = Dataset.from_list([{"question": "1+2", "answer": "3"}])
+    return vf.ToolEnv(dataset=dataset, tools=[add], rubric=vf.Rubric(funcs=[correct, short], weights=[1.0, 0.5]))
+
+
+def play(environments: Environments, rows, calls):
+    """Reset one instance per row and run `calls` as that answer's first turn."""
+    boxes, observations = environments.start(rows)
+    return observations, [box.run(c) for box, c in zip(boxes, calls)], boxes
+
+
+def test_an_openenv_environment_is_one_step_tool_with_its_rewards_and_states():
+    environments = Environments(adapt_environment(Guess))
+    schema = environments.toolbox.schemas[0]["function"]
+    assert schema["name"] == "step" and schema["parameters"]["properties"]["guess"]["type"] == "integer"
+    assert schema["parameters"]["required"] == ["guess"] and "Guess the hidden number" in schema["description"]
+    observations, results, boxes = play(environments, [{"prompt": "p", "target": 5}] * 2,
+                                        [[ToolCall("step", {"guess": 4})], [ToolCall("step", {"guess": 5})]])
+    assert observations == [" Guess a number."] * 2  # appended to the prompt, as TRL's reset text
+    assert [r[0].content for r in results] == ["wrong", "right"]  # each answer its own instance
+    wrong, right = environments.active
+    assert wrong.get_turn_reward() == -0.1 and right.get_turn_reward() == 1.0 and right.get_turn_reward() is None
+    assert (wrong.get_reward(), right.get_reward()) == (-0.1, 1.0) and right.get_state() == "right"
+    after = boxes[1].run([ToolCall("step", {"guess": 5})])[0]
+    assert after.failed and "the episode is over" in after.content
+
+
+def test_openenvs_own_http_server_is_started_and_stopped_on_127_0_0_1():
+    adapter = openenv_environment(Guess, serve=True)
+    environments = Environments(adapter)  # the probe instance starts the server
+    try:
+        _, results, _ = play(environments, [{"prompt": "p", "target": 2}], [[ToolCall("step", {"guess": 2})]])
+        assert results[0][0].content == "right" and environments.active[0].get_reward() == 1.0
+        url = environments.active[0]._env.async_client.base_url
+        assert url.startswith("http://127.0.0.1:")
+        remote = Environments(openenv_environment(url=url, action=namespace["GuessAction"], reset_columns=("target",)))
+        _, results, _ = play(remote, [{"prompt": "p", "target": 7}], [[ToolCall("step", {"guess": 7})]])
+        assert results[0][0].content == "right"  # a server someone else runs, by its url
+    finally:
+        adapter.close()
+    port = int(url.rsplit(":", 1)[1])
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+        s.connect(("127.0.0.1", port))
+
+
+def test_a_verifiers_tool_env_gives_its_tools_and_its_rubric_as_reward_columns():
+    cls = verifiers_environment(math_env())
+    environments = Environments({"math": cls, "guess": adapt_environment(Guess)})
+    assert [s["function"]["name"] for s in environments.schemas_for({"environment": "math"})] == ["add"]
+    specs = {s.name: s for s in environments.reward_specs()}
+    assert set(specs) == {"Guess", "ToolEnv/correct", "ToolEnv/short"}
+    assert (specs["ToolEnv/correct"].weight, specs["ToolEnv/short"].weight) == (1.0, 0.5)
+    rows = [{"prompt": "1+2", "environment": "math", "answer": "3"}, {"prompt": "g", "environment": "guess"}]
+    environments.start(rows)
+    completions = [[{"role": "assistant", "content": "it is 3"}], [{"role": "assistant", "content": "x"}]]
+    score = specs["ToolEnv/correct"].fn(["1+2", "g"], completions, environments=environments.active,
+                                       answer=["3", None])
+    assert score == [1.0, None]  # the guess answer is not the rubric's to grade
+    assert specs["ToolEnv/short"].fn(["1+2", "g"], completions, environments=environments.active,
+                                     answer=["3", None])[0] == pytest.approx(1 / (1 + len(json.dumps(completions[0]))))
+
+
+def test_unsupported_verifiers_environments_and_missing_libraries_are_one_error(monkeypatch):
+    class Custom(vf.MultiTurnEnv):
+        async def env_response(self, messages, state, **kwargs):
+            return []
+
+    with pytest.raises(SetupError, match="env_response, which grpokit does not run; ToolEnv"):
+        verifiers_environment(Custom(dataset=math_env().dataset, rubric=vf.Rubric()))
+    with pytest.raises(SetupError, match="url 'localhost:1' must start with http"):
+        openenv_environment(url="localhost:1")
+    monkeypatch.setitem(sys.modules, "openenv.core.generic_client", None)
+    with pytest.raises(SetupError, match=r"needs the `openenv` package.*pip install 'grpokit\[agents\]'"):
+        openenv_environment(url="http://127.0.0.1:1", action=namespace["GuessAction"])
+    monkeypatch.setitem(sys.modules, "verifiers", None)
+    with pytest.raises(SetupError, match=r"verifiers_environment needs the `verifiers` package.*grpokit\[agents\]"):
+        verifiers_environment(object())
+
+
+@pytest.fixture(scope="module")
+def tool_model_dir(tiny_model_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("adapter-model")
+    shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOL_CHAT_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    return path
+
+
+def scripted(config, model, tokenizer):
+    """Turns end at a digit or "="; each makes its environment's one call (a random model writes none)."""
+    arguments = {"step": {"guess": 5}, "add": {"a": 1, "b": 2}}
+
+    class Scripted(HFEngine):
+        def generate(self, prompt_ids, *, group_size, sampling, generator=None, **_):
+            digits = [self.tokenizer.convert_tokens_to_ids(d) for d in "0123456789="]
+            rollout, self.tool_stats = sample_conversations(
+                self.model, prompt_ids, group_size=group_size, max_new_tokens=sampling.max_new_tokens,
+                eos_token_ids=digits, pad_token_id=sampling.pad_token_id, tokenizer=self.tokenizer,
+                tools=self.tools, max_tool_turns=1, generator=generator,
+                parse_calls=lambda text, tools, **_: [ToolCall(tools[0]["function"]["name"],
+                                                               arguments[tools[0]["function"]["name"]])])
+            return rollout
+
+    return Scripted(model, tokenizer)
+
+
+def test_an_openenv_and_a_verifiers_environment_train_together_each_with_its_own_rewards(tool_model_dir, tmp_path):
+    rows = [{"prompt": "guess", "environment": "guess", "target": 5, "answer": ""},
+            {"prompt": "1+2", "environment": "math", "target": 0, "answer": "3"}] * 8
+    config = make_config(tool_model_dir, tmp_path / "run", steps=2, prompts_per_step=2, max_new_tokens=64)
+    run = train(config, rows=rows, reward_functions=[], engine=scripted,
+                environment_factory={"guess": Guess, "math": math_env()})
+    metrics = read_metrics(run)
+    for m in metrics:
+        assert m["tools/call_frequency"] > 0 and m["tools/failure_frequency"] == 0
+        assert m["rewards/Guess/mean"] == pytest.approx(1.0)  # every guess answer guessed 5 = its target
+        assert "rewards/ToolEnv/correct/mean" in m and "rewards/ToolEnv/short/mean" in m
+
+
+def test_an_openenv_class_from_toml_is_adapted(tmp_path, monkeypatch):
+    (tmp_path / "envs.py").write_text(ENV_SOURCE)
+    monkeypatch.chdir(tmp_path)
+    config = make_config(tmp_path, tmp_path / "run")
+    box, environments = resolve_tools(dataclasses.replace(config, tools=ToolsConfig(environment="envs.py:Guess")))
+    assert list(box.functions) == ["step"] and [s.name for s in environments.reward_specs()] == ["Guess"]
