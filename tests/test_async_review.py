@@ -116,3 +116,22 @@ def test_ctrl_c_while_a_worker_starts_is_a_graceful_stop(tiny_model_dir, tmp_pat
     assert proc.returncode == 0, output[-3000:]
     assert "SIGINT: stopped after step 1" in output
     assert (out / "checkpoint-1").is_dir()
+
+
+def test_a_given_model_unlike_model_path_is_refused_by_the_worker_before_any_transfer(tiny_model_dir, tmp_path):
+    """train(model=...) with resized token embeddings (what a TRL user does after adding a pad token): the
+    worker loads model.path, so the flat buckets of the first transfer differ in size. Before: gloo aborted the
+    worker (SIGABRT) and the run said "rollout worker 0 was killed by signal 6"; with equal sizes but other
+    shapes the weights would have been scrambled silently. Now each end's parameter shapes are compared first."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    vocab = model.config.vocab_size
+    model.resize_token_embeddings(vocab + 8)
+    with pytest.raises(RolloutWorkerError) as err:
+        train(config(tiny_model_dir, tmp_path / "run", steps=2, rollout={"max_staleness": 0, "worker_timeout_s": 30}),
+              reward_functions=[parity], model=model)
+    words = str(err.value)
+    assert "rollout worker 0: the trainer's model and the rollout workers' differ" in words, words
+    assert f"model.embed_tokens.weight is [{vocab + 8}, 32] torch.float32 in the trainer's model, [{vocab}, 32]" \
+        in words and "signal" not in words and "\n" not in words

@@ -42,7 +42,7 @@ from grpokit.models.loading import resolve_device
 from grpokit.models.threads import usable_cores
 from grpokit.models.weight_sync import WeightChannel
 from grpokit.training.generate import generate_and_grade
-from grpokit.training.rollout_workers import HEARTBEAT_S, WorkerSpec, worker_main
+from grpokit.training.rollout_workers import HEARTBEAT_S, WorkerSpec, parameter_shapes, worker_main
 
 
 class SyncRollouts:
@@ -184,7 +184,8 @@ class AsyncRollouts:
         spec = WorkerSpec(local, run.inputs.data.rows, run.inputs.prompts,
                           [n for n, p in run.policy.model.named_parameters() if p.requires_grad], run.stream,
                           run.sampler.get_state(), self.W, split_threads(config)[1], self.channel.port,
-                          self.timeout_s, reward_functions, tools, environment_factory)
+                          self.timeout_s, reward_functions, tools, environment_factory,
+                          parameter_shapes(run.policy.model))
         from_main = [_sendable(what, value) for what, value in (
             ("train(reward_functions=...)", reward_functions), ("train(tools=...)", tools),
             ("train(environment_factory=...)", environment_factory), ("the run's rows, prompts or config", spec))]

@@ -61,6 +61,7 @@ class WorkerSpec:
     reward_functions: list | None = None  # what train() was given; None: the config's
     tools: list | None = None
     environment_factory: Callable | dict | None = None
+    shapes: list[tuple[str, tuple, str]] | None = None  # the trainer's parameters: name, shape, dtype
 
 
 @dataclass
@@ -92,6 +93,29 @@ class EveryNth:
 
     def state_dict(self) -> dict:
         return self.stream.state_dict()
+
+
+def parameter_shapes(model: torch.nn.Module) -> list[tuple[str, tuple, str]]:
+    """What a weight transfer assumes both ends share: each parameter's name, shape and dtype, in order."""
+    return [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
+
+
+def check_same_parameters(trainer: list[tuple[str, tuple, str]], worker: list[tuple[str, tuple, str]],
+                          path: str) -> None:
+    """A worker loads `model.path`; a model handed to train(model=...) may differ (resized embeddings, an
+    adapter of its own). Transfers move flat buckets, so a difference would abort gloo or scramble weights."""
+    if trainer == worker:
+        return
+    theirs = {name: f"{list(shape)} {dtype}" for name, shape, dtype in trainer}
+    ours = {name: f"{list(shape)} {dtype}" for name, shape, dtype in worker}
+    differ = [n for n in [*theirs, *ours] if theirs.get(n) != ours.get(n)] or [trainer[0][0]]  # or: the order
+    name = differ[0]
+    what = (f"{name} is {theirs.get(name, 'absent')} in the trainer's model, {ours.get(name, 'absent')} in {path} "
+            "as the worker loads it")
+    raise UserError(f"the trainer's model and the rollout workers' differ ({what}): a model given to "
+                    "train(model=...) must have model.path's parameters (resized embeddings or an adapter of its "
+                    "own do not reach the workers); save it and point model.path at that folder, or use "
+                    "rollout.mode = \"sync\"")
 
 
 def _die_with_parent(parent: int) -> None:
@@ -139,6 +163,8 @@ class _Worker:
         trainable = set(spec.trainable)
         for name, p in model.named_parameters():
             p.requires_grad_(name in trainable)
+        if spec.shapes is not None:  # before any transfer: buckets are cut by these shapes on both ends
+            check_same_parameters(spec.shapes, parameter_shapes(model), config.model.path)
         self.model = model.eval()
         self.engine = build_engine(config, model, self.tokenizer, tools=self.toolbox)
         self.config, self.prompts, self.spec, self.announced, self.index = config, spec.prompts, spec, announced, index
