@@ -215,3 +215,21 @@ def test_an_openenv_class_from_toml_is_adapted(tmp_path, monkeypatch):
     config = make_config(tmp_path, tmp_path / "run")
     box, environments = resolve_tools(dataclasses.replace(config, tools=ToolsConfig(environment="envs.py:Guess")))
     assert list(box.functions) == ["step"] and [s.name for s in environments.reward_specs()] == ["Guess"]
+
+
+def test_the_server_grpokit_started_for_a_run_stops_when_the_run_ends(tool_model_dir, tmp_path, monkeypatch):
+    adapter = openenv_environment(Guess, serve=True)
+    urls = []
+    real = adapter.reset
+
+    def reset(self, **row):
+        urls.append(self._env.async_client.base_url)
+        return real(self, **row)
+
+    monkeypatch.setattr(adapter, "reset", reset)
+    config = make_config(tool_model_dir, tmp_path / "run", steps=1, prompts_per_step=1, max_new_tokens=16)
+    train(config, rows=[{"prompt": "guess", "target": 5, "answer": ""}] * 2, reward_functions=[], engine=scripted,
+          environment_factory=adapter)
+    port = int(urls[0].rsplit(":", 1)[1])
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+        s.connect(("127.0.0.1", port))

@@ -239,7 +239,15 @@ def openenv_environment(env_cls=None, *, action=None, url: str | None = None, se
         step = _step_tool(action_cls)
 
     OpenEnvAdapter.__name__ = OpenEnvAdapter.__qualname__ = name or (env_cls.__name__ if env_cls else "OpenEnv")
-    OpenEnvAdapter.close = classmethod(lambda cls: state.get("server") and state["server"].close())  # not a tool
+    def close(cls) -> None:
+        """Stop the server this adapter started (a later instance starts a new one)."""
+        server = state.pop("server", None)
+        state.pop("url", None)
+        if server is not None:
+            server.close()
+
+    # classmethods, so not tools; train() calls grpokit_close when the run ends
+    OpenEnvAdapter.close = OpenEnvAdapter.grpokit_close = classmethod(close)
     return OpenEnvAdapter
 
 

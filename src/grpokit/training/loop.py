@@ -99,6 +99,8 @@ def train(
     finally:
         if inputs is not None and inputs.reward_pool is not None:
             inputs.reward_pool.close()  # the isolated rewards' worker processes
+        for kind in inputs.environments.kinds.values() if inputs is not None and inputs.environments else ():
+            getattr(kind.cls, "grpokit_close", lambda: None)()  # servers grpokit started (rollout/adapters.py)
         if lock is not None:
             lock.release()
 
