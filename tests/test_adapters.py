@@ -233,3 +233,10 @@ def test_the_server_grpokit_started_for_a_run_stops_when_the_run_ends(tool_model
     port = int(urls[0].rsplit(":", 1)[1])
     with socket.socket() as s, pytest.raises(ConnectionRefusedError):
         s.connect(("127.0.0.1", port))
+
+
+def test_adapted_environments_in_worker_processes_are_refused_naming_the_field(tmp_path):
+    config = make_config(tmp_path, tmp_path / "run")
+    config = dataclasses.replace(config, tools=ToolsConfig(isolation="process"))
+    with pytest.raises(SetupError, match='tools.isolation = "process": environments from OpenEnv or verifiers'):
+        resolve_tools(config, environment_factory={"guess": Guess})

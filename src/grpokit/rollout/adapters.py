@@ -84,6 +84,13 @@ def adapt_environment(factory):
     return factory
 
 
+def was_adapted(original, adapted) -> bool:
+    """Whether `adapt_environment` changed anything (in a mapping: any of its environments)."""
+    if isinstance(original, Mapping):
+        return any(adapted[name] is not f for name, f in original.items())
+    return adapted is not original
+
+
 # ---- OpenEnv -----------------------------------------------------------------------------------------
 
 

@@ -7,7 +7,7 @@ from typing import Callable, Sequence
 from grpokit.config.schema import Config
 from grpokit.errors import SetupError
 from grpokit.rewards.registry import load_reward
-from grpokit.rollout.adapters import adapt_environment
+from grpokit.rollout.adapters import adapt_environment, was_adapted
 from grpokit.rollout.environments import Environments
 from grpokit.rollout.tools import ToolBox
 from grpokit.tasks import task_environment, task_tools
@@ -23,7 +23,12 @@ def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
     factory given to `train`, else `tools.environment`. (None, None) when there are none."""
     t = config.tools
     factory = environment_factory or (load_reward(t.environment, kind="environment") if t.environment else None)
-    factory = None if factory is None else adapt_environment(factory)  # OpenEnv's, verifiers' (rollout/adapters.py)
+    adapted = None if factory is None else adapt_environment(factory)  # OpenEnv's, verifiers' (rollout/adapters.py)
+    if factory is not None and was_adapted(factory, adapted) and t.isolation == "process":
+        raise SetupError("tools.isolation = \"process\": environments from OpenEnv or verifiers run in the trainer's "
+                         "process (an OpenEnv server is a process of its own: openenv_environment(serve=True)); set "
+                         "tools.isolation = \"none\"")
+    factory = adapted
     own_functions = functions is None and bool(t.functions)
     if functions is None:
         functions = [load_reward(ref, kind="tool") for ref in t.functions]
