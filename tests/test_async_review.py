@@ -135,3 +135,20 @@ def test_a_given_model_unlike_model_path_is_refused_by_the_worker_before_any_tra
     assert "rollout worker 0: the trainer's model and the rollout workers' differ" in words, words
     assert f"model.embed_tokens.weight is [{vocab + 8}, 32] torch.float32 in the trainer's model, [{vocab}, 32]" \
         in words and "signal" not in words and "\n" not in words
+
+
+def test_a_reward_that_raises_while_the_trainer_updates_is_said_in_its_own_words(tiny_model_dir, tmp_path):
+    """max_staleness = 1 (the default): step 2's batch is graded while the trainer updates step 1, so the worker
+    reports its reward's error and exits during the weight transfer after step 1. Before: the run said only
+    "the weight transfer of step 1 ... failed (... Connection closed by peer ...)", and the reward's error stayed
+    unread in the queue."""
+    from test_async import raises_on_second_batch
+
+    out = tmp_path / "run"
+    with pytest.raises(RolloutWorkerError) as err:
+        train(config(tiny_model_dir, out, steps=4, rollout={"max_staleness": 1, "worker_timeout_s": 20}),
+              reward_functions=[raises_on_second_batch])
+    words = str(err.value)
+    assert words.startswith("rollout worker 0: reward function 'raises_on_second_batch'"), words
+    assert "the grader's database is gone" in words and "Connection closed" not in words, words
+    assert "step 1 is saved" in words and (out / "checkpoint-1").is_dir()

@@ -261,9 +261,25 @@ class AsyncRollouts:
                 raise RolloutWorkerError(f"rollout worker {message[1]}: {message[3]}")
             return message
 
+    def _reported_error(self, *, within_s: float) -> RolloutWorkerError | None:
+        """A worker's own error message, if one is queued (a worker sends it, then exits): it says more than the
+        exit code or the closed connection the trainer sees. Batches read meanwhile are kept."""
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                message = self.results.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                return None
+            if message[0] == "error":
+                return RolloutWorkerError(f"rollout worker {message[1]}: {message[3]}")
+            if message[0] == "batch":
+                self.arrived[message[2]] = (message[1], message[3])
+
     def _check(self, waiting_for: int, what: str, deadline: float) -> None:
         for i, p in enumerate(self.procs):
             if p.exitcode is not None:
+                if (said := self._reported_error(within_s=0.5)) is not None:  # it said why before it exited
+                    raise said
                 how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
                 oom = " (SIGKILL: often the kernel's out-of-memory killer)" if p.exitcode == -9 else ""
                 raise RolloutWorkerError(f"rollout worker {i} {how}{oom} while the trainer waited for {what}")
@@ -299,7 +315,9 @@ class AsyncRollouts:
         started = time.time()
         try:
             seconds = self.channel.publish(model, version, full=full)
-        except RuntimeError as e:  # gloo's timeout: a worker did not take part
+        except RuntimeError as e:  # gloo's timeout, or a closed connection: a worker did not take part
+            if (said := self._reported_error(within_s=2)) is not None:  # a reward or tool failed: its words
+                raise said from None
             for i, p in enumerate(self.procs):
                 self._check(i, "a weight transfer", time.monotonic() + 1)
             raise RolloutWorkerError(f"the weight transfer of step {version} to the rollout workers failed within "
