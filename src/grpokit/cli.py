@@ -144,14 +144,13 @@ def cmd_sft(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    if args.task == "tools":
-        from grpokit.demo_tools import run_tool_demo
-
-        run_tool_demo(args.out or "demo_tools_run", quick=args.quick, seed=args.seed)
-        return 0
     from grpokit.demo import run_demo
+    from grpokit.demo_tools import run_tool_demo
+    from grpokit.demo_vision import run_vision_demo
 
-    run_demo(args.out or "demo_run", quick=args.quick, seed=args.seed)
+    run, folder = {"addition": (run_demo, "demo_run"), "tools": (run_tool_demo, "demo_tools_run"),
+                   "vision": (run_vision_demo, "demo_vision_run")}[args.task]
+    run(args.out or folder, quick=args.quick, seed=args.seed)
     return 0
 
 
@@ -334,10 +333,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_sft)
 
     p = sub.add_parser("demo", help="build a tiny model, warm-start it, run GRPO, show before/after")
-    _add_choice(p, "--task", ("addition", "tools"), default="addition",
-                help="addition: 2-digit addition; tools: 2-digit multiplication with a calculator tool called "
-                     "inside each rollout")
-    p.add_argument("--out", default="", help="run folder (default: demo_run, or demo_tools_run with --task tools)")
+    _add_choice(p, "--task", ("addition", "tools", "vision"), default="addition",
+                help="addition: 2-digit addition; tools: 2-digit multiplication with a calculator tool called inside "
+                     "each rollout; vision: a tiny Qwen2-VL counts the shapes of one colour in an image")
+    p.add_argument("--out", default="", help="run folder (default: demo_run, demo_tools_run, demo_vision_run)")
     p.add_argument("--quick", action="store_true", help="a much shorter run (smoke test)")
     p.add_argument("--seed", type=int, default=0, help="seed of the whole demo (model, data, sampling)")
     p.set_defaults(func=cmd_demo)

@@ -21,14 +21,14 @@ from grpokit.errors import DataError, SetupError
 from grpokit.tasks import cli_task
 
 
-def collate(tokenizer, pairs: Sequence[tuple[str, Target]], encode: Callable[[str], list[int]] | None = None
+def collate(tokenizer, pairs: Sequence[tuple[Prompt, Target]], encode: Callable[[str], list[int]] | None = None
             ) -> dict[str, torch.Tensor]:
     """Right-padded `input_ids`, `attention_mask` and `labels` (-100 on prompt, padding and
     untrained segments). `encode` (text -> ids) may memoise the tokenizer."""
     encode = encode or (lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
     seqs, labels = [], []
-    for prompt, target in pairs:
-        p = list(encode(prompt))
+    for prompt, target, *_ in pairs:
+        p = list(encode(prompt)) if isinstance(prompt, str) else list(prompt)
         ids, trained = [], []
         for segment, train in _segments(tokenizer, target, encode):
             ids += segment
@@ -48,6 +48,9 @@ def collate(tokenizer, pairs: Sequence[tuple[str, Target]], encode: Callable[[st
 # or not (a multi-turn answer: the model's turns trained, tool results only context). Segments are
 # taken as given: the caller writes the end-of-turn tokens.
 Target = Union[str, Sequence[tuple[Sequence[int], bool]]]
+# A prompt: text (tokenized), or token ids already rendered (a vision-language prompt, its image tokens expanded
+# by the processor; the pair's third item is then its images, a one-row `models.media.RowMedia`).
+Prompt = Union[str, Sequence[int]]
 
 
 def _segments(tokenizer, target: Target, encode: Callable[[str], list[int]]) -> list[tuple[list[int], bool]]:
@@ -59,7 +62,7 @@ def _segments(tokenizer, target: Target, encode: Callable[[str], list[int]]) -> 
 def sft(
     model,
     tokenizer,
-    sample_pair: Callable[[random.Random], tuple[str, Target]],
+    sample_pair: Callable[[random.Random], tuple[Prompt, Target] | tuple[Prompt, Target, object]],
     *,
     steps: int,
     batch_size: int = 64,
@@ -69,7 +72,8 @@ def sft(
     on_step: Callable[[int, float], None] | None = None,
 ) -> list[float]:
     """Train `model` in place for `steps` AdamW steps (cosine schedule) on pairs drawn by
-    `sample_pair(rng)`; returns the loss of every step."""
+    `sample_pair(rng)`; returns the loss of every step. A vision-language model's pairs are
+    (prompt ids, target, RowMedia of that one prompt): the pixels go into the forward with the ids."""
     for name, value in (("steps", steps), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"sft: {name} must be an integer >= 1, got {value!r}")
@@ -96,6 +100,10 @@ def sft(
     for step in range(steps):
         pairs = [sample_pair(rng) for _ in range(batch_size)]
         batch = {k: v.to(model.device) for k, v in collate(tokenizer, pairs, encode).items()}
+        if len(pairs[0]) > 2:  # images: the rows' pixels, laid out as the processor lays out a batch
+            from grpokit.models.media import RowMedia
+
+            batch |= RowMedia.concat([pair[2] for pair in pairs], [1] * len(pairs)).model_inputs(batch["input_ids"])
         loss = model(**batch).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -26,6 +26,7 @@ import torch
 from grpokit.config.schema import Config
 from grpokit.errors import RewardError
 from grpokit.models.fsdp import full_params_for_generation
+from grpokit.models.media import RowMedia
 from grpokit.models.parallel import global_sum
 from grpokit.rewards.core import RewardSpec
 from grpokit.rollout.decode import sample_groups
@@ -47,7 +48,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def _grade(model, tokenizer, prompt_ids, rows, specs, *, group_size, temperature, max_new_tokens, generator,
            batch_prompts, stop_strings, prompt_column, tools, max_tool_turns, eos_token_ids, top_p, top_k,
-           environments=None, history="append"):
+           environments=None, history="append", media=None):
     """Total rewards [num_prompts, group_size] of `group_size` sampled answers per prompt, and with
     tools the calls and failed calls of every answer ([num_prompts * group_size] each). With
     `environments`, each answer gets its own instance, reset with its row, as in training."""
@@ -70,8 +71,9 @@ def _grade(model, tokenizer, prompt_ids, rows, specs, *, group_size, temperature
             calls += stats.calls
             failures += stats.failures
         else:
-            rollout = sample_groups(model, batch_ids, eos_token_ids=eos_token_ids,
-                                    stop_strings=stop_strings, **common)
+            rollout = sample_groups(model, batch_ids, eos_token_ids=eos_token_ids, stop_strings=stop_strings,
+                                    media=None if media is None else media.select(slice(start, start + batch_prompts)),
+                                    **common)
         draw = grade(rollout, batch_rows, tokenizer, specs, group_size, prompt_column=prompt_column,
                      conversations=conversations, environments=None if environments is None else environments.active)
         totals.append(draw.total.view(-1, group_size).cpu())
@@ -107,6 +109,7 @@ def evaluate(
     reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce,
     environments: Environments | None = None,
     history: str = "append",
+    media: RowMedia | None = None,
 ) -> dict:
     """Metrics over `rows` (with their tokenized prompts): an answer is correct when its
     total reward reaches `correct_threshold`. With `tools` (the prompts rendered with their
@@ -115,14 +118,15 @@ def evaluate(
     (failed calls / calls) of the sampled answers. `reduce` sums the counts over processes
     (each evaluated its own share of the rows), so every process returns the whole set's metrics.
     With `environments` (and `tools`, their tool box) each answer runs in its own instance, as in training;
-    `history = "split"` (tools.history) samples each turn from the conversation as the template renders it."""
+    `history = "split"` (tools.history) samples each turn from the conversation as the template renders it.
+    `media` (`models.media.RowMedia`, one row per prompt of `rows`): a vision-language model's images."""
     model.eval()
     generator = torch.Generator(device=model.device).manual_seed(seed)
     eos = list(eos_token_ids) if eos_token_ids is not None else [tokenizer.eos_token_id]
     common = dict(max_new_tokens=max_new_tokens, generator=generator, batch_prompts=batch_prompts,
                   stop_strings=stop_strings, prompt_column=prompt_column, tools=tools,
                   max_tool_turns=max_tool_turns, eos_token_ids=eos, top_k=top_k, environments=environments,
-                  history=history)
+                  history=history, media=media)
     with full_params_for_generation(model):  # FSDP: gathered once, each process decodes its own share
         sampled, calls, failures = _grade(model, tokenizer, prompt_ids, rows, specs, group_size=samples_per_prompt,
                                           temperature=temperature, top_p=top_p, **common)  # [P, k]
