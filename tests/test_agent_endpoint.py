@@ -236,3 +236,59 @@ def test_a_bad_agent_reference_fails_before_the_model_loads(tiny_model_dir, tmp_
     config = dataclasses.replace(config, tools=ToolsConfig(agent=f"{tmp_path / 'missing.py'}:agent"))
     with pytest.raises(RewardLoadError, match="agent"):
         train(config)
+
+
+class ScriptedInner:
+    """An inner engine that answers each call with the next scripted text (and the end-of-turn token)."""
+
+    def __init__(self, tokenizer, texts):
+        self.tokenizer, self.texts, self.prompts = tokenizer, list(texts), []
+
+    def generate(self, prompt_ids, *, group_size, sampling, generator=None):
+        from grpokit.rollout.batch import rollout_from_tokens
+
+        self.prompts += prompt_ids
+        tokens = [self.tokenizer.encode(self.texts.pop(0)) + [self.tokenizer.eos_token_id] for _ in prompt_ids]
+        return rollout_from_tokens(prompt_ids, tokens, [[-0.5] * len(t) for t in tokens], [False] * len(tokens),
+                                   group_size=1, pad_token_id=sampling.pad_token_id)
+
+    def sync_weights(self, model):
+        pass
+
+
+def test_an_agent_that_echoes_the_tool_calls_back_continues_the_recorded_row(model_and_tokenizer):
+    _, tokenizer = model_and_tokenizer
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+    def tool_agent(base_url, row):  # the usual OpenAI tool loop: the reply message itself goes back
+        client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+        messages = [{"role": "user", "content": row["prompt"]}]
+        reply = client.chat.completions.create(model="p", messages=messages, tools=tools).choices[0].message
+        call = reply.tool_calls[0]
+        result = sum(json.loads(call.function.arguments).values())
+        messages += [reply.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "name": "add", "content": str(result)}]
+        return client.chat.completions.create(model="p", messages=messages, tools=tools).choices[0].message.content
+
+    call = '<tool_call>{"name": "add", "arguments": {"a": 20, "b": 22}}</tool_call>'
+    inner = ScriptedInner(tokenizer, [call, "42"])
+    engine = AgentEngine(tool_agent, inner, tokenizer, time_limit_s=60)
+    try:
+        engine.rows = [{"prompt": "20+22="}]
+        rollout = engine.generate([[0]], group_size=1, sampling=SamplingParams(200, (tokenizer.eos_token_id,),
+                                                                                tokenizer.pad_token_id))
+    finally:
+        engine.close()
+    assert engine.failures == [None] and engine.agent_metrics["agent/rewritten_calls"] == 0
+    tokens = rollout.completion_ids[0][rollout.completion_mask[0].bool()].tolist()
+    sampled = [t for t, m in zip(tokens, rollout.tool_mask[0].tolist()) if not m]
+    eos = tokenizer.eos_token_id
+    assert sampled == tokenizer.encode(call) + [eos] + tokenizer.encode("42") + [eos]  # both turns, as sampled
+    assert (rollout.logprobs[0][rollout.completion_mask[0].bool()] != 0).tolist() == [not m for m in
+                                                                                       rollout.tool_mask[0].tolist()]
+    # the second call's context is the first one's tokens and the template's tool turn: one row, in order
+    prompt = rollout.prompt_ids[0][rollout.prompt_mask[0].bool()].tolist()
+    assert inner.prompts[1] == prompt + tokens[:-3]
+    assert "42" in tokenizer.decode([t for t, m in zip(tokens, rollout.tool_mask[0].tolist()) if m])
+    assert engine.tool_stats.calls == [1] and engine.tool_stats.per_tool == {"add": 1}

@@ -200,12 +200,16 @@ class AgentEndpoint:
             return list(rendered[len(context):])
         previous = answer.messages or []
         if len(messages) > len(previous) and _same(messages[:len(previous)], previous):
-            # the sampled tokens stand for the reply: render around them, as tool_suffix_ids does
-            base = self.tokenizer.apply_chat_template(previous, tools=tools, tokenize=True, return_dict=False)
+            # the sampled tokens stand for the reply: render what follows it after grpokit's own messages (the
+            # agent's echo may differ in form: key order, ids), cut where the reply's turn ends, as tool_suffix_ids
+            render = self.tokenizer.apply_chat_template
+            base = render(previous, tools=tools, tokenize=True, return_dict=False)
+            full = render(previous + messages[len(previous):], tools=tools, add_generation_prompt=True, tokenize=True,
+                          return_dict=False)
             eos = [k for k, t in enumerate(base) if t == self.tokenizer.eos_token_id]
             base = base[:eos[-1] + 1] if eos else base
-            if rendered[:len(base)] == base:
-                return list(rendered[len(base):])
+            if full[:len(base)] == base:
+                return list(full[len(base):])
         return None
 
     @staticmethod
