@@ -152,3 +152,32 @@ def test_a_reward_that_raises_while_the_trainer_updates_is_said_in_its_own_words
     assert words.startswith("rollout worker 0: reward function 'raises_on_second_batch'"), words
     assert "the grader's database is gone" in words and "Connection closed" not in words, words
     assert "step 1 is saved" in words and (out / "checkpoint-1").is_dir()
+
+
+def slow_parity(completions, **kwargs):
+    time.sleep(1.5)  # a grader slower than the trainer's update
+    return parity(completions)
+
+
+@pytest.mark.xfail(strict=True, reason="a worker applies the newest weights it has received when it starts a "
+                   "batch, so with max_staleness >= 2 the version each step is sampled with (and so the run) "
+                   "depends on how fast the worker is against the trainer; docs/ASYNC.md says a run is reproducible")
+def test_the_same_run_samples_each_step_with_the_same_version_however_fast_each_side_is(tiny_model_dir, tmp_path,
+                                                                                       monkeypatch):
+    """One config, max_staleness = 2: with a slow trainer the worker runs 2 orders ahead and samples with old
+    weights (lags 0, 1, 2, 2, 2); with a slow grader it waits behind the trainer and samples with newer ones
+    (lags 0, 1, 1, 1, 1), so the same seed trains on different answers."""
+    publish = rollout_source.AsyncRollouts.publish
+
+    def slow_publish(self, model, step):
+        time.sleep(1.5)  # an update slower than the worker's batch
+        return publish(self, model, step)
+
+    lags = {}
+    for name, reward in (("slow grader", slow_parity), ("slow trainer", parity)):
+        if name == "slow trainer":
+            monkeypatch.setattr(rollout_source.AsyncRollouts, "publish", slow_publish)
+        run = train(config(tiny_model_dir, tmp_path / name.replace(" ", "-"), steps=5,
+                           rollout={"max_staleness": 2}), reward_functions=[reward])
+        lags[name] = [r["async/staleness_max"] for r in rows(run / "metrics.jsonl")]
+    assert lags["slow grader"] == lags["slow trainer"], lags
