@@ -240,3 +240,13 @@ def test_adapted_environments_in_worker_processes_are_refused_naming_the_field(t
     config = dataclasses.replace(config, tools=ToolsConfig(isolation="process"))
     with pytest.raises(SetupError, match='tools.isolation = "process": environments from OpenEnv or verifiers'):
         resolve_tools(config, environment_factory={"guess": Guess})
+
+
+def test_a_verifiers_environment_trains_on_its_own_dataset(tool_model_dir, tmp_path):
+    env = math_env()
+    config = make_config(tool_model_dir, tmp_path / "run", steps=1, prompts_per_step=1, max_new_tokens=32)
+    run = train(config, rows=env.get_dataset(), reward_functions=[], engine=scripted, environment_factory=env)
+    m = read_metrics(run)[0]
+    assert m["tools/call_frequency"] > 0 and m["tools/failure_frequency"] == 0
+    # the rubric graded the conversations: those whose add(1, 2) result fitted hold the answer 3
+    assert 0 < m["rewards/ToolEnv/correct/mean"] <= m["tools/call_frequency"]
