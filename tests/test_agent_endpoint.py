@@ -292,3 +292,16 @@ def test_an_agent_that_echoes_the_tool_calls_back_continues_the_recorded_row(mod
     assert inner.prompts[1] == prompt + tokens[:-3]
     assert "42" in tokenizer.decode([t for t, m in zip(tokens, rollout.tool_mask[0].tolist()) if m])
     assert engine.tool_stats.calls == [1] and engine.tool_stats.per_tool == {"add": 1}
+
+
+def test_an_agent_with_tools_or_async_rollout_is_refused_naming_the_fields(tiny_model_dir, tmp_path):
+    (tmp_path / "agents.py").write_text(AGENT_SOURCE)
+    config = make_config(tiny_model_dir, tmp_path / "run")
+    agent = f"{tmp_path / 'agents.py'}:agent"
+    with_tools = dataclasses.replace(config, tools=ToolsConfig(agent=agent, functions=("tools.py:add",)))
+    with pytest.raises(SetupError, match="tools.agent: an agent runs its own tools, and tools.functions"):
+        train(with_tools)
+    in_async = dataclasses.replace(config, tools=ToolsConfig(agent=agent),
+                                   rollout=dataclasses.replace(config.rollout, mode="async"))
+    with pytest.raises(SetupError, match='tools.agent: .*set rollout.mode = "sync"'):
+        train(in_async)

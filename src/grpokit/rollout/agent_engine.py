@@ -180,4 +180,11 @@ def agent_engine_from_config(config) -> Callable:
     from grpokit.rewards.registry import load_reward
 
     t = config.tools
+    if config.rollout.mode == "async":
+        raise SetupError("tools.agent: the agents' endpoint samples in the trainer's process, and rollout.mode = "
+                         "\"async\" samples in worker processes; set rollout.mode = \"sync\"")
+    if t.functions or t.environment:
+        field = "functions" if t.functions else "environment"
+        raise SetupError(f"tools.agent: an agent runs its own tools, and tools.{field} gives grpokit's too; remove "
+                         "one of them")
     return agent_engine(load_reward(t.agent, kind="agent"), time_limit_s=t.agent_time_limit_s, port=t.agent_port)
