@@ -236,6 +236,50 @@ def summarise(runs: list[dict], before: dict) -> list[dict]:
     return table
 
 
+def markdown(report: dict) -> str:
+    """docs/AGENTS.md's table from a results file: held-out success per evaluation step (mean over seeds),
+    the final success per seed, and how the final policies walk."""
+    steps = report["table"][0]["curve_steps"]
+    before = report["before"]
+    head = ["arm", "step 0", *[f"step {s}" for s in steps], "final, per seed", "wrong moves", "extra moves (solved)",
+            "s / run"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    w = before["walks"]
+    lines.append(f"| warm start | {before['accuracy']:.3f} | " + " | ".join("" for _ in steps) +
+                 f" | | {w['wrong_move_share']:.3f} | {w['excess_moves_when_solved']:.2f} | |")
+    for row in report["table"]:
+        walks, per_seed = row["walks_mean"], " / ".join(f"{v:.3f}" for v in row["final_per_seed"])
+        lines.append(f"| `{row['arm']}` | {row['before']:.3f} | " + " | ".join(f"{v:.3f}" for v in row["curve_mean"]) +
+                     f" | {per_seed} | {walks['wrong_move_share']:.3f} | "
+                     f"{walks.get('excess_moves_when_solved', float('nan')):.2f} | {row['seconds_mean']:.0f} |")
+    return "\n".join(lines)
+
+
+def figures(report: dict, folder: Path) -> list[Path]:
+    """Held-out success (mean over seeds) against steps and against training seconds, as SVG charts."""
+    from grpokit.observe.charts import svg_chart
+
+    folder.mkdir(parents=True, exist_ok=True)
+    start = report["before"]["accuracy"]
+    by_arm = {arm: [r for r in report["runs"] if r["arm"] == arm] for arm in ARMS}
+    by_arm = {arm: runs for arm, runs in by_arm.items() if runs}
+
+    def mean_curve(runs, x_key):
+        n = min(len(r["eval"]) for r in runs)
+        return [(0.0, start)] + [(statistics.mean(r["eval"][i][x_key] for r in runs),
+                                  statistics.mean(r["eval"][i]["eval/accuracy"] for r in runs)) for i in range(n)]
+
+    seeds = len(next(iter(by_arm.values())))
+    paths = []
+    for x_key, name, label in (("step", "success_vs_steps.svg", "step"),
+                               ("train_seconds", "success_vs_seconds.svg", "training seconds")):
+        svg = svg_chart(f"gridworld: held-out success against {label}, mean of {seeds} seeds",
+                        {arm: mean_curve(runs, x_key) for arm, runs in by_arm.items()}, width=620, height=260)
+        paths.append(folder / name)
+        paths[-1].write_text(svg.replace(">step</text>", f">{label}</text>"))
+    return paths
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--work", default="/tmp/grpokit-turn-credit", help="warm start and run folders")
@@ -245,7 +289,13 @@ def main(argv=None) -> None:
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--seeds", default=",".join(map(str, SEEDS)))
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--table", action="store_true", help="print the markdown table of --out and stop")
+    p.add_argument("--figures", default="", help="write the SVG charts of --out into this folder and stop")
     args = p.parse_args(argv)
+    if args.table or args.figures:
+        report = json.loads(Path(args.out).read_text())
+        print(markdown(report) if args.table else "\n".join(map(str, figures(report, Path(args.figures)))))
+        return
     work = Path(args.work) / ("quick" if args.quick else "study")
     work.mkdir(parents=True, exist_ok=True)
     sft_steps = QUICK["sft_steps"] if args.quick else SFT["steps"]
