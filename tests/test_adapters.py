@@ -64,7 +64,7 @@ class Guess(Environment):
 '''
 namespace: dict = {"__name__": "guess_env"}
 exec(ENV_SOURCE, namespace)
-Guess = namespace["Guess"]
+Guess, GuessAction = namespace["Guess"], namespace["GuessAction"]
 
 
 def add(a: int, b: int) -> int:
@@ -123,7 +123,7 @@ def test_openenvs_own_http_server_is_started_and_stopped_on_127_0_0_1():
         assert results[0][0].content == "right" and environments.active[0].get_reward() == 1.0
         url = environments.active[0]._env.async_client.base_url
         assert url.startswith("http://127.0.0.1:")
-        remote = Environments(openenv_environment(url=url, action=namespace["GuessAction"], reset_columns=("target",)))
+        remote = Environments(openenv_environment(url=url, action=GuessAction, reset_columns=("target",)))
         _, results, _ = play(remote, [{"prompt": "p", "target": 7}], [[ToolCall("step", {"guess": 7})]])
         assert results[0][0].content == "right"  # a server someone else runs, by its url
     finally:
@@ -161,7 +161,7 @@ def test_unsupported_verifiers_environments_and_missing_libraries_are_one_error(
         openenv_environment(url="localhost:1")
     monkeypatch.setitem(sys.modules, "openenv.core.generic_client", None)
     with pytest.raises(SetupError, match=r"needs the `openenv` package.*pip install 'grpokit\[agents\]'"):
-        openenv_environment(url="http://127.0.0.1:1", action=namespace["GuessAction"])
+        openenv_environment(url="http://127.0.0.1:1", action=GuessAction)
     monkeypatch.setitem(sys.modules, "verifiers", None)
     with pytest.raises(SetupError, match=r"verifiers_environment needs the `verifiers` package.*grpokit\[agents\]"):
         verifiers_environment(object())
@@ -250,3 +250,21 @@ def test_a_verifiers_environment_trains_on_its_own_dataset(tool_model_dir, tmp_p
     assert m["tools/call_frequency"] > 0 and m["tools/failure_frequency"] == 0
     # the rubric graded the conversations: those whose add(1, 2) result fitted hold the answer 3
     assert 0 < m["rewards/ToolEnv/correct/mean"] <= m["tools/call_frequency"]
+
+
+def test_an_openenv_step_that_never_returns_is_a_failed_call_within_tools_timeout_s():
+    import threading
+
+    release = threading.Event()
+
+    class Stuck(Guess):
+        def step(self, action: GuessAction, timeout_s=None, **kwargs):  # a string hint (future annotations)
+            release.wait(30)
+            return super().step(action)
+
+    try:
+        environments = Environments(adapt_environment(Stuck), timeout_s=0.5)
+        _, results, _ = play(environments, [{"prompt": "p"}], [[ToolCall("step", {"guess": 1})]])
+    finally:
+        release.set()
+    assert results[0][0].failed and "did not answer within 0.5 s" in results[0][0].content

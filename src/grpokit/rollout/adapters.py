@@ -44,6 +44,7 @@ import re
 import socket
 import threading
 import time
+import typing
 from typing import Any, Callable, Mapping
 
 from grpokit.errors import SetupError
@@ -125,12 +126,17 @@ class _Server:
         self.thread.join(10)
 
 
+def _hints(function) -> dict:
+    """`function`'s type hints, resolved (string annotations too); {} where they cannot be."""
+    try:
+        return typing.get_type_hints(function)
+    except Exception:  # noqa: BLE001 - a hint naming something undefined: treated as none
+        return {}
+
+
 def _action_class(env_cls):
     """The Action model of `env_cls.step(action: ...)`, from its type hint."""
-    hint = inspect.signature(env_cls.step).parameters.get("action")
-    annotation = None if hint is None else hint.annotation
-    if isinstance(annotation, str):
-        annotation = env_cls.step.__globals__.get(annotation)
+    annotation = _hints(env_cls.step).get("action")
     if not (inspect.isclass(annotation) and hasattr(annotation, "model_fields")):
         raise SetupError(f"OpenEnv environment {env_cls.__name__}: step's `action` has no Action type hint; annotate "
                          "it (def step(self, action: MyAction, ...)) or give openenv_environment(..., action=MyAction)")
@@ -138,9 +144,7 @@ def _action_class(env_cls):
 
 
 def _observation_class(env_cls):
-    annotation = inspect.signature(env_cls.step).return_annotation
-    if isinstance(annotation, str):
-        annotation = env_cls.step.__globals__.get(annotation)
+    annotation = _hints(env_cls.step).get("return")
     if inspect.isclass(annotation) and hasattr(annotation, "model_fields"):
         return annotation
     return _require("openenv.core.env_server.types", "an OpenEnv environment").Observation
