@@ -11,7 +11,8 @@ version v is the weights after optimizer step v. A worker waits for them before 
 the trainer takes lags it by more than `max_staleness` steps, and none has to be thrown away; with
 `max_staleness = 0` each order waits for the newest weights, which is the sync loop in two processes.
 A batch that would still be too old (a worker that fell behind a resume) is dropped, counted, and ordered
-again. Batches are taken in step order, round robin over the workers, so a run is reproducible.
+again. Batches are taken in step order, round robin over the workers; a worker samples with the newest
+weights it holds, so above max_staleness = 0 the version each step meets depends on the workers' speed.
 
 The lag is corrected in the loss: `algorithm.is_correction` ("auto" = "token_truncate" here) weights each
 token by the trainer's / the sampler's probability, truncated, and the clipped ratio is taken against the
@@ -185,7 +186,7 @@ class AsyncRollouts:
                           [n for n, p in run.policy.model.named_parameters() if p.requires_grad], run.stream,
                           run.sampler.get_state(), self.W, split_threads(config)[1], self.channel.port,
                           self.timeout_s, reward_functions, tools, environment_factory,
-                          parameter_shapes(run.policy.model))
+                          parameter_shapes(run.policy.model), run.start_step + 1)
         from_main = [_sendable(what, value) for what, value in (
             ("train(reward_functions=...)", reward_functions), ("train(tools=...)", tools),
             ("train(environment_factory=...)", environment_factory), ("the run's rows, prompts or config", spec))]
@@ -229,8 +230,8 @@ class AsyncRollouts:
             self.dropped += len(got.batch.advantages)  # too old (e.g. ordered before a resume): again
             self._order(step)
         idle = time.perf_counter() - t0
-        if index == 0:  # the checkpoint's stream and sampler: where worker 0 continues from (in-flight redone)
-            self.run.stream.load_state_dict(got.stream_state)
+        self.run.stream.load_state_dict(got.stream_state)  # the checkpoint's: after the last batch taken
+        if index == 0:  # ... and worker 0's noise, where it continues from (the batches in flight are redone)
             if got.sampler_state.numel() == self.run.sampler.get_state().numel():  # a generator of its kind
                 self.run.sampler.set_state(got.sampler_state)
         lag = step - 1 - got.batch.rollout.policy_version.double()  # [N]
