@@ -181,3 +181,25 @@ def test_the_same_run_samples_each_step_with_the_same_version_however_fast_each_
                            rollout={"max_staleness": 2}), reward_functions=[reward])
         lags[name] = [r["async/staleness_max"] for r in rows(run / "metrics.jsonl")]
     assert lags["slow grader"] == lags["slow trainer"], lags
+
+
+def _prompts_by_step(run_dir: Path) -> dict[int, set[str]]:
+    by: dict[int, set[str]] = {}
+    for row in rows(run_dir / "completions.jsonl"):
+        by.setdefault(row["step"], set()).add(json.dumps(row["prompt"]))
+    return by
+
+
+def test_a_resume_with_two_workers_takes_the_next_prompts_not_the_last_steps_again(tiny_model_dir, tmp_path):
+    """workers = 2, saved after step 4 (worker 1's batch): the checkpoint held the stream where worker 0 left it,
+    one batch behind, so the resumed step 5 trained on step 4's prompts again. Now it holds where the last batch
+    taken left it and the resumed workers take turns from there: the uninterrupted run's prompts, step by step."""
+    def cfg(out, steps):
+        return config(tiny_model_dir, out, steps=steps, rollout={"workers": 2, "max_staleness": 1},
+                      output={"save_every": 2, "completions_every": 1})
+
+    whole = _prompts_by_step(train(cfg(tmp_path / "whole", 6), reward_functions=[parity]))
+    train(cfg(tmp_path / "resumed", 4), reward_functions=[parity])
+    resumed = _prompts_by_step(train(cfg(tmp_path / "resumed", 6), reward_functions=[parity], resume=True))
+    assert not resumed[4] & resumed[5]
+    assert resumed == whole

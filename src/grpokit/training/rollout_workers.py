@@ -62,6 +62,7 @@ class WorkerSpec:
     tools: list | None = None
     environment_factory: Callable | dict | None = None
     shapes: list[tuple[str, tuple, str]] | None = None  # the trainer's parameters: name, shape, dtype
+    first_step: int = 1  # the step of this run's first batch (a resume's: the checkpoint's + 1)
 
 
 @dataclass
@@ -168,7 +169,9 @@ class _Worker:
         self.model = model.eval()
         self.engine = build_engine(config, model, self.tokenizer, tools=self.toolbox)
         self.config, self.prompts, self.spec, self.announced, self.index = config, spec.prompts, spec, announced, index
-        self.stream = EveryNth(spec.stream, index, spec.workers)
+        # the stream is where the last batch taken left it; the first step's worker (index (first_step - 1) % W)
+        # takes the next batch, the following one the batch after, ...
+        self.stream = EveryNth(spec.stream, (index - (spec.first_step - 1)) % spec.workers, spec.workers)
         self.sampler = torch.Generator(device=device)
         try:  # the trainer's generator state: the same noise as the sync loop
             self.sampler.set_state(spec.sampler_state)
