@@ -12,7 +12,7 @@ import random
 import pytest
 
 from conftest import make_config
-from grpokit.errors import TaskError
+from grpokit.errors import EnvironmentFault, TaskError
 from grpokit.observe.tracking import read_metrics
 from grpokit.rollout.engines import HFEngine
 from grpokit.rollout.multiturn import sample_conversations
@@ -150,3 +150,11 @@ def test_a_gigpo_run_on_the_task_brings_its_environment_and_credits_turns(tool_m
         assert math.isfinite(m["loss"]) and m["tools/call_frequency"] > 0 and "rewards/GridWorld/mean" in m
         assert m["turns/reward_share"] > 0 and -1.0 <= m["turns/0/reward_mean"] <= 1.0
         assert m["turns/step_group_size"] > 1  # the answers to a prompt met the same cells
+
+
+def test_a_row_that_is_not_a_walk_stops_the_run_with_one_error_naming_it(tool_model_dir, tmp_path):  # noqa: F811
+    config = make_config(tool_model_dir, tmp_path / "run", steps=1, max_new_tokens=48)
+    config = type(config)(**{**config.__dict__, "data": type(config.data)(task="gridworld", num_prompts=8)})
+    with pytest.raises(EnvironmentFault, match=r"environment GridWorld: reset raised ValueError: gridworld: a prompt "
+                                               r"reads \"from X,Y to X,Y\", got 'walk to 2,3' \(row .*fix the "):
+        train(config, rows=[{"prompt": "walk to 2,3", "answer": "done"}] * 8, engine=_walking_engine())
