@@ -36,7 +36,7 @@ def load_image(value, *, row: int, column: str, base: Path | None = None):
     try:
         from PIL import Image
     except ImportError:  # pragma: no cover - Pillow ships with transformers' vision extras
-        raise DataError("images in the data need Pillow: pip install pillow") from None
+        raise DataError("images in the data need Pillow: pip install 'grpokit[vision]'") from None
 
     where = f"row {row}, column {column!r}"
     if isinstance(value, dict):  # a datasets Image feature: bytes, or a path
