@@ -3,9 +3,9 @@
 1. Build a tiny Qwen2-VL (a ViT over 4x4-pixel patches, multimodal RoPE, a 2-layer decoder) and its
    processor locally — nothing comes from a hub.
 2. Warm-start it with `sft` on the built-in `shapes` task ("How many red shapes?" over a 32x32 image
-   drawn with Pillow), where a share of the targets is deliberately another count: the model learns to
-   look at the image but not to commit to what it sees, so the right count is often among its samples
-   (pass@k high) yet a single sample is right much less often (pass@1 low).
+   drawn with Pillow): first on the true counts (the model learns to look), then with half the targets
+   deliberately another count: it learns not to commit to what it sees, so the right count is often
+   among its samples (pass@k high) yet a single sample is right much less often (pass@1 low).
 3. Evaluate on held-out scenes, run GRPO with the task's exact-match reward (the vision tower frozen,
    as a run is by default), evaluate again with the same sampling settings, and print before / after.
 """
@@ -23,16 +23,18 @@ MODEL = dict(arch="qwen2_vl", hidden_size=128, num_layers=2)
 TASK = dict(name="shapes", max_count=3, grid=4, image_size=32)
 
 
-SFT = dict(steps=800, batch_size=32, learning_rate=3e-3, wrong_fraction=0.5)
+# Two stages: clean targets first (the tries in docs/VISION.md: with a share of wrong targets from the start the
+# model never learned to look, its loss stayed at ln 3 / 2), then half the targets another count.
+SFT = dict(clean_steps=800, noisy_steps=200, batch_size=32, learning_rate=3e-3, wrong_fraction=0.5)
 
 
-GRPO = dict(steps=150, prompts_per_step=16, group_size=8, learning_rate=1e-3, max_new_tokens=2)
+GRPO = dict(steps=120, prompts_per_step=16, group_size=8, learning_rate=1e-3, max_new_tokens=2)
 
 
 EVAL = dict(num_prompts=200, samples_per_prompt=8, temperature=1.0)
 
 
-QUICK = dict(sft_steps=10, grpo_steps=2, eval_prompts=8, train_rows=64)
+QUICK = dict(sft_steps=5, grpo_steps=2, eval_prompts=8, train_rows=64)
 
 
 TRAIN_ROWS = 2000
@@ -123,14 +125,14 @@ def _run(console, out: Path, quick: bool, seed: int) -> dict:
                   f"{len(encoded[0][0])} tokens, {encoded[0][0].count(int(model.config.image_token_id))} of them "
                   "for the image")
 
-    console.rule("[bold]2. supervised warm start (some targets deliberately another count)")
-    steps = QUICK["sft_steps"] if quick else SFT["steps"]
-    sample = noisy_count_sampler(train_rows, encoded, wrong_fraction=SFT["wrong_fraction"],
-                                 max_count=TASK["max_count"])
-    sft(model, tokenizer, sample, steps=steps, batch_size=SFT["batch_size"], learning_rate=SFT["learning_rate"],
-        warmup_steps=min(50, steps), seed=seed,
-        on_step=lambda s, loss: console.print(f"  sft step {s}/{steps}  loss {loss:.3f}")
-        if s % max(1, steps // 6) == 0 else None)
+    console.rule("[bold]2. supervised warm start: learn to look, then half the targets another count")
+    for stage, wrong in (("clean", 0.0), ("noisy", SFT["wrong_fraction"])):
+        steps = QUICK["sft_steps"] if quick else SFT[f"{stage}_steps"]
+        sample = noisy_count_sampler(train_rows, encoded, wrong_fraction=wrong, max_count=TASK["max_count"])
+        sft(model, tokenizer, sample, steps=steps, batch_size=SFT["batch_size"], learning_rate=SFT["learning_rate"],
+            warmup_steps=min(50, steps), seed=seed,
+            on_step=lambda s, loss, steps=steps, stage=stage: console.print(
+                f"  sft ({stage} targets) step {s}/{steps}  loss {loss:.3f}") if s % max(1, steps // 4) == 0 else None)
     model.save_pretrained(out / "sft")
     save_processor(processor, out / "sft")
 
