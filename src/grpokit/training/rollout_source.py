@@ -258,6 +258,9 @@ class AsyncRollouts:
             except queue.Empty:
                 self._check(waiting_for, what, deadline)
                 continue
+            except (OSError, EOFError):  # its sender exited before its tensors were fetched: that worker's fault
+                self._check(waiting_for, what, time.monotonic() + 2)
+                continue
             if message[0] == "error":
                 raise RolloutWorkerError(f"rollout worker {message[1]}: {message[3]}")
             return message
@@ -271,6 +274,8 @@ class AsyncRollouts:
                 message = self.results.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
                 return None
+            except (OSError, EOFError):  # a batch whose tensors' sender has exited: unreadable, and not needed
+                continue
             if message[0] == "error":
                 return RolloutWorkerError(f"rollout worker {message[1]}: {message[3]}")
             if message[0] == "batch":
