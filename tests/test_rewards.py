@@ -314,7 +314,7 @@ def test_registry_builtins_and_task_verifiers():
 def test_registry_errors_name_the_reward_and_the_choices():
     with pytest.raises(RewardLoadError, match=r"unknown reward 'numeric'.*known rewards: addition, code_execution, "
                                               r"countdown, format, math_equivalence, multiplication, numeric_match, "
-                                              r"soft_overlong_penalty"):
+                                              r"shapes, soft_overlong_penalty"):
         get_reward("numeric")
     with pytest.raises(RewardLoadError, match=r"'rewards\.py'.*needs ':function'"):
         get_reward("rewards.py")

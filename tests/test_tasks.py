@@ -130,7 +130,8 @@ def test_countdown_rows_survive_jsonl(tmp_path):
 
 
 @pytest.mark.parametrize("call, pattern", [
-    (lambda: get_task("modulo"), r"unknown task 'modulo'; known tasks: addition, countdown, multiplication"),
+    (lambda: get_task("modulo"),
+     r"unknown task 'modulo'; known tasks: addition, countdown, gridworld, multiplication, shapes"),
     (lambda: get_task("addition", digit=3), r"task 'addition' got arguments \['digit'\].*accepts: digits"),
     (lambda: get_task("addition", digits=0), r"addition: digits must be an integer from 1 to 18, got 0"),
     (lambda: get_task("countdown", num_numbers=1), r"countdown: num_numbers must be an integer >= 2, got 1"),

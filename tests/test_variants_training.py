@@ -197,7 +197,9 @@ def test_settings_that_run_but_were_probably_not_meant_are_said_at_start(tiny_mo
     assert {k for k, _ in AlgorithmConfig(loss_type="luspo", importance_sampling_level="sequence",
                                           entropy_coef=0.01).warnings} == {"luspo_entropy"}
     # options only one setting reads, set where that setting is off
-    for fields, key in (({"is_cap_max": 5.0}, "is_bounds"), ({"is_cap_min": 0.5}, "is_bounds"),
+    # (is_correction "auto" may turn the correction on, in async mode: bounds set beside it are not inert)
+    for fields, key in (({"is_correction": "none", "is_cap_max": 5.0}, "is_bounds"),
+                        ({"is_correction": "none", "is_cap_min": 0.5}, "is_bounds"),
                         ({"ref_mixup_alpha": 0.5}, "ref_mixup"), ({"sapo_temperature_pos": 5.0}, "sapo_temperature"),
                         ({"vespo_k_neg": 1.0}, "vespo_gate")):
         assert {k for k, _ in AlgorithmConfig(**fields).warnings} == {key}, fields

@@ -65,6 +65,7 @@ from __future__ import annotations
 from typing import Callable
 
 from grpokit.config.schema import RolloutConfig
+from grpokit.config.variants import ENVIRONMENT_TASKS
 from grpokit.errors import PresetError
 
 OVERLONG_BUFFER_FRACTION = 0.2  # DAPO: L_cache = 4096 of L_max = 20480
@@ -112,7 +113,7 @@ def _with_soft_overlong_penalty(raw: dict, name: str) -> dict:
             raise PresetError(f"algorithm.preset = {name!r} adds soft_overlong_penalty to rewards.functions, "
                               "which is empty and there is no data.task: list your reward functions in "
                               "rewards.functions")
-        functions = [task]
+        functions = [] if task in ENVIRONMENT_TASKS else [task]  # gridworld: the environment's reward, beside
         task_args = data.get("task_args") or {}
         passed = {k: task_args[k] for k in _TASK_VERIFIER_ARGS.get(task, ()) if k in task_args}
         if passed:

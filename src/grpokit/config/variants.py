@@ -36,6 +36,8 @@ ENGINES = ("hf", "vllm")  # rollout/engines.py
 ROLLOUT_MODES = ("sync", "async")  # training/rollout_source.py
 SAMPLERS = ("inverse_cdf", "gumbel")  # rollout/sampling.py
 # The built-in task names (tasks.TASKS; not imported here: that imports torch). A test keeps them equal.
+# Tasks whose reward is their environment's own get_reward, with no verifier to name in rewards.functions
+ENVIRONMENT_TASKS = ("gridworld",)
 TASK_NAMES = ("addition", "countdown", "gridworld", "multiplication", "shapes")
 REWARD_ISOLATION = ("none", "process")  # rewards/isolation.py
 REWARD_ON_ERROR = ("raise", "skip")
