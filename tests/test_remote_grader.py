@@ -458,4 +458,5 @@ def test_a_grader_trickling_its_answer_is_bounded_by_timeout_s_and_leaves_no_thr
             ended = time.monotonic() + 1.0  # a thread whose socket was just shut may take a moment to return
             while _client_threads() != before and time.monotonic() < ended:
                 time.sleep(0.02)
-            assert _client_threads() == before  # every request thread (and its deadline timer) has ended
+            # every request thread (and its deadline timer) has ended; a thread an earlier test left may end too
+            assert not Counter(_client_threads()) - Counter(before)
