@@ -43,6 +43,23 @@ def tiny_model_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def tool_model_dir(tiny_model_dir, tmp_path_factory):
+    """The tiny model with a chat template that renders tools and tool messages (grpokit.models.tiny's)."""
+    import json
+    import shutil
+
+    from grpokit.models.tiny import TOOL_CHAT_TEMPLATE
+
+    path = tmp_path_factory.mktemp("tool-model")
+    shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOL_CHAT_TEMPLATE
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    return path
+
+
 # ---- helpers ---------------------------------------------------------------------------------------
 
 

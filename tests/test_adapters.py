@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import socket
 import sys
 
@@ -15,7 +14,6 @@ import pytest
 from conftest import make_config
 from grpokit.config.schema import ToolsConfig
 from grpokit.errors import SetupError
-from grpokit.models.tiny import TOOL_CHAT_TEMPLATE
 from grpokit.observe.tracking import read_metrics
 from grpokit.rollout.adapters import adapt_environment, openenv_environment, verifiers_environment
 from grpokit.rollout.engines import HFEngine
@@ -165,17 +163,6 @@ def test_unsupported_verifiers_environments_and_missing_libraries_are_one_error(
     monkeypatch.setitem(sys.modules, "verifiers", None)
     with pytest.raises(SetupError, match=r"verifiers_environment needs the `verifiers` package.*grpokit\[agents\]"):
         verifiers_environment(object())
-
-
-@pytest.fixture(scope="module")
-def tool_model_dir(tiny_model_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("adapter-model")
-    shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = TOOL_CHAT_TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    (path / "chat_template.jinja").unlink(missing_ok=True)
-    return path
 
 
 def scripted(config, model, tokenizer):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 import socket
 import threading
 
@@ -17,7 +16,6 @@ import torch
 from conftest import make_config
 from grpokit.config.schema import ToolsConfig
 from grpokit.errors import RewardLoadError, SetupError
-from grpokit.models.tiny import TOOL_CHAT_TEMPLATE
 from grpokit.observe.tracking import read_metrics
 from grpokit.rollout.agent_engine import AgentEngine, agent_engine
 from grpokit.rollout.engines import HFEngine, SamplingParams
@@ -25,17 +23,6 @@ from grpokit.training.loop import train
 
 openai = pytest.importorskip("openai", reason="the agent endpoint's tests need the openai client: pip install "
                                               "'grpokit[agents]'")
-
-
-@pytest.fixture(scope="module")
-def tool_model_dir(tiny_model_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("agent-model")
-    shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = TOOL_CHAT_TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    (path / "chat_template.jinja").unlink(missing_ok=True)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -289,15 +288,9 @@ def last_turn_parity(completions, **kwargs):
     return parity([c[-1]["content"] for c in completions])
 
 
-def test_environments_rewards_evaluation_and_dynamic_sampling_work_in_async(tiny_model_dir, tmp_path):
+def test_environments_rewards_evaluation_and_dynamic_sampling_work_in_async(tool_model_dir, tmp_path):
     """Environments and their rewards live in the worker beside the sampler; [eval] runs in the trainer."""
-    from test_tools_training import TOOL_CHAT_TEMPLATE
-
-    model = tmp_path / "tool-model"
-    shutil.copytree(tiny_model_dir, model)
-    tok = json.loads((model / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps({**tok, "chat_template": TOOL_CHAT_TEMPLATE}))
-    (model / "chat_template.jinja").unlink(missing_ok=True)
+    model = tool_model_dir
     cfg = config(model, tmp_path / "run", steps=2, max_new_tokens=24, rollout={"max_staleness": 1},
                  algorithm={"dynamic_sampling": True, "max_resample_rounds": 1},
                  eval={"every": 2, "num_prompts": 4, "samples_per_prompt": 2})

@@ -20,7 +20,6 @@ from grpokit.rollout.tools import ToolCall
 from grpokit.tasks import TASKS, GridWorld, GridWorldTask, get_task, task_environment
 from grpokit.tasks.gridworld import observation, parse_prompt, reaches_goal, walk
 from grpokit.training.loop import train
-from test_tools_training import tool_model_dir  # noqa: F401 - a fixture
 
 
 def _env(prompt: str) -> GridWorld:

@@ -48,18 +48,6 @@ def final_parity(completions, **kwargs):
     return parity([completion_text(c) for c in completions])
 
 
-@pytest.fixture(scope="module")
-def tool_model_dir(tiny_model_dir, tmp_path_factory):
-    """The tiny model with a chat template that renders tools and tool messages."""
-    path = tmp_path_factory.mktemp("tool-model")
-    shutil.copytree(tiny_model_dir, path, dirs_exist_ok=True)
-    config = json.loads((path / "tokenizer_config.json").read_text())
-    config["chat_template"] = TOOL_CHAT_TEMPLATE
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
-    (path / "chat_template.jinja").unlink(missing_ok=True)
-    return path
-
-
 def scripted_engine(box: ToolBox | None, call: ToolCall | None = None, seen: list | None = None):
     """HFEngine whose turns end at a digit or "=" and always make one call (`add` unless `call` says
     otherwise): tool rounds on a random model. With environments the engine's per-answer boxes are used."""

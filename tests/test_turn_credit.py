@@ -24,7 +24,7 @@ from grpokit.rollout.multiturn import sample_conversations
 from grpokit.rollout.tools import ToolBox, ToolCall, WithReward
 from grpokit.training.loop import train
 from grpokit.training.turn_credit import check_turn_setup
-from test_tools_training import final_parity, scripted_engine, tool_model_dir  # noqa: F401 - a fixture
+from test_tools_training import final_parity, scripted_engine
 
 
 class Walker:
