@@ -227,8 +227,12 @@ def test_buckets_group_by_size_and_dtype():
 
 # One torchrun process: python -m torch.distributed.run ... test_distributed.py MODEL OUT NAMES
 if __name__ == "__main__":
+    import faulthandler
+
     import torch.distributed as tdist
 
+    # a native abort (SIGABRT, SIGSEGV) prints every thread's Python stack: where it happened, in CI's log
+    faulthandler.enable(all_threads=True)
     torch.set_num_threads(1)
     model_dir, out_root, *names = sys.argv[1:]
     tdist.init_process_group("gloo")  # once for all scenarios: train() joins it and leaves it open
@@ -237,4 +241,11 @@ if __name__ == "__main__":
             run_resume(scenario.removeprefix("resume-"), model_dir, Path(out_root) / scenario)
         else:
             run_scenario(scenario, model_dir, Path(out_root) / scenario)
+        print(f"rank {tdist.get_rank()}: {scenario} done", flush=True)
     tdist.destroy_process_group()
+    print(f"rank {tdist.get_rank() if tdist.is_initialized() else os.environ.get('RANK')}: exiting", flush=True)
+    # every file is written and the group is gone: skip the interpreter's teardown, where a native thread
+    # still running at exit can abort the process (seen once in CI: "terminate called without an active
+    # exception", rank 1, after the last scenario's output)
+    sys.stdout.flush()
+    os._exit(0)
