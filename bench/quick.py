@@ -6,7 +6,7 @@ and record its figure in BENCHMARKS.md.
     .venv/bin/python bench/quick.py 0        # does not wait (the others' load column says what it cost)
 
 S is bench/run.py's configuration S (64-wide 2-layer Qwen2, 32k BPE vocabulary, 4 prompts x G8 x 16
-tokens). D is `grpokit demo`'s GRPO step: its 1.0M-parameter model and character tokenizer, 16
+tokens). D is `grpokit demo`'s GRPO step: its model (grpokit.demo.MODEL) and character tokenizer, 16
 addition prompts x G8 x 6 tokens, on random weights (both systems do the same work: answers have the
 full length, the reward never ties). Each system runs 3 times, alternating, each run in its own
 process; TRL runs without gradient checkpointing (its faster setting at these sizes) and with the
@@ -35,14 +35,20 @@ RUNS = 3
 
 def build_demo_model() -> None:
     """The demo's model (grpokit.demo.MODEL) and 512 held-in addition prompts, once."""
-    if (DEMO_MODEL / "prompts.json").is_file():
+    from grpokit.demo import MODEL, TASK
+
+    stamp = json.dumps({"model": MODEL, "task": TASK}, sort_keys=True)  # the demo's settings change: rebuild
+    if (DEMO_MODEL / "prompts.json").is_file() and (DEMO_MODEL / "demo.json").is_file() \
+            and (DEMO_MODEL / "demo.json").read_text() == stamp:
         return
     code = ("import json, sys; from grpokit.demo import MODEL, TASK; from grpokit.models.tiny import build_tiny_model;"
             " from grpokit.tasks import get_task; p = sys.argv[1]; build_tiny_model(p, **MODEL, seed=0);"
-            " rows = get_task(TASK['name'], digits=TASK['digits']).generate(512, seed=0, split='train');"
+            " args = {k: v for k, v in TASK.items() if k != 'name'};"
+            " rows = get_task(TASK['name'], **args).generate(512, seed=0, split='train');"
             " open(p + '/prompts.json', 'w').write(json.dumps([{'prompt': r['prompt']} for r in rows]))")
     subprocess.run([PY, "-c", code, str(DEMO_MODEL)], check=True, capture_output=True,
                    env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
+    (DEMO_MODEL / "demo.json").write_text(stamp)
 
 
 def specs() -> dict[str, dict]:

@@ -71,6 +71,26 @@ def test_addition_rows_and_verifier():
         assert not task.is_correct(str(int(r["answer"]) + 1), r)
 
 
+def test_addition_zero_padded_and_reversed_answers():
+    """zero_pad fixes every digit's position; reverse_answer writes the sum from its last digit (the demo's form)."""
+    padded, both = AdditionTask(zero_pad=True), AdditionTask(zero_pad=True, reverse_answer=True)
+    assert padded.render_sum(52) == "052" and both.render_sum(52) == "250" and both.render_sum(198) == "891"
+    assert AdditionTask(reverse_answer=True).render_sum(52) == "25" and AdditionTask().render_sum(7) == "7"
+    assert AdditionTask(digits=3, zero_pad=True).render_sum(52) == "0052"
+    rows = both.generate(200, seed=1)
+    for r in rows:
+        a, b = r["prompt"].rstrip("=").split("+")
+        assert len(a) == len(b) == 2 and len(r["answer"]) == 3  # every example the same shape
+        assert int(r["answer"][::-1]) == int(a) + int(b) == AdditionTask.total(r)
+        assert both.is_correct(r["answer"], r) and not both.is_correct(str(int(a) + int(b)).zfill(3), r) \
+            or r["answer"] == r["answer"][::-1]  # a palindrome (e.g. 101) reads the same both ways
+    assert any(r["prompt"].startswith("0") for r in rows)  # one-digit operands are padded
+    assert AdditionTask.total({"prompt": "07+45="}) == 52 == AdditionTask.total({"prompt": "7+45="})
+    # the held-out split stays disjoint from the training one in every form
+    train, held = both.generate(2000, seed=0, split="train"), both.generate(200, seed=0, split="eval")
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+
+
 def test_countdown_rows_are_compact_and_consistent():
     for r in CountdownTask(num_numbers=4).generate(100, seed=0):
         assert r["prompt"] == f"{' '.join(map(str, r['numbers']))} -> {r['target']}:"
@@ -134,6 +154,8 @@ def test_countdown_rows_survive_jsonl(tmp_path):
      r"unknown task 'modulo'; known tasks: addition, countdown, gridworld, multiplication, shapes"),
     (lambda: get_task("addition", digit=3), r"task 'addition' got arguments \['digit'\].*accepts: digits"),
     (lambda: get_task("addition", digits=0), r"addition: digits must be an integer from 1 to 18, got 0"),
+    (lambda: get_task("addition", zero_pad="yes"), r"addition: zero_pad must be true or false, got 'yes'"),
+    (lambda: get_task("addition", reverse_answer=1), r"addition: reverse_answer must be true or false, got 1"),
     (lambda: get_task("countdown", num_numbers=1), r"countdown: num_numbers must be an integer >= 2, got 1"),
     (lambda: get_task("countdown", format_score=1.0), r"countdown: format_score must be in \[0, 1\)"),
     (lambda: AdditionTask().generate(5, 0, split="test"), r"split must be one of \(None, 'train', 'eval'\)"),

@@ -1,12 +1,15 @@
 """`grpokit demo`: the real GRPO loop on a laptop CPU in minutes.
 
-1. Build a tiny Qwen2-architecture model (1.0M parameters) and a character
-   tokenizer locally — nothing comes from a hub.
-2. Warm-start it with `sft` on 2-digit addition where a share of the targets
-   is deliberately off by a little. The model learns where the answer lives
-   but not to commit to it: the right answer is often among its samples
-   (pass@8 high) yet any single sample is right much less often (pass@1 low).
-   That is the regime GRPO is for: it turns pass@k into pass@1.
+1. Build a tiny Qwen2-architecture model and a character tokenizer locally —
+   nothing comes from a hub.
+2. Warm-start it with `sft` on 2-digit addition, written so a small model
+   learns it quickly: operands zero-padded, the sum least-significant digit
+   first ("07+45=" -> "250", i.e. 052). First clean targets (the model finds
+   the digit sums), then targets of which a share is deliberately off by a
+   little. The model learns where the answer lives but not to commit to it:
+   the right answer is often among its samples (pass@8 high) yet any single
+   sample is right much less often (pass@1 low). That is the regime GRPO is
+   for: it turns pass@k into pass@1.
 3. Evaluate on held-out prompts, run GRPO with the task's exact-match reward,
    evaluate again with the same sampling settings, and print before / after
    with the reward and entropy curves.
@@ -20,16 +23,18 @@ import time
 from pathlib import Path
 
 # Demo settings, chosen on a 2-core CPU (see README "The demo" for the measured run).
-MODEL = dict(hidden_size=128, num_layers=4, num_heads=4, num_kv_heads=2)
+MODEL = dict(hidden_size=96, num_layers=2, num_heads=4, num_kv_heads=2)
 
 
-TASK = dict(name="addition", digits=2)
+TASK = dict(name="addition", digits=2, zero_pad=True, reverse_answer=True)
 
 
-SFT = dict(steps=3000, batch_size=64, learning_rate=3e-3, wrong_fraction=0.7)
+# two schedules: correct targets (the model finds the digit sums), then targets of which wrong_fraction are off
+SFT = dict(batch_size=64, phases=(dict(targets="clean", steps=2000, learning_rate=3e-3, wrong_fraction=0.0),
+                                  dict(targets="noisy", steps=400, learning_rate=3e-3, wrong_fraction=0.7)))
 
 
-GRPO = dict(steps=1000, prompts_per_step=16, group_size=8, learning_rate=3e-4, max_new_tokens=6)
+GRPO = dict(steps=400, prompts_per_step=16, group_size=8, learning_rate=5e-4, max_new_tokens=6)
 
 
 EVAL = dict(num_prompts=200, samples_per_prompt=8, temperature=1.0)
@@ -43,10 +48,9 @@ def noisy_pair_sampler(task, rows, wrong_fraction: float):
 
     def sample(rng: random.Random) -> tuple[str, str]:
         row = rng.choice(rows)
-        target = task.sft_target(row, rng)
         if rng.random() < wrong_fraction:
-            target = str(max(0, int(target) + rng.choice([-2, -1, 1, 2, 10, -10])))
-        return row["prompt"], target
+            return row["prompt"], task.render_sum(max(0, task.total(row) + rng.choice([-2, -1, 1, 2, 10, -10])))
+        return row["prompt"], task.sft_target(row, rng)
 
     return sample
 
@@ -133,7 +137,8 @@ def run_demo(out: str | Path = "demo_run", *, quick: bool = False, seed: int = 0
     console = Console()
     out = prepare_demo_folder(out)
     started = time.perf_counter()
-    task = get_task(TASK["name"], digits=TASK["digits"])
+    task_args = {k: v for k, v in TASK.items() if k != "name"}
+    task = get_task(TASK["name"], **task_args)
     held_out = task.generate(QUICK["eval_prompts"] if quick else EVAL["num_prompts"], seed=seed, split="eval")
     train_rows = task.generate(5000, seed=seed, split="train")  # disjoint from the held-out prompts
     specs = task.reward_functions()
@@ -144,11 +149,13 @@ def run_demo(out: str | Path = "demo_run", *, quick: bool = False, seed: int = 0
     console.print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocabulary {len(tokenizer)}")
 
     console.rule("[bold]2. supervised warm start (some targets deliberately off by a little)")
-    steps = QUICK["sft_steps"] if quick else SFT["steps"]
-    sft(model, tokenizer, noisy_pair_sampler(task, train_rows, SFT["wrong_fraction"]), steps=steps,
-        batch_size=SFT["batch_size"], learning_rate=SFT["learning_rate"], seed=seed,
-        on_step=lambda s, loss: console.print(f"  sft step {s}/{steps}  loss {loss:.3f}")
-        if s % max(1, steps // 6) == 0 else None)
+    for i, phase in enumerate(SFT["phases"]):  # a schedule each: the second restarts the learning rate
+        steps = QUICK["sft_steps"] if quick else phase["steps"]
+        sft(model, tokenizer, noisy_pair_sampler(task, train_rows, phase["wrong_fraction"]), steps=steps,
+            batch_size=SFT["batch_size"], learning_rate=phase["learning_rate"], seed=seed + i,
+            warmup_steps=50 if i == 0 else 10,
+            on_step=lambda s, loss, name=phase["targets"], steps=steps: console.print(
+                f"  sft ({name} targets) step {s}/{steps}  loss {loss:.3f}") if s % max(1, steps // 4) == 0 else None)
     model.save_pretrained(out / "sft")
     tokenizer.save_pretrained(out / "sft")
 
@@ -162,7 +169,7 @@ def run_demo(out: str | Path = "demo_run", *, quick: bool = False, seed: int = 0
     console.rule("[bold]4. GRPO")
     config = Config(
         model=ModelConfig(path=str(out / "sft")),
-        data=DataConfig(task=TASK["name"], task_args={"digits": TASK["digits"]}, seed=seed),
+        data=DataConfig(task=TASK["name"], task_args=task_args, seed=seed),
         rollout=RolloutConfig(group_size=GRPO["group_size"], max_new_tokens=GRPO["max_new_tokens"], temperature=1.0,
                               **(rollout or {})),  # e.g. {"mode": "async"} (bench/async_rollout.py)
         algorithm=AlgorithmConfig(loss_type="dapo", beta=0.0),
