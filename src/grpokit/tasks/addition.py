@@ -5,7 +5,7 @@ model: every character is a token. Operands are uniform in [0, 10**digits).
 The verifier is an exact match of the stripped completion with the sum: 1.0
 or 0.0; no partial credit, no extra text.
 
-Two options change how the numbers are written, not which pairs are asked:
+Two options change how the numbers are written (the eval split, drawn by prompt text, then holds other pairs):
 `zero_pad` writes every operand with `digits` digits and the sum with
 `digits + 1` ("07+45=" -> "052"), so each digit sits at the same position in
 every example; `reverse_answer` writes the sum least-significant digit first
