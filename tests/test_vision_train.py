@@ -138,12 +138,62 @@ def test_train_vision_tower_with_a_text_only_model_is_refused(tiny_model_dir, tm
               reward_functions=[distinct_letters])
 
 
-@pytest.mark.parametrize("sections,field", [({"eval": {"every": 1}}, "eval.every"),
-                                            ({"rollout": {"mode": "async"}}, "rollout.mode")])
-def test_what_is_not_built_with_images_is_refused(vlm_dirs, tmp_path, no_model_load, sections, field):
-    with pytest.raises(SetupError, match=f"^{field}: .* not built yet"):
-        train(_config(vlm_dirs["qwen2_vl"], tmp_path / "run", **sections), rows=_rows(),
+def test_what_is_not_built_with_images_is_refused(vlm_dirs, tmp_path, no_model_load):
+    with pytest.raises(SetupError, match="^rollout.mode: .* not built yet"):
+        train(_config(vlm_dirs["qwen2_vl"], tmp_path / "run", rollout={"mode": "async"}), rows=_rows(),
               reward_functions=[distinct_letters])
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3"])
+def test_evaluation_during_training_sees_the_held_out_images(vlm_dirs, tmp_path, arch):
+    """`[eval]` with image rows: the loop's eval/ metrics at the last step equal `evaluate` run on the saved
+    checkpoint with those rows' pixels (the same seed), and the reward functions get the held-out images."""
+    from transformers import AutoModelForImageTextToText
+
+    from grpokit.demo_vision import encoded_rows
+    from grpokit.models.media import RowMedia
+    from grpokit.training.evaluation import evaluate
+
+    held_out = [{**row, "image": Image.new("RGB", (32, 32), (i * 60, 250 - i * 50, 90))} for i, row in
+                enumerate(_rows(3))]
+    seen = []
+
+    def looks(completions, image, **kwargs):
+        seen.extend(im.getpixel((0, 0)) for im in image)
+        return distinct_letters(completions, image)
+
+    eval_section = {"every": 1, "num_prompts": 3, "samples_per_prompt": 2, "greedy": True}
+    run = train(_config(vlm_dirs[arch], tmp_path / "run", eval=eval_section), rows=_rows(), eval_rows=held_out,
+                reward_functions=[looks])
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "eval/accuracy" in r] == [1, 2]
+    assert {row["image"].getpixel((0, 0)) for row in held_out} <= set(seen)
+
+    checkpoint = _last_checkpoint(run)
+    model = AutoModelForImageTextToText.from_pretrained(str(checkpoint))
+    processor = load_processor(str(checkpoint))
+    encoded = encoded_rows(processor, model.config, held_out)
+    media = RowMedia.concat([m for _, m in encoded], [1] * len(encoded))
+    direct = evaluate(model, processor.tokenizer, held_out, [i for i, _ in encoded],
+                      [s for s in setup_mod.resolve_reward_specs(_config(vlm_dirs[arch], tmp_path / "x"), None,
+                                                                  [distinct_letters], rows=held_out)],
+                      samples_per_prompt=2, max_new_tokens=4, seed=0, media=media)
+    last = logged[-1]
+    for key in ("accuracy", "mean_reward", "pass@2", "greedy_accuracy"):
+        assert last[f"eval/{key}"] == pytest.approx(direct[key], abs=1e-9), key
+
+
+def test_held_out_images_are_checked_before_the_model_loads(vlm_dirs, tiny_model_dir, tmp_path, no_model_load):
+    eval_section = {"every": 1, "num_prompts": 2}
+    broken = [{**row, "image": str(tmp_path / "missing.png")} for row in _rows(2)]
+    with pytest.raises(DataError, match="^the held-out rows: .*missing.png"):
+        train(_config(vlm_dirs["qwen2_vl"], tmp_path / "run", eval=eval_section), rows=_rows(), eval_rows=broken,
+              reward_functions=[distinct_letters])
+    with pytest.raises(DataError, match=r"^the held-out rows: .* text-only model \(model_type 'qwen2'\)"):
+        train(_config(tiny_model_dir, tmp_path / "run", eval=eval_section), eval_rows=_rows(2),
+              rows=[{k: v for k, v in row.items() if k != "image"} for row in _rows(2)],
+              reward_functions=[lambda completions, **kwargs: [0.0] * len(completions)])
+    assert not (tmp_path / "run").exists()
 
 
 def test_more_image_tokens_than_the_context_holds_is_named(tmp_path, no_model_load):

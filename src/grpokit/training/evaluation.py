@@ -181,7 +181,8 @@ class HeldOut:
         return {f"eval/{k}": float(v) for k, v in result.items() if k not in skip}
 
     def _evaluate(self, model, tokenizer, specs: Sequence[RewardSpec]) -> dict:
-        e = self.config.eval
+        e, p = self.config.eval, self.prompts
+        media = None if p.media is None else p.media.rows(range(len(p.rows)))  # image rows: encoded again
         return evaluate(model, tokenizer, self.prompts.rows, self.prompts.ids, specs,
                         samples_per_prompt=e.samples_per_prompt, temperature=e.temperature,
                         top_p=self.config.rollout.top_p, top_k=self.config.rollout.top_k,
@@ -189,7 +190,7 @@ class HeldOut:
                         greedy=e.greedy, seed=e.seed, stop_strings=self.config.rollout.stop_strings,
                         tools=self.tools, max_tool_turns=self.config.tools.max_calls,
                         eos_token_ids=self.prompts.eos_token_ids, reduce=global_sum, environments=self.environments,
-                        history=self.config.tools.history)
+                        history=self.config.tools.history, media=media)
 
 
 class BestCheckpoint:

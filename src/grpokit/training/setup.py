@@ -191,11 +191,13 @@ def eval_max_new_tokens(config: Config) -> int:
 
 def prepare_held_out(config: Config, task, tokenizer, max_positions: int | None, tools: ToolBox | None,
                      dist: DistributedContext, rows: Iterable[dict] | None = None,
-                     train_rows: list[dict] | None = None) -> PromptTable | None:
+                     train_rows: list[dict] | None = None, vision=None,
+                     folder: Path | None = None) -> PromptTable | None:
     """The `[eval]` section's prompts, this process's share (every process scores its own; the counts
     are summed): `rows` from Python, else `eval.path`, else the built-in task's eval split; read or
     generated and tokenized before the model loads: a file without the prompt column, or a prompt too
-    long for the context, is an error naming `eval.path`."""
+    long for the context, is an error naming `eval.path`. Rows with images (`vision`: the run's
+    vision_setup.VisionInputs) are rendered by the processor and re-encoded at each evaluation."""
     e = config.eval
     if not e.every:
         return None
@@ -222,13 +224,18 @@ def prepare_held_out(config: Config, task, tokenizer, max_positions: int | None,
         raise DataError(f"{'eval_rows' if e.path == '' else 'eval.path ' + e.path}: the held-out rows lack the "
                         f"column(s) {missing} the training rows have (the reward functions receive them); add them")
     budget_field = "eval.max_new_tokens" if e.max_new_tokens else "rollout.max_new_tokens"  # the one that applies
+    images = vision_setup.held_out_vision(config, rows, vision, folder, multi_turn=tools is not None) \
+        if folder is not None else None
     try:
-        table = tokenize_prompts(config, PreparedData(rows, task), tokenizer, max_positions, tools,
-                                 budget_field=budget_field)
+        table = PromptTable(rows, *vision_setup.tokenize_image_prompts(config, PreparedData(rows, task), images,
+                                                                       tokenizer, budget_field=budget_field)) \
+            if images else tokenize_prompts(config, PreparedData(rows, task), tokenizer, max_positions, tools,
+                                            budget_field=budget_field)
     except DataError as err:  # its message names the row, not the source
         raise DataError(f"eval.path {e.path or '(the task eval split)'}: {err}") from None
-    mine = range(dist.rank, len(rows), dist.world_size)
-    return PromptTable([table.rows[i] for i in mine], [table.ids[i] for i in mine], table.eos_token_ids)
+    mine = [table.rows[i] for i in range(dist.rank, len(rows), dist.world_size)]
+    return PromptTable(mine, [table.ids[i] for i in range(dist.rank, len(rows), dist.world_size)],
+                       table.eos_token_ids, None if images is None else vision_setup.PromptMedia(images, mine))
 
 
 @dataclass
@@ -333,7 +340,8 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
         environments.max_positions = max_positions
     prompts = PromptTable(data.rows, *vision_setup.tokenize_image_prompts(config, data, vision, tokenizer)) \
         if vision and vision.images else tokenize_prompts(config, data, tokenizer, max_positions, toolbox, environments)
-    held_out = prepare_held_out(config, data.task, tokenizer, max_positions, toolbox, dist, eval_rows, data.rows)
+    held_out = prepare_held_out(config, data.task, tokenizer, max_positions, toolbox, dist, eval_rows, data.rows,
+                                vision=vision, folder=folder)
     folder = dist.run_on_main(prepare_run_folder, config, resume=resume, lock=lock)
     return Inputs(local, data, specs, tokenizer, prompts, folder, resume, toolbox, environments, held_out,
                   reward_pool, notes)

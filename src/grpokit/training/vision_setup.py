@@ -11,8 +11,9 @@ about 5 MB of Qwen2-VL patches): the prompts' token ids are computed once here, 
 and the prompt table; each step's B prompts are encoded again (`PromptMedia.rows`), which is what TRL
 does every step, and the result travels with the answers as `RowMedia`.
 
-What is not built with images, refused here before the model loads: tool calls and environments
-(multi-turn), asynchronous rollout, the vLLM engine, and `[eval]` during training.
+The `[eval]` section's rows may carry images too (`held_out_vision`: checked the same way, encoded again
+at each evaluation). What is not built with images, refused here before the model loads: tool calls and
+environments (multi-turn), asynchronous rollout and the vLLM engine.
 """
 
 from __future__ import annotations
@@ -86,12 +87,11 @@ def _refuse_unbuilt(config: Config, multi_turn: bool) -> None:
     """Options that cannot take image rows yet: one error naming the option, before the model loads."""
     unbuilt = [("tools", multi_turn, "tool calls and environments (multi-turn rollouts) with images"),
                ("rollout.mode", config.rollout.mode == "async", "asynchronous rollout with images"),
-               ("rollout.engine", config.rollout.engine != "hf", "the vLLM engine with images"),
-               ("eval.every", config.eval.every > 0, "evaluation during training with images")]
+               ("rollout.engine", config.rollout.engine != "hf", "the vLLM engine with images")]
     for field, hit, what in unbuilt:
         if hit:
             raise SetupError(f"{field}: {what} is not built yet; the data has image rows: use the defaults "
-                             f"(hf engine, sync rollout, no tools, eval.every = 0) or text rows")
+                             f"(hf engine, sync rollout, no tools) or text rows")
 
 
 def vision_tokenizer(vision: VisionInputs, path: str):
@@ -133,24 +133,49 @@ class PromptMedia:
         return RowMedia(self.vision.family, tuple(self.encode(i)[1] for i in indices), self.vision.image_token_id)
 
 
-def tokenize_image_prompts(config: Config, data, vision: VisionInputs, tokenizer):
+def tokenize_image_prompts(config: Config, data, vision: VisionInputs, tokenizer, *,
+                           budget_field: str = "rollout.max_new_tokens"):
     """The prompt table of image rows (setup's `PromptTable` fields after the rows: ids, EOS ids, media): each
     prompt rendered by the processor with its images' tokens, checked against the context with
-    `rollout.max_new_tokens` (an image's tokens count: a large image is named)."""
+    `budget_field`'s answer length (an image's tokens count: a large image is named)."""
     media = PromptMedia(vision, data.rows)
-    limit, budget = context_length(vision.model_config), config.rollout.max_new_tokens
+    limit = context_length(vision.model_config)
+    budget = (config.eval.max_new_tokens if budget_field == "eval.max_new_tokens" else 0) \
+        or config.rollout.max_new_tokens
     ids = []
     for i in range(len(data.rows)):
         prompt_ids, images = media.encode(i)
         if limit and len(prompt_ids) + budget > limit:
             image_tokens = sum(1 for t in prompt_ids if t == vision.image_token_id)
             raise DataError(f"prompt row {i + 1} has {len(prompt_ids)} tokens ({image_tokens} of them for its "
-                            f"{0 if images is None else images.num_images} image(s)); with rollout.max_new_tokens = "
+                            f"{0 if images is None else images.num_images} image(s)); with {budget_field} = "
                             f"{budget} it exceeds the model's context of {limit}: use smaller images, shorten the "
-                            f"prompt or lower rollout.max_new_tokens")
+                            f"prompt or lower {budget_field}")
         ids.append(prompt_ids)
     eos = tokenizer.eos_token_id
     return ids, [eos] if isinstance(eos, int) else list(eos or []), media
+
+
+def held_out_vision(config: Config, rows: Sequence[dict], vision: VisionInputs | None, folder: Path, *,
+                    multi_turn: bool) -> VisionInputs | None:
+    """The `[eval]` rows' images checked as the training rows' are (readable, placeholders equal in number, a
+    model that reads them; relative paths from `eval.path`'s folder): the inputs to encode them with, or None
+    for text rows. Raised before the model loads, naming `eval.path`."""
+    base = Path(config.eval.path).parent if config.eval.path and Path(config.eval.path).is_file() else None
+    model_config = vision.model_config if vision is not None else _model_config(folder)
+    source = f"eval.path {config.eval.path}" if config.eval.path else "the held-out rows"
+    try:
+        images = check_image_rows(rows, model_type=getattr(model_config, "model_type", None),
+                                  supported=vision is not None and vision.family is not None,
+                                  has_vision=vision is not None, model_path=config.model.path, base=base)
+    except DataError as err:
+        raise DataError(f"{source}: {err}") from None
+    if not images:
+        return None
+    if multi_turn:
+        raise SetupError(f"{source}: the held-out rows have images and the run has tools or environments; "
+                         "multi-turn rollouts with images are not built yet: evaluate on text rows, or without tools")
+    return replace(vision, images=True, base=base)
 
 
 def load_policy_model(config: Config, loader):
