@@ -52,7 +52,7 @@ def distinct_letters(completions, **kwargs):
     return [float(len(set(c[-1]["content"]))) for c in completions]
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3", "gemma3"])
 def test_completions_name_the_images_and_the_report_shows_their_thumbnails(tmp_path, arch):
     build_tiny_vlm(tmp_path / "vlm", arch=arch, hidden_size=32, num_layers=1, seed=1)
     config = make_config(tmp_path / "vlm", tmp_path / "run", steps=2, prompts_per_step=2, max_new_tokens=4,

@@ -1,14 +1,14 @@
-"""Vision-language scoring against TRL 1.16's own GRPOTrainer code, on tiny VLMs of two families.
+"""Vision-language scoring against TRL 1.16's own GRPOTrainer code, on tiny VLMs of three families.
 
 TRL's side is executed, not retyped: its `prepare_multimodal_messages` and `apply_chat_template`
 render the prompts, the processor encodes the whole batch at once as TRL's
-`_generate_and_score_completions` does (`mm_token_type_ids` extended with zeros over the
-completions, `num_images` per row), its `add_fused_lm_head` patches the model, and
+`_generate_and_score_completions` does (`mm_token_type_ids` / Gemma 3's `token_type_ids` extended with
+zeros over the completions, `num_images` per row), its `add_fused_lm_head` patches the model, and
 `GRPOTrainer._get_per_token_logps_and_entropies` / `_compute_loss` run on a stand-in `self`
 (tests/test_trl_parity.py's). grpokit's side encodes each prompt alone (`encode_image_prompt`),
 carries the pixels per row in `RowMedia` and scores with `completion_logprobs(..., media=...)`.
 
-Idefics3 prompts are of equal length here: TRL passes no position ids and Llama then numbers left
+Idefics3 and Gemma 3 prompts are of equal length here: TRL passes no position ids and their decoders number left
 padding as positions, which grpokit (and generation) do not; for Qwen2-VL the model's multimodal
 RoPE skips padding in both, so its prompts differ in length and image count.
 """
@@ -57,7 +57,7 @@ def _rows(arch):
             {"prompt": [{"role": "user", "content": "what shape"}], "images": [_image((10, 200, 10), (32, 32))]}]
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "idefics3"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "idefics3", "gemma3"])
 def vlm(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     build_tiny_vlm(path, arch=request.param, seed=3)
@@ -89,9 +89,9 @@ def _trl_side(arch, processor, model, rows, completion_ids, completion_mask):
     texts = [apply_chat_template({"prompt": p}, processor)["prompt"] for p in prompts]
     encoded = processor(images=images, text=texts, padding=True, return_tensors="pt")
     forward_kwargs = {k: v for k, v in encoded.items() if k not in ("input_ids", "attention_mask")}
-    if "mm_token_type_ids" in forward_kwargs:
-        forward_kwargs["mm_token_type_ids"] = torch.cat(
-            [forward_kwargs["mm_token_type_ids"], torch.zeros_like(completion_ids)], dim=1)
+    for key in ("mm_token_type_ids", "token_type_ids"):  # Qwen2-VL's, Gemma 3's: zeros over the completions
+        if key in forward_kwargs:
+            forward_kwargs[key] = torch.cat([forward_kwargs[key], torch.zeros_like(completion_ids)], dim=1)
     num_images = [len(i) for i in images]
     add_fused_lm_head(model, temperature=TEMPERATURE, outputs=("log_probs", "entropy"))
     fake = _fake_trainer("dapo", "token", 0.0, None)

@@ -47,7 +47,7 @@ def _encode(processor, family, rows):
     return [e[0] for e in encoded], tuple(e[1] for e in encoded)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "idefics3"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "idefics3", "gemma3"])
 def vlm(request):
     model, processor = build_tiny_vlm(arch=request.param, seed=4)
     model.eval()

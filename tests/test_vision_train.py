@@ -29,7 +29,7 @@ COLORS = {"red": (220, 20, 20), "green": (20, 200, 20), "blue": (20, 20, 220)}
 @pytest.fixture(scope="module")
 def vlm_dirs(tmp_path_factory):
     out = {}
-    for arch in ("qwen2_vl", "idefics3"):
+    for arch in ("qwen2_vl", "idefics3", "gemma3"):
         out[arch] = tmp_path_factory.mktemp(arch)
         build_tiny_vlm(out[arch], arch=arch, hidden_size=32, num_layers=1, seed=1)
     return out
@@ -60,7 +60,7 @@ def _last_checkpoint(run):
     return sorted(run.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
 
 
-@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3"])
+@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3", "gemma3"])
 def test_a_tiny_vlm_trains_from_image_rows(vlm_dirs, tmp_path, arch):
     from transformers import AutoModelForImageTextToText
 
@@ -138,10 +138,48 @@ def test_train_vision_tower_with_a_text_only_model_is_refused(tiny_model_dir, tm
               reward_functions=[distinct_letters])
 
 
+def add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
 def test_what_is_not_built_with_images_is_refused(vlm_dirs, tmp_path, no_model_load):
-    with pytest.raises(SetupError, match="^rollout.mode: .* not built yet"):
-        train(_config(vlm_dirs["qwen2_vl"], tmp_path / "run", rollout={"mode": "async"}), rows=_rows(),
+    with pytest.raises(SetupError, match="^tools: tool calls and environments .* with images is not built yet"):
+        train(_config(vlm_dirs["qwen2_vl"], tmp_path / "run"), rows=_rows(), tools=[add],
               reward_functions=[distinct_letters])
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3"])
+def test_async_rollout_with_images_at_max_staleness_0_is_the_sync_loop(vlm_dirs, tmp_path, arch):
+    """The worker process loads the image-text-to-text class and the processor, encodes its steps' images and
+    sends them with the answers: the same metrics and weights as sync (docs/ASYNC.md's max_staleness = 0)."""
+    from conftest import comparable
+
+    def run(out, **rollout):
+        return train(_config(vlm_dirs[arch], tmp_path / out, rollout=rollout,
+                             train={"num_threads": 1, "learning_rate": 1e-3},
+                             output={"completions_every": 1}), rows=_rows(), reward_functions=[distinct_letters])
+
+    sync, async_ = run("sync"), run("async", mode="async", max_staleness=0)
+    a, b = (comparable([json.loads(x) for x in (r / "metrics.jsonl").read_text().splitlines()]) for r in (sync, async_))
+    assert len(a) == len(b) == 2
+    for x, y in zip(a, b):
+        assert y["async/staleness_max"] == 0
+        for key in x:
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), key
+    w_sync, w_async = _weights(_last_checkpoint(sync)), _weights(_last_checkpoint(async_))
+    base = _weights(vlm_dirs[arch])
+    for name in w_sync:  # Adam moves a weight whose gradient is ~0 by up to lr: float noise, 1% of a step here
+        torch.testing.assert_close(w_async[name], w_sync[name], rtol=1e-4, atol=1e-5)
+    assert any(not torch.equal(w_async[n], base[n]) for n in w_async)  # it trained
+    logged = [json.loads(x) for x in (async_ / "completions.jsonl").read_text().splitlines()]
+    assert all(len(r["images"]) == 1 for r in logged)  # each answer names its prompt's image
 
 
 @pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3"])
@@ -207,7 +245,8 @@ def test_more_image_tokens_than_the_context_holds_is_named(tmp_path, no_model_lo
 def test_lora_adapts_the_language_model_only(vlm_dirs, tmp_path):
     from grpokit.models.lora import apply_lora
 
-    for arch, outside in (("qwen2_vl", ("visual",)), ("idefics3", ("vision_model", "connector"))):
+    for arch, outside in (("qwen2_vl", ("visual",)), ("idefics3", ("vision_model", "connector")),
+                          ("gemma3", ("vision_tower", "multi_modal_projector"))):
         model, _ = build_tiny_vlm(arch=arch, hidden_size=32, num_layers=1)
         adapted = {name for name, _ in apply_lora(model, {"r": 2}).named_modules() if name.endswith("lora_A")}
         assert adapted and not any(f".{part}." in name for name in adapted for part in outside)
@@ -215,3 +254,31 @@ def test_lora_adapts_the_language_model_only(vlm_dirs, tmp_path):
     run = train(_config(vlm_dirs["idefics3"], tmp_path / "run", model={"lora": {"r": 4}}), rows=_rows(),
                 reward_functions=[distinct_letters])
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_grpokit_eval_renders_a_vision_tasks_images_for_a_vision_language_model(vlm_dirs, tiny_model_dir, capsys):
+    """`grpokit eval --task shapes` on a tiny Qwen2-VL: the model loads as image-text-to-text and each prompt is
+    sampled with its image's pixels (the figures equal `evaluate` given them); a text-only model is refused."""
+    from transformers import AutoModelForImageTextToText
+
+    from grpokit.demo_vision import encoded_rows
+    from grpokit.models.media import RowMedia
+    from grpokit.tasks import get_task
+    from grpokit.training.evaluation import evaluate
+
+    args = ["eval", "--task", "shapes", "--num-prompts", "3", "--samples", "2", "--max-new-tokens", "3", "--json"]
+    assert main([*args[:1], "--model", str(vlm_dirs["qwen2_vl"]), *args[1:]]) == 0
+    result = json.loads(capsys.readouterr().out)
+    task = get_task("shapes")
+    rows = task.generate(3, seed=12345, split="eval")
+    model = AutoModelForImageTextToText.from_pretrained(str(vlm_dirs["qwen2_vl"]))
+    encoded = encoded_rows(load_processor(str(vlm_dirs["qwen2_vl"])), model.config, rows)
+    direct = evaluate(model, load_processor(str(vlm_dirs["qwen2_vl"])).tokenizer, rows, [i for i, _ in encoded],
+                      task.reward_functions(), samples_per_prompt=2, max_new_tokens=3, seed=0,
+                      media=RowMedia.concat([m for _, m in encoded], [1] * len(encoded)))
+    for key in ("accuracy", "mean_reward", "pass@2", "greedy_accuracy"):
+        assert result[key] == pytest.approx(direct[key], abs=1e-9), key
+
+    assert main([*args[:1], "--model", str(tiny_model_dir), *args[1:]]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'image' column but" in err[0] and "text-only model (model_type 'qwen2')" in err[0]

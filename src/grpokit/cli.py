@@ -70,25 +70,20 @@ def cmd_eval(args) -> int:
                           "--no-greedy)")
     if args.no_tools and args.tool:
         raise ConfigError("--no-tools and --tool contradict each other; give one")
-    from grpokit.evaluate import check_context, eval_rows_and_specs, eval_tools, evaluate
-    from grpokit.models.loading import load_model_and_tokenizer
+    from grpokit.evaluate import check_context, eval_prompts, eval_rows_and_specs, eval_tools, evaluate, load_eval_model
 
     rows, specs, prompt_column, task = eval_rows_and_specs(
         task=args.task, task_args=_key_values(args.task_arg), data=args.data, prompt_column=args.prompt_column,
         rewards=args.reward, num_prompts=args.num_prompts, seed=args.data_seed)
-    model, tokenizer = load_model_and_tokenizer(args.model, dtype=args.dtype, device=args.device, field="--model")
-    from grpokit.data.prompts import render_prompt
-
+    model, tokenizer, vision = load_eval_model(args.model, rows, data=args.data, dtype=args.dtype, device=args.device)
     tools = eval_tools(task=None if args.no_tools else task, tools=args.tool, timeout_s=args.tool_timeout,
                        tokenizer=tokenizer)
-    schemas = tools.schemas if tools else None
-    ids = [tokenizer(render_prompt(tokenizer, r[prompt_column], tools=schemas), add_special_tokens=False)["input_ids"]
-           for r in rows]
+    ids, media = eval_prompts(tokenizer, rows, prompt_column, tools, vision)  # image rows: their pixels too
     max_new_tokens = args.max_new_tokens or (128 if tools else 32)
     check_context(model, ids, max_new_tokens)
     result = evaluate(model, tokenizer, rows, ids, specs, samples_per_prompt=args.samples, temperature=args.temperature,
                       max_new_tokens=max_new_tokens, seed=args.seed, prompt_column=prompt_column,
-                      greedy=not args.no_greedy, tools=tools, max_tool_turns=args.max_tool_calls)
+                      greedy=not args.no_greedy, tools=tools, max_tool_turns=args.max_tool_calls, media=media)
     result["model"] = args.model
     if args.json:
         print(json.dumps(result, indent=2))

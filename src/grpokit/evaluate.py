@@ -6,16 +6,19 @@ training/evaluation.py, where evaluation during training uses it too; it is re-e
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Sequence
 
 from grpokit.data.files import load_prompts
+from grpokit.data.prompts import render_prompt
 from grpokit.errors import SetupError
 from grpokit.rewards.registry import reward_specs
 from grpokit.rollout.tools import ToolBox
 from grpokit.tasks import cli_task, task_tools
 from grpokit.training.evaluation import evaluate, pass_at_k
 
-__all__ = ["check_context", "eval_rows_and_specs", "eval_tools", "evaluate", "pass_at_k"]
+__all__ = ["check_context", "eval_prompts", "eval_rows_and_specs", "eval_tools", "evaluate", "load_eval_model",
+           "pass_at_k"]
 
 
 def eval_rows_and_specs(*, task, task_args, data, prompt_column, rewards, num_prompts, seed):
@@ -62,3 +65,35 @@ def check_context(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: in
         room = f"at most --max-new-tokens {limit - longest}" if limit > longest else "a shorter prompt"
         raise SetupError(f"--max-new-tokens {max_new_tokens}: the longest prompt has {longest} tokens, and the "
                          f"model's context (max_position_embeddings) is {limit} positions; use {room}")
+
+
+def load_eval_model(path: str, rows: Sequence[dict], *, data: str | None, dtype: str, device: str):
+    """`grpokit eval`'s model, tokenizer and vision inputs (None for a text model). A vision-language folder
+    loads as the image-text-to-text model it is, with its processor's tokenizer; image rows are checked first
+    (with a text-only model, or an unreadable image: one error before the weights load)."""
+    from grpokit.models.loading import check_model_folder, load_model_and_tokenizer
+    from grpokit.training import vision_setup
+
+    base = Path(data).parent if data and Path(data).is_file() else None
+    vision = vision_setup.vision_inputs(check_model_folder(path, field="--model"), rows, model_path=path, base=base)
+    if vision is None:
+        return (*load_model_and_tokenizer(path, dtype=dtype, device=device, field="--model"), None)
+    tokenizer = vision_setup.vision_tokenizer(vision, path)
+    return vision_setup.load_vision_model(path, dtype=dtype, device=device, field="--model"), tokenizer, vision
+
+
+def eval_prompts(tokenizer, rows: Sequence[dict], prompt_column: str, tools: ToolBox | None, vision):
+    """Each row's prompt ids (with `tools`, their schemas rendered) and, for image rows, their images
+    (`models.media.RowMedia`, one row per prompt), rendered by the processor as in training."""
+    if vision is None or not vision.images:
+        schemas = tools.schemas if tools else None
+        return [tokenizer(render_prompt(tokenizer, r[prompt_column], tools=schemas), add_special_tokens=False)
+                ["input_ids"] for r in rows], None
+    if tools:
+        raise SetupError("--tool: tool calls with image rows are not built yet; evaluate with --no-tools, or on "
+                         "text rows")
+    from grpokit.models.media import RowMedia
+    from grpokit.training.vision_setup import PromptMedia
+
+    encoded = [PromptMedia(vision, rows).encode(i) for i in range(len(rows))]
+    return [ids for ids, _ in encoded], RowMedia(vision.family, tuple(m for _, m in encoded), vision.image_token_id)

@@ -127,7 +127,7 @@ def check_image_rows(rows: Sequence[dict], *, model_type: str | None, supported:
                         f"--arch qwen2_vl) or drop the {column!r} column")
     if not supported:
         raise DataError(f"{model_path}: model_type {model_type!r} is a vision-language model grpokit does not train "
-                        "yet; supported: Qwen2-VL, Qwen2.5-VL, Idefics3, SmolVLM")
+                        "yet; supported: Qwen2-VL, Qwen2.5-VL, Idefics3, SmolVLM, Gemma 3")
     for i, row in enumerate(rows):
         images = row_images(row, index=i, base=base)
         with_image_placeholders(row["prompt"], len(images), index=i, column=column)

@@ -10,6 +10,8 @@ laid out as the processor lays out a batch:
   order; `mm_token_type_ids` [N, L] (1 on image tokens), from the ids.
 - Idefics3 / SmolVLM: `pixel_values` [N, max images, 3, H, W] and `pixel_attention_mask`
   [N, max images, H, W], zero-padded (an all-zero image is padding, which the model drops).
+- Gemma 3: `pixel_values` [images, 3, H, W] concatenated in row order; `token_type_ids` [N, L] (1 on
+  image tokens: the decoder attends bidirectionally within each image's block), from the ids.
 
 `position_ids` numbers the tokens: multimodal RoPE [3, N, L] for Qwen2-VL (the model's own
 `get_rope_index`), positions that skip left padding [N, L] for the others.
@@ -30,7 +32,7 @@ class PromptImages:
     """One prompt's images as its processor encoded them."""
 
     tensors: dict[str, Tensor]  # qwen2_vl: pixel_values [patches, D], image_grid_thw [I, 3]; idefics3: pixel_values
-    # [I, 3, H, W], pixel_attention_mask [I, H, W]
+    # [I, 3, H, W], pixel_attention_mask [I, H, W]; gemma3: pixel_values [I, 3, H, W]
     num_images: int
     digest: str  # a hash of the pixels: equal prompts with equal images share a prefill; logs name images by it
     sources: tuple = ()  # data.images.ImageRef per image (hash, path, the decoded image): completions.jsonl names
@@ -42,6 +44,9 @@ class PromptImages:
         if family == "qwen2_vl":
             tensors = {"pixel_values": encoded["pixel_values"], "image_grid_thw": encoded["image_grid_thw"]}
             count = int(tensors["image_grid_thw"].shape[0])
+        elif family == "gemma3":
+            tensors = {"pixel_values": encoded["pixel_values"]}  # [I, 3, H, W]: the prompt's images
+            count = int(tensors["pixel_values"].shape[0])
         else:
             tensors = {name: encoded[name][0] for name in ("pixel_values", "pixel_attention_mask")}
             count = int(tensors["pixel_values"].shape[0])
@@ -55,7 +60,7 @@ class PromptImages:
 class RowMedia:
     """Per-row images of a batch [N]; None for a row without images."""
 
-    family: str  # "qwen2_vl" | "idefics3" (models/vision.VISION_FAMILIES)
+    family: str  # "qwen2_vl" | "idefics3" | "gemma3" (models/vision.VISION_FAMILIES)
     rows: tuple[PromptImages | None, ...]
     image_token_id: int
 
@@ -98,12 +103,13 @@ class RowMedia:
         """The model's keyword arguments for these rows, with `input_ids` [N, L] their tokens."""
         present = [r for r in self.rows if r is not None and r.num_images]
         device = input_ids.device
+        types = {"qwen2_vl": "mm_token_type_ids", "gemma3": "token_type_ids"}.get(self.family)
+        marks = {} if types is None else {types: (input_ids == self.image_token_id).long()}  # [N, L]
         if not present:
-            return {"mm_token_type_ids": torch.zeros_like(input_ids)} if self.family == "qwen2_vl" else {}
-        if self.family == "qwen2_vl":
-            return {"pixel_values": torch.cat([r.tensors["pixel_values"] for r in present]).to(device),
-                    "image_grid_thw": torch.cat([r.tensors["image_grid_thw"] for r in present]).to(device),
-                    "mm_token_type_ids": (input_ids == self.image_token_id).long()}
+            return marks
+        if self.family in ("qwen2_vl", "gemma3"):
+            return {name: torch.cat([r.tensors[name] for r in present]).to(device) for name in present[0].tensors} \
+                | marks
         return _padded_images(self.rows, device)
 
     def position_ids(self, model, input_ids: Tensor, attention_mask: Tensor, inputs: dict[str, Tensor]

@@ -20,7 +20,7 @@ PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 # `grpokit tiny-model --arch`. `build_tiny_model` takes other `model_type`s at the caller's risk.
 TINY_ARCHS = ("gemma", "gpt2", "gpt_neox", "llama", "mistral", "phi3", "qwen2", "qwen3")
 # The vision-language families (models/tiny_vision.py: `build_tiny_vlm`, `build_tiny_any`).
-TINY_VLM_ARCHS = ("qwen2_vl", "idefics3")
+TINY_VLM_ARCHS = ("qwen2_vl", "idefics3", "gemma3")
 
 
 # A minimal chat template so that conversational prompts work on the tiny

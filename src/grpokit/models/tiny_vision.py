@@ -11,6 +11,8 @@ processor then expands each image placeholder to the image's tokens).
 Families (`TINY_VLM_ARCHS`, the `grpokit tiny-model --arch` choices beside the text ones):
 - `qwen2_vl`: Qwen2-VL, a ViT over 4x4-pixel patches merged 2x2, multimodal RoPE (3-D positions).
 - `idefics3`: Idefics3 (SmolVLM's architecture), a SigLIP encoder, pixel shuffle, a Llama decoder.
+- `gemma3`: Gemma 3, a SigLIP encoder average-pooled to a fixed number of tokens per image, a Gemma 3
+  decoder (sliding-window layers) that attends bidirectionally within each image's tokens.
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ from grpokit.models.tiny import TINY_VLM_ARCHS, build_char_tokenizer
 IMAGE_PLACEHOLDER = {
     "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "idefics3": "<image>",
+    "gemma3": "<start_of_image>",  # the processor expands it to the image begin, soft tokens and end
 }
 SPECIAL_TOKENS = {
     "qwen2_vl": ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"],
     "idefics3": ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>"],
+    "gemma3": ["<start_of_image>", "<image_soft_token>", "<end_of_image>"],
 }
+NAMED_TOKENS = {"gemma3": ("boi_token", "image_token", "eoi_token")}  # the tokenizer attributes its processor reads
 
 
 def vlm_chat_template(arch: str) -> str:
@@ -46,6 +51,8 @@ def vlm_chat_template(arch: str) -> str:
 def _tokenizer(arch: str):
     tokenizer = build_char_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[arch]})
+    if arch in NAMED_TOKENS:  # saved as the tokenizer config's extra_special_tokens, as a real Gemma 3 folder has them
+        tokenizer._set_model_specific_special_tokens(special_tokens=dict(zip(NAMED_TOKENS[arch], SPECIAL_TOKENS[arch])))
     tokenizer.chat_template = vlm_chat_template(arch)
     return tokenizer
 
@@ -101,6 +108,27 @@ def _idefics3(tokenizer, hidden_size: int, num_layers: int, max_positions: int, 
     return config, images, {"image_seq_len": (image_size // patch) ** 2 // scale ** 2}
 
 
+def _gemma3(tokenizer, hidden_size: int, num_layers: int, max_positions: int, image_size: int):
+    from transformers import AutoConfig
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    boi, image, eoi = _ids(tokenizer, *SPECIAL_TOKENS["gemma3"])
+    patch, tokens = 8, 4  # (image_size / 8)^2 patches pooled to 2 x 2 = 4 tokens an image
+    config = AutoConfig.for_model(
+        "gemma3",
+        text_config=dict(model_type="gemma3_text", head_dim=hidden_size // 4, query_pre_attn_scalar=hidden_size // 4,
+                         sliding_window=max_positions, **_text_config(tokenizer, hidden_size, num_layers,
+                                                                        max_positions)),
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=num_layers, num_attention_heads=2, image_size=image_size,
+                           patch_size=patch),
+        mm_tokens_per_image=tokens, boi_token_index=boi, eoi_token_index=eoi, image_token_index=image,
+        tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id)
+    images = Gemma3ImageProcessorPil(size={"height": image_size, "width": image_size})
+    return config, images, {"image_seq_length": tokens}
+
+
 def build_tiny_vlm(path: str | Path | None = None, *, arch: str = "qwen2_vl", hidden_size: int = 64,
                    num_layers: int = 2, max_positions: int = 1024, image_size: int = 32, seed: int = 0):
     """A randomly initialised image-text-to-text model and its processor; written to `path` in Hugging
@@ -113,12 +141,15 @@ def build_tiny_vlm(path: str | Path | None = None, *, arch: str = "qwen2_vl", hi
     if arch not in TINY_VLM_ARCHS:
         raise ValueError(f"unknown vision-language arch {arch!r}; choose one of {', '.join(TINY_VLM_ARCHS)}")
     tokenizer = _tokenizer(arch)
-    build = {"qwen2_vl": _qwen2_vl, "idefics3": _idefics3}[arch]
+    build = {"qwen2_vl": _qwen2_vl, "idefics3": _idefics3, "gemma3": _gemma3}[arch]
     config, image_processor, extra = build(tokenizer, hidden_size, num_layers, max_positions, image_size)
     processor = build_processor(processor_class_for(arch), image_processor=image_processor, tokenizer=tokenizer,
                                 chat_template=tokenizer.chat_template, **extra)
     torch.manual_seed(seed)
     model = AutoModelForImageTextToText.from_config(config)
+    if arch == "gemma3":  # transformers starts Gemma 3's projection at zero (a pretrained one is trained): images
+        # would not reach the decoder at all; random like the other weights instead
+        model.model.multi_modal_projector.mm_input_projection_weight.data.normal_(0.0, config.initializer_range)
     if path is not None:
         from grpokit.models.loading import no_progress_bars
 

@@ -22,6 +22,7 @@ VISION_FAMILIES = {
     "qwen2_5_vl": "qwen2_vl",
     "idefics3": "idefics3",
     "smolvlm": "idefics3",
+    "gemma3": "gemma3",
 }
 
 
@@ -38,8 +39,8 @@ def has_vision_tower(config) -> bool:
 def processor_class_for(arch: str):
     import transformers
 
-    return {"qwen2_vl": transformers.Qwen2VLProcessor, "idefics3": transformers.Idefics3Processor}[
-        VISION_FAMILIES[arch]]
+    return {"qwen2_vl": transformers.Qwen2VLProcessor, "idefics3": transformers.Idefics3Processor,
+            "gemma3": transformers.Gemma3Processor}[VISION_FAMILIES[arch]]
 
 
 @contextmanager

@@ -37,6 +37,7 @@ from grpokit.models.loading import load_model, load_tokenizer, max_positions_of
 from grpokit.models.lora import apply_lora
 from grpokit.models.weight_sync import WeightReceiver
 from grpokit.rollout.engines import build_engine
+from grpokit.training import vision_setup
 from grpokit.training.generate import generate_and_grade
 from grpokit.training.setup import PromptTable, isolate_rewards, prepare_data, resolve_reward_specs
 from grpokit.training.tool_setup import resolve_tools
@@ -155,10 +156,10 @@ class _Worker:
         specs, self.pool = isolate_rewards(config, resolve_reward_specs(
             config, data.task, spec.reward_functions, optional=bool(own), rows=data.rows))
         self.specs = specs + own
-        self.tokenizer = load_tokenizer(config.model.path)
+        self.tokenizer = vision_setup.load_policy_tokenizer(config.model.path, load_tokenizer)  # a VLM: its processor's
         if self.environments is not None:
             self.environments.max_positions = max_positions_of(config.model.path)
-        model = load_model(config.model.path, dtype=config.model.dtype, device=device)
+        model = vision_setup.load_policy_model(config, load_model, device)  # a VLM folder: image-text-to-text
         if config.model.lora:
             model = apply_lora(model, config.model.lora)
         trainable = set(spec.trainable)

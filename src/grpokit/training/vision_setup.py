@@ -13,7 +13,8 @@ does every step, and the result travels with the answers as `RowMedia`.
 
 The `[eval]` section's rows may carry images too (`held_out_vision`: checked the same way, encoded again
 at each evaluation). What is not built with images, refused here before the model loads: tool calls and
-environments (multi-turn), asynchronous rollout and the vLLM engine.
+environments (multi-turn) and the vLLM engine. Asynchronous rollout workers load the same class and
+processor (`load_policy_model`, `load_policy_tokenizer`) and encode their steps' images themselves.
 """
 
 from __future__ import annotations
@@ -60,38 +61,42 @@ def _model_config(folder: Path):
         return None  # the model load names what is wrong with the folder
 
 
-def check_vision_inputs(config: Config, data, folder: Path, *, multi_turn: bool = False) -> VisionInputs | None:
-    """The checks of a run with a vision-language model or image rows, before any model loads; None for a
-    text model with text rows. `multi_turn`: the run has tools or environments."""
+def vision_inputs(folder: Path, rows: Sequence[dict], *, model_path: str, base: Path | None) -> VisionInputs | None:
+    """The model folder's vision-language inputs (None for a text model), `rows`' images checked against it
+    (readable, placeholders equal in number, a model that reads them; relative paths from `base`)."""
     model_config = _model_config(folder)
     vision = model_config is not None and has_vision_tower(model_config)
     family = vision_family(model_config) if vision else None
-    if config.model.train_vision_tower and not vision:
+    images = check_image_rows(rows, model_type=getattr(model_config, "model_type", None), supported=family is not None,
+                              has_vision=vision, model_path=model_path, base=base)
+    return VisionInputs(family, images, model_config, base) if vision else None
+
+
+def check_vision_inputs(config: Config, data, folder: Path, *, multi_turn: bool = False) -> VisionInputs | None:
+    """The checks of a run with a vision-language model or image rows, before any model loads; None for a
+    text model with text rows. `multi_turn`: the run has tools or environments."""
+    base = Path(config.data.path).parent if config.data.path and Path(config.data.path).is_file() else None
+    vision = vision_inputs(folder, data.rows, model_path=config.model.path, base=base)
+    if config.model.train_vision_tower and vision is None:
         raise SetupError(f"model.train_vision_tower: {config.model.path} is a text-only model (model_type "
-                         f"{getattr(model_config, 'model_type', None)!r}), it has no vision tower; drop the option")
+                         f"{getattr(_model_config(folder), 'model_type', None)!r}), it has no vision tower; drop "
+                         "the option")
     if config.model.train_vision_tower and config.model.lora:
         raise SetupError("model.train_vision_tower: with model.lora only the language model's adapters train; set "
                          "one of them, not both")
-    base = Path(config.data.path).parent if config.data.path and Path(config.data.path).is_file() else None
-    images = check_image_rows(data.rows, model_type=getattr(model_config, "model_type", None),
-                              supported=family is not None, has_vision=vision, model_path=config.model.path,
-                              base=base)
-    if not vision:
-        return None
-    if images:
+    if vision is not None and vision.images:
         _refuse_unbuilt(config, multi_turn)
-    return VisionInputs(family, images, model_config, base)
+    return vision
 
 
 def _refuse_unbuilt(config: Config, multi_turn: bool) -> None:
     """Options that cannot take image rows yet: one error naming the option, before the model loads."""
     unbuilt = [("tools", multi_turn, "tool calls and environments (multi-turn rollouts) with images"),
-               ("rollout.mode", config.rollout.mode == "async", "asynchronous rollout with images"),
                ("rollout.engine", config.rollout.engine != "hf", "the vLLM engine with images")]
     for field, hit, what in unbuilt:
         if hit:
             raise SetupError(f"{field}: {what} is not built yet; the data has image rows: use the defaults "
-                             f"(hf engine, sync rollout, no tools) or text rows")
+                             f"(the hf engine, no tools) or text rows")
 
 
 def vision_tokenizer(vision: VisionInputs, path: str):
@@ -178,17 +183,28 @@ def held_out_vision(config: Config, rows: Sequence[dict], vision: VisionInputs |
     return replace(vision, images=True, base=base)
 
 
-def load_policy_model(config: Config, loader):
-    """The model of `config.model.path`: `loader` (setup's `load_model`) for a text model, else
-    `AutoModelForImageTextToText` with the vision tower frozen unless `model.train_vision_tower`."""
+def load_policy_model(config: Config, loader, device=None):
+    """The model of `config.model.path` (on `device`, else the run's): `loader` (setup's `load_model`) for a
+    text model, else `AutoModelForImageTextToText` with the vision tower frozen unless `model.train_vision_tower`."""
     from grpokit.models.loading import check_model_folder
 
     folder = check_model_folder(config.model.path)
-    model_config = _model_config(folder)
+    model_config, device = _model_config(folder), device or _device(config)
     if model_config is None or not has_vision_tower(model_config):
-        return loader(config.model.path, dtype=config.model.dtype, device=_device(config))
+        return loader(config.model.path, dtype=config.model.dtype, device=device)
     return apply_vision_tower_option(config, load_vision_model(config.model.path, dtype=config.model.dtype,
-                                                               device=_device(config)))
+                                                               device=device))
+
+
+def load_policy_tokenizer(path: str, loader):
+    """The tokenizer a run decodes with: the processor's for a vision-language folder (`vision_tokenizer`), else
+    `loader(path)` (models/loading.load_tokenizer). What an asynchronous rollout worker loads."""
+    from grpokit.models.loading import check_model_folder
+
+    model_config = _model_config(check_model_folder(path))
+    if model_config is None or not has_vision_tower(model_config):
+        return loader(path)
+    return vision_tokenizer(VisionInputs(vision_family(model_config), False, model_config, None), path)
 
 
 def _device(config: Config):
