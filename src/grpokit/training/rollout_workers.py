@@ -158,7 +158,7 @@ class _Worker:
         self.specs = specs + own
         self.tokenizer = vision_setup.load_policy_tokenizer(config.model.path, load_tokenizer)  # a VLM: its processor's
         if self.environments is not None:
-            self.environments.max_positions = max_positions_of(config.model.path)
+            self.environments.max_positions = vision_setup.policy_context_length(config.model.path, max_positions_of)
         model = vision_setup.load_policy_model(config, load_model, device)  # a VLM folder: image-text-to-text
         if config.model.lora:
             model = apply_lora(model, config.model.lora)

@@ -196,6 +196,17 @@ def load_policy_model(config: Config, loader, device=None):
                                                                device=device))
 
 
+def policy_context_length(path: str, reader) -> int | None:
+    """The language model's context: a vision-language config keeps it in its text config, else `reader(path)`
+    (models/loading.max_positions_of), as the trainer's setup reads it."""
+    from grpokit.models.loading import check_model_folder
+
+    model_config = _model_config(check_model_folder(path))
+    if model_config is None or not has_vision_tower(model_config):
+        return reader(path)
+    return context_length(model_config)
+
+
 def load_policy_tokenizer(path: str, loader):
     """The tokenizer a run decodes with: the processor's for a vision-language folder (`vision_tokenizer`), else
     `loader(path)` (models/loading.load_tokenizer). What an asynchronous rollout worker loads."""
