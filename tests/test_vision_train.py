@@ -282,3 +282,16 @@ def test_grpokit_eval_renders_a_vision_tasks_images_for_a_vision_language_model(
     assert main([*args[:1], "--model", str(tiny_model_dir), *args[1:]]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "'image' column but" in err[0] and "text-only model (model_type 'qwen2')" in err[0]
+
+
+def test_grpokit_eval_refuses_tools_with_image_rows_before_the_weights_load(vlm_dirs, tmp_path, capsys, monkeypatch):
+    import grpokit.training.vision_setup as vision_setup
+
+    monkeypatch.setattr(vision_setup, "load_vision_model", lambda *a, **k: pytest.fail("the model loaded"))
+    (tmp_path / "calc.py").write_text('def add(a: int, b: int) -> int:\n    """Add.\n\n    Args:\n        a: one\n'
+                                      '        b: two\n    """\n    return a + b\n')
+    assert main(["eval", "--model", str(vlm_dirs["gemma3"]), "--task", "shapes", "--num-prompts", "2",
+                 "--tool", f"{tmp_path / 'calc.py'}:add"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --tool: tool calls with image rows are not built yet; evaluate with --no-tools, or on "
+                   "text rows"]

@@ -75,7 +75,8 @@ def cmd_eval(args) -> int:
     rows, specs, prompt_column, task = eval_rows_and_specs(
         task=args.task, task_args=_key_values(args.task_arg), data=args.data, prompt_column=args.prompt_column,
         rewards=args.reward, num_prompts=args.num_prompts, seed=args.data_seed)
-    model, tokenizer, vision = load_eval_model(args.model, rows, data=args.data, dtype=args.dtype, device=args.device)
+    model, tokenizer, vision = load_eval_model(args.model, rows, data=args.data, dtype=args.dtype, device=args.device,
+                                               tools=bool(args.tool))  # tools with image rows: refused before loading
     tools = eval_tools(task=None if args.no_tools else task, tools=args.tool, timeout_s=args.tool_timeout,
                        tokenizer=tokenizer)
     ids, media = eval_prompts(tokenizer, rows, prompt_column, tools, vision)  # image rows: their pixels too

@@ -67,7 +67,11 @@ def check_context(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: in
                          f"model's context (max_position_embeddings) is {limit} positions; use {room}")
 
 
-def load_eval_model(path: str, rows: Sequence[dict], *, data: str | None, dtype: str, device: str):
+_TOOLS_WITH_IMAGES = "--tool: tool calls with image rows are not built yet; evaluate with --no-tools, or on text rows"
+
+
+def load_eval_model(path: str, rows: Sequence[dict], *, data: str | None, dtype: str, device: str,
+                    tools: bool = False):
     """`grpokit eval`'s model, tokenizer and vision inputs (None for a text model). A vision-language folder
     loads as the image-text-to-text model it is, with its processor's tokenizer; image rows are checked first
     (with a text-only model, or an unreadable image: one error before the weights load)."""
@@ -76,6 +80,8 @@ def load_eval_model(path: str, rows: Sequence[dict], *, data: str | None, dtype:
 
     base = Path(data).parent if data and Path(data).is_file() else None
     vision = vision_setup.vision_inputs(check_model_folder(path, field="--model"), rows, model_path=path, base=base)
+    if tools and vision is not None and vision.images:
+        raise SetupError(_TOOLS_WITH_IMAGES)
     if vision is None:
         return (*load_model_and_tokenizer(path, dtype=dtype, device=device, field="--model"), None)
     tokenizer = vision_setup.vision_tokenizer(vision, path)
@@ -84,16 +90,15 @@ def load_eval_model(path: str, rows: Sequence[dict], *, data: str | None, dtype:
 
 def eval_prompts(tokenizer, rows: Sequence[dict], prompt_column: str, tools: ToolBox | None, vision):
     """Each row's prompt ids (with `tools`, their schemas rendered) and, for image rows, their images
-    (`models.media.RowMedia`, one row per prompt), rendered by the processor as in training."""
+    (`training.vision_setup.PromptMedia`: each batch encoded again when it is sampled, so the pixels of one
+    batch are held at a time), rendered by the processor as in training."""
     if vision is None or not vision.images:
         schemas = tools.schemas if tools else None
         return [tokenizer(render_prompt(tokenizer, r[prompt_column], tools=schemas), add_special_tokens=False)
                 ["input_ids"] for r in rows], None
     if tools:
-        raise SetupError("--tool: tool calls with image rows are not built yet; evaluate with --no-tools, or on "
-                         "text rows")
-    from grpokit.models.media import RowMedia
+        raise SetupError(_TOOLS_WITH_IMAGES)
     from grpokit.training.vision_setup import PromptMedia
 
-    encoded = [PromptMedia(vision, rows).encode(i) for i in range(len(rows))]
-    return [ids for ids, _ in encoded], RowMedia(vision.family, tuple(m for _, m in encoded), vision.image_token_id)
+    media = PromptMedia(vision, rows)
+    return [media.encode(i)[0] for i in range(len(rows))], media

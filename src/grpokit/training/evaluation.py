@@ -119,7 +119,8 @@ def evaluate(
     (each evaluated its own share of the rows), so every process returns the whole set's metrics.
     With `environments` (and `tools`, their tool box) each answer runs in its own instance, as in training;
     `history = "split"` (tools.history) samples each turn from the conversation as the template renders it.
-    `media` (`models.media.RowMedia`, one row per prompt of `rows`): a vision-language model's images."""
+    `media` (`models.media.RowMedia`, one row per prompt of `rows`, or `training.vision_setup.PromptMedia`, which
+    encodes each batch's rows when it is sampled): a vision-language model's images."""
     model.eval()
     generator = torch.Generator(device=model.device).manual_seed(seed)
     eos = list(eos_token_ids) if eos_token_ids is not None else [tokenizer.eos_token_id]
@@ -182,7 +183,7 @@ class HeldOut:
 
     def _evaluate(self, model, tokenizer, specs: Sequence[RewardSpec]) -> dict:
         e, p = self.config.eval, self.prompts
-        media = None if p.media is None else p.media.rows(range(len(p.rows)))  # image rows: encoded again
+        media = p.media  # image rows: vision_setup.PromptMedia, each batch's images encoded when it is sampled
         return evaluate(model, tokenizer, self.prompts.rows, self.prompts.ids, specs,
                         samples_per_prompt=e.samples_per_prompt, temperature=e.temperature,
                         top_p=self.config.rollout.top_p, top_k=self.config.rollout.top_k,

@@ -137,6 +137,10 @@ class PromptMedia:
     def rows(self, indices: Sequence[int]) -> RowMedia:
         return RowMedia(self.vision.family, tuple(self.encode(i)[1] for i in indices), self.vision.image_token_id)
 
+    def select(self, index: slice) -> RowMedia:
+        """`RowMedia.select` of the rows' encodings, encoded now: an evaluation holds one batch's pixels at a time."""
+        return self.rows(range(len(self.data))[index])
+
 
 def tokenize_image_prompts(config: Config, data, vision: VisionInputs, tokenizer, *,
                            budget_field: str = "rollout.max_new_tokens"):
