@@ -171,15 +171,12 @@ def held_out_vision(config: Config, rows: Sequence[dict], vision: VisionInputs |
     model that reads them; relative paths from `eval.path`'s folder): the inputs to encode them with, or None
     for text rows. Raised before the model loads, naming `eval.path`."""
     base = Path(config.eval.path).parent if config.eval.path and Path(config.eval.path).is_file() else None
-    model_config = vision.model_config if vision is not None else _model_config(folder)
     source = f"eval.path {config.eval.path}" if config.eval.path else "the held-out rows"
     try:
-        images = check_image_rows(rows, model_type=getattr(model_config, "model_type", None),
-                                  supported=vision is not None and vision.family is not None,
-                                  has_vision=vision is not None, model_path=config.model.path, base=base)
+        found = vision_inputs(folder, rows, model_path=config.model.path, base=base)
     except DataError as err:
         raise DataError(f"{source}: {err}") from None
-    if not images:
+    if found is None or not found.images:
         return None
     if multi_turn:
         raise SetupError(f"{source}: the held-out rows have images and the run has tools or environments; "
@@ -187,14 +184,19 @@ def held_out_vision(config: Config, rows: Sequence[dict], vision: VisionInputs |
     return replace(vision, images=True, base=base)
 
 
+def _vision_config_of(path: str):
+    """The folder's transformers config when it describes a vision-language model, else None."""
+    from grpokit.models.loading import check_model_folder
+
+    model_config = _model_config(check_model_folder(path))
+    return model_config if model_config is not None and has_vision_tower(model_config) else None
+
+
 def load_policy_model(config: Config, loader, device=None):
     """The model of `config.model.path` (on `device`, else the run's): `loader` (setup's `load_model`) for a
     text model, else `AutoModelForImageTextToText` with the vision tower frozen unless `model.train_vision_tower`."""
-    from grpokit.models.loading import check_model_folder
-
-    folder = check_model_folder(config.model.path)
-    model_config, device = _model_config(folder), device or _device(config)
-    if model_config is None or not has_vision_tower(model_config):
+    device = device or _device(config)
+    if _vision_config_of(config.model.path) is None:
         return loader(config.model.path, dtype=config.model.dtype, device=device)
     return apply_vision_tower_option(config, load_vision_model(config.model.path, dtype=config.model.dtype,
                                                                device=device))
@@ -203,21 +205,15 @@ def load_policy_model(config: Config, loader, device=None):
 def policy_context_length(path: str, reader) -> int | None:
     """The language model's context: a vision-language config keeps it in its text config, else `reader(path)`
     (models/loading.max_positions_of), as the trainer's setup reads it."""
-    from grpokit.models.loading import check_model_folder
-
-    model_config = _model_config(check_model_folder(path))
-    if model_config is None or not has_vision_tower(model_config):
-        return reader(path)
-    return context_length(model_config)
+    model_config = _vision_config_of(path)
+    return reader(path) if model_config is None else context_length(model_config)
 
 
 def load_policy_tokenizer(path: str, loader):
     """The tokenizer a run decodes with: the processor's for a vision-language folder (`vision_tokenizer`), else
     `loader(path)` (models/loading.load_tokenizer). What an asynchronous rollout worker loads."""
-    from grpokit.models.loading import check_model_folder
-
-    model_config = _model_config(check_model_folder(path))
-    if model_config is None or not has_vision_tower(model_config):
+    model_config = _vision_config_of(path)
+    if model_config is None:
         return loader(path)
     return vision_tokenizer(VisionInputs(vision_family(model_config), False, model_config, None), path)
 
