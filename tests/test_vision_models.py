@@ -33,10 +33,32 @@ def test_cli_writes_a_folder_that_loads_and_reads_images(arch, tmp_path, capsys)
     assert len(text_ids) == 5  # the character tokenizer: image tokens are single special tokens, text is not merged
 
 
-def test_tools_flag_is_refused_for_a_vision_arch(tmp_path, capsys):
-    assert main(["tiny-model", str(tmp_path / "m"), "--arch", "qwen2_vl", "--tools"]) != 0
+def test_tools_flag_builds_a_vlm_whose_template_lists_tools_and_is_refused_for_gemma3(tmp_path, capsys):
+    """--tools on a VLM: the tool template (calls as <tool_call> tokens) with image parts; Gemma 3's
+    sliding-window layers cannot run multi-turn rollouts, so it is refused before anything is written."""
+    from grpokit.models.vision import load_processor
+    from grpokit.rollout.tools import ToolBox, check_tool_template
+
+    assert main(["tiny-model", str(tmp_path / "g"), "--arch", "gemma3", "--tools"]) != 0
     err = capsys.readouterr().err
-    assert err.startswith("error: --tools") and not (tmp_path / "m").exists()
+    assert err.startswith("error: --tools: multi-turn rollouts need full attention") and not (tmp_path / "g").exists()
+    assert main(["tiny-model", str(tmp_path / "q"), "--arch", "qwen2_vl", "--tools"]) == 0
+    processor = load_processor(tmp_path / "q")
+
+    def look(n: int) -> str:
+        """Look.
+
+        Args:
+            n: what
+        """
+        return str(n)
+
+    check_tool_template(processor.tokenizer, ToolBox([look]))  # shows the tools, renders results, reads calls back
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text",
+                                                                                           "text": "hi"}]}],
+                                         tokenize=False, add_generation_prompt=True, tools=ToolBox([look]).schemas)
+    assert text.startswith("tools: look\n") and "<|image_pad|>" in text
+    assert len(processor.tokenizer("<tool_call>", add_special_tokens=False)["input_ids"]) == 1
 
 
 @pytest.mark.parametrize("arch", TINY_VLM_ARCHS)

@@ -14,7 +14,7 @@ from PIL import Image
 
 from grpokit.data.images import with_image_placeholders
 from grpokit.models.forward import completion_logprobs
-from grpokit.models.media import RowMedia
+from grpokit.models.media import PromptImages, RowMedia
 from grpokit.models.tiny_vision import build_tiny_vlm
 from grpokit.models.vision import encode_image_prompt, vision_family
 from grpokit.rollout.batch import concat_rollouts
@@ -161,3 +161,38 @@ def test_media_rows_must_match_the_prompts(vlm):
     model, processor, ids, media = vlm
     with pytest.raises(ValueError, match="media has 1 rows for"):
         _sample(model, processor, ids, media.select([0]))
+
+
+def test_the_shared_prompt_forward_equals_every_row_whole_in_values_and_gradients(vlm):
+    """`train.shared_prompt_forward` with images: each distinct (prompt, images) runs once with its pixels and its
+    cache is repeated over its answers. Two prompts with the same text but other images must not share (the
+    shapes task's prompts are one sentence): the same log-probs and parameter gradients as running every row
+    whole, and for the families with full attention the shared path ran (Gemma 3's sliding layers: it falls
+    back)."""
+    from grpokit.models.vision_forward import _shared_prompt_hidden
+
+    model, processor, ids, media = vlm
+    same_text = [ids[0], ids[0]]  # one prompt's ids, two images
+    first = media.rows[0]
+    other = PromptImages({k: v.flip(-1) if k == "pixel_values" else v for k, v in first.tensors.items()},
+                         first.num_images, "flipped")  # other pixels, the same image tokens
+    two = RowMedia(media.family, (first, other), media.image_token_id)
+    rollout = _sample(model, processor, same_text, two)
+    args = (rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids, rollout.completion_mask)
+    results = []
+    for share in (True, False):
+        model.zero_grad(set_to_none=True)
+        logp, _ = completion_logprobs(model, *args, temperature=TEMPERATURE, media=rollout.media, share_prompts=share)
+        (logp * rollout.completion_mask).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results.append((logp.detach(), grads))
+    model.zero_grad(set_to_none=True)
+    (shared, g_shared), (whole, g_whole) = results
+    torch.testing.assert_close(shared, whole, atol=1e-5, rtol=0)
+    assert g_shared.keys() == g_whole.keys() and g_shared
+    for name in g_shared:
+        torch.testing.assert_close(g_shared[name], g_whole[name], atol=1e-4, rtol=1e-4, msg=name)
+    assert not torch.allclose(whole[0], whole[G], atol=1e-4)  # the two images give other log-probs
+    with torch.no_grad():
+        ran = _shared_prompt_hidden(model, *args, rollout.media)
+    assert (ran is None) == (media.family == "gemma3")

@@ -148,10 +148,37 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+class Counter:
+    """An environment: one instance per answer."""
+
+    def reset(self, **row):
+        self.n = 0
+
+    def bump(self, by: int) -> int:
+        """Add to the count.
+
+        Args:
+            by: how much
+        """
+        self.n += by
+        return self.n
+
+
 def test_what_is_not_built_with_images_is_refused(vlm_dirs, tmp_path, no_model_load):
-    with pytest.raises(SetupError, match="^tools: tool calls and environments .* with images is not built yet"):
-        train(_config(vlm_dirs["qwen2_vl"], tmp_path / "run"), rows=_rows(), tools=[add],
+    """Image rows with an environment, or with tools.history = "split"; and tools whose chat template cannot show
+    them (this VLM's template has no tools): each one error naming the field, before the model loads."""
+    import dataclasses
+
+    from grpokit.config.schema import ToolsConfig
+
+    config = _config(vlm_dirs["qwen2_vl"], tmp_path / "run")
+    with pytest.raises(SetupError, match="^tools.environment: environments with image rows .* not built yet"):
+        train(config, rows=_rows(), environment_factory=Counter, reward_functions=[distinct_letters])
+    with pytest.raises(SetupError, match='^tools.history: tools.history = "split" with images is not built yet'):
+        train(dataclasses.replace(config, tools=ToolsConfig(history="split")), rows=_rows(), tools=[add],
               reward_functions=[distinct_letters])
+    with pytest.raises(SetupError, match="^tools: .*the chat template ignores the tools"):
+        train(config, rows=_rows(), tools=[add], reward_functions=[distinct_letters])
     assert not (tmp_path / "run").exists()
 
 
@@ -284,14 +311,23 @@ def test_grpokit_eval_renders_a_vision_tasks_images_for_a_vision_language_model(
     assert len(err) == 1 and "'image' column but" in err[0] and "text-only model (model_type 'qwen2')" in err[0]
 
 
-def test_grpokit_eval_refuses_tools_with_image_rows_before_the_weights_load(vlm_dirs, tmp_path, capsys, monkeypatch):
+def test_grpokit_eval_runs_tools_with_image_rows_and_refuses_gemma3_before_the_weights_load(vlm_dirs, tmp_path,
+                                                                                           capsys, monkeypatch):
+    """With --tool and image rows: a VLM whose template shows tools evaluates (prompts rendered with the tools'
+    schemas by the processor); Gemma 3 (sliding-window layers) is one error before its weights load."""
     import grpokit.training.vision_setup as vision_setup
+    from grpokit.models.tiny_vision import build_tiny_vlm
 
-    monkeypatch.setattr(vision_setup, "load_vision_model", lambda *a, **k: pytest.fail("the model loaded"))
     (tmp_path / "calc.py").write_text('def add(a: int, b: int) -> int:\n    """Add.\n\n    Args:\n        a: one\n'
                                       '        b: two\n    """\n    return a + b\n')
-    assert main(["eval", "--model", str(vlm_dirs["gemma3"]), "--task", "shapes", "--num-prompts", "2",
-                 "--tool", f"{tmp_path / 'calc.py'}:add"]) != 0
+    args = ["--task", "shapes", "--num-prompts", "2", "--samples", "2", "--max-new-tokens", "8", "--json",
+            "--tool", f"{tmp_path / 'calc.py'}:add"]
+    build_tiny_vlm(tmp_path / "q", arch="qwen2_vl", hidden_size=32, num_layers=1, seed=1, tools=True)
+    assert main(["eval", "--model", str(tmp_path / "q"), *args]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["num_prompts"] == 2 and "tool_call_share" in result
+    monkeypatch.setattr(vision_setup, "load_vision_model", lambda *a, **k: pytest.fail("the model loaded"))
+    assert main(["eval", "--model", str(vlm_dirs["gemma3"]), *args]) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: --tool: tool calls with image rows are not built yet; evaluate with --no-tools, or on "
-                   "text rows"]
+    assert len(err) == 1 and err[0].startswith(f"error: --model {vlm_dirs['gemma3']}: tools: multi-turn rollouts need "
+                                               "plain full attention in every layer")

@@ -71,12 +71,13 @@ def cmd_eval(args) -> int:
     if args.no_tools and args.tool:
         raise ConfigError("--no-tools and --tool contradict each other; give one")
     from grpokit.evaluate import check_context, eval_prompts, eval_rows_and_specs, eval_tools, evaluate, load_eval_model
+    from grpokit.rollout.vision import tool_images_for
 
     rows, specs, prompt_column, task = eval_rows_and_specs(
         task=args.task, task_args=_key_values(args.task_arg), data=args.data, prompt_column=args.prompt_column,
         rewards=args.reward, num_prompts=args.num_prompts, seed=args.data_seed)
     model, tokenizer, vision = load_eval_model(args.model, rows, data=args.data, dtype=args.dtype, device=args.device,
-                                               tools=bool(args.tool))  # tools with image rows: refused before loading
+                                               tools=bool(args.tool))  # tools: a model they cannot run, refused
     tools = eval_tools(task=None if args.no_tools else task, tools=args.tool, timeout_s=args.tool_timeout,
                        tokenizer=tokenizer)
     ids, media = eval_prompts(tokenizer, rows, prompt_column, tools, vision)  # image rows: their pixels too
@@ -84,7 +85,8 @@ def cmd_eval(args) -> int:
     check_context(model, ids, max_new_tokens)
     result = evaluate(model, tokenizer, rows, ids, specs, samples_per_prompt=args.samples, temperature=args.temperature,
                       max_new_tokens=max_new_tokens, seed=args.seed, prompt_column=prompt_column,
-                      greedy=not args.no_greedy, tools=tools, max_tool_turns=args.max_tool_calls, media=media)
+                      greedy=not args.no_greedy, tools=tools, max_tool_turns=args.max_tool_calls, media=media,
+                      tool_images=tool_images_for(model, args.model) if tools else None)
     result["model"] = args.model
     if args.json:
         print(json.dumps(result, indent=2))

@@ -67,21 +67,26 @@ def check_context(model, prompt_ids: Sequence[Sequence[int]], max_new_tokens: in
                          f"model's context (max_position_embeddings) is {limit} positions; use {room}")
 
 
-_TOOLS_WITH_IMAGES = "--tool: tool calls with image rows are not built yet; evaluate with --no-tools, or on text rows"
-
-
 def load_eval_model(path: str, rows: Sequence[dict], *, data: str | None, dtype: str, device: str,
                     tools: bool = False):
     """`grpokit eval`'s model, tokenizer and vision inputs (None for a text model). A vision-language folder
     loads as the image-text-to-text model it is, with its processor's tokenizer; image rows are checked first
-    (with a text-only model, or an unreadable image: one error before the weights load)."""
+    (with a text-only model, or an unreadable image: one error before the weights load). With `tools`, a model
+    whose attention multi-turn sampling cannot pad (sliding windows: Gemma 3) is refused then too."""
+    from transformers import AutoConfig
+
     from grpokit.models.loading import check_model_folder, load_model_and_tokenizer
+    from grpokit.rollout.multiturn import check_full_attention
     from grpokit.training import vision_setup
 
     base = Path(data).parent if data and Path(data).is_file() else None
-    vision = vision_setup.vision_inputs(check_model_folder(path, field="--model"), rows, model_path=path, base=base)
-    if tools and vision is not None and vision.images:
-        raise SetupError(_TOOLS_WITH_IMAGES)
+    folder = check_model_folder(path, field="--model")
+    vision = vision_setup.vision_inputs(folder, rows, model_path=path, base=base)
+    if tools:
+        try:
+            check_full_attention(AutoConfig.from_pretrained(folder))
+        except ValueError as e:
+            raise SetupError(f"--model {path}: {e}") from None
     if vision is None:
         return (*load_model_and_tokenizer(path, dtype=dtype, device=device, field="--model"), None)
     tokenizer = vision_setup.vision_tokenizer(vision, path)
@@ -96,9 +101,7 @@ def eval_prompts(tokenizer, rows: Sequence[dict], prompt_column: str, tools: Too
         schemas = tools.schemas if tools else None
         return [tokenizer(render_prompt(tokenizer, r[prompt_column], tools=schemas), add_special_tokens=False)
                 ["input_ids"] for r in rows], None
-    if tools:
-        raise SetupError(_TOOLS_WITH_IMAGES)
     from grpokit.training.vision_setup import PromptMedia
 
-    media = PromptMedia(vision, rows)
+    media = PromptMedia(vision, rows, tools)
     return [media.encode(i)[0] for i in range(len(rows))], media

@@ -53,6 +53,9 @@ Target = Union[str, Sequence[tuple[Sequence[int], bool]]]
 Prompt = Union[str, Sequence[int]]
 
 
+UNTIL_WINDOW = 20  # steps averaged for `sft(until_loss=...)`: one batch's loss is noisy
+
+
 def _segments(tokenizer, target: Target, encode: Callable[[str], list[int]]) -> list[tuple[list[int], bool]]:
     if isinstance(target, str):
         return [(list(encode(target)) + [tokenizer.eos_token_id], True)]
@@ -70,10 +73,15 @@ def sft(
     warmup_steps: int = 50,
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
+    until_loss: float | None = None,
 ) -> list[float]:
     """Train `model` in place for `steps` AdamW steps (cosine schedule) on pairs drawn by
     `sample_pair(rng)`; returns the loss of every step. A vision-language model's pairs are
-    (prompt ids, target, RowMedia of that one prompt): the pixels go into the forward with the ids."""
+    (prompt ids, target, RowMedia of that one prompt): the pixels go into the forward with the ids.
+
+    `until_loss`: stop early once the mean loss of the last `UNTIL_WINDOW` steps is below it (`steps` is then a
+    cap). Some skills arrive abruptly after a plateau whose length varies with the seed (the vision demo's model
+    learns to look at step 500 on one seed, 1100 on another): a fixed step count ends some runs before it."""
     for name, value in (("steps", steps), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"sft: {name} must be an integer >= 1, got {value!r}")
@@ -113,6 +121,9 @@ def sft(
         losses.append(loss.item())
         if on_step is not None:
             on_step(step + 1, losses[-1])
+        recent = losses[-UNTIL_WINDOW:]
+        if until_loss is not None and len(recent) == UNTIL_WINDOW and sum(recent) / UNTIL_WINDOW < until_loss:
+            break
     model.eval()
     return losses
 

@@ -156,7 +156,11 @@ def image_refs(row: dict, images: Sequence) -> tuple[ImageRef, ...]:
     refs = []
     for value, image in zip(values, images):
         source = value.get("path") if isinstance(value, dict) else value
-        path = str(source) if isinstance(source, (str, Path)) else None
-        digest = hashlib.sha256(f"{image.size[0]}x{image.size[1]}:".encode() + image.tobytes()).hexdigest()[:16]
-        refs.append(ImageRef(digest, path, image))
+        refs.append(image_ref(image, str(source) if isinstance(source, (str, Path)) else None))
     return tuple(refs)
+
+
+def image_ref(image, path: str | None = None) -> ImageRef:
+    """One decoded RGB image named for the logs (a tool's result images have no path)."""
+    digest = hashlib.sha256(f"{image.size[0]}x{image.size[1]}:".encode() + image.tobytes()).hexdigest()[:16]
+    return ImageRef(digest, path, image)

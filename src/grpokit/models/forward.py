@@ -115,7 +115,8 @@ def completion_logprobs(
 
         return vision_completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, media,
                                           temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
-                                          linear_head=linear_head, fused=fused, grad_fn=grad_fn)
+                                          linear_head=linear_head, fused=fused, grad_fn=grad_fn,
+                                          share_prompts=share_prompts)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P+T]
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P+T]
     positions = position_ids_from_mask(attention_mask)

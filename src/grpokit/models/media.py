@@ -56,6 +56,28 @@ class PromptImages:
         return cls(tensors, count, digest.hexdigest()[:16])
 
 
+    @classmethod
+    def join(cls, parts: Sequence["PromptImages | None"]) -> "PromptImages | None":
+        """Several encodings of one row in order (its prompt's images, then each tool result's), laid out as
+        the processor lays out one prompt holding them all: what the scoring forward takes for the whole row."""
+        parts = [p for p in parts if p is not None and p.num_images]
+        if len(parts) <= 1:
+            return parts[0] if parts else None
+        names = parts[0].tensors
+        if "pixel_attention_mask" in names:  # Idefics3: images [I, 3, H, W] padded to the largest height and width
+            tensors = {name: torch.cat(_padded_to([p.tensors[name] for p in parts])) for name in names}
+        else:  # Qwen2-VL: patches and grids concatenated; Gemma 3: images of one size
+            tensors = {name: torch.cat([p.tensors[name] for p in parts]) for name in names}
+        digest = hashlib.sha256("".join(p.digest for p in parts).encode()).hexdigest()[:16]
+        return cls(tensors, sum(p.num_images for p in parts), digest, tuple(s for p in parts for s in p.sources))
+
+
+def _padded_to(tensors: list[Tensor]) -> list[Tensor]:
+    """Zero-padded on the last two dimensions to the largest (pixels and pixel masks alike)."""
+    height, width = max(t.shape[-2] for t in tensors), max(t.shape[-1] for t in tensors)
+    return [torch.nn.functional.pad(t, (0, width - t.shape[-1], 0, height - t.shape[-2])) for t in tensors]
+
+
 @dataclass(frozen=True)
 class RowMedia:
     """Per-row images of a batch [N]; None for a row without images."""

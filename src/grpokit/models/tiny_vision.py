@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from grpokit.models.tiny import TINY_VLM_ARCHS, build_char_tokenizer
+from grpokit.models.tiny import TINY_VLM_ARCHS, TOOL_CHAT_TEMPLATE, TOOL_WORDS, build_char_tokenizer
 
 # Each family's image placeholder inside a user turn, as its own chat template writes it.
 IMAGE_PLACEHOLDER = {
@@ -36,24 +36,26 @@ SPECIAL_TOKENS = {
 NAMED_TOKENS = {"gemma3": ("boi_token", "image_token", "eoi_token")}  # the tokenizer attributes its processor reads
 
 
-def vlm_chat_template(arch: str) -> str:
-    """`role: text` lines as the text tiny models' template, with image parts as the family's placeholder."""
+def vlm_chat_template(arch: str, tools: bool = False) -> str:
+    """`role: text` lines as the text tiny models' template, with image parts as the family's placeholder;
+    with `tools`, the text tool template (`tiny.TOOL_CHAT_TEMPLATE`) with image parts in any message (a
+    tool's result may hold images, as TRL's multimodal tool responses)."""
     placeholder = IMAGE_PLACEHOLDER[arch]
-    return (
-        "{% for m in messages %}{{ m['role'] }}: "
-        "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
-        "{% if p['type'] == 'image' %}" + placeholder + "{% elif p['type'] == 'text' %}{{ p['text'] }}{% endif %}"
-        "{% endfor %}{% endif %}\n{% endfor %}"
-        "{% if add_generation_prompt %}assistant: {% endif %}"
-    )
+    content = ("{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for p in m['content'] %}"
+               "{% if p['type'] == 'image' %}" + placeholder + "{% elif p['type'] == 'text' %}{{ p['text'] }}"
+               "{% endif %}{% endfor %}{% endif %}")
+    if tools:
+        return TOOL_CHAT_TEMPLATE.replace("{{ m['content'] }}", content)
+    return ("{% for m in messages %}{{ m['role'] }}: " + content + "\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant: {% endif %}")
 
 
-def _tokenizer(arch: str):
-    tokenizer = build_char_tokenizer()
+def _tokenizer(arch: str, tools: bool = False):
+    tokenizer = build_char_tokenizer(words=TOOL_WORDS if tools else ())
     tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL_TOKENS[arch]})
     if arch in NAMED_TOKENS:  # saved as the tokenizer config's extra_special_tokens, as a real Gemma 3 folder has them
         tokenizer._set_model_specific_special_tokens(special_tokens=dict(zip(NAMED_TOKENS[arch], SPECIAL_TOKENS[arch])))
-    tokenizer.chat_template = vlm_chat_template(arch)
+    tokenizer.chat_template = vlm_chat_template(arch, tools)
     return tokenizer
 
 
@@ -130,9 +132,11 @@ def _gemma3(tokenizer, hidden_size: int, num_layers: int, max_positions: int, im
 
 
 def build_tiny_vlm(path: str | Path | None = None, *, arch: str = "qwen2_vl", hidden_size: int = 64,
-                   num_layers: int = 2, max_positions: int = 1024, image_size: int = 32, seed: int = 0):
+                   num_layers: int = 2, max_positions: int = 1024, image_size: int = 32, seed: int = 0,
+                   tools: bool = False):
     """A randomly initialised image-text-to-text model and its processor; written to `path` in Hugging
-    Face format when given. Returns `(model, processor)`."""
+    Face format when given. Returns `(model, processor)`. `tools`: a chat template that lists tools and
+    writes calls as <tool_call>{json}</tool_call> (single tokens), `vlm_chat_template`."""
     import torch
     from transformers import AutoModelForImageTextToText
 
@@ -140,7 +144,7 @@ def build_tiny_vlm(path: str | Path | None = None, *, arch: str = "qwen2_vl", hi
 
     if arch not in TINY_VLM_ARCHS:
         raise ValueError(f"unknown vision-language arch {arch!r}; choose one of {', '.join(TINY_VLM_ARCHS)}")
-    tokenizer = _tokenizer(arch)
+    tokenizer = _tokenizer(arch, tools)
     build = {"qwen2_vl": _qwen2_vl, "idefics3": _idefics3, "gemma3": _gemma3}[arch]
     config, image_processor, extra = build(tokenizer, hidden_size, num_layers, max_positions, image_size)
     processor = build_processor(processor_class_for(arch), image_processor=image_processor, tokenizer=tokenizer,
@@ -180,7 +184,8 @@ def build_tiny_any(path: str | Path, *, arch: str, tokenizer=None, **options):
 
     if arch not in TINY_VLM_ARCHS:
         return build_tiny_model(path, arch=arch, tokenizer=tokenizer, **options)
-    if tokenizer is not None:  # the tool template (--tools) renders text turns only
-        raise ConfigError(f"--tools: the tool chat template is for text models; --arch {arch} is a vision-language "
-                          "model with its own template: drop --tools or choose a text --arch")
-    return build_tiny_vlm(path, arch=arch, **options)
+    if tokenizer is not None and arch == "gemma3":  # multi-turn sampling refuses its sliding-window layers
+        raise ConfigError("--tools: multi-turn rollouts need full attention in every layer, and Gemma 3 has "
+                          "sliding-window layers; choose --arch qwen2_vl or idefics3 for a vision-language model "
+                          "with tools")
+    return build_tiny_vlm(path, arch=arch, tools=tokenizer is not None, **options)

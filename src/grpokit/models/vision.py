@@ -146,12 +146,14 @@ def freeze_vision_tower(model) -> int:
     return sum(p.numel() for p in tower.parameters())
 
 
-def encode_image_prompt(processor, messages: list[dict], images: list, family: str):
+def encode_image_prompt(processor, messages: list[dict], images: list, family: str, tools: list | None = None):
     """One conversational prompt with its images -> (token ids, `PromptImages`): the chat template renders
-    the placeholders, the processor expands each to its image's tokens and encodes the pixels."""
+    the placeholders (and `tools`' schemas), the processor expands each to its image's tokens and encodes
+    the pixels."""
     from grpokit.models.media import PromptImages
 
-    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **({"tools": tools} if tools else {}))
     if not images:
         return processor.tokenizer(text, add_special_tokens=False)["input_ids"], None
     encoded = processor(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)

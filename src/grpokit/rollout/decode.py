@@ -120,14 +120,15 @@ class _Decoder:
         """Run ids [n, L] (mask [n, past+L], positions [n, L]); return last logits [n, V]."""
         return self.all_logits(ids, mask, positions, keep=1)[:, -1, :]  # [n, V]
 
-    def all_logits(self, ids: Tensor, mask: Tensor, positions: Tensor, keep: int | None = None) -> Tensor:
+    def all_logits(self, ids: Tensor, mask: Tensor, positions: Tensor, keep: int | None = None, images=None
+                   ) -> Tensor:
         """Run ids [n, L] as `__call__` does; return the logits of the last `keep` positions (all L by
-        default) [n, keep, V]."""
+        default) [n, keep, V]. `images`: per row, the images of a tool result in these ids (or None)."""
         kwargs = {self.cache_kwarg: self.cache, "use_cache": True}
         if self.keep_last:
             kwargs["logits_to_keep"] = keep or ids.shape[1]
         if self.media is not None:  # the prefill's pixels; multimodal positions
-            positions, extra = self.media.inputs(self.model, ids, mask, positions)
+            positions, extra = self.media.inputs(self.model, ids, mask, positions, images)
             kwargs.update(extra)
         return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, **kwargs).logits
 

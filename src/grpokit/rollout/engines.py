@@ -39,6 +39,7 @@ from grpokit.rollout.batch import Rollout
 from grpokit.rollout.decode import sample_groups
 from grpokit.rollout.multiturn import ToolStats, sample_conversations
 from grpokit.rollout.tools import ToolBox
+from grpokit.rollout.vision import tool_images_for
 
 
 @dataclass(frozen=True)
@@ -74,9 +75,10 @@ class HFEngine:
     (models/onednn.py): they change the cost, not the distribution."""
 
     def __init__(self, model, tokenizer=None, *, tools: ToolBox | None = None, max_tool_turns: int = 8,
-                 packed_weights: bool = True, **speed):
+                 packed_weights: bool = True, tool_images=None, **speed):
         self.model, self.tokenizer, self.speed, self.packed_weights = model, tokenizer, speed, packed_weights
         self.tools, self.max_tool_turns = tools, max_tool_turns
+        self.tool_images = tool_images  # a vision-language model: rollout.vision.ToolImages renders image results
         self.tool_stats: ToolStats | None = None  # the last batch's, with tools
         self.history = None  # tools.history = "split": this batch's ConversationHistory (rollout/history.py)
 
@@ -91,7 +93,7 @@ class HFEngine:
                     eos_token_ids=list(s.eos_token_ids), pad_token_id=s.pad_token_id, tokenizer=self.tokenizer,
                     tools=self.tools, max_tool_turns=self.max_tool_turns, temperature=s.temperature, top_p=s.top_p,
                     top_k=s.top_k, generator=generator, sampler=self.speed.get("sampler", "inverse_cdf"),
-                    history=self.history)
+                    history=self.history, media=media, render_results=self.tool_images)
                 return rollout
             return sample_groups(
                 self.model, prompt_ids, group_size=group_size, max_new_tokens=s.max_new_tokens,
@@ -109,7 +111,8 @@ def build_engine(config, model, tokenizer, *, tools: ToolBox | None = None) -> R
     if r.engine == "hf":
         return HFEngine(model, tokenizer, tools=tools, max_tool_turns=config.tools.max_calls, sampler=r.sampler,
                         preallocate_kv_cache=r.preallocated_kv_cache, share_prefill=r.shared_prefill,
-                        packed_weights=r.packed_weights)
+                        packed_weights=r.packed_weights,
+                        tool_images=tool_images_for(model, config.model.path) if tools else None)
     from grpokit.rollout.vllm import VLLMEngine  # imports vllm only when asked for
 
     options = {"dtype": config.model.dtype, **r.vllm}

@@ -39,10 +39,13 @@ import asyncio
 import inspect
 from typing import Callable, Mapping, Sequence
 
+import torch
+
 from grpokit.data.prompts import render_prompt
 from grpokit.errors import EnvironmentFault, RewardTimeoutError
 from grpokit.rewards.core import RewardSpec
-from grpokit.rollout.tools import HOOKS, ResultTooLong, ToolBox, as_text, call_within, is_finite_number
+from grpokit.rollout.batch import Turns
+from grpokit.rollout.tools import HOOKS, ResultTooLong, ToolBox, ToolResult, as_text, call_within, is_finite_number
 
 
 def _public_methods(cls) -> list[str]:
@@ -317,3 +320,45 @@ def _hook(env, name: str, timeout_s: float):
     except BaseException as e:  # noqa: BLE001 - the user's code (even SystemExit): one line naming it
         raise EnvironmentFault(f"environment {type(env).__name__}: {name} raised {type(e).__name__}: {e}; fix the "
                                "environment") from None
+
+
+class TurnLog:
+    """Per answer: the turn of each completion token, each turn's step reward (its tools' `WithReward`
+    rewards plus its environment's `get_turn_reward()`, read once its calls ran; None when neither
+    reported one) and the state it started from (the environment's `get_state()` after `reset` and after
+    each turn, as an id: equal states, equal ids)."""
+
+    def __init__(self, boxes: list[ToolBox]):
+        self.boxes = boxes
+        self.token_turn: list[list[int]] = [[] for _ in boxes]
+        self.rewards: list[list[float | None]] = [[] for _ in boxes]
+        self.ids: dict = {}
+        self.states: list[list[int]] = [[] for _ in boxes]
+        for i in range(len(boxes)):
+            self.starts(i)
+
+    def _env(self, i: int):
+        return getattr(self.boxes[i], "environment", None)
+
+    def ran(self, i: int, results: list[ToolResult]) -> None:
+        own = [r.reward for r in results if r.reward is not None]
+        env = turn_reward(self._env(i), self.boxes[i].timeout_s)
+        parts = own + ([] if env is None else [env])
+        self.rewards[i].append(sum(parts) if parts else None)
+
+    def starts(self, i: int) -> None:
+        key = state_key(self._env(i), self.boxes[i].timeout_s)
+        self.states[i].append(-1 if key is None else self.ids.setdefault(key, len(self.ids)))
+
+    def tensors(self, counts: list[int], T: int, device) -> Turns:
+        K = max(counts)
+        token_turn = torch.full((len(counts), T), -1, dtype=torch.long)  # [N, T]
+        rewards = torch.full((len(counts), K), float("nan"))  # [N, K]
+        states = torch.full((len(counts), K), -1, dtype=torch.long)  # [N, K]
+        for i, n in enumerate(counts):
+            token_turn[i, :len(self.token_turn[i])] = torch.tensor(self.token_turn[i], dtype=torch.long)
+            rewards[i, :n] = torch.tensor([float("nan") if r is None else r for r in self.rewards[i][:n]] +
+                                          [float("nan")] * (n - len(self.rewards[i][:n])))
+            states[i, :n] = torch.tensor(self.states[i][:n], dtype=torch.long)
+        return Turns(token_turn.to(device), rewards.to(device), states.to(device),
+                     torch.tensor(counts, dtype=torch.long, device=device))

@@ -45,12 +45,14 @@ import torch
 from torch import Tensor
 
 from grpokit.models.forward import position_ids_from_mask
-from grpokit.rollout.batch import Forks, Rollout, Turns, left_pad, rollout_from_tokens
+from grpokit.models.media import PromptImages, RowMedia
+from grpokit.rollout.batch import Forks, Rollout, left_pad, rollout_from_tokens
 from grpokit.rollout.decode import _Decoder
-from grpokit.rollout.environments import state_key, turn_reward
+from grpokit.rollout.environments import TurnLog
 from grpokit.rollout.history import ConversationHistory, assistant_message, continues
 from grpokit.rollout.sampling import sample_tokens
 from grpokit.rollout.tools import ToolBox, ToolCall, ToolResult, call_parser, run_calls, tool_suffix_ids
+from grpokit.rollout.vision import ToolImages, suppressed_tokens
 
 
 @dataclass
@@ -71,7 +73,7 @@ def sample_conversations(
     top_p: float = 1.0, top_k: int = 0, generator: torch.Generator | None = None, sampler: str = "inverse_cdf",
     parse_calls: Callable[..., list[ToolCall]] | None = None,
     render_results: Callable[[list[ToolResult]], list[int]] | None = None,
-    history: ConversationHistory | None = None,
+    history: ConversationHistory | None = None, media: RowMedia | None = None,
 ) -> tuple[Rollout, ToolStats]:
     """Sample `group_size` multi-turn answers per prompt; see the module docstring. `tools` is one tool
     box for every answer, or one per answer (N, group by group: environments' own methods).
@@ -79,8 +81,17 @@ def sample_conversations(
     `parse_calls(text, prefix=..., tools=...)` (text of one turn with its special tokens, the
     conversation before it, the tools' schemas -> calls; default: `tools.call_parser`) and
     `render_results` (results -> suffix token ids, default: the chat template) are the model-format hooks;
-    `history` (one entry per answer) renders whole conversations instead, forking where they are rewritten."""
+    `history` (one entry per answer) renders whole conversations instead, forking where they are rewritten.
+
+    A vision-language model (rollout/vision.py): `media` (one row per prompt) holds the prompts' images, and a
+    `render_results` of `vision.ToolImages` shows the model the images tool results hold (without it a result
+    with images is a failed call: the model reads text only)."""
     render = render_results or (lambda results: tool_suffix_ids(tokenizer, results))
+    if media is None and isinstance(render, ToolImages):  # a vision-language model with text prompts
+        media = RowMedia(render.family, (None,) * len(prompt_ids), render.image_token_id)
+    if media is not None and history is not None:
+        raise ValueError("tools.history = \"split\" re-renders conversations, which cannot carry images yet; use "
+                         "tools.history = \"append\" with image rows or image results")
     device = model.device
     eos = torch.as_tensor(list(eos_token_ids), dtype=torch.long, device=device)
     if not eos.numel():
@@ -88,14 +99,21 @@ def sample_conversations(
     was_training = model.training
     model.eval()
     sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, sampler=sampler)
+    if media is not None:
+        sampling["suppress"] = suppressed_tokens(model, device)  # image placeholders: never drawn
     try:
         with torch.inference_mode():
             answers = _loop(model, prompt_ids, group_size, max_new_tokens, eos, pad_token_id, tokenizer, tools,
-                            max_tool_turns, sampling, parse_calls, render, history)
+                            max_tool_turns, sampling, parse_calls, render, history, media)
     finally:
         model.train(was_training)
     # built outside inference mode: the trainer indexes its differentiable log-probs with these tensors
-    return answers.rollout(prompt_ids, group_size, pad_token_id, model.device), answers.stats
+    rollout = answers.rollout(prompt_ids, group_size, pad_token_id, model.device)
+    rows = () if media is None else tuple(PromptImages.join([media.rows[i // group_size], *answers.images[i]])
+                                          for i in range(len(answers.images)))
+    if any(r is not None for r in rows):  # each answer's images: its prompt's, then its tool results'
+        rollout = dataclasses.replace(rollout, media=RowMedia(media.family, rows, media.image_token_id))
+    return rollout, answers.stats
 
 
 class _Answers:
@@ -114,7 +132,7 @@ class _Answers:
         self.stats = ToolStats([0] * N, [0] * N, [1] * N, [[] for _ in range(N)])
         self.budget, self.tokenizer, self.tools, self.max_tool_turns = budget, tokenizer, tools, max_tool_turns
         self.parse_calls, self.render = parse_calls or call_parser(tokenizer), render
-        self.turns = _TurnLog([self._box(i) for i in range(N)])
+        self.turns = TurnLog([self._box(i) for i in range(N)])
         # tools.history = "split": each answer's current training row (its prompt, where it starts in tokens[i]),
         # the rows begun so far (start, prompt), the messages the template renders, the rows just forked
         self.history = history
@@ -123,6 +141,8 @@ class _Answers:
         self.forks: list[list[tuple[int, list[int]]]] = [[] for _ in range(N)]
         self.messages: list[list[dict]] = [[] for _ in range(N)]
         self.fresh: set[int] = set()
+        self.images: list[list[PromptImages]] = [[] for _ in range(N)]  # the images of each answer's tool results
+        self.feed_images: dict[int, PromptImages] = {}  # answer -> the images of the result it feeds next
 
     def used(self, i: int) -> int:
         """Answer i's share of the budget: its current row's completion and what its prompt adds to the first."""
@@ -169,11 +189,13 @@ class _Answers:
         t0 = time.perf_counter()
         per_answer = run_calls([[(box, c) for c in calls] for box, (_, calls) in zip(boxes, waiting)])
         self.stats.seconds += time.perf_counter() - t0
+        if not isinstance(self.render, ToolImages):  # a text model: a result with images is a failed call
+            per_answer = [[r.text_only() for r in results] for results in per_answer]
         suffixes = []
         for box, (i, calls), results in zip(boxes, waiting, per_answer):
             self.turns.ran(i, results)  # the turn's calls took effect: its step reward
             messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
-            suffix, fork = self._next_context(i, results, messages)
+            suffix, fork, images = self._next_context(i, results, messages)
             self.stats.calls[i] += len(calls)
             self.stats.failures[i] += sum(r.failed for r in results)
             self.stats.per_tool.update(r.name if r.name in box.functions else "unknown" for r in results)
@@ -187,6 +209,9 @@ class _Answers:
                 self.contexts[i], self.row_start[i] = suffix, len(self.tokens[i])
                 self.fresh.add(i)
             else:
+                if images is not None:
+                    self.images[i].append(images)
+                    self.feed_images[i] = images
                 self.tokens[i] += suffix
                 self.logps[i] += [0.0] * len(suffix)
                 self.is_tool[i] += [1] * len(suffix)
@@ -197,19 +222,23 @@ class _Answers:
             suffixes.append(suffix)
         return suffixes
 
-    def _next_context(self, i: int, results: list[ToolResult], messages: list[dict]) -> tuple[list[int] | None, bool]:
-        """After answer i's tool results: (the tokens to append, False), or with `history` where the template's
-        rendering does not continue the row (the rendering, True: a fork); (None, _) when that leaves no room
-        within the budget for one more token."""
+    def _next_context(self, i: int, results: list[ToolResult], messages: list[dict]
+                      ) -> tuple[list[int] | None, bool, PromptImages | None]:
+        """After answer i's tool results: (the tokens to append, False, their images), or with `history` where the
+        template's rendering does not continue the row (the rendering, True: a fork); (None, _, _) when that leaves
+        no room within the budget for one more token."""
+        images = None
         if self.history is None:
             suffix, fork = self.render(results), False
+            if isinstance(self.render, ToolImages):
+                suffix, images = suffix
         else:
             self.messages[i] += messages
             rendered, current = self.history.render(i, self.messages[i]), self.context(i)
             fork = not continues(rendered, current)
             suffix = rendered if fork else rendered[len(current):]
         grown = len(suffix) - len(self.prompt_ids[i // self.G]) if fork else self.used(i) + len(suffix)
-        return (suffix if grown < self.budget else None), fork
+        return (suffix if grown < self.budget else None), fork, images
 
     def rollout(self, prompt_ids, G: int, pad_id: int, device) -> Rollout:
         rollout = _to_rollout(prompt_ids, self.tokens, self.logps, self.is_tool, self.truncated, G, pad_id, device)
@@ -219,53 +248,11 @@ class _Answers:
                                                                      device), forks=forks)
 
 
-class _TurnLog:
-    """Per answer: the turn of each completion token, each turn's step reward (its tools' `WithReward`
-    rewards plus its environment's `get_turn_reward()`, read once its calls ran; None when neither
-    reported one) and the state it started from (the environment's `get_state()` after `reset` and after
-    each turn, as an id: equal states, equal ids)."""
-
-    def __init__(self, boxes: list[ToolBox]):
-        self.boxes = boxes
-        self.token_turn: list[list[int]] = [[] for _ in boxes]
-        self.rewards: list[list[float | None]] = [[] for _ in boxes]
-        self.ids: dict = {}
-        self.states: list[list[int]] = [[] for _ in boxes]
-        for i in range(len(boxes)):
-            self.starts(i)
-
-    def _env(self, i: int):
-        return getattr(self.boxes[i], "environment", None)
-
-    def ran(self, i: int, results: list[ToolResult]) -> None:
-        own = [r.reward for r in results if r.reward is not None]
-        env = turn_reward(self._env(i), self.boxes[i].timeout_s)
-        parts = own + ([] if env is None else [env])
-        self.rewards[i].append(sum(parts) if parts else None)
-
-    def starts(self, i: int) -> None:
-        key = state_key(self._env(i), self.boxes[i].timeout_s)
-        self.states[i].append(-1 if key is None else self.ids.setdefault(key, len(self.ids)))
-
-    def tensors(self, counts: list[int], T: int, device) -> Turns:
-        K = max(counts)
-        token_turn = torch.full((len(counts), T), -1, dtype=torch.long)  # [N, T]
-        rewards = torch.full((len(counts), K), float("nan"))  # [N, K]
-        states = torch.full((len(counts), K), -1, dtype=torch.long)  # [N, K]
-        for i, n in enumerate(counts):
-            token_turn[i, :len(self.token_turn[i])] = torch.tensor(self.token_turn[i], dtype=torch.long)
-            rewards[i, :n] = torch.tensor([float("nan") if r is None else r for r in self.rewards[i][:n]] +
-                                          [float("nan")] * (n - len(self.rewards[i][:n])))
-            states[i, :n] = torch.tensor(self.states[i][:n], dtype=torch.long)
-        return Turns(token_turn.to(device), rewards.to(device), states.to(device),
-                     torch.tensor(counts, dtype=torch.long, device=device))
-
-
 def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_turns, sampling, parse_calls,
-          render, history=None):
+          render, history=None, media=None):
     """The decode loop; returns the `_Answers` it wrote."""
     ids, mask = left_pad(prompt_ids, pad_id, model.device)  # [B, P]
-    step = _Decoder(model, capacity=ids.shape[1] + budget)  # grows if holes need more room
+    step = _Decoder(model, capacity=ids.shape[1] + budget, media=media)  # grows if holes need more room
     positions = position_ids_from_mask(mask)  # [B, P]
     logits = step(ids, mask, positions).repeat_interleave(G, 0)  # [N, V]: B prompts prefilled once
     step.repeat_rows(G)
@@ -306,7 +293,8 @@ def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_
             mask[k], next_pos[k] = 0, 0
         answers.fresh.clear()
         mask = _compact(step, mask)
-        logits, mask, next_pos = _feed(step, feed, mask, next_pos, pad_id)
+        images = [answers.feed_images.pop(row, None) for row in active] if answers.feed_images else None
+        logits, mask, next_pos = _feed(step, feed, mask, next_pos, pad_id, images)
     return answers
 
 
@@ -353,9 +341,9 @@ def converse(prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: in
     return answers.rollout(prompt_ids, group_size, pad_token_id, device), answers.stats
 
 
-def _feed(step: _Decoder, feed: list[list[int]], mask: Tensor, next_pos: Tensor, pad_id: int):
-    """Run each row's next tokens (one sampled token, or a tool result) in one forward [n, R];
-    rows shorter than R are padded with masked holes. Returns each row's logits after its last real
+def _feed(step: _Decoder, feed: list[list[int]], mask: Tensor, next_pos: Tensor, pad_id: int, images=None):
+    """Run each row's next tokens (one sampled token, or a tool result, with `images` its images) in one forward
+    [n, R]; rows shorter than R are padded with masked holes. Returns each row's logits after its last real
     token [n, V], the grown mask and the next positions."""
     n, R = len(feed), max(len(f) for f in feed)
     ids = torch.full((n, R), pad_id, dtype=torch.long, device=mask.device)  # [n, R]
@@ -365,7 +353,7 @@ def _feed(step: _Decoder, feed: list[list[int]], mask: Tensor, next_pos: Tensor,
         real[k, :len(f)] = 1
     offsets = (real.cumsum(-1) - 1).clamp(min=0)  # [n, R] holes repeat the last real position
     mask = torch.cat([mask, real], dim=1)  # [n, past+R]
-    logits = step.all_logits(ids, mask, next_pos[:, None] + offsets)  # [n, R, V]
+    logits = step.all_logits(ids, mask, next_pos[:, None] + offsets, images=images)  # [n, R, V]
     last = real.sum(-1) - 1  # [n]
     return logits[torch.arange(n, device=mask.device), last], mask, next_pos + real.sum(-1)
 

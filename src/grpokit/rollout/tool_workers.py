@@ -86,7 +86,7 @@ class ToolHost:
             box = box.rebound([getattr(env, m) for m in dir(type(env)) if not m.startswith("_")
                                and m not in HOOKS and inspect.isfunction(getattr(type(env), m))])
         results = [_run_one(box, ToolCall(*call)) for call in calls]
-        return [(r.name, r.content, r.failed) for r in results]
+        return [(r.name, r.content, r.failed, r.reward, r.parts) for r in results]  # a step reward, images too
 
     def _reward(self, answer: int) -> tuple:
         env = self._built["instances"].get(answer)

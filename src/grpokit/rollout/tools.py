@@ -71,9 +71,30 @@ class ToolCall:
 @dataclass(frozen=True)
 class ToolResult:
     name: str  # the tool's name, or "unknown" when the call named none
-    content: str  # what the model is shown
+    content: str  # what the model is shown (a result with images: its text parts, one per line)
     failed: bool
     reward: float | None = None  # the step reward the tool returned with its result (`WithReward`)
+    parts: tuple = ()  # a result given as content blocks (TRL's multimodal tool responses): ("text", str) and
+    # ("image", PIL image) in order; () for a plain result
+
+    @property
+    def images(self) -> list:
+        return [value for kind, value in self.parts if kind == "image"]
+
+    def message(self) -> dict:
+        """The tool message the chat template renders: content blocks (`{"type": "image"}` placeholders, whose
+        pixels the processor encodes) where the result holds images, else its text."""
+        if not self.images:
+            return {"role": "tool", "name": self.name, "content": self.content}
+        return {"role": "tool", "name": self.name, "content": [
+            {"type": "image"} if kind == "image" else {"type": "text", "text": value} for kind, value in self.parts]}
+
+    def text_only(self) -> "ToolResult":
+        """This result for a model that reads text only: a failed call where it holds images."""
+        if not self.images:
+            return self
+        return ToolResult(self.name, _error(f"the tool returned {len(self.images)} image(s) and this model reads "
+                                            "text only; return text, or train a vision-language model"), True)
 
 
 @dataclass(frozen=True)
@@ -224,7 +245,7 @@ def _run_one(box: ToolBox, call: ToolCall) -> ToolResult:
         return ToolResult(name, _error(f"unknown tool {call.name!r}; the tools are: {', '.join(box.functions)}"), True)
     fn, limit = box.functions[call.name], box.max_result_chars
 
-    def work() -> tuple[bool, str, float | None]:  # shown as text here, within the timeout: an odd result fails
+    def work() -> tuple[bool, str | tuple, float | None]:  # shown as text (or blocks) here, within the timeout
         try:
             value = box._call(fn, call.arguments)
         except BaseException as e:  # noqa: BLE001 - SystemExit, CancelledError...: the model's problem, not the run's
@@ -236,8 +257,11 @@ def _run_one(box: ToolBox, call: ToolCall) -> ToolResult:
                 return False, f"the tool returned the reward {as_text(repr(reward))[:80]} ({type(reward).__name__}); " \
                               "a step reward must be a finite number", None
         try:
+            if is_content_blocks(value):
+                parts = content_parts(value, limit)
+                return True, parts, None if reward is None else float(reward)
             return True, as_text(value, limit), None if reward is None else float(reward)
-        except ResultTooLong as e:
+        except (ResultTooLong, InvalidBlocks) as e:
             return False, str(e), None
         except BaseException as e:  # noqa: BLE001 - a result whose __str__ raises
             return False, f"the result could not be shown as text ({_describe(e)})", None
@@ -248,7 +272,48 @@ def _run_one(box: ToolBox, call: ToolCall) -> ToolResult:
         return ToolResult(name, _error(str(e)), True)
     except ToolExit as e:  # a thread the tool started tried to end the trainer, after the tool itself returned
         return ToolResult(name, _error(_describe(e)), True)
+    if ok and isinstance(content, tuple):  # content blocks
+        text = "\n".join(value for kind, value in content if kind == "text")
+        return ToolResult(name, text, False, reward, content if any(k == "image" for k, _ in content) else ())
     return ToolResult(name, content if ok else _error(content), not ok, reward)
+
+
+class InvalidBlocks(ValueError):
+    """A tool's content blocks that are not text and PIL images."""
+
+
+def is_content_blocks(value: Any) -> bool:
+    """A result given as TRL's content blocks: a non-empty list of dicts, each with a "type"."""
+    return type(value) is list and bool(value) and all(type(p) is dict and "type" in p for p in value)
+
+
+def content_parts(blocks: list[dict], limit: int = 0) -> tuple:
+    """Content blocks -> (("text", str) | ("image", PIL image), ...): `{"type": "text", "text": str}` and
+    `{"type": "image", "image": PIL.Image}` (TRL's form). InvalidBlocks names the first block that is neither;
+    ResultTooLong when the text parts together pass `limit` characters."""
+    from PIL import Image
+
+    parts, chars = [], 0
+    for k, block in enumerate(blocks):
+        if block["type"] == "text" and isinstance(block.get("text"), str):
+            text = as_text(block["text"])
+            chars += len(text)
+            parts.append(("text", text))
+        elif block["type"] == "image" and isinstance(block.get("image"), Image.Image):
+            parts.append(("image", block["image"].convert("RGB")))  # the decoded pixels, fixed now
+        elif block["type"] == "image":
+            raise InvalidBlocks(f"content block {k} of the result is an image block whose \"image\" is "
+                                f"{type(block.get('image')).__name__}, not a PIL image; return "
+                                "{\"type\": \"image\", \"image\": PIL.Image.open(...)}")
+        else:
+            kind = as_text(str(block["type"]))[:40]
+            raise InvalidBlocks(f"content block {k} of the result is not {{\"type\": \"text\", \"text\": str}} or "
+                                f"{{\"type\": \"image\", \"image\": PIL.Image}} (got type {kind!r} with keys "
+                                f"{sorted(map(str, block))[:5]}); return those blocks, or a string")
+    if limit and chars > limit:
+        raise ResultTooLong(f"the result's text has {chars} characters, more than tools.max_result_chars = {limit}; "
+                            "return less (or raise tools.max_result_chars)")
+    return tuple(parts)
 
 
 def is_finite_number(value: Any) -> bool:

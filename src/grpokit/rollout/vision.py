@@ -17,14 +17,22 @@
   features behind it. The reported log-prob stays that of the unmasked distribution, which is what the
   trainer recomputes, so on-policy the ratio is exactly 1; the draw itself is from the distribution
   renormalised without them, which differs from it by at most the placeholders' probability mass.
+- **Images in tool results** (multi-turn, rollout/multiturn.py): a result given as content blocks with
+  images (TRL's form) is rendered by the processor (`ToolImages`: the template's placeholders expanded
+  to the images' tokens, the pixels encoded) and fed into the same KV cache as any result; that step's
+  forward carries those rows' pixels, and for Qwen2-VL the result's own 3-D positions (its
+  `get_rope_index`, shifted to where the row stands), the row's offset growing by the image's. The
+  answer's images (the prompt's, then each result's) travel with it to the trainer (`PromptImages.join`).
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from torch import Tensor
 
-from grpokit.models.media import RowMedia
+from grpokit.models.media import PromptImages, RowMedia
 
 
 def suppressed_tokens(model, device) -> Tensor | None:
@@ -44,9 +52,11 @@ class MediaPrefill:
         self.deltas: Tensor | None = None  # [n, 1] Qwen2-VL's rope deltas of the rows still decoding
         self.prefilled = False
 
-    def inputs(self, model, ids: Tensor, mask: Tensor, positions: Tensor) -> tuple[Tensor, dict]:
+    def inputs(self, model, ids: Tensor, mask: Tensor, positions: Tensor,
+               images: Sequence[PromptImages | None] | None = None) -> tuple[Tensor, dict]:
         """The positions and extra keyword arguments of a model call on ids [n, L] (mask [n, past+L],
-        text positions [n, L])."""
+        text positions [n, L]); `images` (after the prefill, one per row or None): tool results' images in
+        these ids, each row's real tokens first and masked holes after."""
         if not self.prefilled:
             if len(self.media) != ids.shape[0]:
                 raise ValueError(f"media has {len(self.media)} rows for a prefill of {ids.shape[0]} prompts")
@@ -54,9 +64,29 @@ class MediaPrefill:
             extra = self.media.model_inputs(ids)
             positions, self.deltas = self.media.position_ids(model, ids, mask, extra)  # [3, n, L] or [n, L]
             return positions, extra
+        extra = {}
+        if images is not None and any(r is not None for r in images):
+            extra = RowMedia(self.media.family, tuple(images), self.media.image_token_id).model_inputs(ids)
         if self.deltas is None:
-            return positions, {}
-        return (positions + self.deltas).unsqueeze(0).expand(3, -1, -1), {}  # [3, n, L]
+            return positions, extra
+        grid = (positions + self.deltas).unsqueeze(0).repeat(3, 1, 1)  # [3, n, L]
+        for k, r in enumerate(images or ()):
+            if r is not None:
+                grid[:, k] = self._result_positions(model, ids[k], mask[k, -ids.shape[1]:], grid[0, k, 0], r, k)
+        return grid, extra
+
+    def _result_positions(self, model, ids: Tensor, real: Tensor, start: Tensor, images: PromptImages, k: int
+                          ) -> Tensor:
+        """Row k's 3-D positions [3, L] for a fed tool result with images (ids [L], real [L]: 1 on its tokens,
+        holes after), from `start` (where its first token sits); its offset grows by the result's own."""
+        count = int(real.sum())
+        one = ids[None, :count]  # [1, r]
+        local, delta = model.base_model.get_rope_index(
+            one, mm_token_type_ids=(one == self.media.image_token_id).long(),
+            image_grid_thw=images.tensors["image_grid_thw"].to(ids.device), attention_mask=torch.ones_like(one))
+        positions = local[:, 0] + start  # [3, r]
+        self.deltas[k] += delta[0].to(self.deltas.dtype)
+        return torch.cat([positions, positions[:, -1:].expand(-1, ids.shape[0] - count)], dim=1)  # holes: the last
 
     def repeat_rows(self, repeats: int) -> None:
         if self.deltas is not None:
@@ -65,3 +95,50 @@ class MediaPrefill:
     def select_rows(self, rows: Tensor) -> None:
         if self.deltas is not None:
             self.deltas = self.deltas[rows]
+
+
+def tool_images_for(model, path: str) -> "ToolImages | None":
+    """The renderer of tool results with images for a vision-language policy (its processor read from `path`,
+    the model's folder); None for a text model, whose image results are failed calls."""
+    from grpokit.models.vision import has_vision_tower, load_processor, vision_family
+
+    config = model.config
+    if not has_vision_tower(config) or vision_family(config) is None:
+        return None
+    return ToolImages(load_processor(path, config.model_type), vision_family(config), int(config.image_token_id))
+
+
+class ToolImages:
+    """Renders tool results for a vision-language model (the `render_results` hook of multi-turn sampling):
+    results -> (the tokens after the assistant turn, the results' images as one `PromptImages` or None).
+
+    As `tools.tool_suffix_ids`, against a minimal conversation cut after its end of turn, but through the
+    processor: its chat template writes each image block's placeholder, and the processor expands it to the
+    image's tokens and encodes the pixels, as it does a prompt's."""
+
+    def __init__(self, processor, family: str, image_token_id: int):
+        self.processor, self.family, self.image_token_id = processor, family, image_token_id
+
+    def __call__(self, results) -> tuple[list[int], PromptImages | None]:
+        from grpokit.data.images import image_ref
+        from grpokit.rollout.tools import tool_suffix_ids
+
+        tokenizer = self.processor.tokenizer
+        images = [image for r in results for image in r.images]
+        if not images:
+            return tool_suffix_ids(tokenizer, results), None
+        calls = [{"type": "function", "function": {"name": results[0].name, "arguments": {}}}]
+        conversation = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+        render = self.processor.apply_chat_template
+        prefix = render(conversation, tokenize=False, add_generation_prompt=False)
+        full = render(conversation + [r.message() for r in results], tokenize=False, add_generation_prompt=True)
+        cut = prefix.rfind(tokenizer.eos_token) + len(tokenizer.eos_token) if tokenizer.eos_token in prefix else len(
+            prefix)
+        if full[:cut] != prefix[:cut]:
+            raise ValueError("the chat template renders an assistant turn differently once tool messages follow it; "
+                             "tool results with images cannot be appended to the sampled tokens")
+        encoded = self.processor(text=[full[cut:]], images=[images], return_tensors="pt", add_special_tokens=False)
+        encoded_images = PromptImages.from_processor(self.family, encoded)
+        refs = tuple(image_ref(image) for image in images)
+        return encoded["input_ids"][0].tolist(), PromptImages(encoded_images.tensors, encoded_images.num_images,
+                                                               encoded_images.digest, refs)

@@ -3,7 +3,8 @@
 A visual task for vision-language models that a CPU can learn: the image is drawn locally with
 Pillow (nothing is downloaded), `image_size` pixels square, on a `grid` x `grid` board with one
 shape at most per cell; 1 .. `max_count` shapes have the asked colour and up to `max_count` have
-others. The prompt is conversational (one user turn; the image goes before its text as TRL's
+others. `asked` names the colours a question may ask about (all four by default; the others
+still appear as distractors). The prompt is conversational (one user turn; the image goes before its text as TRL's
 `prepare_multimodal_messages` puts it), the image is the row's `image` column, and the verifier
 is an exact match of the stripped completion with the count: 1.0 or 0.0.
 
@@ -43,6 +44,7 @@ class ShapeCountTask:
     grid: int = 3
     image_size: int = 32
     eval_fraction: float = 0.1
+    asked: tuple[str, ...] = tuple(sorted(COLORS))  # the colours questions ask about; all appear in the images
     name: ClassVar[str] = "shapes"
 
     def __post_init__(self):
@@ -54,9 +56,14 @@ class ShapeCountTask:
             raise ValueError(f"shapes: max_count = {self.max_count} needs {2 * self.max_count} cells, the "
                              f"{self.grid}x{self.grid} grid has {self.grid * self.grid}; raise grid or lower max_count")
         check_split("eval", self.eval_fraction)
+        asked = (self.asked,) if isinstance(self.asked, str) else self.asked
+        if not isinstance(asked, (list, tuple)) or not asked or any(c not in COLORS for c in asked):
+            raise ValueError(f"shapes: asked must be a non-empty list of colours among {', '.join(sorted(COLORS))}, "
+                             f"got {self.asked!r}")
+        object.__setattr__(self, "asked", tuple(sorted(set(asked))))  # a TOML list arrives as a list
 
     def _scene(self, rng: random.Random) -> tuple[str, dict]:
-        color = rng.choice(sorted(COLORS))
+        color = rng.choice(self.asked)
         count, others = rng.randint(1, self.max_count), rng.randint(0, self.max_count)
         cells = rng.sample([(r, c) for r in range(self.grid) for c in range(self.grid)], count + others)
         other_colors = [c for c in sorted(COLORS) if c != color]

@@ -34,6 +34,7 @@ from grpokit.rollout.environments import Environments
 from grpokit.rollout.grading import grade
 from grpokit.rollout.multiturn import sample_conversations
 from grpokit.rollout.tools import ToolBox
+from grpokit.rollout.vision import tool_images_for
 from grpokit.training.checkpoint import BEST_FILE
 from grpokit.training.setup import PromptTable, eval_max_new_tokens
 from grpokit.training.split_rows import conversation_history
@@ -48,7 +49,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def _grade(model, tokenizer, prompt_ids, rows, specs, *, group_size, temperature, max_new_tokens, generator,
            batch_prompts, stop_strings, prompt_column, tools, max_tool_turns, eos_token_ids, top_p, top_k,
-           environments=None, history="append", media=None):
+           environments=None, history="append", media=None, tool_images=None):
     """Total rewards [num_prompts, group_size] of `group_size` sampled answers per prompt, and with
     tools the calls and failed calls of every answer ([num_prompts * group_size] each). With
     `environments`, each answer gets its own instance, reset with its row, as in training."""
@@ -66,7 +67,9 @@ def _grade(model, tokenizer, prompt_ids, rows, specs, *, group_size, temperature
                 conversation_history(tokenizer, batch_rows, group_size, tools, environments)
             rollout, stats = sample_conversations(model, batch_ids, eos_token_ids=eos_token_ids, tools=boxes,
                                                   max_tool_turns=max_tool_turns, history=rendered,
-                                                  **{**common, "group_size": G})
+                                                  media=None if media is None else
+                                                  media.select(slice(start, start + batch_prompts)),
+                                                  render_results=tool_images, **{**common, "group_size": G})
             conversations = stats.conversations
             calls += stats.calls
             failures += stats.failures
@@ -110,6 +113,7 @@ def evaluate(
     environments: Environments | None = None,
     history: str = "append",
     media: RowMedia | None = None,
+    tool_images=None,
 ) -> dict:
     """Metrics over `rows` (with their tokenized prompts): an answer is correct when its
     total reward reaches `correct_threshold`. With `tools` (the prompts rendered with their
@@ -120,14 +124,15 @@ def evaluate(
     With `environments` (and `tools`, their tool box) each answer runs in its own instance, as in training;
     `history = "split"` (tools.history) samples each turn from the conversation as the template renders it.
     `media` (`models.media.RowMedia`, one row per prompt of `rows`, or `training.vision_setup.PromptMedia`, which
-    encodes each batch's rows when it is sampled): a vision-language model's images."""
+    encodes each batch's rows when it is sampled): a vision-language model's images; `tool_images`
+    (`rollout.vision.ToolImages`) shows it the images its tools return."""
     model.eval()
     generator = torch.Generator(device=model.device).manual_seed(seed)
     eos = list(eos_token_ids) if eos_token_ids is not None else [tokenizer.eos_token_id]
     common = dict(max_new_tokens=max_new_tokens, generator=generator, batch_prompts=batch_prompts,
                   stop_strings=stop_strings, prompt_column=prompt_column, tools=tools,
                   max_tool_turns=max_tool_turns, eos_token_ids=eos, top_k=top_k, environments=environments,
-                  history=history, media=media)
+                  history=history, media=media, tool_images=tool_images)
     with full_params_for_generation(model):  # FSDP: gathered once, each process decodes its own share
         sampled, calls, failures = _grade(model, tokenizer, prompt_ids, rows, specs, group_size=samples_per_prompt,
                                           temperature=temperature, top_p=top_p, **common)  # [P, k]
@@ -191,7 +196,8 @@ class HeldOut:
                         greedy=e.greedy, seed=e.seed, stop_strings=self.config.rollout.stop_strings,
                         tools=self.tools, max_tool_turns=self.config.tools.max_calls,
                         eos_token_ids=self.prompts.eos_token_ids, reduce=global_sum, environments=self.environments,
-                        history=self.config.tools.history, media=media)
+                        history=self.config.tools.history, media=media,
+                        tool_images=tool_images_for(model, self.config.model.path) if self.tools else None)
 
 
 class BestCheckpoint:

@@ -91,9 +91,8 @@ def resolve_reward_specs(config: Config, task, functions: Sequence[Callable | st
     (`reward_<i>` without one); callables sharing a name are told apart by their module (`mod_a.score`,
     `mod_b.score`), else numbered (`score`, `score_2`): see `unique_reward_names`.
 
-    `rows`, the training rows, are where the reward specs meet the data: a reward model that cannot read
-    their prompts (chat messages, a tokenizer without a chat template) is refused here, before the policy
-    loads, not at the first step."""
+    `rows`, the training rows: a reward model that cannot read their prompts (chat messages, a tokenizer
+    without a chat template) is refused here, before the policy loads, not at the first step."""
     from grpokit.errors import RewardLoadError
     from grpokit.rewards.core import check_columns, is_conversational
     from grpokit.rewards.registry import reward_entries
@@ -191,8 +190,8 @@ def eval_max_new_tokens(config: Config) -> int:
 
 def prepare_held_out(config: Config, task, tokenizer, max_positions: int | None, tools: ToolBox | None,
                      dist: DistributedContext, rows: Iterable[dict] | None = None,
-                     train_rows: list[dict] | None = None, vision=None,
-                     folder: Path | None = None) -> PromptTable | None:
+                     train_rows: list[dict] | None = None, vision=None, folder: Path | None = None,
+                     environments: bool = False) -> PromptTable | None:
     """The `[eval]` section's prompts, this process's share (every process scores its own; the counts
     are summed): `rows` from Python, else `eval.path`, else the built-in task's eval split; read or
     generated and tokenized before the model loads: a file without the prompt column, or a prompt too
@@ -224,18 +223,19 @@ def prepare_held_out(config: Config, task, tokenizer, max_positions: int | None,
         raise DataError(f"{'eval_rows' if e.path == '' else 'eval.path ' + e.path}: the held-out rows lack the "
                         f"column(s) {missing} the training rows have (the reward functions receive them); add them")
     budget_field = "eval.max_new_tokens" if e.max_new_tokens else "rollout.max_new_tokens"  # the one that applies
-    images = vision_setup.held_out_vision(config, rows, vision, folder, multi_turn=tools is not None) \
+    images = vision_setup.held_out_vision(config, rows, vision, folder, environments=environments) \
         if folder is not None else None
     try:
         table = PromptTable(rows, *vision_setup.tokenize_image_prompts(config, PreparedData(rows, task), images,
-                                                                       tokenizer, budget_field=budget_field)) \
+                                                                       tokenizer, budget_field=budget_field,
+                                                                       tools=tools)) \
             if images else tokenize_prompts(config, PreparedData(rows, task), tokenizer, max_positions, tools,
                                             budget_field=budget_field)
     except DataError as err:  # its message names the row, not the source
         raise DataError(f"eval.path {e.path or '(the task eval split)'}: {err}") from None
     mine = [table.rows[i] for i in range(dist.rank, len(rows), dist.world_size)]
     return PromptTable(mine, [table.ids[i] for i in range(dist.rank, len(rows), dist.world_size)],
-                       table.eos_token_ids, None if images is None else vision_setup.PromptMedia(images, mine))
+                       table.eos_token_ids, None if images is None else vision_setup.PromptMedia(images, mine, tools))
 
 
 @dataclass
@@ -313,7 +313,7 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
     data = prepare_data(config, rows)
     toolbox, environments = resolve_tools(config, tools, environment_factory, data.task)
     vision = vision_setup.check_vision_inputs(config, data, folder,  # images vs the model: before anything loads
-                                              multi_turn=toolbox is not None or environments is not None)
+                                              environments=environments is not None)
     if toolbox is not None:
         try:
             check_full_attention(AutoConfig.from_pretrained(folder))
@@ -338,10 +338,10 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
         vision_setup.context_length(vision.model_config)
     if environments is not None:  # what reset returns is checked against it at each batch
         environments.max_positions = max_positions
-    prompts = PromptTable(data.rows, *vision_setup.tokenize_image_prompts(config, data, vision, tokenizer)) \
+    prompts = PromptTable(data.rows, *vision_setup.tokenize_image_prompts(config, data, vision, tokenizer, toolbox)) \
         if vision and vision.images else tokenize_prompts(config, data, tokenizer, max_positions, toolbox, environments)
     held_out = prepare_held_out(config, data.task, tokenizer, max_positions, toolbox, dist, eval_rows, data.rows,
-                                vision=vision, folder=folder)
+                                vision=vision, folder=folder, environments=environments is not None)
     folder = dist.run_on_main(prepare_run_folder, config, resume=resume, lock=lock)
     return Inputs(local, data, specs, tokenizer, prompts, folder, resume, toolbox, environments, held_out,
                   reward_pool, notes)

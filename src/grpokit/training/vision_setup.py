@@ -35,6 +35,7 @@ from grpokit.models.vision import (
     save_processor,
     vision_family,
 )
+from grpokit.rollout.tools import ToolBox, check_tool_template
 
 
 @dataclass
@@ -72,9 +73,9 @@ def vision_inputs(folder: Path, rows: Sequence[dict], *, model_path: str, base: 
     return VisionInputs(family, images, model_config, base) if vision else None
 
 
-def check_vision_inputs(config: Config, data, folder: Path, *, multi_turn: bool = False) -> VisionInputs | None:
+def check_vision_inputs(config: Config, data, folder: Path, *, environments: bool = False) -> VisionInputs | None:
     """The checks of a run with a vision-language model or image rows, before any model loads; None for a
-    text model with text rows. `multi_turn`: the run has tools or environments."""
+    text model with text rows. `environments`: the run has them."""
     base = Path(config.data.path).parent if config.data.path and Path(config.data.path).is_file() else None
     vision = vision_inputs(folder, data.rows, model_path=config.model.path, base=base)
     if config.model.train_vision_tower and vision is None:
@@ -85,18 +86,20 @@ def check_vision_inputs(config: Config, data, folder: Path, *, multi_turn: bool 
         raise SetupError("model.train_vision_tower: with model.lora only the language model's adapters train; set "
                          "one of them, not both")
     if vision is not None and vision.images:
-        _refuse_unbuilt(config, multi_turn)
+        _refuse_unbuilt(config, environments)
     return vision
 
 
-def _refuse_unbuilt(config: Config, multi_turn: bool) -> None:
+def _refuse_unbuilt(config: Config, environments: bool) -> None:
     """Options that cannot take image rows yet: one error naming the option, before the model loads."""
-    unbuilt = [("tools", multi_turn, "tool calls and environments (multi-turn rollouts) with images"),
-               ("rollout.engine", config.rollout.engine != "hf", "the vLLM engine with images")]
-    for field, hit, what in unbuilt:
+    unbuilt = [("tools.environment", environments, "environments with image rows (tools with images are built)",
+                "text rows, or tools instead of an environment"),
+               ("tools.history", config.tools.history == "split", "tools.history = \"split\" with images",
+                "tools.history = \"append\""),
+               ("rollout.engine", config.rollout.engine != "hf", "the vLLM engine with images", "the hf engine")]
+    for field, hit, what, fix in unbuilt:
         if hit:
-            raise SetupError(f"{field}: {what} is not built yet; the data has image rows: use the defaults "
-                             f"(the hf engine, no tools) or text rows")
+            raise SetupError(f"{field}: {what} is not built yet; the data has image rows: use {fix}, or text rows")
 
 
 def vision_tokenizer(vision: VisionInputs, path: str):
@@ -122,8 +125,9 @@ def context_length(model_config) -> int | None:
 class PromptMedia:
     """Each row's images, encoded again for the rows of each step: `rows(indices)` -> `RowMedia` [B]."""
 
-    def __init__(self, vision: VisionInputs, rows: Sequence[dict]):
+    def __init__(self, vision: VisionInputs, rows: Sequence[dict], tools: ToolBox | None = None):
         self.vision, self.data = vision, rows
+        self.schemas = tools.schemas if tools else None  # a run with tools: the prompts list them
 
     def encode(self, index: int):
         """Row `index`'s (token ids, PromptImages or None)."""
@@ -131,7 +135,7 @@ class PromptMedia:
         images = row_images(row, index=index, base=v.base)
         messages = with_image_placeholders(row["prompt"], len(images), index=index,
                                            column="images" if "images" in row else "image")
-        ids, encoded = encode_image_prompt(v.processor, messages, images, v.family)
+        ids, encoded = encode_image_prompt(v.processor, messages, images, v.family, tools=self.schemas)
         return ids, None if encoded is None else replace(encoded, sources=image_refs(row, images))
 
     def rows(self, indices: Sequence[int]) -> RowMedia:
@@ -142,12 +146,18 @@ class PromptMedia:
         return self.rows(range(len(self.data))[index])
 
 
-def tokenize_image_prompts(config: Config, data, vision: VisionInputs, tokenizer, *,
+def tokenize_image_prompts(config: Config, data, vision: VisionInputs, tokenizer, tools: ToolBox | None = None, *,
                            budget_field: str = "rollout.max_new_tokens"):
     """The prompt table of image rows (setup's `PromptTable` fields after the rows: ids, EOS ids, media): each
-    prompt rendered by the processor with its images' tokens, checked against the context with
-    `budget_field`'s answer length (an image's tokens count: a large image is named)."""
-    media = PromptMedia(vision, data.rows)
+    prompt rendered by the processor with its images' tokens (and `tools`' schemas, the chat template checked
+    for them first), checked against the context with `budget_field`'s answer length (an image's tokens count:
+    a large image is named)."""
+    if tools:
+        try:
+            check_tool_template(tokenizer, tools, history=config.tools.history)
+        except ValueError as e:
+            raise SetupError(f"tools: {config.model.path}: {e}") from None
+    media = PromptMedia(vision, data.rows, tools)
     limit = context_length(vision.model_config)
     budget = (config.eval.max_new_tokens if budget_field == "eval.max_new_tokens" else 0) \
         or config.rollout.max_new_tokens
@@ -166,7 +176,7 @@ def tokenize_image_prompts(config: Config, data, vision: VisionInputs, tokenizer
 
 
 def held_out_vision(config: Config, rows: Sequence[dict], vision: VisionInputs | None, folder: Path, *,
-                    multi_turn: bool) -> VisionInputs | None:
+                    environments: bool) -> VisionInputs | None:
     """The `[eval]` rows' images checked as the training rows' are (readable, placeholders equal in number, a
     model that reads them; relative paths from `eval.path`'s folder): the inputs to encode them with, or None
     for text rows. Raised before the model loads, naming `eval.path`."""
@@ -178,9 +188,9 @@ def held_out_vision(config: Config, rows: Sequence[dict], vision: VisionInputs |
         raise DataError(f"{source}: {err}") from None
     if found is None or not found.images:
         return None
-    if multi_turn:
-        raise SetupError(f"{source}: the held-out rows have images and the run has tools or environments; "
-                         "multi-turn rollouts with images are not built yet: evaluate on text rows, or without tools")
+    if environments:
+        raise SetupError(f"{source}: the held-out rows have images and the run has environments; environments "
+                         "with image rows are not built yet: evaluate on text rows, or use tools instead")
     return replace(vision, images=True, base=base)
 
 
