@@ -231,3 +231,22 @@ def test_turns_travel_with_their_answers_when_draws_are_filtered_and_joined():
     # the first draw's group has no signal (dynamic sampling drops it): the second's answers keep their turns
     kept = Draw.join([draw(3, 1, 1, signal=False).with_signal(2), draw(5, 2, 2).with_signal(2)], 2, 0, draw(3, 1, 1))
     assert kept.rollout.turns.counts.tolist() == [2, 2] and kept.rollout.turns.states[:, 0].tolist() == [2, 2]
+
+
+def test_a_tool_worker_sends_the_step_reward_back_with_the_result():
+    """tools.isolation = "process": what a worker returns for a call rebuilds the whole `ToolResult`, the
+    `WithReward` step reward included (it was once dropped on the way back, so per-turn credit lost it)."""
+    from grpokit.rollout.tool_workers import ToolHost
+    from grpokit.rollout.tools import ToolResult
+
+    def scored(a: int) -> int:
+        """Score.
+
+        Args:
+            a: a number
+        """
+        return WithReward(a, reward=0.25)
+
+    (reply,) = ToolHost([scored], {}, 5.0, 1000)("call", [(0, [("scored", {"a": 3}, None)])])
+    (result,) = [ToolResult(*r) for r in reply]
+    assert result == ToolResult("scored", "3", False, 0.25)

@@ -169,7 +169,7 @@ def test_the_shared_prompt_forward_equals_every_row_whole_in_values_and_gradient
     shapes task's prompts are one sentence): the same log-probs and parameter gradients as running every row
     whole, and for the families with full attention the shared path ran (Gemma 3's sliding layers: it falls
     back)."""
-    from grpokit.models.vision_forward import _shared_prompt_hidden
+    from grpokit.models.forward import _shared_prompt_hidden
 
     model, processor, ids, media = vlm
     same_text = [ids[0], ids[0]]  # one prompt's ids, two images

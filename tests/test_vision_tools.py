@@ -21,7 +21,8 @@ from grpokit.models.tiny_vision import build_tiny_vlm
 from grpokit.models.vision import encode_image_prompt
 from grpokit.models.vision_forward import vision_completion_logprobs
 from grpokit.rollout.multiturn import sample_conversations
-from grpokit.rollout.tools import ToolBox, ToolCall, ToolResult, content_parts
+from grpokit.rollout.tool_output import content_parts
+from grpokit.rollout.tools import ToolBox, ToolCall, ToolResult
 from grpokit.rollout.vision import ToolImages
 
 

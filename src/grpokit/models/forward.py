@@ -52,17 +52,27 @@ def _full_attention_cache(model):
     return cache, ("cache" if "cache" in params else "past_key_values")
 
 
-def _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask):
+def _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, media=None):
     """The hidden states [N, T, H] that predict each completion token, running each distinct prompt
     once: a [U, P] forward fills a KV cache, whose rows are then repeated (index_select, so the
     gradient of every answer flows back into its prompt) for an [N, T-1] forward over the
-    completions. None when no prompt repeats or the model's cache is not plain full attention."""
+    completions. None when no prompt repeats or the model's cache is not plain full attention.
+
+    With `media` (a vision-language model's `RowMedia`) a prompt is its ids and its images' digest (the
+    same text over other images is another prompt); the [U, P] forward carries the U prompts' pixels
+    and positions (Qwen2-VL's 3-D ones, whose offsets carry the completions' on), so the image encoder
+    runs once per prompt in scoring as in sampling. None where a completion holds image tokens (tool
+    results with images): every row then runs whole."""
     N, P = prompt_ids.shape
     T = completion_ids.shape[1]
-    if N < 2 or P < 1 or T < 1:
+    if N < 2 or P < 1 or T < 1 or (media is not None and bool((completion_ids == media.image_token_id).any())):
         return None
     key = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)  # [N, 2P]
     _, inverse = torch.unique(key, dim=0, return_inverse=True)  # [N] prompt group of each row
+    if media is not None:  # the same text with other images is another prompt
+        groups: dict = {}
+        inverse = torch.tensor([groups.setdefault((int(t), None if r is None else r.digest), len(groups))
+                                for t, r in zip(inverse.tolist(), media.rows)], device=inverse.device)  # [N]
     U = int(inverse.max()) + 1
     if U == N:
         return None
@@ -72,17 +82,24 @@ def _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, comple
     cache, cache_kwarg = found
     first = torch.zeros(U, dtype=torch.long, device=inverse.device).scatter_(
         0, inverse, torch.arange(N, device=inverse.device))  # [U] one row per distinct prompt
-    p_mask = prompt_mask[first]
-    out = model.base_model(input_ids=prompt_ids[first], attention_mask=p_mask,
-                           position_ids=position_ids_from_mask(p_mask), use_cache=True, **{cache_kwarg: cache})
+    ids, p_mask = prompt_ids[first], prompt_mask[first]
+    inputs, positions, deltas = {}, position_ids_from_mask(p_mask), None  # [U, P]
+    if media is not None:  # the U prompts' pixels; Qwen2-VL: positions [3, U, P], offsets [U, 1]
+        inputs = media.select(first).model_inputs(ids)
+        positions, deltas = media.select(first).position_ids(model, ids, p_mask, inputs)
+    out = model.base_model(input_ids=ids, attention_mask=p_mask, position_ids=positions, use_cache=True,
+                           **inputs, **{cache_kwarg: cache})
     last = out.last_hidden_state[:, -1].index_select(0, inverse)  # [N, H] (left padding: the last real token)
     if T == 1:
         return last[:, None]
     for layer in cache.layers:  # [U, h, P, d] -> [N, h, P, d]
         layer.keys, layer.values = layer.keys.index_select(0, inverse), layer.values.index_select(0, inverse)
     mask = torch.cat([prompt_mask, completion_mask[:, : T - 1]], dim=1)  # [N, P+T-1]
-    out = model.base_model(input_ids=completion_ids[:, : T - 1], attention_mask=mask,
-                           position_ids=position_ids_from_mask(mask)[:, P:], use_cache=True, **{cache_kwarg: cache})
+    later = position_ids_from_mask(mask)[:, P:]  # [N, T-1]
+    if deltas is not None:  # a text position p sits at p + the row's offset on all three axes
+        later = (later + deltas.index_select(0, inverse)).unsqueeze(0).expand(3, -1, -1)  # [3, N, T-1]
+    out = model.base_model(input_ids=completion_ids[:, : T - 1], attention_mask=mask, position_ids=later,
+                           use_cache=True, **{cache_kwarg: cache})
     return torch.cat([last[:, None], out.last_hidden_state], dim=1)  # [N, T, H]
 
 
@@ -109,21 +126,21 @@ def completion_logprobs(
     the plain checkpointed path, kept for ablations and tests. `share_prompts` (linear heads): run
     each distinct prompt once and repeat its KV cache over its answers (`train.shared_prompt_forward`;
     False runs every row's prompt, for ablations). `media` (`models.media.RowMedia`): the rows' images, for a
-    vision-language model (`models/vision_forward.py`)."""
-    if media is not None:
+    vision-language model (`models/vision_forward.py`; the shared prompt forward takes them too)."""
+    shared = _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, media) \
+        if share_prompts and linear_head else None
+    if media is not None and shared is None:
         from grpokit.models.vision_forward import vision_completion_logprobs
 
         return vision_completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, media,
                                           temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
-                                          linear_head=linear_head, fused=fused, grad_fn=grad_fn,
-                                          share_prompts=share_prompts)
+                                          linear_head=linear_head, fused=fused, grad_fn=grad_fn)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P+T]
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P+T]
     positions = position_ids_from_mask(attention_mask)
     P, T = prompt_ids.shape[1], completion_ids.shape[1]
     if linear_head:
-        hidden = _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask) \
-            if share_prompts else None
+        hidden = shared
         if hidden is None:
             hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
                                       use_cache=False).last_hidden_state  # [N, P+T, H]

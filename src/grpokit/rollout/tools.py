@@ -35,28 +35,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from grpokit.rollout.exit_guard import ToolExit, guarded
+from grpokit.rollout.tool_output import InvalidBlocks, ResultTooLong, as_text, content_parts, is_content_blocks
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 MAX_ABANDONED = 64  # timed-out calls whose threads still run; past it, calls fail without a new thread
 _abandoned: list[threading.Thread] = []
 HOOKS = ("reset", "get_reward", "get_turn_reward", "get_state")  # an environment's contract methods, never tools
-
-
-class ResultTooLong(ValueError):
-    """A tool's result (or `reset`'s text) past `tools.max_result_chars`."""
-
-
-def as_text(value: Any, limit: int = 0, what: str = "the result") -> str:
-    """`value` as text any tokenizer accepts (`str()` of a non-string, as TRL): lone surrogates (invalid
-    UTF-8) and NUL bytes become U+FFFD. ValueError past `limit` characters (0 = no limit), checked
-    before anything is copied."""
-    text = value if type(value) is str else str(value)
-    if limit and len(text) > limit:
-        raise ResultTooLong(f"{what} has {len(text)} characters, more than tools.max_result_chars = {limit}; "
-                         "return less (or raise tools.max_result_chars)")
-    if not text.isascii():
-        text = text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")  # a lone surrogate -> U+FFFD
-    return text.replace("\x00", "\ufffd")
 
 
 @dataclass(frozen=True)
@@ -276,44 +260,6 @@ def _run_one(box: ToolBox, call: ToolCall) -> ToolResult:
         text = "\n".join(value for kind, value in content if kind == "text")
         return ToolResult(name, text, False, reward, content if any(k == "image" for k, _ in content) else ())
     return ToolResult(name, content if ok else _error(content), not ok, reward)
-
-
-class InvalidBlocks(ValueError):
-    """A tool's content blocks that are not text and PIL images."""
-
-
-def is_content_blocks(value: Any) -> bool:
-    """A result given as TRL's content blocks: a non-empty list of dicts, each with a "type"."""
-    return type(value) is list and bool(value) and all(type(p) is dict and "type" in p for p in value)
-
-
-def content_parts(blocks: list[dict], limit: int = 0) -> tuple:
-    """Content blocks -> (("text", str) | ("image", PIL image), ...): `{"type": "text", "text": str}` and
-    `{"type": "image", "image": PIL.Image}` (TRL's form). InvalidBlocks names the first block that is neither;
-    ResultTooLong when the text parts together pass `limit` characters."""
-    from PIL import Image
-
-    parts, chars = [], 0
-    for k, block in enumerate(blocks):
-        if block["type"] == "text" and isinstance(block.get("text"), str):
-            text = as_text(block["text"])
-            chars += len(text)
-            parts.append(("text", text))
-        elif block["type"] == "image" and isinstance(block.get("image"), Image.Image):
-            parts.append(("image", block["image"].convert("RGB")))  # the decoded pixels, fixed now
-        elif block["type"] == "image":
-            raise InvalidBlocks(f"content block {k} of the result is an image block whose \"image\" is "
-                                f"{type(block.get('image')).__name__}, not a PIL image; return "
-                                "{\"type\": \"image\", \"image\": PIL.Image.open(...)}")
-        else:
-            kind = as_text(str(block["type"]))[:40]
-            raise InvalidBlocks(f"content block {k} of the result is not {{\"type\": \"text\", \"text\": str}} or "
-                                f"{{\"type\": \"image\", \"image\": PIL.Image}} (got type {kind!r} with keys "
-                                f"{sorted(map(str, block))[:5]}); return those blocks, or a string")
-    if limit and chars > limit:
-        raise ResultTooLong(f"the result's text has {chars} characters, more than tools.max_result_chars = {limit}; "
-                            "return less (or raise tools.max_result_chars)")
-    return tuple(parts)
 
 
 def is_finite_number(value: Any) -> bool:
