@@ -6,7 +6,9 @@ Both train the vision demo's base model (`grpokit demo --task vision`: a tiny Qw
 images, 16 image tokens a prompt) on the same 64 `shapes` rows (PIL images, conversational prompts), B = 4
 prompts x G = 8 answers of exactly L = 8 tokens (grpokit `rollout.ignore_eos`, TRL `min_new_tokens`), loss
 `dapo`, beta = 0, mu = 1, lr 1e-5, one torch thread, on the CPU; the reward (distinct characters of the answer)
-never ties, so every step updates. Each system runs 3 times, alternating, each run in its own process. Printed:
+never ties, so every step updates. A third system is grpokit with `train.shared_prompt_forward = false` (every
+answer's prompt and pixels run in the scoring forwards): what sharing the prompt's forward saves. Each system
+runs 3 times, alternating, each run in its own process. Printed:
 seconds per step after one warm-up step (mean of the rest; the median run and the range), the sampling share,
 and the process's peak RSS. Compare figures only from one invocation.
 """
@@ -39,7 +41,7 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_grpokit(model: str) -> dict:
+def run_grpokit(model: str, shared_prompt_forward: bool = True) -> dict:
     from grpokit.config.schema import (
         AlgorithmConfig,
         Config,
@@ -56,12 +58,13 @@ def run_grpokit(model: str) -> dict:
                         data=DataConfig(task="shapes", task_args={"grid": 4}),
                         rollout=RolloutConfig(group_size=G, max_new_tokens=L, ignore_eos=True),
                         algorithm=AlgorithmConfig(loss_type="dapo", beta=0.0),
-                        train=TrainConfig(steps=WARMUP + STEPS, prompts_per_step=B, learning_rate=1e-5, num_threads=1),
+                        train=TrainConfig(steps=WARMUP + STEPS, prompts_per_step=B, learning_rate=1e-5, num_threads=1,
+                                          shared_prompt_forward=shared_prompt_forward),
                         output=OutputConfig(dir=str(Path(tmp) / "run"), console=False, save_every=0))
         run = train(config, rows=rows(), reward_functions=[distinct_characters])
         metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()][WARMUP:]
     step = sum(m["time/step"] for m in metrics) / len(metrics)
-    return {"system": "grpokit", "s_per_step": step,
+    return {"system": "grpokit" if shared_prompt_forward else "grpokit-unshared", "s_per_step": step,
             "rollout_s": sum(m["time/rollout"] for m in metrics) / len(metrics), "peak_rss_mb": peak_rss_mb()}
 
 
@@ -115,7 +118,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         build_tiny_vlm(tmp, arch=MODEL["arch"], hidden_size=MODEL["hidden_size"], num_layers=MODEL["num_layers"])
-        runs: dict[str, list[dict]] = {"grpokit": [], "trl": []}
+        runs: dict[str, list[dict]] = {"grpokit": [], "trl": [], "grpokit-unshared": []}
         for _ in range(ROUNDS):  # alternating, so a change in the others' load falls on both
             for system in runs:
                 out = subprocess.run([sys.executable, __file__, system, tmp], capture_output=True, text=True)
@@ -134,11 +137,15 @@ def main() -> None:
     for r in results:
         print(f"{r['system']:8s} {r['s_per_step']:.3f} s/step ({r['range'][0]:.3f}-{r['range'][1]:.3f}; sampling "
               f"{r['rollout_s']:.3f} s)  peak RSS {r['peak_rss_mb']:.0f} MB")
-    print(f"TRL / grpokit time per step: {results[1]['s_per_step'] / results[0]['s_per_step']:.2f}x")
+    print(f"TRL / grpokit time per step: {results[1]['s_per_step'] / results[0]['s_per_step']:.2f}x; without the "
+          f"shared prompt forward (train.shared_prompt_forward = false) grpokit takes "
+          f"{results[2]['s_per_step'] / results[0]['s_per_step']:.2f}x as long")
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 3:
-        print(json.dumps({"grpokit": run_grpokit, "trl": run_trl}[sys.argv[1]](sys.argv[2])))
+        systems = {"grpokit": run_grpokit, "trl": run_trl,
+                   "grpokit-unshared": lambda model: run_grpokit(model, shared_prompt_forward=False)}
+        print(json.dumps(systems[sys.argv[1]](sys.argv[2])))
     else:
         main()

@@ -165,8 +165,9 @@ class Counter:
 
 
 def test_what_is_not_built_with_images_is_refused(vlm_dirs, tmp_path, no_model_load):
-    """Image rows with an environment, or with tools.history = "split"; and tools whose chat template cannot show
-    them (this VLM's template has no tools): each one error naming the field, before the model loads."""
+    """Image rows with an environment, with tools.history = "split", or with tools on the vLLM engine; and tools
+    whose chat template cannot show them (this VLM's template has no tools): each one error naming the field,
+    before the model loads."""
     import dataclasses
 
     from grpokit.config.schema import ToolsConfig
@@ -177,6 +178,15 @@ def test_what_is_not_built_with_images_is_refused(vlm_dirs, tmp_path, no_model_l
     with pytest.raises(SetupError, match='^tools.history: tools.history = "split" with images is not built yet'):
         train(dataclasses.replace(config, tools=ToolsConfig(history="split")), rows=_rows(), tools=[add],
               reward_functions=[distinct_letters])
+    from types import SimpleNamespace
+
+    from grpokit.training.vision_setup import _refuse_unbuilt  # a config with the vllm engine needs vLLM installed
+
+    on_vllm = SimpleNamespace(tools=SimpleNamespace(history="append"), rollout=SimpleNamespace(engine="vllm"))
+    with pytest.raises(SetupError, match="^rollout.engine: the vLLM engine with images in multi-turn rollouts is "
+                                         "not built yet"):
+        _refuse_unbuilt(on_vllm, environments=False, tools=True)
+    _refuse_unbuilt(on_vllm, environments=False, tools=False)  # single-turn: vLLM takes the images
     with pytest.raises(SetupError, match="^tools: .*the chat template ignores the tools"):
         train(config, rows=_rows(), tools=[add], reward_functions=[distinct_letters])
     assert not (tmp_path / "run").exists()
@@ -331,3 +341,45 @@ def test_grpokit_eval_runs_tools_with_image_rows_and_refuses_gemma3_before_the_w
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: --model {vlm_dirs['gemma3']}: tools: multi-turn rollouts need "
                                                "plain full attention in every layer")
+
+
+def _fake_vllm():
+    """tests/fake_vllm (a CPU stand-in for vLLM's offline API), loaded under its own name."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent / "fake_vllm" / "vllm" / "__init__.py"
+    spec = importlib.util.spec_from_file_location("grpokit_fake_vllm", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3"])
+def test_the_vllm_engine_sends_each_prompts_images_as_multimodal_data(vlm_dirs, tmp_path, arch):
+    """`rollout.engine = "vllm"` with image rows: each request carries its prompt's token ids (placeholders
+    expanded) and its decoded images as `multi_modal_data`; the answers come back with their prompt's images for
+    the trainer, and the weights pushed after each update keep sampler and trainer together (the stand-in encodes
+    the images with the processor, as vLLM's own processor does). Checked on CPU against tests/fake_vllm; the real
+    vLLM path is the GPU check's (scripts/check_vllm_gpu.py)."""
+    from grpokit.rollout.vllm import VLLMEngine
+
+    fake, sent = _fake_vllm(), []
+
+    def engine(config, model, tokenizer):
+        llm = fake.LLM(model=config.model.path, dtype="float32")
+        generate = llm.generate
+        llm.generate = lambda prompts, **kw: sent.extend(prompts) or generate(prompts, **kw)
+        return VLLMEngine(config.model.path, llm=llm, vllm_module=fake, sync_bucket_mb=0.1)
+
+    config = _config(vlm_dirs[arch], tmp_path / "run", output={"completions_every": 1},
+                     algorithm={"is_correction": "token_truncate"})
+    run = train(config, rows=_rows(), reward_functions=[distinct_letters], engine=engine)
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert all(m["sampling/logprob_gap_max"] < 1e-4 for m in metrics)  # the pixels and the new weights reached it
+    assert len(sent) == 4 and all(len(p["multi_modal_data"]["image"]) == 1 for p in sent)
+    colors = [p["multi_modal_data"]["image"][0].getpixel((0, 0)) for p in sent]
+    assert set(colors) <= set(COLORS.values()) and len(set(colors)) > 1  # each prompt its own image
+    records = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert all(len(r["images"]) == 1 for r in records)

@@ -74,6 +74,7 @@ def sft(
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
     until_loss: float | None = None,
+    decay: bool = True,
 ) -> list[float]:
     """Train `model` in place for `steps` AdamW steps (cosine schedule) on pairs drawn by
     `sample_pair(rng)`; returns the loss of every step. A vision-language model's pairs are
@@ -81,7 +82,9 @@ def sft(
 
     `until_loss`: stop early once the mean loss of the last `UNTIL_WINDOW` steps is below it (`steps` is then a
     cap). Some skills arrive abruptly after a plateau whose length varies with the seed (the vision demo's model
-    learns to look at step 500 on one seed, 1100 on another): a fixed step count ends some runs before it."""
+    learns to look at step 500 on one seed, 1100 on another): a fixed step count ends some runs before it.
+    `decay=False` keeps the rate constant after the warm-up (no cosine decay): with `until_loss`, a skill that
+    arrives late still meets the full rate."""
     for name, value in (("steps", steps), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"sft: {name} must be an integer >= 1, got {value!r}")
@@ -100,6 +103,8 @@ def sft(
     def schedule(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / warmup_steps
+        if not decay:
+            return 1.0
         return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup_steps) / max(1, steps - warmup_steps))))
 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

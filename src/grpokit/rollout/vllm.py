@@ -6,6 +6,7 @@ imported only when this engine is built.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from pathlib import Path
@@ -36,8 +37,8 @@ def named_weights_for_sync(model) -> Iterable[tuple[str, Tensor]]:
     (FSDP shards are gathered here, one tensor at a time: every rank must iterate in step)."""
     seen = set()
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if id(t) in seen or "rotary_emb" in name:  # tied weights once; rotary tables are rebuilt by vLLM
-            continue
+        if id(t) in seen or "rotary_emb" in name or name.endswith("inv_freq"):  # tied weights once; rotary tables
+            continue  # (the decoder's, a vision tower's rotary_pos_emb) are rebuilt by vLLM
         seen.add(id(t))
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         yield name, full.detach()
@@ -80,12 +81,16 @@ class VLLMEngine:
 
     # ---- sampling --------------------------------------------------------------------------
 
-    def generate(self, prompt_ids, *, group_size, sampling, generator=None) -> Rollout:
+    def generate(self, prompt_ids, *, group_size, sampling, generator=None, media=None) -> Rollout:
+        """`media` (`models.media.RowMedia`, one row per prompt): the prompts' images, sent as vLLM's multimodal
+        inputs beside the token ids (`_request`); single-turn only."""
         s = sampling
         self._wake()
         seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator, device=generator.device).item()) \
             if generator is not None else None
         if self.tools:
+            if media is not None:
+                raise ValueError("the vLLM engine does not take images in multi-turn rollouts yet")
             device = generator.device if generator is not None else "cpu"
             rollout = self._converse(prompt_ids, group_size, s, seed, device)
             if self.sleep_mode:
@@ -96,22 +101,28 @@ class VLLMEngine:
             stop=list(s.stop_strings) or None, include_stop_str_in_output=True, ignore_eos=s.ignore_eos,
             stop_token_ids=None if s.ignore_eos else list(s.eos_token_ids), logprobs=0, seed=seed,
             skip_special_tokens=False)
-        outputs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompt_ids], sampling_params=params,
-                                    use_tqdm=False, lora_request=self.lora_request)
+        outputs = self.llm.generate([_request(p, None if media is None else media.rows[i])
+                                     for i, p in enumerate(prompt_ids)], sampling_params=params, use_tqdm=False,
+                                    lora_request=self.lora_request)
         completions, logprobs, truncated = [], [], []
         for request in outputs:
             if len(request.outputs) != group_size:
                 raise RuntimeError(f"vLLM returned {len(request.outputs)} answers for a prompt, expected {group_size}")
             for out in request.outputs:
                 ids = list(out.token_ids)[:s.max_new_tokens]
+                placeholder = None if media is None else next(
+                    (k for k, t in enumerate(ids) if t == media.image_token_id), None)
+                if placeholder is not None:  # no image features behind a sampled placeholder: the answer ends there
+                    ids = ids[:placeholder]
                 completions.append(ids)
                 logprobs.append(_sampled_logprobs(out.logprobs, ids))
-                truncated.append(out.finish_reason == "length")
+                truncated.append(out.finish_reason == "length" or placeholder is not None)
         if self.sleep_mode:
             self._sleep()
         device = generator.device if generator is not None else "cpu"
-        return rollout_from_tokens(prompt_ids, completions, logprobs, truncated, group_size=group_size,
-                                   pad_token_id=s.pad_token_id, device=device)
+        rollout = rollout_from_tokens(prompt_ids, completions, logprobs, truncated, group_size=group_size,
+                                      pad_token_id=s.pad_token_id, device=device)
+        return rollout if media is None else dataclasses.replace(rollout, media=media.repeat_interleave(group_size))
 
     def _converse(self, prompt_ids, group_size: int, s, seed: int | None, device) -> Rollout:
         """Multi-turn answers with tool calls (rollout/multiturn.converse): one vLLM request per answer and
@@ -198,6 +209,19 @@ class VLLMEngine:
             return
         self.llm.wake_up(tags=["kv_cache"]) if self.weights_awake else self.llm.wake_up()
         self.asleep = self.weights_awake = False
+
+
+def _request(prompt_ids, images) -> dict:
+    """One vLLM prompt: its token ids, whose image placeholders the processor already expanded (vLLM detects the
+    expanded placeholders and does not expand them again), and, for a prompt with images, the decoded images as
+    its `multi_modal_data`, which vLLM's own processor encodes. vLLM may sample an image placeholder (nothing
+    suppresses it there, unlike the built-in sampler): `generate` ends that answer before it, truncated."""
+    request = {"prompt_token_ids": list(prompt_ids)}
+    if images is not None and images.num_images:
+        if len(images.sources) != images.num_images:
+            raise ValueError("the prompt's decoded images are not kept (PromptImages.sources): vLLM cannot take them")
+        request["multi_modal_data"] = {"image": [ref.image for ref in images.sources]}
+    return request
 
 
 def _lora_request_class(vllm):

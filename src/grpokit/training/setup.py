@@ -313,7 +313,7 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
     data = prepare_data(config, rows)
     toolbox, environments = resolve_tools(config, tools, environment_factory, data.task)
     vision = vision_setup.check_vision_inputs(config, data, folder,  # images vs the model: before anything loads
-                                              environments=environments is not None)
+                                              environments=environments is not None, tools=toolbox is not None)
     if toolbox is not None:
         try:
             check_full_attention(AutoConfig.from_pretrained(folder))

@@ -73,9 +73,10 @@ def vision_inputs(folder: Path, rows: Sequence[dict], *, model_path: str, base: 
     return VisionInputs(family, images, model_config, base) if vision else None
 
 
-def check_vision_inputs(config: Config, data, folder: Path, *, environments: bool = False) -> VisionInputs | None:
+def check_vision_inputs(config: Config, data, folder: Path, *, environments: bool = False,
+                        tools: bool = False) -> VisionInputs | None:
     """The checks of a run with a vision-language model or image rows, before any model loads; None for a
-    text model with text rows. `environments`: the run has them."""
+    text model with text rows. `environments`, `tools`: the run has them."""
     base = Path(config.data.path).parent if config.data.path and Path(config.data.path).is_file() else None
     vision = vision_inputs(folder, data.rows, model_path=config.model.path, base=base)
     if config.model.train_vision_tower and vision is None:
@@ -86,17 +87,18 @@ def check_vision_inputs(config: Config, data, folder: Path, *, environments: boo
         raise SetupError("model.train_vision_tower: with model.lora only the language model's adapters train; set "
                          "one of them, not both")
     if vision is not None and vision.images:
-        _refuse_unbuilt(config, environments)
+        _refuse_unbuilt(config, environments, tools)
     return vision
 
 
-def _refuse_unbuilt(config: Config, environments: bool) -> None:
+def _refuse_unbuilt(config: Config, environments: bool, tools: bool) -> None:
     """Options that cannot take image rows yet: one error naming the option, before the model loads."""
     unbuilt = [("tools.environment", environments, "environments with image rows (tools with images are built)",
                 "text rows, or tools instead of an environment"),
                ("tools.history", config.tools.history == "split", "tools.history = \"split\" with images",
                 "tools.history = \"append\""),
-               ("rollout.engine", config.rollout.engine != "hf", "the vLLM engine with images", "the hf engine")]
+               ("rollout.engine", config.rollout.engine != "hf" and tools, "the vLLM engine with images in "
+                "multi-turn rollouts", "the hf engine")]
     for field, hit, what, fix in unbuilt:
         if hit:
             raise SetupError(f"{field}: {what} is not built yet; the data has image rows: use {fix}, or text rows")

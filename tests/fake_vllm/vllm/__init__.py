@@ -39,10 +39,20 @@ class _Loadable:
 
 
 class LLM:
-    def __init__(self, model: str, dtype: str = "bfloat16", seed: int = 0, enable_lora: bool = False, **kwargs):
-        from transformers import AutoModelForCausalLM
+    """A vision-language folder loads as image-text-to-text with its processor: a request's `multi_modal_data`
+    images are encoded by the processor's image processor, and its token ids (placeholders already expanded,
+    as grpokit sends them and vLLM detects) are sampled with those pixels."""
 
-        self.hf = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
+    def __init__(self, model: str, dtype: str = "bfloat16", seed: int = 0, enable_lora: bool = False, **kwargs):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+        from grpokit.models.vision import has_vision_tower, load_processor, vision_family
+
+        config = AutoConfig.from_pretrained(model)
+        self.family = vision_family(config) if has_vision_tower(config) else None
+        self.processor = load_processor(model) if self.family else None
+        loader = AutoModelForImageTextToText if self.family else AutoModelForCausalLM
+        self.hf = loader.from_pretrained(model, dtype=getattr(torch, dtype))
         runner = SimpleNamespace(model=_Loadable(self.hf))
         self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)),
                                           remove_lora=lambda lora_id: None)
@@ -73,7 +83,7 @@ class LLM:
                 g = torch.Generator().manual_seed(p.seed or 0)
             r = sample_groups(model, [prompt["prompt_token_ids"]], group_size=p.n, max_new_tokens=p.max_tokens,
                               eos_token_ids=p.stop_token_ids, pad_token_id=0, temperature=p.temperature,
-                              top_p=p.top_p, top_k=p.top_k, generator=g)
+                              top_p=p.top_p, top_k=p.top_k, generator=g, media=self._media(prompt))
             answers = []
             for j in range(p.n):
                 ids = r.completion_ids[j, :int(r.completion_mask[j].sum())].tolist()
@@ -82,6 +92,20 @@ class LLM:
                                                finish_reason="length" if bool(r.truncated[j]) else "stop"))
             out.append(SimpleNamespace(outputs=answers, prompt_token_ids=prompt["prompt_token_ids"]))
         return out
+
+    def _media(self, prompt):
+        """The request's images as the sampler takes them (None without any)."""
+        images = (prompt.get("multi_modal_data") or {}).get("image")
+        if images is None:
+            return None
+        if self.family is None:
+            raise ValueError("multi_modal_data for a text-only model")
+        from grpokit.models.media import PromptImages, RowMedia
+
+        encoded = self.processor.image_processor(images=[images] if self.family == "idefics3" else images,
+                                                 return_tensors="pt")
+        return RowMedia(self.family, (PromptImages.from_processor(self.family, encoded),),
+                        int(self.hf.config.image_token_id))
 
     def reset_prefix_cache(self):
         pass
