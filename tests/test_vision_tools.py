@@ -191,3 +191,17 @@ def test_a_vlm_trains_with_a_tool_that_returns_images(tmp_path, monkeypatch, arc
     assert max(counts) >= 1 + prompt_images  # the prompt's image (where given) and at least one result's
     thumbnails = {p.stem for p in (run / "images").glob("*.png")}
     assert {i["sha256"] for r in records for i in r.get("images") or []} <= thumbnails
+
+
+def test_a_template_that_drops_image_blocks_in_tool_messages_is_refused_at_start_up():
+    """`ToolImages.check` (run where the renderer is built): a chat template that renders a tool message's content
+    as plain text (the text tool template, which writes a list's repr) is one SetupError naming the fix."""
+    from grpokit.errors import SetupError
+    from grpokit.models.tiny import TOOL_CHAT_TEMPLATE
+
+    model, processor = build_tiny_vlm(None, arch="qwen2_vl", hidden_size=32, num_layers=1, seed=0, tools=True)
+    ToolImages(processor, "qwen2_vl", int(model.config.image_token_id)).check()  # its own template shows them
+    processor.chat_template = TOOL_CHAT_TEMPLATE
+    with pytest.raises(SetupError, match="^tools: the chat template (cannot render a tool result with an image|"
+                                         "drops the image blocks)"):
+        ToolImages(processor, "qwen2_vl", int(model.config.image_token_id)).check()

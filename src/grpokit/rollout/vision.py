@@ -105,7 +105,9 @@ def tool_images_for(model, path: str) -> "ToolImages | None":
     config = model.config
     if not has_vision_tower(config) or vision_family(config) is None:
         return None
-    return ToolImages(load_processor(path, config.model_type), vision_family(config), int(config.image_token_id))
+    render = ToolImages(load_processor(path, config.model_type), vision_family(config), int(config.image_token_id))
+    render.check()
+    return render
 
 
 class ToolImages:
@@ -118,6 +120,26 @@ class ToolImages:
 
     def __init__(self, processor, family: str, image_token_id: int):
         self.processor, self.family, self.image_token_id = processor, family, image_token_id
+
+    def check(self) -> None:
+        """At start-up: the chat template shows a tool message's image block (one image in, that image's tokens
+        out); else SetupError naming the fix, rather than a failure at the first image result."""
+        from PIL import Image
+
+        from grpokit.errors import SetupError
+        from grpokit.rollout.tools import ToolResult
+
+        probe = ToolResult("probe", "x", False, None, (("text", "x"), ("image", Image.new("RGB", (32, 32)))))
+        try:
+            ids, images = self([probe])
+        except Exception as e:  # noqa: BLE001 - jinja and the processors raise many types
+            raise SetupError(f"tools: the chat template cannot render a tool result with an image "
+                             f"({type(e).__name__}: {e}); use a template whose tool messages take content "
+                             "blocks, or tools that return text") from None
+        if images is None or images.num_images != 1 or self.image_token_id not in ids:
+            raise SetupError("tools: the chat template drops the image blocks of tool messages, so a tool's images "
+                             "would never reach the model; use a template that renders {\"type\": \"image\"} in "
+                             "tool messages, or tools that return text")
 
     def __call__(self, results) -> tuple[list[int], PromptImages | None]:
         from grpokit.data.images import image_ref
