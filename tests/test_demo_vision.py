@@ -69,3 +69,21 @@ def test_demo_vision_quick_runs_the_whole_pipeline(tmp_path):
     assert completions and all(len(row["images"]) == 1 for row in completions)
     assert {p.stem for p in (run / "images").iterdir()} == {row["images"][0]["sha256"] for row in completions}
     assert "before GRPO" in r.stdout and "after GRPO" in r.stdout and "entropy per step" in r.stdout
+
+
+def test_sft_until_loss_stops_early_and_is_checked():
+    """`until_loss`: the steps are a cap once the mean loss of the last 20 steps is below it; a bad value is
+    named before any step runs."""
+    import pytest
+
+    torch.manual_seed(0)
+    model, processor = build_tiny_vlm(None, arch="qwen2_vl", hidden_size=32, num_layers=1, seed=0)
+    rows = _rows()
+    sample = noisy_count_sampler(rows, encoded_rows(processor, model.config, rows), wrong_fraction=0.0, max_count=3)
+    losses = sft(model, processor.tokenizer, sample, steps=400, batch_size=12, learning_rate=1e-2, warmup_steps=5,
+                 until_loss=0.3, decay=False)
+    assert 20 <= len(losses) < 400 and sum(losses[-20:]) / 20 < 0.3
+    for bad in (0, -1.0, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match="until_loss must be a finite number > 0"):
+            sft(model, processor.tokenizer, sample, steps=1, until_loss=bad)
+

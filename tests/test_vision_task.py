@@ -50,6 +50,19 @@ def test_bad_arguments_are_named():
         get_task("shapes", max_count=5, grid=3)
     with pytest.raises(TaskError, match="image_size must be an integer >= 8"):
         get_task("shapes", image_size=4)
+    for asked in (["pink"], [], [["red"]], "", 3):
+        with pytest.raises(TaskError, match="asked must be a non-empty list of colours among blue, green, red, yellow"):
+            get_task("shapes", asked=asked)
+
+
+def test_asked_colours_are_the_only_questions_and_the_others_stay_as_distractors():
+    rows = get_task("shapes", asked=["red"], grid=4).generate(200, seed=0, split="train")
+    assert {r["prompt"][0]["content"] for r in rows} == {"How many red shapes?"}
+    cells = [cell for r in rows for cell in r["scene"].split(":")[1].split(";")]  # "<row><col><colour><shape>"
+    assert {cell[2] for cell in cells} == {"r", "g", "b", "y"}  # every colour still drawn: the others distract
+    default = get_task("shapes", grid=4).generate(50, seed=0, split="train")
+    assert len({r["prompt"][0]["content"] for r in default}) == 4  # all four colours asked by default
+    assert default == get_task("shapes", grid=4, asked=sorted(COLORS)).generate(50, seed=0, split="train")
 
 
 def test_draw_scene_places_shapes_in_their_cells():

@@ -21,7 +21,7 @@ from grpokit.models.tiny_vision import build_tiny_vlm
 from grpokit.models.vision import encode_image_prompt
 from grpokit.models.vision_forward import vision_completion_logprobs
 from grpokit.rollout.multiturn import sample_conversations
-from grpokit.rollout.tool_output import content_parts
+from grpokit.rollout.tool_output import content_parts, is_content_blocks
 from grpokit.rollout.tools import ToolBox, ToolCall, ToolResult
 from grpokit.rollout.vision import ToolImages
 
@@ -121,14 +121,26 @@ def test_content_blocks_are_read_as_trl_writes_them():
         content_parts([{"type": "text", "text": "a"}, {"type": "image", "image": "a.png"}])
     with pytest.raises(ValueError, match="content block 0 .*got type 'audio' with keys \\['audio', 'type'\\]"):
         content_parts([{"type": "audio", "audio": b""}])
+    assert not is_content_blocks([{"type": "hit", "url": "x"}])  # a list of the tool's own records: shown as text
     with pytest.raises(ValueError, match="max_result_chars = 3"):
         content_parts([{"type": "text", "text": "abcd"}], limit=3)
     result = ToolResult("t", "a", False, None, parts)
     assert result.message()["content"] == [{"type": "text", "text": "a"}, {"type": "image"}]
-    assert result.text_only().failed and not ToolResult("t", "a", False).text_only().failed
+    assert "and why not" in result.unshown("why not").content and not ToolResult("t", "a", False).unshown("x").failed
     box = ToolBox([look])
     (got,) = box.run([ToolCall("look", {"n": 3})])
     assert not got.failed and got.content == "image 3:" and len(got.images) == 1
+
+    def hits(q: str) -> list:
+        """Search.
+
+        Args:
+            q: what
+        """
+        return [{"type": "hit", "title": q}]
+
+    (shown,) = ToolBox([hits]).run([ToolCall("hits", {"q": "a"})])
+    assert not shown.failed and shown.content == "[{'type': 'hit', 'title': 'a'}]" and not shown.parts
 
 
 def _eager_turns(monkeypatch):
@@ -193,15 +205,108 @@ def test_a_vlm_trains_with_a_tool_that_returns_images(tmp_path, monkeypatch, arc
     assert {i["sha256"] for r in records for i in r.get("images") or []} <= thumbnails
 
 
-def test_a_template_that_drops_image_blocks_in_tool_messages_is_refused_at_start_up():
-    """`ToolImages.check` (run where the renderer is built): a chat template that renders a tool message's content
-    as plain text (the text tool template, which writes a list's repr) is one SetupError naming the fix."""
-    from grpokit.errors import SetupError
+def _one_tool(result):
+    def probe(n: int):
+        """Probe.
+
+        Args:
+            n: what
+        """
+        return result
+
+    return ToolBox([probe])
+
+
+def _converse(vlm, box, *, render=None, history=None, with_prompt_images=True):
+    arch, model, processor = vlm
+    tok = processor.tokenizer
+    ids, media = [tok.encode("user: what?\nassistant: ", add_special_tokens=False)] * 2, None
+    if with_prompt_images:
+        ids, images = _prompts(arch, processor)
+        media = RowMedia(arch, tuple(images), int(model.config.image_token_id))
+    digits = [tok.convert_tokens_to_ids(d) for d in "0123456789"]
+    return sample_conversations(  # room for an error's text after the first turn (a character each)
+        model, ids, group_size=2, max_new_tokens=700, eos_token_ids=digits, pad_token_id=tok.pad_token_id,
+        tokenizer=tok, tools=box, max_tool_turns=1,
+        generator=torch.Generator().manual_seed(0), media=media, history=history,
+        parse_calls=lambda text, **_: [ToolCall("probe", {"n": 1})],
+        render_results=render or ToolImages(processor, arch, int(model.config.image_token_id)).check())
+
+
+@pytest.mark.parametrize("size", [(0, 0), (2, 600)])
+def test_an_image_the_processor_refuses_is_a_failed_call_not_a_crash(vlm, size):
+    """A 0x0 image (any family) or one of aspect ratio 300 (Qwen2-VL's processor refuses past 200)."""
+    arch, model, processor = vlm
+    if size == (2, 600) and arch != "qwen2_vl":
+        pytest.skip("Idefics3's processor encodes it")
+    rollout, stats = _converse(vlm, _one_tool([{"type": "image", "image": Image.new("RGB", size)}]))
+    shown = [m["content"] for c in stats.conversations for m in c if m["role"] == "tool"]
+    assert shown and all("the processor could not encode it" in m for m in shown) and sum(stats.failures) == len(shown)
+    assert not ((rollout.completion_ids == int(model.config.image_token_id)) & rollout.completion_mask.bool()).any()
+
+
+def test_the_placeholders_string_in_a_tools_text_is_escaped_not_an_image_token(vlm):
+    """A result whose text holds the image placeholder's own string (`<|image_pad|>`, `<image>`: HTML or SVG can)
+    is shown as text: no image token without pixels behind it, and the trainer's recompute still matches."""
+    arch, model, processor = vlm
+    image_token = int(model.config.image_token_id)
+    text = processor.tokenizer.convert_ids_to_tokens(image_token)
+    rollout, stats = _converse(vlm, _one_tool(f"the page says {text} and {text}"))
+    assert sum(stats.calls) > 0 and sum(stats.failures) == 0
+    in_completions = (rollout.completion_ids == image_token) & rollout.completion_mask.bool()
+    assert not in_completions.any()
+    logp = _recompute(model, rollout)
+    action = rollout.action_mask.bool()
+    torch.testing.assert_close(logp[action], rollout.logprobs[action], atol=1e-5, rtol=0)
+
+
+def test_a_template_without_images_in_tool_messages_runs_text_tools_and_fails_image_results(vlm):
+    """A VLM whose chat template writes a tool message's content as text (many real ones do): `check` does not
+    refuse the run; text results render as ever, and a result with images is a failed call naming the template."""
     from grpokit.models.tiny import TOOL_CHAT_TEMPLATE
 
-    model, processor = build_tiny_vlm(None, arch="qwen2_vl", hidden_size=32, num_layers=1, seed=0, tools=True)
-    ToolImages(processor, "qwen2_vl", int(model.config.image_token_id)).check()  # its own template shows them
+    arch, model, processor = vlm
+    saved = processor.chat_template
     processor.chat_template = TOOL_CHAT_TEMPLATE
-    with pytest.raises(SetupError, match="^tools: the chat template (cannot render a tool result with an image|"
-                                         "drops the image blocks)"):
-        ToolImages(processor, "qwen2_vl", int(model.config.image_token_id)).check()
+    try:
+        render = ToolImages(processor, arch, int(model.config.image_token_id)).check()
+        assert not render.shows_images and "renders no image in a tool message" in render.no_images
+        _, stats = _converse(vlm, _one_tool("42"), render=render, with_prompt_images=False)
+        assert sum(stats.calls) > 0 and sum(stats.failures) == 0
+        _, stats = _converse(vlm, _one_tool(look(1)), render=render, with_prompt_images=False)
+        shown = [m["content"] for c in stats.conversations for m in c if m["role"] == "tool"]
+        assert shown and all("renders no image in a tool message" in m for m in shown)
+    finally:
+        processor.chat_template = saved
+
+
+def test_split_history_with_a_vlm_and_text_prompts_runs_and_fails_image_results(vlm):
+    """tools.history = "split" on a VLM with text rows (it trained before tools could return images): it still
+    samples; a result with images is a failed call saying split does not show them."""
+    from grpokit.training.split_rows import conversation_history
+
+    arch, model, processor = vlm
+    rows = [{"prompt": [{"role": "user", "content": "what?"}]}] * 2
+    for result, failing in (("42", False), (look(1), True)):
+        box = _one_tool(result)
+        history = conversation_history(processor.tokenizer, rows, 2, box, None)
+        _, stats = _converse(vlm, box, history=history, with_prompt_images=False)
+        shown = [m["content"] for c in stats.conversations for m in c if m["role"] == "tool"]
+        assert shown and all(('tools.history = \\"split\\" does not show tool images' in m) == failing for m in shown)
+
+
+def test_idefics3_image_splitting_counts_crops_without_breaking_the_checks():
+    """SmolVLM's processors split an image into crops (its `num_images` counts them): the start-up check still sees
+    the template show tool images, and a prompt with one split image still goes to vLLM as one image."""
+    from grpokit.data.images import image_ref
+    from grpokit.rollout.vllm import _request
+
+    model, processor = build_tiny_vlm(None, arch="idefics3", hidden_size=32, num_layers=1, seed=0, tools=True)
+    processor.image_processor.do_image_splitting, processor.image_processor.size = True, {"longest_edge": 96}
+    assert ToolImages(processor, "idefics3", int(model.config.image_token_id)).check().shows_images
+    image = Image.new("RGB", (300, 200), (1, 2, 3))
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what?"}]}]
+    ids, encoded = encode_image_prompt(processor, messages, [image], "idefics3")
+    assert encoded.num_images > 1  # crops
+    request = _request(ids, dataclasses.replace(encoded, sources=(image_ref(image),)))
+    assert len(request["multi_modal_data"]["image"]) == 1

@@ -88,9 +88,11 @@ def sft(
     for name, value in (("steps", steps), ("batch_size", batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"sft: {name} must be an integer >= 1, got {value!r}")
-    if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) \
-            or not math.isfinite(learning_rate) or not learning_rate > 0:
-        raise ValueError(f"sft: learning_rate must be a finite number > 0, got {learning_rate!r}")
+    for name, value in (("learning_rate", learning_rate), ("until_loss", until_loss)):
+        if (name == "learning_rate" or value is not None) and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or not value > 0):
+            raise ValueError(f"sft: {name} must be a finite number > 0, got {value!r}")
     rng = random.Random(seed)
     torch.manual_seed(seed)
     params = list(model.parameters())

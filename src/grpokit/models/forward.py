@@ -65,6 +65,8 @@ def _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, comple
     results with images): every row then runs whole."""
     N, P = prompt_ids.shape
     T = completion_ids.shape[1]
+    if media is not None and len(media) != N:
+        raise ValueError(f"media has {len(media)} rows for a batch of {N}")
     if N < 2 or P < 1 or T < 1 or (media is not None and bool((completion_ids == media.image_token_id).any())):
         return None
     key = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)  # [N, 2P]

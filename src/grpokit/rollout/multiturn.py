@@ -51,8 +51,14 @@ from grpokit.rollout.decode import _Decoder
 from grpokit.rollout.environments import TurnLog
 from grpokit.rollout.history import ConversationHistory, assistant_message, continues
 from grpokit.rollout.sampling import sample_tokens
+from grpokit.rollout.tool_output import ENGINE_NO_IMAGES, SPLIT_NO_IMAGES, TEXT_NO_IMAGES
 from grpokit.rollout.tools import ToolBox, ToolCall, ToolResult, call_parser, run_calls, tool_suffix_ids
-from grpokit.rollout.vision import ToolImages, suppressed_tokens
+from grpokit.rollout.vision import ToolImages, UnshowableImages, suppressed_tokens
+
+
+def _tool_messages(results: list[ToolResult]) -> list[dict]:
+    """The results as the logged conversation (and a rendered history) holds them: text."""
+    return [{"role": "tool", "name": r.name, "content": r.content} for r in results]
 
 
 @dataclass
@@ -87,11 +93,11 @@ def sample_conversations(
     `render_results` of `vision.ToolImages` shows the model the images tool results hold (without it a result
     with images is a failed call: the model reads text only)."""
     render = render_results or (lambda results: tool_suffix_ids(tokenizer, results))
-    if media is None and isinstance(render, ToolImages):  # a vision-language model with text prompts
-        media = RowMedia(render.family, (None,) * len(prompt_ids), render.image_token_id)
-    if media is not None and history is not None:
+    if history is not None and media is not None and any(r is not None for r in media.rows):
         raise ValueError("tools.history = \"split\" re-renders conversations, which cannot carry images yet; use "
-                         "tools.history = \"append\" with image rows or image results")
+                         "tools.history = \"append\" with image rows")
+    if media is None and history is None and isinstance(render, ToolImages):  # a VLM with text prompts
+        media = RowMedia(render.family, (None,) * len(prompt_ids), render.image_token_id)
     device = model.device
     eos = torch.as_tensor(list(eos_token_ids), dtype=torch.long, device=device)
     if not eos.numel():
@@ -122,7 +128,7 @@ class _Answers:
     share: when a turn's calls run, the budget, what a result that does not fit does."""
 
     def __init__(self, prompt_ids, G: int, budget: int, tokenizer, tools, max_tool_turns: int, parse_calls, render,
-                 history: ConversationHistory | None = None):
+                 history: ConversationHistory | None = None, no_images: str = TEXT_NO_IMAGES):
         N = len(prompt_ids) * G
         self.prompt_ids, self.G = prompt_ids, G
         self.tokens: list[list[int]] = [[] for _ in range(N)]
@@ -143,6 +149,9 @@ class _Answers:
         self.fresh: set[int] = set()
         self.images: list[list[PromptImages]] = [[] for _ in range(N)]  # the images of each answer's tool results
         self.feed_images: dict[int, PromptImages] = {}  # answer -> the images of the result it feeds next
+        # why the results' images cannot be shown (their calls then fail saying so), or None where they are
+        self.no_images = SPLIT_NO_IMAGES if history is not None else render.no_images \
+            if isinstance(render, ToolImages) else no_images
 
     def used(self, i: int) -> int:
         """Answer i's share of the budget: its current row's completion and what its prompt adds to the first."""
@@ -189,13 +198,18 @@ class _Answers:
         t0 = time.perf_counter()
         per_answer = run_calls([[(box, c) for c in calls] for box, (_, calls) in zip(boxes, waiting)])
         self.stats.seconds += time.perf_counter() - t0
-        if not isinstance(self.render, ToolImages):  # a text model: a result with images is a failed call
-            per_answer = [[r.text_only() for r in results] for results in per_answer]
+        if self.no_images:  # images this sampler cannot show: failed calls saying why
+            per_answer = [[r.unshown(self.no_images) for r in results] for results in per_answer]
         suffixes = []
         for box, (i, calls), results in zip(boxes, waiting, per_answer):
+            messages = _tool_messages(results)
+            try:
+                suffix, fork, images = self._next_context(i, results, messages)
+            except UnshowableImages as e:  # the processor refused an image: those results fail instead
+                results = [r.unshown(str(e)) for r in results]
+                messages = _tool_messages(results)
+                suffix, fork, images = self._next_context(i, results, messages)
             self.turns.ran(i, results)  # the turn's calls took effect: its step reward
-            messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
-            suffix, fork, images = self._next_context(i, results, messages)
             self.stats.calls[i] += len(calls)
             self.stats.failures[i] += sum(r.failed for r in results)
             self.stats.per_tool.update(r.name if r.name in box.functions else "unknown" for r in results)
@@ -325,7 +339,7 @@ def converse(prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: in
     render = render_results or (lambda results: tool_suffix_ids(tokenizer, results))
     eos, N = set(eos_token_ids), len(prompt_ids) * group_size
     answers = _Answers(prompt_ids, group_size, max_new_tokens, tokenizer, tools, max_tool_turns, parse_calls, render,
-                       history)
+                       history, no_images=ENGINE_NO_IMAGES)
     pending = list(range(N))
     while pending:
         turns = generate_turns([answers.context(i) for i in pending],

@@ -11,6 +11,13 @@ from __future__ import annotations
 
 from typing import Any
 
+# Why a tool's images are not shown to the model: the end of its failed call's message (ToolResult.unshown)
+TEXT_NO_IMAGES = "this model reads text only; return text, or train a vision-language model"
+SPLIT_NO_IMAGES = ("tools.history = \"split\" does not show tool images yet; return text, or set "
+                   "tools.history = \"append\"")
+ENGINE_NO_IMAGES = ("this engine does not show tool images (the built-in sampler does: rollout.engine = \"hf\"); "
+                    "return text")
+
 
 class ResultTooLong(ValueError):
     """A tool's result (or `reset`'s text) past `tools.max_result_chars`."""
@@ -34,8 +41,10 @@ class InvalidBlocks(ValueError):
 
 
 def is_content_blocks(value: Any) -> bool:
-    """A result given as TRL's content blocks: a non-empty list of dicts, each with a "type"."""
-    return type(value) is list and bool(value) and all(type(p) is dict and "type" in p for p in value)
+    """A result given as TRL's content blocks: a non-empty list of dicts, each of type "text" or "image" (any
+    other list, a list of search hits with their own "type" say, is shown as text, as before)."""
+    return type(value) is list and bool(value) and all(type(p) is dict and p.get("type") in ("text", "image")
+                                                       for p in value)
 
 
 def content_parts(blocks: list[dict], limit: int = 0) -> tuple:

@@ -73,12 +73,12 @@ class ToolResult:
         return {"role": "tool", "name": self.name, "content": [
             {"type": "image"} if kind == "image" else {"type": "text", "text": value} for kind, value in self.parts]}
 
-    def text_only(self) -> "ToolResult":
-        """This result for a model that reads text only: a failed call where it holds images."""
+    def unshown(self, reason: str) -> "ToolResult":
+        """This result where its images cannot be shown (`reason` says why and what to do): a failed call where it
+        holds images, itself otherwise."""
         if not self.images:
             return self
-        return ToolResult(self.name, _error(f"the tool returned {len(self.images)} image(s) and this model reads "
-                                            "text only; return text, or train a vision-language model"), True)
+        return ToolResult(self.name, _error(f"the tool returned {len(self.images)} image(s), and {reason}"), True)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import torch
@@ -98,16 +99,20 @@ class MediaPrefill:
 
 
 def tool_images_for(model, path: str) -> "ToolImages | None":
-    """The renderer of tool results with images for a vision-language policy (its processor read from `path`,
-    the model's folder); None for a text model, whose image results are failed calls."""
+    """The renderer of tool results for a vision-language policy (its processor read from `path`, the model's
+    folder; checked for images in tool messages); None for a text model, whose image results are failed calls."""
     from grpokit.models.vision import has_vision_tower, load_processor, vision_family
 
     config = model.config
     if not has_vision_tower(config) or vision_family(config) is None:
         return None
-    render = ToolImages(load_processor(path, config.model_type), vision_family(config), int(config.image_token_id))
-    render.check()
-    return render
+    video = getattr(config, "video_token_id", None)
+    return ToolImages(load_processor(path, config.model_type), vision_family(config), int(config.image_token_id),
+                      None if video is None else int(video)).check()
+
+
+class UnshowableImages(ValueError):
+    """A tool result's images the processor could not encode (a 0x0 image, an aspect ratio it refuses)."""
 
 
 class ToolImages:
@@ -116,36 +121,51 @@ class ToolImages:
 
     As `tools.tool_suffix_ids`, against a minimal conversation cut after its end of turn, but through the
     processor: its chat template writes each image block's placeholder, and the processor expands it to the
-    image's tokens and encodes the pixels, as it does a prompt's."""
+    image's tokens and encodes the pixels, as it does a prompt's. The image placeholders' own strings in a
+    result's text (`<|image_pad|>`, `<image>`: HTML or SVG may hold them) are escaped, so only real images
+    become image tokens. `shows_images` (from `check`) is False where the chat template renders no image in a
+    tool message: images are then refused as failed calls (`no_images`), text results render as ever."""
 
-    def __init__(self, processor, family: str, image_token_id: int):
+    def __init__(self, processor, family: str, image_token_id: int, video_token_id: int | None = None):
         self.processor, self.family, self.image_token_id = processor, family, image_token_id
+        tokens = [i for i in (image_token_id, video_token_id) if i is not None]
+        self.placeholders = [t for t in processor.tokenizer.convert_ids_to_tokens(tokens) if t]
+        self.shows_images, self.no_images = True, None
 
-    def check(self) -> None:
-        """At start-up: the chat template shows a tool message's image block (one image in, that image's tokens
-        out); else SetupError naming the fix, rather than a failure at the first image result."""
+    def check(self) -> "ToolImages":
+        """At start-up: whether the chat template shows a tool message's image block (an image in, image tokens
+        out); where it does not, `no_images` says so for the failed calls of tools that return images."""
         from PIL import Image
 
-        from grpokit.errors import SetupError
         from grpokit.rollout.tools import ToolResult
 
         probe = ToolResult("probe", "x", False, None, (("text", "x"), ("image", Image.new("RGB", (32, 32)))))
         try:
             ids, images = self([probe])
-        except Exception as e:  # noqa: BLE001 - jinja and the processors raise many types
-            raise SetupError(f"tools: the chat template cannot render a tool result with an image "
-                             f"({type(e).__name__}: {e}); use a template whose tool messages take content "
-                             "blocks, or tools that return text") from None
-        if images is None or images.num_images != 1 or self.image_token_id not in ids:
-            raise SetupError("tools: the chat template drops the image blocks of tool messages, so a tool's images "
-                             "would never reach the model; use a template that renders {\"type\": \"image\"} in "
-                             "tool messages, or tools that return text")
+            self.shows_images = images is not None and self.image_token_id in ids
+        except Exception:  # noqa: BLE001 - jinja and the processors raise many types
+            self.shows_images = False
+        if not self.shows_images:
+            self.no_images = ("this model's chat template renders no image in a tool message; return text, or use a "
+                              "template that renders {\"type\": \"image\"} blocks in tool messages")
+        return self
+
+    def _escaped(self, result):
+        """`result` with the placeholders' strings in its text broken by a zero-width space."""
+        def escape(text: str) -> str:
+            for token in self.placeholders:
+                text = text.replace(token, token[:-1] + "\u200b" + token[-1])
+            return text
+
+        parts = tuple((kind, escape(value) if kind == "text" else value) for kind, value in result.parts)
+        return dataclasses.replace(result, content=escape(result.content), parts=parts)
 
     def __call__(self, results) -> tuple[list[int], PromptImages | None]:
         from grpokit.data.images import image_ref
         from grpokit.rollout.tools import tool_suffix_ids
 
         tokenizer = self.processor.tokenizer
+        results = [self._escaped(r) for r in results]
         images = [image for r in results for image in r.images]
         if not images:
             return tool_suffix_ids(tokenizer, results), None
@@ -159,7 +179,11 @@ class ToolImages:
         if full[:cut] != prefix[:cut]:
             raise ValueError("the chat template renders an assistant turn differently once tool messages follow it; "
                              "tool results with images cannot be appended to the sampled tokens")
-        encoded = self.processor(text=[full[cut:]], images=[images], return_tensors="pt", add_special_tokens=False)
+        try:
+            encoded = self.processor(text=[full[cut:]], images=[images], return_tensors="pt", add_special_tokens=False)
+        except Exception as e:  # noqa: BLE001 - the image processors raise several types for images they refuse
+            raise UnshowableImages(f"the processor could not encode it ({type(e).__name__}: {str(e)[:200]}); "
+                                   "return another image (RGB, a few pixels a side at least)") from None
         encoded_images = PromptImages.from_processor(self.family, encoded)
         refs = tuple(image_ref(image) for image in images)
         return encoded["input_ids"][0].tolist(), PromptImages(encoded_images.tensors, encoded_images.num_images,

@@ -218,7 +218,7 @@ def _request(prompt_ids, images) -> dict:
     suppresses it there, unlike the built-in sampler): `generate` ends that answer before it, truncated."""
     request = {"prompt_token_ids": list(prompt_ids)}
     if images is not None and images.num_images:
-        if len(images.sources) != images.num_images:
+        if not images.sources:  # (num_images counts Idefics3's crops, not images: not compared)
             raise ValueError("the prompt's decoded images are not kept (PromptImages.sources): vLLM cannot take them")
         request["multi_modal_data"] = {"image": [ref.image for ref in images.sources]}
     return request

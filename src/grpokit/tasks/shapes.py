@@ -57,7 +57,8 @@ class ShapeCountTask:
                              f"{self.grid}x{self.grid} grid has {self.grid * self.grid}; raise grid or lower max_count")
         check_split("eval", self.eval_fraction)
         asked = (self.asked,) if isinstance(self.asked, str) else self.asked
-        if not isinstance(asked, (list, tuple)) or not asked or any(c not in COLORS for c in asked):
+        if not isinstance(asked, (list, tuple)) or not asked or any(not isinstance(c, str) or c not in COLORS
+                                                                     for c in asked):
             raise ValueError(f"shapes: asked must be a non-empty list of colours among {', '.join(sorted(COLORS))}, "
                              f"got {self.asked!r}")
         object.__setattr__(self, "asked", tuple(sorted(set(asked))))  # a TOML list arrives as a list

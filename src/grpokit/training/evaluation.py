@@ -197,7 +197,13 @@ class HeldOut:
                         tools=self.tools, max_tool_turns=self.config.tools.max_calls,
                         eos_token_ids=self.prompts.eos_token_ids, reduce=global_sum, environments=self.environments,
                         history=self.config.tools.history, media=media,
-                        tool_images=tool_images_for(model, self.config.model.path) if self.tools else None)
+                        tool_images=self._tool_images(model) if self.tools else None)
+
+    def _tool_images(self, model):
+        """The renderer of tool results with images, built (and checked) at the first evaluation only."""
+        if not hasattr(self, "_renderer"):
+            self._renderer = tool_images_for(model, self.config.model.path)
+        return self._renderer
 
 
 class BestCheckpoint:
