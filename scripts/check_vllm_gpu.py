@@ -64,8 +64,10 @@ def vllm_options() -> dict:
 
 
 def parity(completions, **kwargs):
-    """A reward with signal on a random model (the share of even characters), so every step updates."""
-    return [sum(ord(ch) % 2 == 0 for ch in c) / max(1, len(c)) for c in completions]
+    """A reward with signal on a random model (the share of even characters), so every step updates; a
+    conversational completion (the shapes task's) is its last message's text."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [sum(ord(ch) % 2 == 0 for ch in t) / max(1, len(t)) for t in texts]
 
 
 def check(results: list, name: str, ok: bool, **numbers) -> None:
