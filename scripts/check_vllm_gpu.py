@@ -134,7 +134,10 @@ def phase_engine(model_dir: Path, out: Path) -> list:
     return results
 
 
-def phase_train(model_dir: Path, out: Path, *, lora: bool = False, sleep: bool = False) -> list:
+def phase_train(model_dir: Path, out: Path, *, lora: bool = False, sleep: bool = False,
+                vision_engine: str | None = None) -> list:
+    """5 GRPO steps on vLLM (with `lora`, `sleep`), or, with `vision_engine` ("hf" or "vllm"), on a tiny Qwen2-VL
+    built locally and the `shapes` task's image rows through that engine."""
     from grpokit.config.schema import (
         AlgorithmConfig,
         Config,
@@ -149,12 +152,22 @@ def phase_train(model_dir: Path, out: Path, *, lora: bool = False, sleep: bool =
 
     results: list = []
     options = {**vllm_options(), **({"enable_sleep_mode": True} if sleep else {})}
-    name = "lora" if lora else "sleep" if sleep else "train"
+    name = f"vision_{vision_engine}" if vision_engine else "lora" if lora else "sleep" if sleep else "train"
+    data = DataConfig(task="addition", num_prompts=512)
+    if vision_engine:
+        from grpokit.models.tiny_vision import build_tiny_vlm
+
+        model_dir = out / "tiny-vl"
+        if not (model_dir / "config.json").is_file():
+            build_tiny_vlm(model_dir, arch="qwen2_vl", hidden_size=128, num_layers=2, max_positions=512, seed=0)
+        data = DataConfig(task="shapes", task_args={"grid": 4}, num_prompts=256)
+    engine = vision_engine or "vllm"
     config = Config(
         model=ModelConfig(path=str(model_dir), dtype="bfloat16", device=DEVICE,
                           lora={"r": 8, "alpha": 16} if lora else {}),
-        data=DataConfig(task="addition", num_prompts=512),
-        rollout=RolloutConfig(group_size=8, max_new_tokens=16, engine="vllm", vllm=options),
+        data=data,
+        rollout=RolloutConfig(group_size=8, max_new_tokens=8 if vision_engine else 16, engine=engine,
+                              vllm=options if engine == "vllm" else {}),
         algorithm=AlgorithmConfig(is_correction="token_truncate", is_cap_max=2.0),
         train=TrainConfig(steps=5, prompts_per_step=16, learning_rate=1e-2 if lora else 1e-3),
         output=OutputConfig(dir=str(out / name), console=False, overwrite=True),
@@ -208,51 +221,9 @@ def phase_builtin(model_dir: Path, out: Path, *, mode: str) -> list:
     return results
 
 
-def phase_vision(out: Path, *, engine: str) -> list:
-    """A tiny vision-language model trained on image rows through `engine` ("hf" or "vllm")."""
-    from grpokit.config.schema import (
-        AlgorithmConfig,
-        Config,
-        DataConfig,
-        ModelConfig,
-        OutputConfig,
-        RolloutConfig,
-        TrainConfig,
-    )
-    from grpokit.models.tiny_vision import build_tiny_vlm
-    from grpokit.observe.tracking import read_metrics
-    from grpokit.training.loop import train
-
-    results: list = []
-    model_dir = out / "tiny-vl"
-    if not (model_dir / "config.json").is_file():
-        build_tiny_vlm(model_dir, arch="qwen2_vl", hidden_size=128, num_layers=2, max_positions=512, seed=0)
-    name = f"vision_{engine}"
-    config = Config(
-        model=ModelConfig(path=str(model_dir), dtype="bfloat16", device=DEVICE),
-        data=DataConfig(task="shapes", task_args={"grid": 4}, num_prompts=256),
-        rollout=RolloutConfig(group_size=8, max_new_tokens=8, engine=engine,
-                              vllm=vllm_options() if engine == "vllm" else {}),
-        algorithm=AlgorithmConfig(is_correction="token_truncate", is_cap_max=2.0),
-        train=TrainConfig(steps=5, prompts_per_step=16, learning_rate=1e-3),
-        output=OutputConfig(dir=str(out / name), console=False, overwrite=True, completions_every=5),
-    )
-    t0 = time.perf_counter()
-    run = train(config, reward_functions=[parity])
-    rows = read_metrics(run)
-    keys = ("reward", "loss", "grad_norm", "sampling/logprob_gap_mean")
-    finite = all(r[k] is not None and math.isfinite(r[k]) for r in rows for k in keys)
-    gaps = [r["sampling/logprob_gap_mean"] for r in rows]
-    check(results, f"{name}: 5 GRPO steps on image rows, finite metrics", finite and len(rows) == 5,
-          seconds=time.perf_counter() - t0, rollout_s=sum(r["time/rollout"] for r in rows) / len(rows))
-    check(results, f"{name}: sampler-trainer gap small (the pixels reach both)", max(gaps) < GAP_MEAN_MAX,
-          gap_step1=gaps[0], gap_max=max(gaps))
-    return results
-
-
 def run_phase(phase: str, model_dir: Path, out: Path) -> list:
     if phase.startswith("vision"):
-        return phase_vision(out, engine="vllm" if phase == "vision_vllm" else "hf")
+        return phase_train(model_dir, out, vision_engine="vllm" if phase == "vision_vllm" else "hf")
     if phase in ("hf", "async"):
         return phase_builtin(model_dir, out, mode="async" if phase == "async" else "sync")
     if phase == "engine":

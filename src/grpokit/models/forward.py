@@ -87,8 +87,9 @@ def _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, comple
     ids, p_mask = prompt_ids[first], prompt_mask[first]
     inputs, positions, deltas = {}, position_ids_from_mask(p_mask), None  # [U, P]
     if media is not None:  # the U prompts' pixels; Qwen2-VL: positions [3, U, P], offsets [U, 1]
-        inputs = media.select(first).model_inputs(ids)
-        positions, deltas = media.select(first).position_ids(model, ids, p_mask, inputs)
+        prompts = media.select(first)
+        inputs = prompts.model_inputs(ids)
+        positions, deltas = prompts.position_ids(model, ids, p_mask, inputs)
     out = model.base_model(input_ids=ids, attention_mask=p_mask, position_ids=positions, use_cache=True,
                            **inputs, **{cache_kwarg: cache})
     last = out.last_hidden_state[:, -1].index_select(0, inverse)  # [N, H] (left padding: the last real token)

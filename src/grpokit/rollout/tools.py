@@ -312,12 +312,18 @@ def _error(message: str) -> str:
     return json.dumps({"error": message})
 
 
+def call_conversation(name: str) -> list[dict]:
+    """The minimal conversation a turn's tool results are rendered after: a user turn and an assistant turn that
+    called `name` (the template's output past its end of turn is what a sampled turn is followed by)."""
+    calls = [{"type": "function", "function": {"name": name, "arguments": {}}}]
+    return [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+
+
 def tool_suffix_ids(tokenizer, results: Sequence[ToolResult], **template_kwargs) -> list[int]:
     """The tokens the chat template puts after an assistant turn that called tools: the tool messages,
     then the header of the next assistant turn. Rendered against a minimal conversation, as TRL does,
     and cut at that conversation's end of turn (EOS), which the sampled turn already ends with."""
-    calls = [{"type": "function", "function": {"name": results[0].name, "arguments": {}}}]
-    conversation = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+    conversation = call_conversation(results[0].name)
     messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
     prefix = tokenizer.apply_chat_template(conversation, add_generation_prompt=False, tokenize=True,
                                            return_dict=False, **template_kwargs)

@@ -162,15 +162,14 @@ class ToolImages:
 
     def __call__(self, results) -> tuple[list[int], PromptImages | None]:
         from grpokit.data.images import image_ref
-        from grpokit.rollout.tools import tool_suffix_ids
+        from grpokit.rollout.tools import call_conversation, tool_suffix_ids
 
         tokenizer = self.processor.tokenizer
         results = [self._escaped(r) for r in results]
         images = [image for r in results for image in r.images]
         if not images:
             return tool_suffix_ids(tokenizer, results), None
-        calls = [{"type": "function", "function": {"name": results[0].name, "arguments": {}}}]
-        conversation = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "", "tool_calls": calls}]
+        conversation = call_conversation(results[0].name)
         render = self.processor.apply_chat_template
         prefix = render(conversation, tokenize=False, add_generation_prompt=False)
         full = render(conversation + [r.message() for r in results], tokenize=False, add_generation_prompt=True)
