@@ -27,7 +27,7 @@ L2 = L1 | {"algorithms", "data", "rewards"}
 L3 = L2 | {"tasks", "models"}
 L4 = L3 | {"observe", "rollout"}
 L5 = L4 | {"training"}
-ENTRY_POINTS = {"cli", "demo", "demo_tools", "demo_vision", "sft", "evaluate", "trl"}
+ENTRY_POINTS = {"cli", "demo", "demo_tools", "demo_vision", "sft", "evaluate", "trl", "serve"}
 LAYERS = [L0, L1, L2, L3, L4, L5, L5 | ENTRY_POINTS | {"grpokit"}]
 
 # Each package, and the other packages it may import. A package may always import its own modules.
@@ -45,10 +45,11 @@ ALLOWED: dict[str, set[str]] = {
     "evaluate": L5,                            # 6  entry points
     "sft": L5,                                 # 6
     "trl": L5,                                 # 6  the TRL drop-in (grpokit.trl), over training's loop
+    "serve": L5,                               # 6  `grpokit serve`: starts vLLM's server
     "demo": L5 | {"evaluate", "sft"},          # 6  the demo runs sft, then evaluates
     "demo_tools": L5 | {"demo", "evaluate", "sft"},  # 7  the tool demo, sharing the demo's display
     "demo_vision": L5 | {"demo", "evaluate", "sft"},  # 7  the visual demo, sharing the demo's display
-    "cli": L5 | {"demo", "demo_tools", "demo_vision", "evaluate", "sft"},  # 8  dispatches to the other entry points
+    "cli": L5 | {"demo", "demo_tools", "demo_vision", "evaluate", "sft", "serve"},  # 8  dispatches to the others
     "grpokit": L5 | ENTRY_POINTS,              # the root, grpokit/__init__.py: anything, lazily
 }
 FORBIDDEN_OUTSIDE = {"config": {"torch", "transformers"}, "algorithms": {"transformers"}}

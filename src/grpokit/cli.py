@@ -372,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
     p.add_argument("--tools", action="store_true", help="a chat template that lists tools and renders tool calls")
     p.set_defaults(func=cmd_tiny_model)
+    from grpokit.serve import add_parser as add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

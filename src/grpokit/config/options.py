@@ -9,7 +9,11 @@ from grpokit.config.variants import ROLLOUT_MODES
 # rollout.vllm options (rollout/vllm.VLLMEngine's keyword arguments): type, example
 VLLM_OPTIONS = {"gpu_memory_utilization": (float, "0.3"), "enable_sleep_mode": (bool, "true"),
                 "sync_bucket_mb": (float, "512"), "max_model_len": (int, "4096"), "enforce_eager": (bool, "true"),
-                "dtype": (str, '"bfloat16"')}
+                "dtype": (str, '"bfloat16"'), "server": (str, '"http://localhost:8000"'),
+                "server_timeout_s": (float, "240")}
+# the colocated engine's own; a server is started with its settings (`grpokit serve --gpu-memory-utilization ...`)
+COLOCATED_ONLY = ("gpu_memory_utilization", "enable_sleep_mode", "max_model_len", "enforce_eager", "dtype",
+                  "sync_bucket_mb")
 
 
 def check_vllm(rollout) -> None:
@@ -24,6 +28,17 @@ def check_vllm(rollout) -> None:
     _check(options.get("sync_bucket_mb", 512) > 0, "rollout.vllm.sync_bucket_mb", "must be > 0")
     _check(options.get("max_model_len", 1) >= 1, "rollout.vllm.max_model_len", "must be >= 1")
     _one_of(options.get("dtype", "auto"), ("auto", "float32", "bfloat16", "float16"), "rollout.vllm.dtype")
+    if "server" in options:
+        server = options["server"]
+        _check(server.startswith(("http://", "https://")) and len(server) > 8, "rollout.vllm.server",
+               f"must be the server's address, e.g. \"http://localhost:8000\" (got {server!r})")
+        given = [k for k in COLOCATED_ONLY if k in options]
+        _check(not given, f"rollout.vllm.{given[0] if given else ''}",
+               "applies to the colocated engine only: a server's settings are given where it starts (grpokit "
+               "serve MODEL --gpu-memory-utilization ... --dtype ...); remove it, or remove rollout.vllm.server")
+    _check("server_timeout_s" not in options or "server" in options, "rollout.vllm.server_timeout_s",
+           "is how long to wait for rollout.vllm.server: set the server too")
+    _check(options.get("server_timeout_s", 1) > 0, "rollout.vllm.server_timeout_s", "must be > 0")
 
 
 def check_lora(lora) -> None:
@@ -59,6 +74,13 @@ def check_async(rollout) -> None:
            f"is {rollout.max_staleness}, but with rollout.weight_sync_every = {rollout.weight_sync_every} the workers "
            f"hold weights up to {rollout.weight_sync_every - 1} steps old: raise max_staleness to at least "
            f"{rollout.weight_sync_every - 1} or lower weight_sync_every")
-    _check(rollout.mode == "sync" or rollout.engine == "hf", "rollout.engine",
-           "rollout.mode = \"async\" runs the built-in sampler (engine = \"hf\") in worker processes; a vLLM server "
-           "on devices of its own is not built yet: use engine = \"hf\", or mode = \"sync\" with vLLM colocated")
+    server = "server" in rollout.vllm
+    _check(rollout.mode == "sync" or rollout.engine == "hf" or server, "rollout.engine",
+           "rollout.mode = \"async\" samples in processes of its own: the built-in sampler (engine = \"hf\") in "
+           "worker processes, or a vLLM server (rollout.vllm = {server = \"http://...\"}, started with grpokit "
+           "serve); a colocated vLLM shares the trainer's GPU: use one of those, or mode = \"sync\"")
+    _check(not (server and rollout.mode == "async" and rollout.workers > 1), "rollout.workers",
+           f"is {rollout.workers}, but one worker drives a vLLM server (the server batches its requests itself): "
+           "set rollout.workers = 1")
+    _check(not (server and rollout.worker_devices), "rollout.worker_devices",
+           "a vLLM server samples on the devices it was started on (grpokit serve --devices): leave it empty")

@@ -113,6 +113,12 @@ def build_engine(config, model, tokenizer, *, tools: ToolBox | None = None) -> R
                         preallocate_kv_cache=r.preallocated_kv_cache, share_prefill=r.shared_prefill,
                         packed_weights=r.packed_weights,
                         tool_images=tool_images_for(model, config.model.path) if tools else None)
+    if "server" in r.vllm:  # vLLM on devices of its own, over HTTP (rollout/vllm_server.py)
+        from grpokit.rollout.vllm_server import VLLMServerEngine
+
+        return VLLMServerEngine(r.vllm["server"], server_timeout_s=r.vllm.get("server_timeout_s", 240.0),
+                                seed=config.train.seed + rank(), lora=config.model.lora or None, tokenizer=tokenizer,
+                                tools=tools, max_tool_turns=config.tools.max_calls)
     from grpokit.rollout.vllm import VLLMEngine  # imports vllm only when asked for
 
     options = {"dtype": config.model.dtype, **r.vllm}

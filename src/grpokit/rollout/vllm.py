@@ -32,14 +32,22 @@ def _import_vllm():
     return vllm
 
 
-def named_weights_for_sync(model) -> Iterable[tuple[str, Tensor]]:
-    """(Hugging Face name, full tensor) of every parameter and buffer the sampler needs, one at a time
-    (FSDP shards are gathered here, one tensor at a time: every rank must iterate in step)."""
+def sync_tensors(model) -> Iterable[tuple[str, Tensor]]:
+    """(Hugging Face name, tensor) of every parameter and buffer the sampler needs, ungathered (an FSDP
+    shard's `shape` is the whole tensor's): tied weights once; rotary tables (the decoder's, a vision tower's
+    rotary_pos_emb) are rebuilt by vLLM."""
     seen = set()
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if id(t) in seen or "rotary_emb" in name or name.endswith("inv_freq"):  # tied weights once; rotary tables
-            continue  # (the decoder's, a vision tower's rotary_pos_emb) are rebuilt by vLLM
+        if id(t) in seen or "rotary_emb" in name or name.endswith("inv_freq"):
+            continue
         seen.add(id(t))
+        yield name, t
+
+
+def named_weights_for_sync(model) -> Iterable[tuple[str, Tensor]]:
+    """`sync_tensors`, each whole, one at a time (FSDP shards are gathered here, one tensor at a time: every
+    rank must iterate in step)."""
+    for name, t in sync_tensors(model):
         full = t.full_tensor() if hasattr(t, "full_tensor") else t
         yield name, full.detach()
 

@@ -40,8 +40,10 @@ import torch.multiprocessing as mp
 
 from grpokit.errors import RolloutWorkerError, SetupError
 from grpokit.models.loading import resolve_device
+from grpokit.models.parallel import world_size
 from grpokit.models.threads import usable_cores
 from grpokit.models.weight_sync import WeightChannel
+from grpokit.rollout.vllm_server import ServerChannel
 from grpokit.training.generate import generate_and_grade
 from grpokit.training.rollout_workers import HEARTBEAT_S, WorkerSpec, parameter_shapes, worker_main
 
@@ -74,7 +76,11 @@ def split_threads(config) -> tuple[int, int]:
 
 
 def check_async(config, engine) -> None:
-    """What asynchronous rollout cannot do yet, refused before the model loads."""
+    """What asynchronous rollout (and a vLLM server) cannot do yet, refused before the model loads."""
+    if "server" in config.rollout.vllm and world_size() > 1:
+        raise SetupError(f"rollout.vllm.server: {world_size()} trainer processes sharing one vLLM server is not "
+                         "built yet (whose weights would it hold?); train in one process, or use the colocated "
+                         "engine (no rollout.vllm.server) under torchrun")
     if config.rollout.mode != "async":
         return
     if engine is not None:
@@ -82,9 +88,6 @@ def check_async(config, engine) -> None:
                          "workers run the built-in sampler. Leave engine out, or use rollout.mode = \"sync\"")
     for device in config.rollout.worker_devices:  # a device this machine lacks: now, not after the model loads
         resolve_device(device, field="rollout.worker_devices")
-    if config.model.fsdp:
-        raise SetupError("rollout.mode = \"async\" with model.fsdp: the workers need whole weights, and sending "
-                         "FSDP shards is not built yet; set model.fsdp = false (data parallel) or mode = \"sync\"")
 
 
 class _MainFinder(pickle.Pickler):
@@ -103,6 +106,8 @@ class _MainFinder(pickle.Pickler):
 def worker_devices(config, model) -> list[str]:
     """Each worker's device: `rollout.worker_devices`, else the trainer's (its own GPU under torchrun)."""
     r = config.rollout
+    if "server" in r.vllm:  # the worker only sends requests: no model, no device of its own
+        return ["cpu"]
     named = r.worker_devices or [str(next(model.parameters()).device)] * r.workers
     return [str(resolve_device(d, field="rollout.worker_devices")) for d in named]
 
@@ -181,7 +186,9 @@ class AsyncRollouts:
         self.announced = ctx.Value("q", -1)
         self.beats = ctx.Array("d", [time.monotonic()] * self.W)
         self.results, self.orders = ctx.Queue(), [ctx.Queue() for _ in range(self.W)]
-        self.channel = WeightChannel(self.W, self.timeout_s, self.announced)
+        self.server_lock = ctx.Lock()  # a vLLM server: held by the worker while it samples, by the trainer to push
+        self.channel = ServerChannel(run.engine, self.timeout_s, self.server_lock, self.announced) \
+            if "server" in r.vllm else WeightChannel(self.W, self.timeout_s, self.announced)
         spec = WorkerSpec(local, run.inputs.data.rows, run.inputs.prompts,
                           [n for n, p in run.policy.model.named_parameters() if p.requires_grad], run.stream,
                           run.sampler.get_state(), self.W, split_threads(config)[1], self.channel.port,
@@ -193,7 +200,7 @@ class AsyncRollouts:
         self.devices = worker_devices(config, run.policy.model)
         self.procs = [ctx.Process(target=worker_main, name=f"grpokit-rollout-{i}", daemon=True,
                                   args=(spec, i, self.devices[i], self.orders[i], self.results, self.beats,
-                                        self.announced, os.getpid())) for i in range(self.W)]
+                                        self.announced, os.getpid(), self.server_lock)) for i in range(self.W)]
         with _main_hidden(not any(from_main)), _stop_signals_held():
             for p in self.procs:
                 p.start()

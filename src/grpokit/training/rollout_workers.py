@@ -18,6 +18,7 @@ trainer stops it after saving), and beats a heartbeat every half second from a t
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import os
@@ -37,6 +38,7 @@ from grpokit.models.loading import load_model, load_tokenizer, max_positions_of
 from grpokit.models.lora import apply_lora
 from grpokit.models.weight_sync import WeightReceiver
 from grpokit.rollout.engines import build_engine
+from grpokit.rollout.vllm_server import ServerVersions
 from grpokit.training import vision_setup
 from grpokit.training.generate import generate_and_grade
 from grpokit.training.setup import PromptTable, isolate_rewards, prepare_data, resolve_reward_specs
@@ -98,7 +100,8 @@ class EveryNth:
 
 
 def parameter_shapes(model: torch.nn.Module) -> list[tuple[str, tuple, str]]:
-    """What a weight transfer assumes both ends share: each parameter's name, shape and dtype, in order."""
+    """What a weight transfer assumes both ends share: each parameter's name, shape and dtype, in order
+    (an FSDP2 trainer's too: a DTensor parameter's name, shape and dtype are the whole tensor's)."""
     return [(n, tuple(p.shape), str(p.dtype)) for n, p in model.named_parameters()]
 
 
@@ -159,16 +162,9 @@ class _Worker:
         self.tokenizer = vision_setup.load_policy_tokenizer(config.model.path, load_tokenizer)  # a VLM: its processor's
         if self.environments is not None:
             self.environments.max_positions = vision_setup.policy_context_length(config.model.path, max_positions_of)
-        model = vision_setup.load_policy_model(config, load_model, device)  # a VLM folder: image-text-to-text
-        if config.model.lora:
-            model = apply_lora(model, config.model.lora)
-        trainable = set(spec.trainable)
-        for name, p in model.named_parameters():
-            p.requires_grad_(name in trainable)
-        if spec.shapes is not None:  # before any transfer: buckets are cut by these shapes on both ends
-            check_same_parameters(spec.shapes, parameter_shapes(model), config.model.path)
-        self.model = model.eval()
-        self.engine = build_engine(config, model, self.tokenizer, tools=self.toolbox)
+        self.server = "server" in config.rollout.vllm  # a vLLM server samples: no model here, HTTP requests only
+        self.model = None if self.server else self._load_policy(config, spec, device)
+        self.engine = build_engine(config, self.model, self.tokenizer, tools=self.toolbox)
         self.config, self.prompts, self.spec, self.announced, self.index = config, spec.prompts, spec, announced, index
         # the stream is where the last batch taken left it; the first step's worker (index (first_step - 1) % W)
         # takes the next batch, the following one the batch after, ...
@@ -182,20 +178,34 @@ class _Worker:
             self.sampler.manual_seed(int(torch.randint(2 ** 62, (1,), generator=self.sampler, device=device)) + index)
         self.receiver: WeightReceiver | None = None
 
-    def connect(self) -> None:
+    @staticmethod
+    def _load_policy(config, spec: WorkerSpec, device: str):
+        model = vision_setup.load_policy_model(config, load_model, device)  # a VLM folder: image-text-to-text
+        if config.model.lora:
+            model = apply_lora(model, config.model.lora)
+        trainable = set(spec.trainable)
+        for name, p in model.named_parameters():
+            p.requires_grad_(name in trainable)
+        if spec.shapes is not None:  # before any transfer: buckets are cut by these shapes on both ends
+            check_same_parameters(spec.shapes, parameter_shapes(model), config.model.path)
+        return model.eval()
+
+    def connect(self, server_lock) -> None:
         s = self.spec
-        self.receiver = WeightReceiver(self.model, s.port, self.index + 1, s.workers + 1, s.timeout_s, self.announced)
+        self.receiver = ServerVersions(server_lock, self.announced) if self.server else \
+            WeightReceiver(self.model, s.port, self.index + 1, s.workers + 1, s.timeout_s, self.announced)
 
     def draw(self, step: int, min_version: int, waited_s: float) -> WorkerBatch:
         t0 = time.perf_counter()
         if not self.receiver.wait_for(min_version, self.spec.timeout_s):
             raise UserError(f"no weights of step {min_version} arrived within rollout.worker_timeout_s = "
                             f"{self.spec.timeout_s:g} s for step {step}")
-        version = self.receiver.apply()
-        waited_s += time.perf_counter() - t0
-        started = time.time()
-        batch, metrics = generate_and_grade(self.config, self.engine, self.tokenizer, self.prompts, self.stream,
-                                            self.specs, self.sampler, self.environments)
+        with self.receiver.holding() if self.server else contextlib.nullcontext():  # a server: no push inside
+            version = self.receiver.apply()
+            waited_s += time.perf_counter() - t0
+            started = time.time()
+            batch, metrics = generate_and_grade(self.config, self.engine, self.tokenizer, self.prompts, self.stream,
+                                                self.specs, self.sampler, self.environments)
         rollout = batch.rollout
         tagged = dataclasses.replace(rollout, policy_version=torch.full((rollout.num_sequences,), version))
         batch = dataclasses.replace(batch, draw=dataclasses.replace(batch.draw, rollout=tagged))
@@ -208,7 +218,8 @@ class _Worker:
             self.pool.close()
 
 
-def worker_main(spec: WorkerSpec, index: int, device: str, orders, results, beats, announced, parent: int) -> None:
+def worker_main(spec: WorkerSpec, index: int, device: str, orders, results, beats, announced, parent: int,
+                server_lock=None) -> None:
     """The worker process: build, say "ready", join the weight channel, then serve orders until None."""
     _die_with_parent(parent)
     for sig in (signal.SIGINT, signal.SIGTERM):  # the trainer stops the workers, after saving
@@ -221,7 +232,7 @@ def worker_main(spec: WorkerSpec, index: int, device: str, orders, results, beat
     try:
         worker = _Worker(spec, index, announced, device)
         results.put(("ready", index, 0, None))
-        worker.connect()
+        worker.connect(server_lock)
         idle_since = time.perf_counter()
         while (order := orders.get()) is not None:
             step, min_version = order

@@ -1,0 +1,285 @@
+"""vLLM as a server on devices of its own (`rollout.vllm = {server = "http://host:8000"}`).
+
+    grpokit serve MODEL --devices 1 --port 8000      # vLLM's own `vllm serve`, with the flags below
+    rollout.engine = "vllm", rollout.vllm = {server = "http://localhost:8000"}
+
+The sampler is vLLM's OpenAI-compatible server: each prompt is one `/v1/completions` request with its
+token ids, `n = G`, a seed from the trainer's generator and `logprobs = 0` (the sampled token's log-prob,
+with the temperature: the server runs with `--logprobs-mode processed_logprobs`). `ServerLLM` answers the
+colocated engine's `llm.generate(...)` calls over HTTP, so sampling, multi-turn tool calls and the
+answers' bookkeeping are `VLLMEngine`'s own code; only the weights move differently:
+
+- full weights through vLLM's weight-transfer API (the server started with `VLLM_SERVER_DEV_MODE=1` and
+  `--weight-transfer-config '{"backend": "nccl"}'`): the trainer opens an NCCL group with the server's
+  workers once (`/init_weight_transfer_engine`), then per sync `/pause` -> `/start_weight_update` ->
+  the tensors broadcast from the trainer while `/update_weights` receives them -> `/finish_weight_update`
+  -> `/resume`. The broadcast runs on a thread of its own: NCCL has no timeout, the HTTP call has one;
+- with LoRA the adapter alone: saved to a folder the server can read and loaded under a new name
+  (`/v1/load_lora_adapter`; the server started with `--enable-lora` and
+  `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`), which later requests name as their model.
+
+In async mode (docs/ASYNC.md) the worker process sends the requests and the trainer pushes the weights;
+a lock shared by the two keeps a push from landing while a batch is being sampled, so each answer has
+one policy version. FSDP shards are gathered one tensor at a time (`named_weights_for_sync`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from types import SimpleNamespace
+
+from grpokit.errors import UserError
+from grpokit.models.lora import adapter_of
+from grpokit.rollout.vllm import VLLMEngine, named_weights_for_sync, sync_tensors
+
+FIX = ("start it with `grpokit serve MODEL` (or vLLM's `vllm serve` with VLLM_SERVER_DEV_MODE=1 and "
+       "--weight-transfer-config '{\"backend\": \"nccl\"}'), or check rollout.vllm.server")
+
+
+class ServerClient:
+    """vLLM's HTTP API, each failure one error naming the server and the fix."""
+
+    def __init__(self, url: str, timeout_s: float = 240.0):
+        import requests  # vLLM's own dependency: present wherever vLLM is
+
+        self.url, self.timeout_s, self.errors = url.rstrip("/"), timeout_s, requests.RequestException
+        self.session = requests.Session()
+
+    def wait_ready(self) -> None:
+        """Block until `/health` answers (the server may still be loading its model), at most timeout_s."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            try:
+                if self.session.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return
+            except self.errors:
+                pass
+            if time.monotonic() > deadline:
+                raise UserError(f"rollout.vllm.server: no vLLM server answers at {self.url} within "
+                                f"rollout.vllm.server_timeout_s = {self.timeout_s:g} s; {FIX}")
+            time.sleep(1.0)
+
+    def call(self, method: str, path: str, *, timeout_s: float | None = None, **kwargs) -> dict:
+        try:
+            response = self.session.request(method, f"{self.url}{path}", timeout=timeout_s or self.timeout_s,
+                                            **kwargs)
+        except self.errors as e:
+            raise UserError(f"rollout.vllm.server: the vLLM server at {self.url} did not answer {path} "
+                            f"({type(e).__name__}); {FIX}") from None
+        if response.status_code == 404:
+            raise UserError(f"rollout.vllm.server: the vLLM server at {self.url} has no {path}; {FIX}")
+        if response.status_code != 200:
+            raise UserError(f"rollout.vllm.server: {path} failed at {self.url} with HTTP {response.status_code}: "
+                            f"{response.text[:300]}")
+        return response.json() if response.content else {}
+
+    def served_model(self) -> str:
+        return self.call("GET", "/v1/models")["data"][0]["id"]
+
+    def check_setup(self) -> None:
+        """The server's log-probs must include the temperature, as the trainer's do (when it says)."""
+        try:
+            info = self.call("GET", "/server_info", params={"config_format": "json"})
+        except UserError:  # an older server without /server_info: nothing to check against
+            return
+        mode = info.get("vllm_config", {}).get("model_config", {}).get("logprobs_mode")
+        if mode not in (None, "processed_logprobs"):
+            raise UserError(f"rollout.vllm.server: the vLLM server at {self.url} returns {mode}, not the sampling "
+                            "distribution's log-probs; restart it with --logprobs-mode processed_logprobs "
+                            "(`grpokit serve` sets it)")
+
+
+class ServerLLM:
+    """`vllm.LLM.generate` over HTTP: one `/v1/completions` request per prompt, sent concurrently."""
+
+    def __init__(self, client: ServerClient):
+        self.client, self.model = client, client.served_model()
+
+    def generate(self, prompts, sampling_params, use_tqdm=False, lora_request=None):
+        per_prompt = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        model = lora_request.lora_name if lora_request is not None else self.model
+        with ThreadPoolExecutor(max_workers=max(1, min(64, len(prompts)))) as pool:
+            return list(pool.map(lambda pair: self._one(model, *pair), zip(prompts, per_prompt)))
+
+    def _one(self, model: str, prompt: dict, p) -> SimpleNamespace:
+        if "multi_modal_data" in prompt:
+            raise UserError("rollout.vllm.server: a vLLM server takes no images with token-id prompts; use the "
+                            "colocated engine (no rollout.vllm.server) or rollout.engine = \"hf\" for images")
+        payload = {"model": model, "prompt": prompt["prompt_token_ids"], "n": p.n, "max_tokens": p.max_tokens,
+                   "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k or -1, "seed": p.seed,
+                   "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
+                   "ignore_eos": bool(getattr(p, "ignore_eos", False)),
+                   "stop_token_ids": getattr(p, "stop_token_ids", None) or [],
+                   "stop": getattr(p, "stop", None) or [],
+                   "include_stop_str_in_output": bool(getattr(p, "include_stop_str_in_output", False))}
+        choices = sorted(self.client.call("POST", "/v1/completions", json=payload)["choices"],
+                         key=lambda c: c.get("index", 0))
+        outputs = [SimpleNamespace(token_ids=c["token_ids"], finish_reason=c.get("finish_reason"),
+                                   logprobs=[{t: lp} for t, lp in zip(c["token_ids"],
+                                                                       c["logprobs"]["token_logprobs"])])
+                   for c in choices]
+        return SimpleNamespace(outputs=outputs, prompt_token_ids=prompt["prompt_token_ids"])
+
+    def reset_prefix_cache(self):
+        """The server clears its caches itself when paused for new weights."""
+
+
+def _vllm_transfer():
+    """vLLM's trainer side of its NCCL weight transfer (imported on the trainer only: the worker sends HTTP).
+    vLLM 0.28 replaced the engine's static trainer calls with these helpers (as TRL 1.16 reads them)."""
+    try:
+        from vllm.utils.network_utils import get_ip, get_open_port
+        try:
+            from vllm.distributed.weight_transfer.nccl_common import trainer_init
+            from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer as send
+        except ImportError:  # vLLM < 0.28
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerSendWeightsArgs
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine as Engine
+
+            trainer_init = Engine.trainer_init
+
+            def send(iterator, group, src=0, post_iter_func=None):
+                Engine.trainer_send_weights(iterator=iterator,
+                                            trainer_args=NCCLTrainerSendWeightsArgs(group=group, packed=True))
+    except ImportError as e:
+        raise UserError(f"rollout.vllm.server: this vLLM has no weight-transfer API ({e}); install a vLLM that does "
+                        "(pip install -U vllm), or train with LoRA (model.lora: adapters travel as folders)") from None
+    return SimpleNamespace(trainer_init=trainer_init, send=send, get_ip=get_ip, get_open_port=get_open_port)
+
+
+class VLLMServerEngine(VLLMEngine):
+    """The colocated engine's sampling over HTTP (`ServerLLM`), weights pushed through vLLM's transfer API."""
+
+    def __init__(self, url: str, *, server_timeout_s: float = 240.0, seed: int = 0, lora: dict | None = None,
+                 tokenizer=None, tools=None, max_tool_turns: int = 8, transfer=None):
+        self.client = ServerClient(url, server_timeout_s)
+        self.client.wait_ready()
+        self.client.check_setup()
+        super().__init__(url, seed=seed, lora=lora, llm=ServerLLM(self.client),
+                         vllm_module=SimpleNamespace(SamplingParams=SimpleNamespace), tokenizer=tokenizer,
+                         tools=tools, max_tool_turns=max_tool_turns)
+        self._transfer, self._group, self._names = transfer, None, None
+
+    def sync_weights(self, model) -> None:
+        """Push the trainer's weights to the server: the adapter alone with LoRA, else every tensor."""
+        adapter = adapter_of(model)
+        if adapter is not None:
+            return self._sync_adapter(adapter)
+        if self._group is None:
+            self._open()
+        manifest = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in sync_tensors(model)]
+        info = {"names": [m[0] for m in manifest], "dtype_names": [m[1] for m in manifest],
+                "shapes": [m[2] for m in manifest]}
+        self.client.call("POST", "/pause", params={"mode": "keep"})
+        self.client.call("POST", "/start_weight_update", json={"is_checkpoint_format": True})
+        stream = named_weights_for_sync(model)  # FSDP: each tensor gathered as it is sent
+        try:
+            self._while_sending(lambda: self._transfer.send(iterator=stream, group=self._group, src=0,
+                                                            post_iter_func=lambda item: item[1]),
+                                lambda: self.client.call("POST", "/update_weights", json={"update_info": info}))
+        finally:
+            with contextlib.suppress(UserError):
+                self.client.call("POST", "/finish_weight_update")
+            self.client.call("POST", "/resume")
+
+    def _open(self) -> None:
+        t = self._transfer = self._transfer or _vllm_transfer()
+        size = 1 + int(self.client.call("GET", "/get_world_size")["world_size"])
+        info = {"master_address": t.get_ip(), "master_port": t.get_open_port(), "rank_offset": 1,
+                "world_size": size, "packed": True}
+        self._while_sending(lambda: setattr(self, "_group", t.trainer_init(info)),
+                            lambda: self.client.call("POST", "/init_weight_transfer_engine",
+                                                     json={"init_info": info}))
+
+    @staticmethod
+    def _while_sending(send, drive) -> None:
+        """Run `send` (a collective without a timeout) on a thread while `drive` (the HTTP call that makes the
+        server take part, with one) runs here: a server that fails answers the call, never hangs the trainer."""
+        failed: list[BaseException] = []
+        thread = threading.Thread(target=lambda: _noting(send, failed), daemon=True, name="vllm-weight-transfer")
+        thread.start()
+        drive()
+        thread.join()
+        if failed:
+            raise UserError(f"rollout.vllm.server: the weight transfer to the vLLM server failed "
+                            f"({type(failed[0]).__name__}: {failed[0]})") from failed[0]
+
+    def _sync_adapter(self, adapter) -> None:
+        """Save the adapter where the server reads it and load it under a new name; the old one is unloaded."""
+        if self._lora_dir is None:
+            self._lora_dir = tempfile.mkdtemp(prefix="grpokit-lora-server-")
+        previous = self.lora_request
+        self._lora_version += 1
+        name, folder = f"policy-v{self._lora_version}", Path(self._lora_dir) / f"v{self._lora_version}"
+        adapter.save_pretrained(str(folder))
+        self.client.call("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder),
+                                                                "load_inplace": False})
+        self.lora_request = SimpleNamespace(lora_name=name, lora_int_id=self._lora_version, lora_path=str(folder))
+        if previous is not None:
+            with contextlib.suppress(UserError):
+                self.client.call("POST", "/v1/unload_lora_adapter", json={"lora_name": previous.lora_name})
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+
+def _noting(fn, failed: list) -> None:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - said by the caller's thread
+        failed.append(e)
+
+
+class ServerChannel:
+    """Async mode, the trainer's end (in place of models/weight_sync.WeightChannel): the trainer pushes to the
+    server itself, under the lock its worker holds while it samples a batch; `version` (shared) tells the worker
+    which weights the server holds."""
+
+    port = 0  # no store for the workers to join
+
+    def __init__(self, engine: VLLMServerEngine, timeout_s: float, lock, version):
+        self.engine, self.timeout_s, self.lock, self.version = engine, timeout_s, lock, version
+
+    def connect(self) -> None:
+        """Nothing to join: the trainer's engine opened its transfer group with the server."""
+
+    def publish(self, model, version: int, *, full: bool) -> float:
+        """Push `model` as `version` once no batch is being sampled; the seconds it took. The first (`full`)
+        only names the version: the trainer's engine pushed those weights when it was built."""
+        t0 = time.perf_counter()
+        if not self.lock.acquire(timeout=self.timeout_s):
+            raise RuntimeError(f"the rollout worker kept the vLLM server busy for more than {self.timeout_s:g} s")
+        try:
+            if not full:
+                self.engine.sync_weights(model)
+            with self.version.get_lock():
+                self.version.value = version
+        finally:
+            self.lock.release()
+        return time.perf_counter() - t0
+
+
+class ServerVersions:
+    """Async mode, the worker's end (in place of WeightReceiver): the version the server holds, and the lock
+    under which a batch is sampled (no push lands inside it: each answer has one version)."""
+
+    def __init__(self, lock, version):
+        self.lock, self.version = lock, version
+
+    def wait_for(self, version: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.version.value < version:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def apply(self) -> int:
+        return int(self.version.value)
+
+    def holding(self):
+        return self.lock

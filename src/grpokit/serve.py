@@ -1,0 +1,82 @@
+"""`grpokit serve MODEL`: vLLM's own OpenAI-compatible server, started with what the trainer needs from it.
+
+The trainer then samples through it (`rollout.engine = "vllm"`, `rollout.vllm = {server = "http://HOST:PORT"}`,
+rollout/vllm_server.py). This is `vllm serve` with four things set: the log-probs of the sampling
+distribution (`--logprobs-mode processed_logprobs`, as the colocated engine), vLLM's NCCL weight transfer
+(`--weight-transfer-config`) and the endpoints that drive it (`VLLM_SERVER_DEV_MODE=1`), and with `--lora-rank`
+adapters loaded at run time (`--enable-lora`, `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`). The process becomes vLLM's
+(exec): its logs, its signals, its exit code.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import socket
+import sys
+
+from grpokit.errors import UserError
+
+
+def serve_command(args) -> tuple[list[str], dict]:
+    """The vLLM command line and its environment for `args` (checked first: one error naming the flag)."""
+    if args.devices and not re.fullmatch(r"\d+(,\d+)*", args.devices):
+        raise UserError(f"--devices: {args.devices!r} is not a list of GPU indices such as 1 or 2,3")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise UserError("--gpu-memory-utilization: must be in (0, 1]")
+    if args.lora_rank is not None and args.lora_rank < 1:
+        raise UserError("--lora-rank: must be >= 1 (the adapter's r)")
+    if os.path.exists(args.model) and not os.path.isdir(args.model):
+        raise UserError(f"MODEL: {args.model} is a file; give a model folder or a Hub name")
+    with socket.socket() as s:  # now, not after vLLM has spent a minute loading the model
+        try:
+            s.bind((args.host, args.port))
+        except OSError as e:
+            raise UserError(f"--port: {args.host}:{args.port} cannot be used ({e.strerror}); choose another port")
+    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--host", args.host,
+            "--port", str(args.port), "--dtype", args.dtype, "--gpu-memory-utilization",
+            str(args.gpu_memory_utilization), "--tensor-parallel-size", str(args.tensor_parallel_size),
+            "--logprobs-mode", "processed_logprobs", "--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    if args.max_model_len:
+        argv += ["--max-model-len", str(args.max_model_len)]
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    if args.lora_rank is not None:  # vLLM accepts only some ranks as its maximum: the smallest that holds r
+        from grpokit.rollout.vllm import VLLM_LORA_RANKS
+
+        argv += ["--enable-lora", "--max-lora-rank", str(next((k for k in VLLM_LORA_RANKS if k >= args.lora_rank),
+                                                              args.lora_rank))]
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
+    if args.devices:
+        env["CUDA_VISIBLE_DEVICES"] = args.devices
+    return argv + list(args.vllm_args), env
+
+
+def cmd_serve(args) -> int:
+    argv, env = serve_command(args)
+    if importlib.util.find_spec("vllm") is None:
+        raise UserError("grpokit serve starts vLLM, which is not installed: pip install 'grpokit[vllm]' on a CUDA "
+                        "machine")
+    host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
+    print(f"starting: {shlex.join(argv)}\nthen train with: rollout.engine = \"vllm\" and "
+          f"rollout.vllm = {{server = \"http://{host}:{args.port}\"}}", flush=True)
+    os.execve(argv[0], argv, env)
+    return 0  # not reached
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="start vLLM as a server for rollout.vllm.server (generation on its own GPUs)")
+    p.add_argument("model", help="a model folder or Hub name (the policy's starting weights)")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--devices", default="", help="GPU indices for vLLM, e.g. 1 or 2,3 (CUDA_VISIBLE_DEVICES)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs one model is split over")
+    p.add_argument("--dtype", default="bfloat16", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="the served weights' dtype")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of each GPU vLLM may take")
+    p.add_argument("--max-model-len", type=int, default=0, help="prompt + answer tokens (0: the model's)")
+    p.add_argument("--lora-rank", type=int, default=None, help="serve LoRA adapters of this rank (model.lora.r)")
+    p.add_argument("vllm_args", nargs="*", help="more `vllm serve` flags, after --")
+    p.set_defaults(func=cmd_serve)

@@ -1,0 +1,176 @@
+"""vLLM as a server (`rollout.vllm = {server = ...}`, rollout/vllm_server.py) and `grpokit serve`, against the CPU
+stand-in (tests/fake_vllm: the HTTP endpoints and vLLM's weight-transfer calls, with gloo in place of NCCL).
+
+What a real vLLM server adds (CUDA kernels, NCCL, vLLM's own samplers) is left to scripts/check_vllm_gpu.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import comparable, make_config, parity
+from grpokit.config.schema import RolloutConfig
+from grpokit.errors import ConfigError, UserError
+from grpokit.observe.tracking import read_metrics
+from grpokit.training.loop import train
+
+FAKE = Path(__file__).parent / "fake_vllm"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """The stand-in vllm importable here (the trainer's transfer calls) and in spawned workers."""
+    monkeypatch.syspath_prepend(str(FAKE))
+    yield
+    for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def server(tiny_model_dir, stand_in):
+    """`grpokit serve` of the tiny model, on the stand-in; yields its URL."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "grpokit.cli", "serve", str(tiny_model_dir), "--port", str(port),
+                             "--host", "127.0.0.1", "--dtype", "float32", "--lora-rank", "4"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            get(f"{url}/health")
+            break
+        except OSError:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
+            time.sleep(0.3)
+    yield url
+    proc.kill()
+    proc.wait(10)
+
+
+def server_config(model_dir, out, url, *, steps=2, rollout=None, **kw):
+    return make_config(model_dir, out, steps=steps, learning_rate=1e-2,
+                       rollout={"engine": "vllm", "vllm": {"server": url, "server_timeout_s": 30}, **(rollout or {})},
+                       train={"num_threads": 1, **kw.pop("train", {})},
+                       algorithm={"is_correction": "token_truncate"}, **kw)  # logs the sampler-trainer gap
+
+
+def test_grpokit_serve_starts_vllm_with_what_the_trainer_needs(server):
+    stats = get(f"{server}/stand_in_stats")
+    argv = stats["argv"]
+    assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"  # the sampling distribution's
+    assert json.loads(argv[argv.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
+    assert argv[argv.index("--max-lora-rank") + 1] == "8" and "--enable-lora" in argv  # r = 4 fits vLLM's 8
+    assert stats["dev_mode"] == "1" and stats["lora_updating"] == "1"  # the endpoints the transfer drives
+
+
+def test_sync_training_through_a_server_keeps_its_weights_the_trainers(tiny_model_dir, tmp_path, server):
+    """Every update reaches the server through the weight-transfer calls: the server's log-probs of what it
+    sampled stay the trainer's (a server that kept its old weights falls behind after the first update)."""
+    run = train(server_config(tiny_model_dir, tmp_path / "run", server, steps=3), reward_functions=[parity])
+    rows = read_metrics(run)
+    assert len(rows) == 3
+    assert max(r["sampling/logprob_gap_max"] for r in rows) < 1e-4
+    initial, final = load_file(tiny_model_dir / "model.safetensors"), load_file(run / "checkpoint-3" /
+                                                                                "model.safetensors")
+    assert any(not torch.equal(final[n], initial[n]) for n in final if n in initial)  # it trained
+    stats = get(f"{server}/stand_in_stats")
+    assert stats["updates"] == 4 and stats["pause_mode"] == "keep"  # the start's push, then one after each step
+    assert stats["completions"] == 3 * 4  # one request per prompt (n = G), 4 prompts a step
+
+
+def test_async_through_a_server_with_max_staleness_0_is_the_sync_run(tiny_model_dir, tmp_path, server):
+    """The worker samples over HTTP, the trainer pushes: the same metrics as the sync run, and no push landed
+    while a batch was being sampled (each answer has one policy version)."""
+    sync = train(server_config(tiny_model_dir, tmp_path / "sync", server, steps=3), reward_functions=[parity])
+    run = train(server_config(tiny_model_dir, tmp_path / "async", server, steps=3,
+                              rollout={"mode": "async", "max_staleness": 0}), reward_functions=[parity])
+    a, b = comparable(read_metrics(sync)), comparable(read_metrics(run))
+    for x, y in zip(a, b, strict=True):
+        assert y["async/staleness_max"] == 0
+        for key in x:
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), key
+    assert get(f"{server}/stand_in_stats")["updates_during_sampling"] == 0
+
+
+def test_async_through_a_server_with_lag_tags_versions_and_never_pushes_mid_batch(tiny_model_dir, tmp_path, server):
+    run = train(server_config(tiny_model_dir, tmp_path / "async", server, steps=4,
+                              rollout={"mode": "async", "max_staleness": 1}), reward_functions=[parity])
+    rows = read_metrics(run)
+    assert [r["async/staleness_max"] <= 1 for r in rows] == [True] * 4
+    assert rows[0]["async/staleness_max"] == 0  # step 1's batch: the weights of the start
+    assert max(r["sampling/logprob_gap_max"] for r in rows if r["async/staleness_max"] == 0) < 1e-4
+    assert get(f"{server}/stand_in_stats")["updates_during_sampling"] == 0
+
+
+def test_lora_through_a_server_moves_the_adapter_only(tiny_model_dir, tmp_path, server):
+    run = train(server_config(tiny_model_dir, tmp_path / "lora", server, steps=2, model={"lora": {"r": 4}}),
+                reward_functions=[parity])
+    rows = read_metrics(run)
+    assert max(r["sampling/logprob_gap_max"] for r in rows) < 1e-4  # the server samples with the new adapter
+    assert get(f"{server}/stand_in_stats")["updates"] == 0  # no base weights moved
+
+
+def test_no_server_at_the_address_is_one_error_naming_the_field(tiny_model_dir, tmp_path, stand_in):
+    url = f"http://127.0.0.1:{free_port()}"
+    config = make_config(tiny_model_dir, tmp_path / "run", rollout={"engine": "vllm", "vllm": {
+        "server": url, "server_timeout_s": 1}})
+    with pytest.raises(UserError, match=r"rollout.vllm.server: no vLLM server answers at .* within "
+                                        r"rollout.vllm.server_timeout_s = 1 s; start it with `grpokit serve MODEL`"):
+        train(config, reward_functions=[parity])
+
+
+@pytest.mark.parametrize("fields, match", [
+    ({"vllm": {"server": "localhost:8000"}}, r"rollout.vllm.server: must be the server's address"),
+    ({"vllm": {"server": "http://h:1", "gpu_memory_utilization": 0.5}},
+     r"rollout.vllm.gpu_memory_utilization: applies to the colocated engine only"),
+    ({"vllm": {"server_timeout_s": 5}}, r"rollout.vllm.server_timeout_s: is how long to wait"),
+    ({"vllm": {"server": "http://h:1"}, "mode": "async", "workers": 2}, r"rollout.workers: is 2, but one worker"),
+    ({"vllm": {"server": "http://h:1"}, "mode": "async", "worker_devices": ("cpu",)}, r"rollout.worker_devices: a"),
+    ({"mode": "async"}, r"rollout.engine: rollout.mode = \"async\" samples in processes of its own"),
+])
+def test_server_settings_are_checked_with_their_field(fields, match, stand_in):
+    with pytest.raises(ConfigError, match=match):
+        RolloutConfig(engine="vllm", **fields)
+
+
+def test_serve_refuses_what_vllm_would_fail_on_later(tmp_path, stand_in, capsys):
+    from grpokit.cli import main
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    try:
+        assert main(["serve", str(tmp_path), "--host", "127.0.0.1", "--port", str(port)]) != 0
+    finally:
+        taken.close()
+    assert f"--port: 127.0.0.1:{port} cannot be used" in capsys.readouterr().err
+    (tmp_path / "f").write_text("x")
+    for argv, said in [(["--devices", "a"], "--devices: 'a' is not a list of GPU indices"),
+                       (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization: must be in (0, 1]"),
+                       (["--lora-rank", "0"], "--lora-rank: must be >= 1")]:
+        assert main(["serve", str(tmp_path), *argv]) != 0
+        assert said in capsys.readouterr().err
+    assert main(["serve", str(tmp_path / "f")]) != 0
+    assert "is a file; give a model folder or a Hub name" in capsys.readouterr().err
