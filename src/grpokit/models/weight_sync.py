@@ -18,6 +18,12 @@ the time between two syncs. The first transfer holds every parameter (the worker
 its folder; the trainer may have resumed or been handed a model in memory); later ones only the
 parameters that train (with LoRA the adapter alone). Parameters travel in buckets of about `bucket_mb`,
 one flat tensor per bucket and dtype, in the order of `named_parameters()` on both sides.
+
+An FSDP2 trainer (`model.fsdp`) holds shards (DTensor parameters; their names and shapes are the whole
+model's): each rank gathers every parameter whole (`full_tensor()`, a collective over the training group:
+every rank publishes at the same step and gathers the same parameters in the same order) into the bucket
+it sends to its own workers, one parameter at a time, so at most a bucket and a parameter are whole at
+once; the model stays sharded.
 """
 
 from __future__ import annotations
@@ -50,6 +56,36 @@ def buckets(params: list[tuple[str, torch.Tensor]], bucket_mb: float = BUCKET_MB
         out[-1].append(i)
         size += nbytes
     return out
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without DTensor
+        return False
+    return isinstance(p, DTensor)
+
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a parameter: an FSDP2 shard (DTensor) gathered over its mesh (a collective of the
+    training ranks), or the parameter itself. No gradient, and the parameter stays sharded."""
+    p = p.detach()
+    return p.full_tensor() if _is_dtensor(p) else p
+
+
+def _flat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """One bucket as one flat host tensor (gloo moves host memory), its parameters whole; under FSDP gathered
+    one at a time into it (never the whole model at once)."""
+    if not any(_is_dtensor(p) for p in parts):
+        return _flatten_dense_tensors([p.detach() for p in parts]).cpu()
+    flat = torch.empty(sum(p.numel() for p in parts), dtype=parts[0].dtype)  # a DTensor's numel: the whole's
+    offset = 0
+    for p in parts:
+        whole = _whole(p)
+        flat[offset:offset + whole.numel()].copy_(whole.reshape(-1))
+        offset += whole.numel()
+        del whole
+    return flat
 
 
 def _group(port: int, rank: int, size: int, timeout_s: float, is_master: bool, store=None):
@@ -91,9 +127,8 @@ class WeightChannel:
             self.announced.value = version
         _broadcast(self.group, header)
         with torch.no_grad():
-            for bucket in buckets(params):
-                flat = _flatten_dense_tensors([params[i][1].detach() for i in bucket]).cpu()  # gloo: host memory
-                _broadcast(self.group, flat)
+            for bucket in buckets(params):  # FSDP2: shapes and sizes are the whole tensors', on every rank
+                _broadcast(self.group, _flat([params[i][1] for i in bucket]))  # gloo: host memory
         return time.perf_counter() - t0
 
 
