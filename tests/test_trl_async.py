@@ -189,8 +189,7 @@ def test_shared_fields_keep_grpoconfigs_decisions():
 
 
 @pytest.mark.parametrize("trl_args, match", [
-    (dict(vllm_server_base_url="http://gpu-box:8000"), r"vllm_server_base_url='http://gpu-box:8000' \(grpokit's "
-                                                        r"asynchronous rollout samples in its own worker processes"),
+    (dict(vllm_server_base_url="gpu-box:8000"), r"vllm_server_base_url='gpu-box:8000' \(the vLLM server's address"),
     (dict(token_budget=16384), r"token_budget=16384 \(grpokit's micro-batches hold a fixed count"),
     (dict(dtype="fp8"), r"dtype='fp8' \(one of auto, bfloat16, float16, float32\)"),
     (dict(max_staleness=-1), r"max_staleness=-1 \(must be >= 0"),

@@ -198,6 +198,7 @@ def test_every_supported_field_is_in_the_mapping_table():
     # fields read only with vLLM (needs the package) or by the trainer (rows, model loading, weights)
     elsewhere = {"use_vllm", "vllm_mode", "vllm_gpu_memory_utilization", "vllm_enable_sleep_mode",
                  "vllm_max_model_length", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+                 "vllm_server_base_url", "vllm_server_host", "vllm_server_port", "vllm_server_timeout",
                  "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "remove_unused_columns",
                  "vllm_importance_sampling_cap", "model_init_kwargs", "reward_weights", "fp16", "adam_epsilon",
                  "weight_decay", "do_eval", "do_predict", "local_rank",
@@ -236,10 +237,10 @@ def test_vllm_mismatch_correction_maps_every_trl_mode(trl_args, expected):
 def test_refused_fields_and_values_are_listed_in_one_error():
     with pytest.raises(ConfigError) as e:
         GRPOConfig(push_to_hub=True, eval_strategy="epoch", torch_compile=True, delta=1.1,
-                   lr_scheduler_type="linear", weight_decay=0.1, use_vllm=True, vllm_mode="server")
+                   lr_scheduler_type="linear", weight_decay=0.1, use_vllm=True, vllm_mode="remote")
     message = str(e.value)
     for part in ("push_to_hub=True", "eval_strategy='epoch'", "torch_compile=True", "delta=1.1",
-                 "lr_scheduler_type='linear'", "weight_decay=0.1", "vllm_mode='server'"):
+                 "lr_scheduler_type='linear'", "weight_decay=0.1", "vllm_mode='remote' (use 'colocate' or 'server')"):
         assert part in message, part
     assert "max_steps" not in message  # only what was given away from the defaults
 

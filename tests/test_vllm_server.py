@@ -174,3 +174,26 @@ def test_serve_refuses_what_vllm_would_fail_on_later(tmp_path, stand_in, capsys)
         assert said in capsys.readouterr().err
     assert main(["serve", str(tmp_path / "f")]) != 0
     assert "is a file; give a model folder or a Hub name" in capsys.readouterr().err
+
+
+def test_trls_server_arguments_map_onto_the_server(stand_in):
+    """GRPOConfig(use_vllm=True, vllm_mode="server") and AsyncGRPOConfig(vllm_server_base_url=...) sample on that
+    server; the colocated options do not travel (the server has its own)."""
+    from grpokit.trl import AsyncGRPOConfig, GRPOConfig
+    from grpokit.trl.async_config import async_config, async_notes
+    from grpokit.trl.mapping import grpokit_config
+
+    args = GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_host="gpu-box", vllm_server_port=9000,
+                      vllm_server_timeout=30.0, vllm_gpu_memory_utilization=0.5, max_steps=2)
+    rollout = grpokit_config(args, model_path="m", dtype="float32").rollout
+    assert (rollout.engine, rollout.vllm) == ("vllm", {"server": "http://gpu-box:9000", "server_timeout_s": 30.0})
+    url = GRPOConfig(use_vllm=True, vllm_mode="server", vllm_server_base_url="http://b:1", max_steps=2)
+    assert grpokit_config(url, model_path="m", dtype="float32").rollout.vllm["server"] == "http://b:1"
+
+    a = AsyncGRPOConfig(vllm_server_base_url="http://gpu-box:8000", request_timeout=900, max_steps=2)
+    config = async_config(a, grpokit_config(a.as_grpo(), model_path="m", dtype="float32"))
+    assert (config.rollout.mode, config.rollout.engine) == ("async", "vllm")
+    assert config.rollout.vllm == {"server": "http://gpu-box:8000", "server_timeout_s": 900.0}
+    assert not [n for n in async_notes(a) if n.startswith("request_timeout")]  # it bounds the server's calls here
+    default = AsyncGRPOConfig(max_steps=2)  # TRL's default address: grpokit's own workers, not a server
+    assert grpokit_config(default.as_grpo(), model_path="m", dtype="float32").rollout.engine == "hf"

@@ -42,8 +42,10 @@ TRL_NAMES = {
     "rollout.top_p": "top_p",
     "rollout.top_k": "top_k",
     "rollout.stop_strings": "generation_kwargs (its stop_strings)",
-    "rollout.engine": "use_vllm + vllm_mode (\"vllm\" = use_vllm=True, vllm_mode=\"colocate\")",
-    "rollout.vllm": "vllm_gpu_memory_utilization + vllm_enable_sleep_mode + vllm_max_model_length",
+    "rollout.engine": "use_vllm + vllm_mode (\"vllm\" = use_vllm=True, vllm_mode=\"colocate\" or \"server\")",
+    "rollout.vllm": "vllm_gpu_memory_utilization + vllm_enable_sleep_mode + vllm_max_model_length (server: "
+                    "vllm_server_base_url or vllm_server_host + vllm_server_port, server_timeout_s: "
+                    "vllm_server_timeout)",
     "algorithm.loss_type": "loss_type",
     "algorithm.beta": "beta",
     "algorithm.epsilon": "epsilon",

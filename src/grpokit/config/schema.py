@@ -127,8 +127,10 @@ class RolloutConfig:
     top_k: int = 0
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks only: every answer runs to max_new_tokens
-    engine: str = "hf"  # hf (built-in sampler on the training model) | vllm (colocated vLLM; rollout/vllm.py)
-    # vLLM options: gpu_memory_utilization, enable_sleep_mode, sync_bucket_mb, max_model_len, enforce_eager, dtype
+    engine: str = "hf"  # hf (built-in sampler on the training model) | vllm (colocated vLLM, or a vLLM server)
+    # vLLM options: colocated (rollout/vllm.py) gpu_memory_utilization, enable_sleep_mode, sync_bucket_mb,
+    # max_model_len, enforce_eager, dtype; or server = "http://host:8000" (grpokit serve; rollout/vllm_server.py)
+    # with server_timeout_s (every call to it, generation included, waits at most this long; 240)
     vllm: dict = field(default_factory=dict)
     # Speed options of the built-in sampler (rollout.engine = "hf"); the samples' distribution is the
     # same either way, so they exist for benchmark ablations: the token sampler (inverse_cdf | gumbel),

@@ -17,8 +17,9 @@ weight_sync_steps - 1 steps), `weight_sync_steps` -> `rollout.weight_sync_every`
 `token_budget` <= 0 is grpokit's fixed-count micro-batches (None, TRL's default, means the vLLM server's
 max_model_len: there is no server, so grpokit packs the fixed count too; > 0 is refused); the others have
 nothing to act on in grpokit and are accepted with a note (`fork_threshold_tokens`, the server's timeouts,
-`max_inflight_tasks`, `queue_maxsize`), but `vllm_server_base_url` away from TRL's default is refused (grpokit's
-workers are not a vLLM server yet). docs/TRL.md lists every field with its decision.
+`max_inflight_tasks`, `queue_maxsize`); `vllm_server_base_url` away from TRL's default samples on that vLLM
+server (started with `grpokit serve`), TRL's default is not connected to (the built-in sampler runs in grpokit's
+workers). docs/TRL.md lists every field with its decision.
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ class _AsyncBase:
                       accelerator_config=_without_forced(self.accelerator_config),
                       loss_type="dapo" if self.gradient_accumulation_steps == 1 else "bnpo", scale_rewards="group",
                       shuffle_dataset=False)
+        if _uses_server(self):  # the worker's requests go to that vLLM server (started with grpokit serve)
+            shared.update(use_vllm=True, vllm_mode="server", vllm_server_base_url=self.vllm_server_base_url,
+                          vllm_server_timeout=max(self.vllm_server_timeout, self.request_timeout))
         if max_steps is not None:
             shared["max_steps"] = max_steps
         return _GRPOForAsync(**shared)
@@ -124,9 +128,8 @@ def own_problems(c) -> list[str]:
         return typed
     checks = [
         ("dtype", c.dtype in DTYPES, f"one of {', '.join(DTYPES)}"),
-        ("vllm_server_base_url", c.vllm_server_base_url == ASYNC_DEFAULTS["vllm_server_base_url"],
-         "grpokit's asynchronous rollout samples in its own worker processes with the built-in sampler; a vLLM "
-         "server is not supported yet: leave it at TRL's default, which grpokit does not connect to"),
+        ("vllm_server_base_url", isinstance(c.vllm_server_base_url, str) and c.vllm_server_base_url.startswith(
+            ("http://", "https://")), "the vLLM server's address, e.g. 'http://gpu-box:8000'"),
         ("token_budget", c.token_budget is None or c.token_budget <= 0,
          "grpokit's micro-batches hold a fixed count of answers (per_device_train_batch_size per process), TRL's "
          "token_budget <= 0 packing; it has no token-budgeted batching: set token_budget=0, or leave it None"),
@@ -148,10 +151,19 @@ def own_problems(c) -> list[str]:
     return problems
 
 
+def _uses_server(c) -> bool:
+    """TRL's async trainer always samples on a vLLM server; grpokit uses one only when its address is given (TRL's
+    default address is not connected to: the built-in sampler runs in grpokit's own worker processes)."""
+    return c.vllm_server_base_url != ASYNC_DEFAULTS["vllm_server_base_url"]
+
+
 def async_notes(c) -> list[str]:
     """What the trainer says once about the async fields that change nothing in grpokit."""
     bounded = (f"every wait on grpokit's rollout workers is bounded by heartbeat_stale_after_s = "
                f"{c.heartbeat_stale_after_s:g} s (rollout.worker_timeout_s)")
+    if _uses_server(c):
+        bounded = (f"every call to the server is bounded by the larger of vllm_server_timeout and request_timeout "
+                   f"({max(c.vllm_server_timeout, c.request_timeout):g} s: rollout.vllm.server_timeout_s)")
     reasons = {
         "fork_threshold_tokens": "grpokit never re-tokenizes a conversation (a tool's result is appended as tokens), "
                                  "so no turn forks a training row",
@@ -165,6 +177,9 @@ def async_notes(c) -> list[str]:
         "ignore_data_skip": "TRL's async trainer forces it True too; grpokit's resume continues the prompt stream "
                             "from the checkpoint",
     }
+    if _uses_server(c):  # these two bound the calls to the server
+        reasons.pop("vllm_server_timeout"), reasons.pop("request_timeout")
+        reasons["weight_sync_timeout"] = f"the weight transfer is driven by calls to the server; {bounded}"
     defaults = {**OWN, "vllm_server_timeout": 240.0, "ignore_data_skip": True}
     return [f"{name}={getattr(c, name)!r}: no effect: {why}" for name, why in reasons.items()
             if getattr(c, name) != defaults[name]]

@@ -69,7 +69,11 @@ class _Supported:
     top_p: float = 1.0
     top_k: int = 0
     use_vllm: bool = False
-    vllm_mode: str = "colocate"
+    vllm_mode: str = "colocate"  # "server": vLLM's own server (grpokit serve), not `trl vllm-serve`
+    vllm_server_base_url: str | None = None
+    vllm_server_host: str = "0.0.0.0"
+    vllm_server_port: int = 8000
+    vllm_server_timeout: float = 240.0
     vllm_gpu_memory_utilization: float = 0.3
     vllm_enable_sleep_mode: bool = False
     vllm_max_model_length: int | None = None
@@ -282,7 +286,7 @@ def _value_problems(c) -> list[str]:
         ("max_completion_length", isinstance(c.max_completion_length, int) and c.max_completion_length >= 1,
          "give the answer budget in tokens"),
         ("model_init_kwargs", set(c.model_init_kwargs or {}) <= {"dtype", "torch_dtype"}, "grpokit reads only dtype"),
-        ("vllm_mode", not c.use_vllm or c.vllm_mode == "colocate", "grpokit runs vLLM colocated only"),
+        ("vllm_mode", c.vllm_mode in ("colocate", "server"), "use 'colocate' or 'server'"),
         ("entropy_coef", c.entropy_coef >= 0, "grpokit's entropy bonus needs a coefficient >= 0; a negative one, "
          "an entropy penalty, is not supported"),
         ("vllm_importance_sampling_clip_max", c.vllm_importance_sampling_clip_max is None
@@ -363,8 +367,7 @@ REFUSED: dict[str, Any] = {
     "data_seed": None, "resume_from_checkpoint": None, "trust_remote_code": False, "router_aux_loss_coef": None,
     "cast_lm_head_to_fp32": False, "ds3_gather_for_generation": True, "min_p": None,
     "chat_template_kwargs": None, "repetition_penalty": 1.0, "cache_implementation": None,
-    "vllm_model_impl": "vllm", "vllm_structured_outputs_regex": None, "vllm_server_base_url": None,
-    "vllm_server_host": "0.0.0.0", "vllm_server_port": 8000, "vllm_server_timeout": 240.0, "vllm_group_port": 51216,
+    "vllm_model_impl": "vllm", "vllm_structured_outputs_regex": None, "vllm_group_port": 51216,
     "vllm_tensor_parallel_size": 1, "log_multimodal": True,
     "num_completions_to_print": None, "log_unique_prompts": False, "log_completions_hub_repo": None,
     "use_transformers_continuous_batching": False, "transformers_continuous_batching_config": None,

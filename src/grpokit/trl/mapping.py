@@ -189,6 +189,10 @@ def _mismatch(args) -> dict:
 
 
 def _vllm_options(args) -> dict:
+    if args.vllm_mode == "server":  # vLLM's own server (grpokit serve): its settings are given where it starts
+        host = "localhost" if args.vllm_server_host in ("0.0.0.0", "::") else args.vllm_server_host
+        return {"server": args.vllm_server_base_url or f"http://{host}:{args.vllm_server_port}",
+                "server_timeout_s": float(args.vllm_server_timeout)}
     options = {"gpu_memory_utilization": args.vllm_gpu_memory_utilization,
                "enable_sleep_mode": args.vllm_enable_sleep_mode}
     if args.vllm_max_model_length is not None:
