@@ -241,7 +241,7 @@ class AsyncRollouts:
         if index == 0:  # ... and worker 0's noise, where it continues from (the batches in flight are redone)
             if got.sampler_state.numel() == self.run.sampler.get_state().numel():  # a generator of its kind
                 self.run.sampler.set_state(got.sampler_state)
-        lag = step - 1 - got.batch.rollout.policy_version.double()  # [N]
+        lag = step - 1 - got.batch.rollout.policy_version.double()  # [R]: per training row (forked answers: several)
         metrics = {**got.metrics, "async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max()),
                    "async/dropped": self.dropped, "time/trainer_idle": idle, "time/sampler_idle": got.waited_s,
                    "async/sampler_tokens_per_sec": got.tokens / max(got.ended - got.started, 1e-9)}

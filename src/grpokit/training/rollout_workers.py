@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import os
 import signal
 import sys
@@ -42,6 +41,7 @@ from grpokit.rollout.vllm_server import ServerVersions
 from grpokit.training import vision_setup
 from grpokit.training.generate import generate_and_grade
 from grpokit.training.setup import PromptTable, isolate_rewards, prepare_data, resolve_reward_specs
+from grpokit.training.split_rows import with_policy_version
 from grpokit.training.tool_setup import resolve_tools
 
 HEARTBEAT_S = 0.5
@@ -206,12 +206,10 @@ class _Worker:
             started = time.time()
             batch, metrics = generate_and_grade(self.config, self.engine, self.tokenizer, self.prompts, self.stream,
                                                 self.specs, self.sampler, self.environments)
-        rollout = batch.rollout
-        tagged = dataclasses.replace(rollout, policy_version=torch.full((rollout.num_sequences,), version))
-        batch = dataclasses.replace(batch, draw=dataclasses.replace(batch.draw, rollout=tagged))
+        batch = with_policy_version(batch, version)  # the answers and, where they forked, their training rows
         return WorkerBatch(batch, metrics, version, self.stream.state_dict(), self.sampler.get_state(),
                            waited_s, started, time.time(),
-                           int(rollout.action_mask.sum()))
+                           int(batch.draw.rollout.action_mask.sum()))  # the answers' sampled tokens
 
     def close(self) -> None:
         if self.pool is not None:

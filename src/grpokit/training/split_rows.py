@@ -3,6 +3,7 @@
     check_history_setup(config, toolbox, environments)          # start-up: what "split" cannot run with
     engine.history = conversation_history(tokenizer, rows, G, engine.tools, environments)   # before sampling
     batch, metrics = split_rows(batch, pad_token_id)             # after grading, advantages, per-turn credit
+    batch = with_policy_version(batch, version)                  # async: a worker tags what it sends
 
 Grading, advantages, dynamic sampling, per-turn credit and completions.jsonl all see *answers*: one
 conversation each, its `Rollout` row holding its completion as one stream (every row's completion one after
@@ -54,10 +55,6 @@ def check_history_setup(config: Config, toolbox, environments) -> None:
     if toolbox is None and environments is None:
         raise SetupError(f"{where} renders multi-turn conversations, and this run has no tools or environment; give "
                          "it tools ([tools] functions / environment) or set tools.history = \"append\"")
-    if config.rollout.mode != "sync":
-        raise SetupError(f"{where} is not built for rollout.mode = {config.rollout.mode!r} yet (its workers would send "
-                         "the answers without their training rows); set rollout.mode = \"sync\" or "
-                         "tools.history = \"append\"")
     if world_size() > 1:
         raise SetupError(f"{where} runs in one process for now: with {world_size()} processes each would train a "
                          "different number of rows per step, and their collectives would fall out of step; run one "
@@ -108,6 +105,20 @@ def split_rows(batch, pad_token_id: int):
     token_advantages = None if batch.token_advantages is None else take(batch.token_advantages, 0.0)
     return dataclasses.replace(batch, rows=rows, conversation=conv, loss_mask=take(batch.loss_mask, 0),
                                token_advantages=token_advantages), metrics
+
+
+def with_policy_version(batch, version: int):
+    """`batch` (a GenerationBatch) tagged with the policy version that sampled it (asynchronous rollout: the
+    worker, rollout_workers.py): every answer ([N], `draw.rollout`) and, when answers forked, every training row
+    ([R], `rows`: its answer's). The trainer reads the lag from what it trains on (`batch.rollout`, the rows)."""
+    answers = batch.draw.rollout
+    versions = torch.full((answers.num_sequences,), version)  # [N]
+    batch = dataclasses.replace(batch, draw=dataclasses.replace(
+        batch.draw, rollout=dataclasses.replace(answers, policy_version=versions)))
+    if batch.rows is None:
+        return batch
+    return dataclasses.replace(batch, rows=dataclasses.replace(
+        batch.rows, policy_version=versions[batch.conversation.cpu()]))  # [R]
 
 
 def _spans(r: Rollout) -> tuple[list[int], list[int], list[int], list[list[int]]]:
