@@ -21,6 +21,10 @@ character tokenizer), then runs each phase in its own process (a fresh vLLM engi
           Finite metrics, no answer more than 1 step stale, and where an answer is not stale the
           sampler-trainer gap stays small (the weights arrived intact).
 
+  server  `grpokit serve` of the model on the same GPU (vLLM's own server, a quarter of the GPU), then 5 GRPO
+          steps with rollout.mode = "async" through it: a worker process sends the requests over HTTP, the
+          trainer pushes its weights through vLLM's NCCL weight-transfer API. The async checks above.
+
   vision       5 GRPO steps on a tiny Qwen2-VL (built locally, 32x32 images of the `shapes` task) with the
                built-in sampler on the GPU: finite metrics, the sampler-trainer gap small (the pixels reach both).
   vision_vllm  the same with rollout.engine = "vllm": each prompt's images go as vLLM's multi_modal_data beside
@@ -43,8 +47,8 @@ import sys
 import time
 from pathlib import Path
 
-PHASES = ("engine", "train", "lora", "sleep", "hf", "async", "vision", "vision_vllm")
-VLLM_PHASES = ("engine", "train", "lora", "sleep", "vision_vllm")
+PHASES = ("engine", "train", "lora", "sleep", "hf", "async", "server", "vision", "vision_vllm")
+VLLM_PHASES = ("engine", "train", "lora", "sleep", "server", "vision_vllm")
 # A dry run of this script's own logic on a machine without a GPU (tests/fake_vllm stands in for vLLM):
 # GRPOKIT_CHECK_DEVICE=cpu PYTHONPATH=tests/fake_vllm python scripts/check_vllm_gpu.py
 DEVICE = os.environ.get("GRPOKIT_CHECK_DEVICE", "cuda")
@@ -191,18 +195,20 @@ def phase_train(model_dir: Path, out: Path, *, lora: bool = False, sleep: bool =
     return results
 
 
-def phase_builtin(model_dir: Path, out: Path, *, mode: str) -> list:
-    """The built-in sampler on the GPU: in the trainer (sync) or in a worker process (async)."""
+def phase_builtin(model_dir: Path, out: Path, *, mode: str, server: str | None = None) -> list:
+    """The built-in sampler on the GPU: in the trainer (sync) or in a worker process (async); with `server`, a
+    vLLM server's address, the worker samples there."""
     from grpokit.config.schema import Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
     from grpokit.observe.tracking import read_metrics
     from grpokit.training.loop import train
 
     results: list = []
-    name = "async" if mode == "async" else "hf"
+    name = "server" if server else "async" if mode == "async" else "hf"
+    engine = {"engine": "vllm", "vllm": {"server": server, "server_timeout_s": 300}} if server else {}
     config = Config(
         model=ModelConfig(path=str(model_dir), dtype="bfloat16", device=DEVICE),
         data=DataConfig(task="addition", num_prompts=512),
-        rollout=RolloutConfig(group_size=8, max_new_tokens=16, mode=mode, max_staleness=1),
+        rollout=RolloutConfig(group_size=8, max_new_tokens=16, mode=mode, max_staleness=1, **engine),
         train=TrainConfig(steps=5, prompts_per_step=16, learning_rate=1e-3),
         output=OutputConfig(dir=str(out / name), console=False, overwrite=True),
     )
@@ -215,10 +221,43 @@ def phase_builtin(model_dir: Path, out: Path, *, mode: str) -> list:
     if mode == "async":
         lags = [r["async/staleness_max"] for r in rows]
         fresh = [r["sampling/logprob_gap_mean"] for r in rows if r["async/staleness_max"] == 0]
-        check(results, "async: no answer more than max_staleness = 1 step stale", max(lags) <= 1, lags=lags)
-        check(results, "async: not stale, the sampler's log-probs are the trainer's", bool(fresh)
+        check(results, f"{name}: no answer more than max_staleness = 1 step stale", max(lags) <= 1, lags=lags)
+        check(results, f"{name}: not stale, the sampler's log-probs are the trainer's", bool(fresh)
               and max(fresh) < GAP_MEAN_MAX, gaps=fresh, idle=[round(r["time/trainer_idle"], 3) for r in rows])
     return results
+
+
+def phase_server(model_dir: Path, out: Path) -> list:
+    """`grpokit serve` on this GPU, then the async phase through it."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(out / "server.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "grpokit.cli", "serve", str(model_dir), "--host", "127.0.0.1",
+                               "--port", str(port), "--gpu-memory-utilization", "0.25", "--max-model-len", "512",
+                               "--vllm-args=--enforce-eager"], stdout=log, stderr=subprocess.STDOUT)
+    url, t0 = f"http://127.0.0.1:{port}", time.perf_counter()
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=5)
+                break
+            except OSError:
+                if server.poll() is not None or time.perf_counter() - t0 > 200:
+                    results: list = []
+                    check(results, "server: grpokit serve answers /health", False, exit=server.poll(),
+                          log_tail=(out / "server.log").read_text()[-2000:])
+                    return results
+                time.sleep(1)
+        results = []
+        check(results, "server: grpokit serve answers /health", True, seconds=time.perf_counter() - t0)
+        return results + phase_builtin(model_dir, out, mode="async", server=url)
+    finally:
+        server.kill()
+        server.wait(30)
 
 
 def run_phase(phase: str, model_dir: Path, out: Path) -> list:
@@ -226,6 +265,8 @@ def run_phase(phase: str, model_dir: Path, out: Path) -> list:
         return phase_train(model_dir, out, vision_engine="vllm" if phase == "vision_vllm" else "hf")
     if phase in ("hf", "async"):
         return phase_builtin(model_dir, out, mode="async" if phase == "async" else "sync")
+    if phase == "server":
+        return phase_server(model_dir, out)
     if phase == "engine":
         return phase_engine(model_dir, out)
     return phase_train(model_dir, out, lora=phase == "lora", sleep=phase == "sleep")
@@ -243,6 +284,7 @@ def main() -> int:
     out = Path(args.out).resolve()
     model_dir = out / "model"
     if args.phase:
+        out.mkdir(parents=True, exist_ok=True)
         results = run_phase(args.phase, model_dir, out)
         (out / f"{args.phase}.json").write_text(json.dumps(results, indent=2))
         return 0

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 from conftest import comparable, make_config, parity
 from grpokit.config.schema import RolloutConfig
-from grpokit.errors import ConfigError, UserError
+from grpokit.errors import ConfigError, RolloutWorkerError, UserError
 from grpokit.observe.tracking import read_metrics
 from grpokit.training.loop import train
 
@@ -132,6 +132,32 @@ def test_lora_through_a_server_moves_the_adapter_only(tiny_model_dir, tmp_path, 
     assert get(f"{server}/stand_in_stats")["updates"] == 0  # no base weights moved
 
 
+CALLS = {"n": 0}
+
+
+def parity_then_the_server_dies(completions, **kwargs):
+    """`parity`; grading the second batch kills the server (its pid in GRPOKIT_TEST_SERVER_PID)."""
+    CALLS["n"] += 1
+    if CALLS["n"] == 2:
+        os.kill(int(os.environ["GRPOKIT_TEST_SERVER_PID"]), 9)
+    return parity(completions)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_server_that_dies_ends_the_run_with_one_error_and_the_finished_steps_saved(tiny_model_dir, tmp_path,
+                                                                                      server, mode, monkeypatch):
+    monkeypatch.setenv("GRPOKIT_TEST_SERVER_PID", str(get(f"{server}/stand_in_stats")["pid"]))
+    CALLS["n"] = 0
+    config = server_config(tiny_model_dir, tmp_path / "run", server, steps=4,
+                           rollout={"mode": mode, "max_staleness": 0})
+    with pytest.raises(RolloutWorkerError) as e:
+        train(config, reward_functions=[parity_then_the_server_dies])
+    said = str(e.value)
+    assert f"rollout.vllm.server: the vLLM server at {server} did not answer" in said, said
+    assert "step 2 is saved" in said and "Continue with:" in said, said  # step 2 trained; its push failed
+    assert (tmp_path / "run" / "checkpoint-2" / "model.safetensors").is_file()
+
+
 def test_no_server_at_the_address_is_one_error_naming_the_field(tiny_model_dir, tmp_path, stand_in):
     url = f"http://127.0.0.1:{free_port()}"
     config = make_config(tiny_model_dir, tmp_path / "run", rollout={"engine": "vllm", "vllm": {
@@ -174,6 +200,8 @@ def test_serve_refuses_what_vllm_would_fail_on_later(tmp_path, stand_in, capsys)
         assert said in capsys.readouterr().err
     assert main(["serve", str(tmp_path / "f")]) != 0
     assert "is a file; give a model folder or a Hub name" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path / "missing")]) != 0
+    assert f"MODEL: there is no folder {tmp_path / 'missing'}" in capsys.readouterr().err
 
 
 def test_trls_server_arguments_map_onto_the_server(stand_in):

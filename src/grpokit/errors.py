@@ -109,5 +109,6 @@ class EnvironmentFault(UserError, RuntimeError):
 
 
 class RolloutWorkerError(UserError, RuntimeError):
-    """An asynchronous rollout worker crashed, hung, fell behind or failed its weight transfer; the message
-    names the worker, what happened and how to continue."""
+    """A sampler outside the training loop (an asynchronous rollout worker, a vLLM server) crashed, hung, fell
+    behind or failed its weight transfer; the message names it, what happened and how to continue (the loop
+    saves the finished steps first)."""

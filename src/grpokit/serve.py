@@ -31,6 +31,8 @@ def serve_command(args) -> tuple[list[str], dict]:
         raise UserError("--lora-rank: must be >= 1 (the adapter's r)")
     if os.path.exists(args.model) and not os.path.isdir(args.model):
         raise UserError(f"MODEL: {args.model} is a file; give a model folder or a Hub name")
+    if args.model.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(args.model)):
+        raise UserError(f"MODEL: there is no folder {args.model}; give a model folder or a Hub name (org/name)")
     with socket.socket() as s:  # now, not after vLLM has spent a minute loading the model
         try:
             s.bind((args.host, args.port))
@@ -51,7 +53,7 @@ def serve_command(args) -> tuple[list[str], dict]:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if args.devices:
         env["CUDA_VISIBLE_DEVICES"] = args.devices
-    return argv + list(args.vllm_args), env
+    return argv + shlex.split(args.vllm_args), env
 
 
 def cmd_serve(args) -> int:
@@ -78,5 +80,6 @@ def add_parser(sub) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of each GPU vLLM may take")
     p.add_argument("--max-model-len", type=int, default=0, help="prompt + answer tokens (0: the model's)")
     p.add_argument("--lora-rank", type=int, default=None, help="serve LoRA adapters of this rank (model.lora.r)")
-    p.add_argument("vllm_args", nargs="*", help="more `vllm serve` flags, after --")
+    p.add_argument("--vllm-args", default="", help="more `vllm serve` flags, in one string: "
+                   "--vllm-args=\"--enforce-eager --seed 1\" (with =)")
     p.set_defaults(func=cmd_serve)

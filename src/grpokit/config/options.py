@@ -10,7 +10,7 @@ from grpokit.config.variants import ROLLOUT_MODES
 VLLM_OPTIONS = {"gpu_memory_utilization": (float, "0.3"), "enable_sleep_mode": (bool, "true"),
                 "sync_bucket_mb": (float, "512"), "max_model_len": (int, "4096"), "enforce_eager": (bool, "true"),
                 "dtype": (str, '"bfloat16"'), "server": (str, '"http://localhost:8000"'),
-                "server_timeout_s": (float, "240")}
+                "server_timeout_s": (float, "600")}
 # the colocated engine's own; a server is started with its settings (`grpokit serve --gpu-memory-utilization ...`)
 COLOCATED_ONLY = ("gpu_memory_utilization", "enable_sleep_mode", "max_model_len", "enforce_eager", "dtype",
                   "sync_bucket_mb")

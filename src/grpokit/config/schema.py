@@ -130,7 +130,7 @@ class RolloutConfig:
     engine: str = "hf"  # hf (built-in sampler on the training model) | vllm (colocated vLLM, or a vLLM server)
     # vLLM options: colocated (rollout/vllm.py) gpu_memory_utilization, enable_sleep_mode, sync_bucket_mb,
     # max_model_len, enforce_eager, dtype; or server = "http://host:8000" (grpokit serve; rollout/vllm_server.py)
-    # with server_timeout_s (every call to it, generation included, waits at most this long; 240)
+    # with server_timeout_s (every call to it, generation included, waits at most this long; 600)
     vllm: dict = field(default_factory=dict)
     # Speed options of the built-in sampler (rollout.engine = "hf"); the samples' distribution is the
     # same either way, so they exist for benchmark ablations: the token sampler (inverse_cdf | gumbel),

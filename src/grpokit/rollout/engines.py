@@ -116,7 +116,7 @@ def build_engine(config, model, tokenizer, *, tools: ToolBox | None = None) -> R
     if "server" in r.vllm:  # vLLM on devices of its own, over HTTP (rollout/vllm_server.py)
         from grpokit.rollout.vllm_server import VLLMServerEngine
 
-        return VLLMServerEngine(r.vllm["server"], server_timeout_s=r.vllm.get("server_timeout_s", 240.0),
+        return VLLMServerEngine(r.vllm["server"], server_timeout_s=r.vllm.get("server_timeout_s", 600.0),
                                 seed=config.train.seed + rank(), lora=config.model.lora or None, tokenizer=tokenizer,
                                 tools=tools, max_tool_turns=config.tools.max_calls)
     from grpokit.rollout.vllm import VLLMEngine  # imports vllm only when asked for

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
-from grpokit.errors import UserError
+from grpokit.errors import RolloutWorkerError, UserError
 from grpokit.models.lora import adapter_of
 from grpokit.rollout.vllm import VLLMEngine, named_weights_for_sync, sync_tensors
 
@@ -45,7 +45,7 @@ FIX = ("start it with `grpokit serve MODEL` (or vLLM's `vllm serve` with VLLM_SE
 class ServerClient:
     """vLLM's HTTP API, each failure one error naming the server and the fix."""
 
-    def __init__(self, url: str, timeout_s: float = 240.0):
+    def __init__(self, url: str, timeout_s: float = 600.0):
         import requests  # vLLM's own dependency: present wherever vLLM is
 
         self.url, self.timeout_s, self.errors = url.rstrip("/"), timeout_s, requests.RequestException
@@ -69,14 +69,15 @@ class ServerClient:
         try:
             response = self.session.request(method, f"{self.url}{path}", timeout=timeout_s or self.timeout_s,
                                             **kwargs)
-        except self.errors as e:
-            raise UserError(f"rollout.vllm.server: the vLLM server at {self.url} did not answer {path} "
-                            f"({type(e).__name__}); {FIX}") from None
+        except self.errors as e:  # down, unreachable, or slower than the timeout
+            raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.url} did not answer {path} "
+                                     f"within rollout.vllm.server_timeout_s = {self.timeout_s:g} s "
+                                     f"({type(e).__name__}); {FIX}") from None
         if response.status_code == 404:
-            raise UserError(f"rollout.vllm.server: the vLLM server at {self.url} has no {path}; {FIX}")
+            raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.url} has no {path}; {FIX}")
         if response.status_code != 200:
-            raise UserError(f"rollout.vllm.server: {path} failed at {self.url} with HTTP {response.status_code}: "
-                            f"{response.text[:300]}")
+            raise RolloutWorkerError(f"rollout.vllm.server: {path} failed at {self.url} with HTTP "
+                                     f"{response.status_code}: {response.text[:300]}")
         return response.json() if response.content else {}
 
     def served_model(self) -> str:
@@ -86,7 +87,7 @@ class ServerClient:
         """The server's log-probs must include the temperature, as the trainer's do (when it says)."""
         try:
             info = self.call("GET", "/server_info", params={"config_format": "json"})
-        except UserError:  # an older server without /server_info: nothing to check against
+        except RolloutWorkerError:  # an older server without /server_info: nothing to check against
             return
         mode = info.get("vllm_config", {}).get("model_config", {}).get("logprobs_mode")
         if mode not in (None, "processed_logprobs"):
@@ -156,7 +157,7 @@ def _vllm_transfer():
 class VLLMServerEngine(VLLMEngine):
     """The colocated engine's sampling over HTTP (`ServerLLM`), weights pushed through vLLM's transfer API."""
 
-    def __init__(self, url: str, *, server_timeout_s: float = 240.0, seed: int = 0, lora: dict | None = None,
+    def __init__(self, url: str, *, server_timeout_s: float = 600.0, seed: int = 0, lora: dict | None = None,
                  tokenizer=None, tools=None, max_tool_turns: int = 8, transfer=None):
         self.client = ServerClient(url, server_timeout_s)
         self.client.wait_ready()
@@ -184,7 +185,7 @@ class VLLMServerEngine(VLLMEngine):
                                                             post_iter_func=lambda item: item[1]),
                                 lambda: self.client.call("POST", "/update_weights", json={"update_info": info}))
         finally:
-            with contextlib.suppress(UserError):
+            with contextlib.suppress(RolloutWorkerError):
                 self.client.call("POST", "/finish_weight_update")
             self.client.call("POST", "/resume")
 
@@ -207,8 +208,8 @@ class VLLMServerEngine(VLLMEngine):
         drive()
         thread.join()
         if failed:
-            raise UserError(f"rollout.vllm.server: the weight transfer to the vLLM server failed "
-                            f"({type(failed[0]).__name__}: {failed[0]})") from failed[0]
+            raise RolloutWorkerError(f"rollout.vllm.server: the weight transfer to the vLLM server failed "
+                                     f"({type(failed[0]).__name__}: {failed[0]})") from failed[0]
 
     def _sync_adapter(self, adapter) -> None:
         """Save the adapter where the server reads it and load it under a new name; the old one is unloaded."""
@@ -222,7 +223,7 @@ class VLLMServerEngine(VLLMEngine):
                                                                 "load_inplace": False})
         self.lora_request = SimpleNamespace(lora_name=name, lora_int_id=self._lora_version, lora_path=str(folder))
         if previous is not None:
-            with contextlib.suppress(UserError):
+            with contextlib.suppress(RolloutWorkerError):
                 self.client.call("POST", "/v1/unload_lora_adapter", json={"lora_name": previous.lora_name})
             shutil.rmtree(previous.lora_path, ignore_errors=True)
 

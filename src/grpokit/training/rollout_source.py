@@ -53,14 +53,20 @@ class SyncRollouts:
 
     def __init__(self, config, run):
         self.config, self.run = config, run
+        self.failed: RolloutWorkerError | None = None  # a vLLM server that took no weights: said at the next batch
 
     def next(self, step: int):
+        if self.failed is not None:  # the loop saves the step whose weights did not travel, then says it
+            raise self.failed
         r, i = self.run, self.run.inputs
         return generate_and_grade(i.local, r.engine, i.tokenizer, i.prompts, r.stream, i.specs, r.sampler,
                                   i.environments)
 
     def publish(self, model, step: int) -> dict:
-        self.run.engine.sync_weights(model)  # vLLM: push the new weights; HF: the sampler is the model
+        try:
+            self.run.engine.sync_weights(model)  # vLLM: push the new weights; HF: the sampler is the model
+        except RolloutWorkerError as e:  # a server that went away: this step's update is done, its row comes first
+            self.failed = e
         return {}
 
     def close(self) -> None:

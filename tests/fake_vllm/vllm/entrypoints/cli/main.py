@@ -31,7 +31,7 @@ class State:
         self.updating = False
         self.group = None
         self.loras: dict[str, object] = {}
-        self.stats = {"updates": 0, "updates_during_sampling": 0, "completions": 0, "argv": sys.argv,
+        self.stats = {"pid": os.getpid(), "updates": 0, "updates_during_sampling": 0, "completions": 0, "argv": sys.argv,
                       "dev_mode": os.environ.get("VLLM_SERVER_DEV_MODE"),
                       "lora_updating": os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING"), "paused": 0}
 
