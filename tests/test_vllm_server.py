@@ -124,12 +124,18 @@ def test_async_through_a_server_with_lag_tags_versions_and_never_pushes_mid_batc
     assert get(f"{server}/stand_in_stats")["updates_during_sampling"] == 0
 
 
-def test_lora_through_a_server_moves_the_adapter_only(tiny_model_dir, tmp_path, server):
-    run = train(server_config(tiny_model_dir, tmp_path / "lora", server, steps=2, model={"lora": {"r": 4}}),
-                reward_functions=[parity])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_lora_through_a_server_moves_the_adapter_only(tiny_model_dir, tmp_path, server, mode):
+    """Each push loads the adapter under a name of its own; the sampler (in async the worker, which did not
+    push it) asks for the newest: its log-probs are the trainer's after every update."""
+    run = train(server_config(tiny_model_dir, tmp_path / "lora", server, steps=3, model={"lora": {"r": 4}},
+                              rollout={"mode": mode, "max_staleness": 0}), reward_functions=[parity])
     rows = read_metrics(run)
     assert max(r["sampling/logprob_gap_max"] for r in rows) < 1e-4  # the server samples with the new adapter
-    assert get(f"{server}/stand_in_stats")["updates"] == 0  # no base weights moved
+    assert rows[-1]["grad_norm"] > 0
+    stats = get(f"{server}/stand_in_stats")
+    assert stats["updates"] == 0  # no base weights moved
+    assert stats["loras_loaded"] == 1  # the older ones were unloaded
 
 
 CALLS = {"n": 0}

@@ -26,6 +26,7 @@ one policy version. FSDP shards are gathered one tensor at a time (`named_weight
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 import threading
@@ -105,15 +106,16 @@ class ServerLLM:
     def generate(self, prompts, sampling_params, use_tqdm=False, lora_request=None):
         per_prompt = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         model = lora_request.lora_name if lora_request is not None else self.model
-        with ThreadPoolExecutor(max_workers=max(1, min(64, len(prompts)))) as pool:
-            return list(pool.map(lambda pair: self._one(model, *pair), zip(prompts, per_prompt)))
+        with ThreadPoolExecutor(max_workers=max(1, min(256, len(prompts)))) as pool:  # vLLM batches them
+            return list(pool.map(lambda args: self._one(model, *args), zip(prompts, per_prompt, range(len(prompts)))))
 
-    def _one(self, model: str, prompt: dict, p) -> SimpleNamespace:
+    def _one(self, model: str, prompt: dict, p, index: int) -> SimpleNamespace:
         if "multi_modal_data" in prompt:
             raise UserError("rollout.vllm.server: a vLLM server takes no images with token-id prompts; use the "
                             "colocated engine (no rollout.vllm.server) or rollout.engine = \"hf\" for images")
         payload = {"model": model, "prompt": prompt["prompt_token_ids"], "n": p.n, "max_tokens": p.max_tokens,
-                   "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k or -1, "seed": p.seed,
+                   "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k or -1,
+                   "seed": None if p.seed is None else p.seed + index,  # one call's prompts: noise of their own
                    "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
                    "ignore_eos": bool(getattr(p, "ignore_eos", False)),
                    "stop_token_ids": getattr(p, "stop_token_ids", None) or [],
@@ -165,13 +167,20 @@ class VLLMServerEngine(VLLMEngine):
         super().__init__(url, seed=seed, lora=lora, llm=ServerLLM(self.client),
                          vllm_module=SimpleNamespace(SamplingParams=SimpleNamespace), tokenizer=tokenizer,
                          tools=tools, max_tool_turns=max_tool_turns)
-        self._transfer, self._group, self._names = transfer, None, None
+        self._transfer, self._group = transfer, None
+        # adapters are named <prefix>-v<version>: this run's own names (a server outlives runs), which an async
+        # worker's engine, given the same prefix, asks for by the version it reads
+        self.adapter_prefix = f"grpokit-{os.getpid()}-{int(time.time())}"
 
     def sync_weights(self, model) -> None:
-        """Push the trainer's weights to the server: the adapter alone with LoRA, else every tensor."""
+        self.push(model, self._lora_version + 1)
+
+    def push(self, model, version: int) -> None:
+        """Push the trainer's weights to the server: with LoRA the adapter alone, named for `version`, else every
+        tensor."""
         adapter = adapter_of(model)
         if adapter is not None:
-            return self._sync_adapter(adapter)
+            return self._sync_adapter(adapter, version)
         if self._group is None:
             self._open()
         manifest = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in sync_tensors(model)]
@@ -211,17 +220,24 @@ class VLLMServerEngine(VLLMEngine):
             raise RolloutWorkerError(f"rollout.vllm.server: the weight transfer to the vLLM server failed "
                                      f"({type(failed[0]).__name__}: {failed[0]})") from failed[0]
 
-    def _sync_adapter(self, adapter) -> None:
-        """Save the adapter where the server reads it and load it under a new name; the old one is unloaded."""
+    def use_adapter(self, version: int) -> None:
+        """Sample with the adapter pushed as `version` (an async worker: the trainer's engine pushed it)."""
+        name = f"{self.adapter_prefix}-v{version}"
+        self.lora_request = SimpleNamespace(lora_name=name, lora_int_id=version, lora_path="")
+
+    def _sync_adapter(self, adapter, version: int) -> None:
+        """Save the adapter where the server reads it and load it under its version's name; the old one goes."""
         if self._lora_dir is None:
             self._lora_dir = tempfile.mkdtemp(prefix="grpokit-lora-server-")
         previous = self.lora_request
-        self._lora_version += 1
-        name, folder = f"policy-v{self._lora_version}", Path(self._lora_dir) / f"v{self._lora_version}"
+        self._lora_version = version
+        name, folder = f"{self.adapter_prefix}-v{version}", Path(self._lora_dir) / f"v{version}"
+        if previous is not None and previous.lora_name == name:  # already there (the start's push, again)
+            return
         adapter.save_pretrained(str(folder))
         self.client.call("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder),
                                                                 "load_inplace": False})
-        self.lora_request = SimpleNamespace(lora_name=name, lora_int_id=self._lora_version, lora_path=str(folder))
+        self.lora_request = SimpleNamespace(lora_name=name, lora_int_id=version, lora_path=str(folder))
         if previous is not None:
             with contextlib.suppress(RolloutWorkerError):
                 self.client.call("POST", "/v1/unload_lora_adapter", json={"lora_name": previous.lora_name})
@@ -250,13 +266,14 @@ class ServerChannel:
 
     def publish(self, model, version: int, *, full: bool) -> float:
         """Push `model` as `version` once no batch is being sampled; the seconds it took. The first (`full`)
-        only names the version: the trainer's engine pushed those weights when it was built."""
+        moves no full weights: the trainer's engine pushed them when it was built (an adapter goes again, under
+        its version's name)."""
         t0 = time.perf_counter()
         if not self.lock.acquire(timeout=self.timeout_s):
             raise RuntimeError(f"the rollout worker kept the vLLM server busy for more than {self.timeout_s:g} s")
         try:
-            if not full:
-                self.engine.sync_weights(model)
+            if not full or adapter_of(model) is not None:
+                self.engine.push(model, version)
             with self.version.get_lock():
                 self.version.value = version
         finally:

@@ -199,7 +199,8 @@ class AsyncRollouts:
                           [n for n, p in run.policy.model.named_parameters() if p.requires_grad], run.stream,
                           run.sampler.get_state(), self.W, split_threads(config)[1], self.channel.port,
                           self.timeout_s, reward_functions, tools, environment_factory,
-                          parameter_shapes(run.policy.model), run.start_step + 1)
+                          parameter_shapes(run.policy.model), run.start_step + 1,
+                          getattr(run.engine, "adapter_prefix", ""))
         from_main = [_sendable(what, value) for what, value in (
             ("train(reward_functions=...)", reward_functions), ("train(tools=...)", tools),
             ("train(environment_factory=...)", environment_factory), ("the run's rows, prompts or config", spec))]

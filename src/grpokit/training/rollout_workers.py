@@ -66,6 +66,7 @@ class WorkerSpec:
     environment_factory: Callable | dict | None = None
     shapes: list[tuple[str, tuple, str]] | None = None  # the trainer's parameters: name, shape, dtype
     first_step: int = 1  # the step of this run's first batch (a resume's: the checkpoint's + 1)
+    adapter_prefix: str = ""  # a vLLM server with LoRA: the names the trainer's engine loads adapters under
 
 
 @dataclass
@@ -165,6 +166,8 @@ class _Worker:
         self.server = "server" in config.rollout.vllm  # a vLLM server samples: no model here, HTTP requests only
         self.model = None if self.server else self._load_policy(config, spec, device)
         self.engine = build_engine(config, self.model, self.tokenizer, tools=self.toolbox)
+        if self.server:
+            self.engine.adapter_prefix = spec.adapter_prefix
         self.config, self.prompts, self.spec, self.announced, self.index = config, spec.prompts, spec, announced, index
         # the stream is where the last batch taken left it; the first step's worker (index (first_step - 1) % W)
         # takes the next batch, the following one the batch after, ...
@@ -202,6 +205,8 @@ class _Worker:
                             f"{self.spec.timeout_s:g} s for step {step}")
         with self.receiver.holding() if self.server else contextlib.nullcontext():  # a server: no push inside
             version = self.receiver.apply()
+            if self.server and self.config.model.lora:  # the adapter the trainer pushed as that version
+                self.engine.use_adapter(version)
             waited_s += time.perf_counter() - t0
             started = time.time()
             batch, metrics = generate_and_grade(self.config, self.engine, self.tokenizer, self.prompts, self.stream,

@@ -31,6 +31,7 @@ class State:
         self.updating = False
         self.group = None
         self.loras: dict[str, object] = {}
+        self.loaded = 0
         self.stats = {"pid": os.getpid(), "updates": 0, "updates_during_sampling": 0, "completions": 0, "argv": sys.argv,
                       "dev_mode": os.environ.get("VLLM_SERVER_DEV_MODE"),
                       "lora_updating": os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING"), "paused": 0}
@@ -98,7 +99,7 @@ def handler(state: State):
             if path == "/get_world_size":
                 return self._reply(200, {"world_size": 1})
             if path == "/stand_in_stats":
-                return self._reply(200, state.stats)
+                return self._reply(200, {**state.stats, "loras_loaded": len(state.loras)})
             return self._reply(404, {"error": "not found"})
 
         def do_POST(self):
@@ -121,7 +122,8 @@ def handler(state: State):
                 elif url.path == "/v1/load_lora_adapter":
                     if not os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
                         return self._reply(404, {"error": "not found"})
-                    state.loras[body["lora_name"]] = state.LoRARequest(body["lora_name"], len(state.loras) + 1,
+                    state.loaded += 1  # vLLM's own id for each adapter ever loaded
+                    state.loras[body["lora_name"]] = state.LoRARequest(body["lora_name"], state.loaded,
                                                                        body["lora_path"])
                 elif url.path == "/v1/unload_lora_adapter":
                     state.loras.pop(body["lora_name"], None)
