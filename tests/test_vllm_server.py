@@ -231,3 +231,50 @@ def test_trls_server_arguments_map_onto_the_server(stand_in):
     assert not [n for n in async_notes(a) if n.startswith("request_timeout")]  # it bounds the server's calls here
     default = AsyncGRPOConfig(max_steps=2)  # TRL's default address: grpokit's own workers, not a server
     assert grpokit_config(default.as_grpo(), model_path="m", dtype="float32").rollout.engine == "hf"
+
+
+SERVER_TOML = """
+[model]
+path = {model!r}
+device = "cpu"
+{lora}
+[data]
+task = "addition"
+num_prompts = 64
+[rollout]
+group_size = 4
+max_new_tokens = 5
+engine = "vllm"
+vllm = {{server = {url!r}, server_timeout_s = 30}}
+[algorithm]
+is_correction = "token_truncate"
+[train]
+steps = 2
+prompts_per_step = 4
+learning_rate = 1e-2
+num_threads = 1
+[rewards]
+functions = ["{tests}/conftest.py:parity"]
+[output]
+dir = {out!r}
+console = false
+"""
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_torchrun_data_parallel_samples_on_one_server_and_rank_0_pushes(tiny_model_dir, tmp_path, server, lora):
+    """Two trainer processes send their own prompts to one server; rank 0 pushes each update (the other waits
+    for it, then asks for the same adapter): the server's log-probs stay the trainer's on both ranks."""
+    toml = tmp_path / "run.toml"
+    toml.write_text(SERVER_TOML.format(model=str(tiny_model_dir), url=server, out=str(tmp_path / "run"),
+                                       tests=str(Path(__file__).parent), lora="lora = {r = 4}" if lora else ""))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "grpokit.cli", "train", str(toml), "--nproc-per-node", "2"],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 2 and max(r["sampling/logprob_gap_max"] for r in rows) < 1e-4
+    stats = get(f"{server}/stand_in_stats")
+    assert stats["completions"] == 2 * 4  # both ranks' prompts (2 each) over 2 steps
+    assert stats["updates"] == (0 if lora else 3)  # rank 0 alone: the start, then after each step
+    assert stats["loras_loaded"] == (1 if lora else 0)

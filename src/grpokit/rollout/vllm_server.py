@@ -37,6 +37,7 @@ from types import SimpleNamespace
 
 from grpokit.errors import RolloutWorkerError, UserError
 from grpokit.models.lora import adapter_of
+from grpokit.models.parallel import any_rank, rank
 from grpokit.rollout.vllm import VLLMEngine, named_weights_for_sync, sync_tensors
 
 FIX = ("start it with `grpokit serve MODEL` (or vLLM's `vllm serve` with VLLM_SERVER_DEV_MODE=1 and "
@@ -170,17 +171,29 @@ class VLLMServerEngine(VLLMEngine):
         self._transfer, self._group = transfer, None
         # adapters are named <prefix>-v<version>: this run's own names (a server outlives runs), which an async
         # worker's engine, given the same prefix, asks for by the version it reads
-        self.adapter_prefix = f"grpokit-{os.getpid()}-{int(time.time())}"
+        self.adapter_prefix = _shared_with_ranks(f"grpokit-{os.getpid()}-{int(time.time())}")
 
     def sync_weights(self, model) -> None:
         self.push(model, self._lora_version + 1)
 
     def push(self, model, version: int) -> None:
         """Push the trainer's weights to the server: with LoRA the adapter alone, named for `version`, else every
-        tensor."""
-        adapter = adapter_of(model)
-        if adapter is not None:
-            return self._sync_adapter(adapter, version)
+        tensor. Under torchrun (data parallel: every rank holds the whole model) rank 0 pushes while the others
+        wait for it, then ask for the same adapter name; a failure on rank 0 reaches every rank."""
+        adapter, failed = adapter_of(model), None
+        if rank() == 0:
+            try:
+                self._sync_adapter(adapter, version) if adapter is not None else self._push_all(model)
+            except RolloutWorkerError as e:
+                failed = e
+        if any_rank(failed is not None):  # the others wait here for rank 0's push
+            raise failed or RolloutWorkerError("rollout.vllm.server: rank 0 could not push the weights to the "
+                                               "vLLM server (its error says why)")
+        if adapter is not None and rank() != 0:
+            self._lora_version = version
+            self.use_adapter(version)
+
+    def _push_all(self, model) -> None:
         if self._group is None:
             self._open()
         manifest = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in sync_tensors(model)]
@@ -242,6 +255,17 @@ class VLLMServerEngine(VLLMEngine):
             with contextlib.suppress(RolloutWorkerError):
                 self.client.call("POST", "/v1/unload_lora_adapter", json={"lora_name": previous.lora_name})
             shutil.rmtree(previous.lora_path, ignore_errors=True)
+
+
+def _shared_with_ranks(value: str) -> str:
+    """Rank 0's `value` on every rank (torchrun: all ranks ask for the adapters rank 0 loads)."""
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+        return value
+    box = [value]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _noting(fn, failed: list) -> None:

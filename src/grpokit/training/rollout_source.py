@@ -83,10 +83,12 @@ def split_threads(config) -> tuple[int, int]:
 
 def check_async(config, engine) -> None:
     """What asynchronous rollout (and a vLLM server) cannot do yet, refused before the model loads."""
-    if "server" in config.rollout.vllm and world_size() > 1:
-        raise SetupError(f"rollout.vllm.server: {world_size()} trainer processes sharing one vLLM server is not "
-                         "built yet (whose weights would it hold?); train in one process, or use the colocated "
-                         "engine (no rollout.vllm.server) under torchrun")
+    server = "server" in config.rollout.vllm
+    if server and world_size() > 1 and (config.rollout.mode == "async" or config.model.fsdp):
+        what = "rollout.mode = \"async\"" if config.rollout.mode == "async" else "model.fsdp"
+        raise SetupError(f"rollout.vllm.server: {world_size()} trainer processes on one vLLM server with {what} is "
+                         "not built yet (data parallel in sync mode is); train in one process, use sync data "
+                         "parallel, or the built-in workers (no rollout.vllm.server)")
     if config.rollout.mode != "async":
         return
     if engine is not None:
