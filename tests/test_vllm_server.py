@@ -164,6 +164,23 @@ def test_a_server_that_dies_ends_the_run_with_one_error_and_the_finished_steps_s
     assert (tmp_path / "run" / "checkpoint-2" / "model.safetensors").is_file()
 
 
+def test_a_server_that_hangs_in_a_push_is_one_timeout_naming_the_call(tiny_model_dir, tmp_path, server):
+    """The third /update_weights never answers: one server_timeout_s, then the error names that call and says to
+    restart the server (it may hold half the weights); step 2 trained and is saved."""
+    urllib.request.urlopen(urllib.request.Request(f"{server}/stand_in_hang", method="POST", data=json.dumps(
+        {"path": "/update_weights", "after": 2}).encode(), headers={"Content-Type": "application/json"}), timeout=10)
+    config = server_config(tiny_model_dir, tmp_path / "run", server, steps=4)
+    config = config.__class__(**{**vars(config), "rollout": RolloutConfig(**{
+        **vars(config.rollout), "vllm": {"server": server, "server_timeout_s": 4}})})
+    t0 = time.monotonic()
+    with pytest.raises(RolloutWorkerError) as e:
+        train(config, reward_functions=[parity])
+    said = str(e.value)
+    assert "did not answer /update_weights within rollout.vllm.server_timeout_s = 4 s" in said, said
+    assert "restart it before resuming" in said and "step 2 is saved" in said, said
+    assert time.monotonic() - t0 < 60
+
+
 def test_no_server_at_the_address_is_one_error_naming_the_field(tiny_model_dir, tmp_path, stand_in):
     url = f"http://127.0.0.1:{free_port()}"
     config = make_config(tiny_model_dir, tmp_path / "run", rollout={"engine": "vllm", "vllm": {
@@ -173,8 +190,35 @@ def test_no_server_at_the_address_is_one_error_naming_the_field(tiny_model_dir, 
         train(config, reward_functions=[parity])
 
 
+def test_an_address_that_is_not_a_vllm_servers_is_said_at_once(tiny_model_dir, tmp_path, stand_in):
+    """Something answers 404 at /health (another web server, a wrong path): one error now, not after the timeout."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class NotFound(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    other = ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{other.server_address[1]}"
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(UserError, match=r"answers, but has no /health: it is not a vLLM server's address"):
+            train(server_config(tiny_model_dir, tmp_path / "run", url), reward_functions=[parity])
+    finally:
+        other.shutdown()
+    assert time.monotonic() - t0 < 25  # not the 30 s of server_timeout_s
+
+
 @pytest.mark.parametrize("fields, match", [
-    ({"vllm": {"server": "localhost:8000"}}, r"rollout.vllm.server: must be the server's address"),
+    ({"vllm": {"server": "localhost:8000"}}, r"rollout.vllm.server: 'localhost:8000' is not an http\(s\) address"),
+    ({"vllm": {"server": "http://h:8000/v1"}}, r"rollout.vllm.server: 'http://h:8000/v1' has a path \(/v1\)"),
+    ({"vllm": {"server": "http://h:abc"}}, r"rollout.vllm.server: 'http://h:abc' is not an address"),
+    ({"vllm": {"server": "http://h:0"}}, r"rollout.vllm.server: 'http://h:0' has port 0"),
     ({"vllm": {"server": "http://h:1", "gpu_memory_utilization": 0.5}},
      r"rollout.vllm.gpu_memory_utilization: applies to the colocated engine only"),
     ({"vllm": {"server_timeout_s": 5}}, r"rollout.vllm.server_timeout_s: is how long to wait"),
@@ -190,22 +234,33 @@ def test_server_settings_are_checked_with_their_field(fields, match, stand_in):
 def test_serve_refuses_what_vllm_would_fail_on_later(tmp_path, stand_in, capsys):
     from grpokit.cli import main
 
+    good = tmp_path / "good"
+    good.mkdir()
+    (good / "config.json").write_text("{}")
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))
     port = taken.getsockname()[1]
     try:
-        assert main(["serve", str(tmp_path), "--host", "127.0.0.1", "--port", str(port)]) != 0
+        assert main(["serve", str(good), "--host", "127.0.0.1", "--port", str(port)]) != 0
     finally:
         taken.close()
     assert f"--port: 127.0.0.1:{port} cannot be used" in capsys.readouterr().err
     (tmp_path / "f").write_text("x")
+    (tmp_path / "m").mkdir()
     for argv, said in [(["--devices", "a"], "--devices: 'a' is not a list of GPU indices"),
+                       (["--devices", "1,1"], "--devices: 1,1 names a GPU twice"),
+                       (["--port", "99999"], "--port: 99999 is out of range (1-65535)"),
+                       (["--tensor-parallel-size", "0"], "--tensor-parallel-size: 0 is out of range (>= 1)"),
+                       (["--vllm-args=--seed \"x"], "--vllm-args: '--seed \"x' cannot be read as flags"),
+                       (["--host", "nosuchhost.invalid"], "--host: nosuchhost.invalid is not an address"),
                        (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization: must be in (0, 1]"),
                        (["--lora-rank", "0"], "--lora-rank: must be >= 1")]:
-        assert main(["serve", str(tmp_path), *argv]) != 0
+        assert main(["serve", str(good), *argv]) != 0
         assert said in capsys.readouterr().err
     assert main(["serve", str(tmp_path / "f")]) != 0
     assert "is a file; give a model folder or a Hub name" in capsys.readouterr().err
+    assert main(["serve", str(tmp_path / "m")]) != 0
+    assert f"MODEL: {tmp_path / 'm'} has no config.json" in capsys.readouterr().err
     assert main(["serve", str(tmp_path / "missing")]) != 0
     assert f"MODEL: there is no folder {tmp_path / 'missing'}" in capsys.readouterr().err
 

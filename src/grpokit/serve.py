@@ -29,15 +29,34 @@ def serve_command(args) -> tuple[list[str], dict]:
         raise UserError("--gpu-memory-utilization: must be in (0, 1]")
     if args.lora_rank is not None and args.lora_rank < 1:
         raise UserError("--lora-rank: must be >= 1 (the adapter's r)")
+    for flag, value, low in (("--port", args.port, 1), ("--tensor-parallel-size", args.tensor_parallel_size, 1),
+                             ("--max-model-len", args.max_model_len, 0)):
+        if value < low or (flag == "--port" and value > 65535):
+            raise UserError(f"{flag}: {value} is out of range ({'1-65535' if flag == '--port' else f'>= {low}'})")
+    if args.devices and len(set(args.devices.split(","))) != len(args.devices.split(",")):
+        raise UserError(f"--devices: {args.devices} names a GPU twice")
+    try:
+        extra = shlex.split(args.vllm_args)
+    except ValueError as e:
+        raise UserError(f"--vllm-args: {args.vllm_args!r} cannot be read as flags ({e})") from None
     if os.path.exists(args.model) and not os.path.isdir(args.model):
         raise UserError(f"MODEL: {args.model} is a file; give a model folder or a Hub name")
-    if args.model.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(args.model)):
+    folder = os.path.expanduser(args.model)
+    if args.model.startswith(("/", "./", "../", "~")) and not os.path.isdir(folder):
         raise UserError(f"MODEL: there is no folder {args.model}; give a model folder or a Hub name (org/name)")
-    with socket.socket() as s:  # now, not after vLLM has spent a minute loading the model
+    if os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, "config.json")):
+        raise UserError(f"MODEL: {args.model} has no config.json; give a Hugging Face model folder")
+    try:
+        family, _, _, _, address = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise UserError(f"--host: {args.host} is not an address of this machine ({e.strerror})") from None
+    with socket.socket(family, socket.SOCK_STREAM) as s:  # now, not after vLLM has spent a minute loading
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server binds: TIME-WAIT is no obstacle
         try:
-            s.bind((args.host, args.port))
+            s.bind(address)
         except OSError as e:
-            raise UserError(f"--port: {args.host}:{args.port} cannot be used ({e.strerror}); choose another port")
+            raise UserError(f"--port: {args.host}:{args.port} cannot be used ({e.strerror}); choose another port, "
+                            "or check --host") from None
     argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--host", args.host,
             "--port", str(args.port), "--dtype", args.dtype, "--gpu-memory-utilization",
             str(args.gpu_memory_utilization), "--tensor-parallel-size", str(args.tensor_parallel_size),
@@ -53,7 +72,7 @@ def serve_command(args) -> tuple[list[str], dict]:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     if args.devices:
         env["CUDA_VISIBLE_DEVICES"] = args.devices
-    return argv + shlex.split(args.vllm_args), env
+    return argv + extra, env
 
 
 def cmd_serve(args) -> int:

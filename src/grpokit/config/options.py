@@ -16,6 +16,25 @@ COLOCATED_ONLY = ("gpu_memory_utilization", "enable_sleep_mode", "max_model_len"
                   "sync_bucket_mb")
 
 
+def server_address_problem(url: str) -> str | None:
+    """What is wrong with a vLLM server's address, or None: http(s), a host, a port 1-65535, no path (the
+    OpenAI habit of ending it in /v1 would send every call to /v1/v1/...)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        return f"{url!r} is not an address ({e})"
+    if parts.scheme not in ("http", "https") or not parts.hostname or " " in url:
+        return f"{url!r} is not an http(s) address with a host"
+    if port is not None and not 1 <= port <= 65535:
+        return f"{url!r} has port {port}"
+    if parts.path.strip("/") or parts.query:
+        return f"{url!r} has a path ({parts.path}); the address alone is wanted (no /v1)"
+    return None
+
+
 def check_vllm(rollout) -> None:
     unknown = set(rollout.vllm) - set(VLLM_OPTIONS)
     _check(not unknown, "rollout.vllm",
@@ -30,8 +49,8 @@ def check_vllm(rollout) -> None:
     _one_of(options.get("dtype", "auto"), ("auto", "float32", "bfloat16", "float16"), "rollout.vllm.dtype")
     if "server" in options:
         server = options["server"]
-        _check(server.startswith(("http://", "https://")) and len(server) > 8, "rollout.vllm.server",
-               f"must be the server's address, e.g. \"http://localhost:8000\" (got {server!r})")
+        _check(server_address_problem(server) is None, "rollout.vllm.server",
+               f"{server_address_problem(server)}: give the server's address, e.g. \"http://localhost:8000\"")
         given = [k for k in COLOCATED_ONLY if k in options]
         _check(not given, f"rollout.vllm.{given[0] if given else ''}",
                "applies to the colocated engine only: a server's settings are given where it starts (grpokit "

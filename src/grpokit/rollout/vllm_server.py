@@ -28,9 +28,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -51,6 +53,7 @@ class ServerClient:
         import requests  # vLLM's own dependency: present wherever vLLM is
 
         self.url, self.timeout_s, self.errors = url.rstrip("/"), timeout_s, requests.RequestException
+        self.dtype: str | None = None  # the served weights' dtype, when the server says
         self.session = requests.Session()
 
     def wait_ready(self) -> None:
@@ -58,10 +61,14 @@ class ServerClient:
         deadline = time.monotonic() + self.timeout_s
         while True:
             try:
-                if self.session.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
+                status = self.session.get(f"{self.url}/health", timeout=5).status_code
             except self.errors:
-                pass
+                status = None
+            if status == 200:
+                return
+            if status == 404:  # something answers there, and it is not a vLLM server
+                raise UserError(f"rollout.vllm.server: {self.url} answers, but has no /health: it is not a vLLM "
+                                f"server's address (no /v1 at the end); {FIX}")
             if time.monotonic() > deadline:
                 raise UserError(f"rollout.vllm.server: no vLLM server answers at {self.url} within "
                                 f"rollout.vllm.server_timeout_s = {self.timeout_s:g} s; {FIX}")
@@ -75,6 +82,10 @@ class ServerClient:
             raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.url} did not answer {path} "
                                      f"within rollout.vllm.server_timeout_s = {self.timeout_s:g} s "
                                      f"({type(e).__name__}); {FIX}") from None
+        if response.status_code == 404 and "lora" in path:
+            raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.url} takes no LoRA adapters "
+                                     f"({path}); restart it with `grpokit serve MODEL --lora-rank R` (R >= "
+                                     "model.lora.r), or vLLM's --enable-lora with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")
         if response.status_code == 404:
             raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.url} has no {path}; {FIX}")
         if response.status_code != 200:
@@ -91,7 +102,9 @@ class ServerClient:
             info = self.call("GET", "/server_info", params={"config_format": "json"})
         except RolloutWorkerError:  # an older server without /server_info: nothing to check against
             return
-        mode = info.get("vllm_config", {}).get("model_config", {}).get("logprobs_mode")
+        model_config = info.get("vllm_config", {}).get("model_config", {})
+        self.dtype = str(model_config.get("dtype") or "").removeprefix("torch.") or None
+        mode = model_config.get("logprobs_mode")
         if mode not in (None, "processed_logprobs"):
             raise UserError(f"rollout.vllm.server: the vLLM server at {self.url} returns {mode}, not the sampling "
                             "distribution's log-probs; restart it with --logprobs-mode processed_logprobs "
@@ -139,10 +152,12 @@ def _vllm_transfer():
     vLLM 0.28 replaced the engine's static trainer calls with these helpers (as TRL 1.16 reads them)."""
     try:
         from vllm.utils.network_utils import get_ip, get_open_port
+        packed_in_init = True
         try:
             from vllm.distributed.weight_transfer.nccl_common import trainer_init
             from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer as send
-        except ImportError:  # vLLM < 0.28
+        except ImportError:  # vLLM < 0.28: `packed` travels with each update, not in the init info
+            packed_in_init = False
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerSendWeightsArgs
             from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine as Engine
 
@@ -154,7 +169,8 @@ def _vllm_transfer():
     except ImportError as e:
         raise UserError(f"rollout.vllm.server: this vLLM has no weight-transfer API ({e}); install a vLLM that does "
                         "(pip install -U vllm), or train with LoRA (model.lora: adapters travel as folders)") from None
-    return SimpleNamespace(trainer_init=trainer_init, send=send, get_ip=get_ip, get_open_port=get_open_port)
+    return SimpleNamespace(trainer_init=trainer_init, send=send, get_ip=get_ip, get_open_port=get_open_port,
+                           packed_in_init=packed_in_init)
 
 
 class VLLMServerEngine(VLLMEngine):
@@ -168,7 +184,7 @@ class VLLMServerEngine(VLLMEngine):
         super().__init__(url, seed=seed, lora=lora, llm=ServerLLM(self.client),
                          vllm_module=SimpleNamespace(SamplingParams=SimpleNamespace), tokenizer=tokenizer,
                          tools=tools, max_tool_turns=max_tool_turns)
-        self._transfer, self._group = transfer, None
+        self._transfer, self._group, self._packed_in_init = transfer, None, True
         # adapters are named <prefix>-v<version>: this run's own names (a server outlives runs), which an async
         # worker's engine, given the same prefix, asks for by the version it reads
         self.adapter_prefix = _shared_with_ranks(f"grpokit-{os.getpid()}-{int(time.time())}")
@@ -196,9 +212,17 @@ class VLLMServerEngine(VLLMEngine):
     def _push_all(self, model) -> None:
         if self._group is None:
             self._open()
+            ours = str(next(model.parameters()).dtype).removeprefix("torch.")
+            if self.client.dtype not in (None, ours):  # as TRL: said once, the correction covers the gap
+                print(f"note: the vLLM server at {self.client.url} holds {self.client.dtype} weights, the trainer "
+                      f"{ours}: the sampler's log-probs will differ more (algorithm.is_correction corrects for "
+                      f"it); `grpokit serve --dtype {ours}` or model.dtype = \"{self.client.dtype}\" aligns "
+                      "them", file=sys.stderr, flush=True)
         manifest = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in sync_tensors(model)]
         info = {"names": [m[0] for m in manifest], "dtype_names": [m[1] for m in manifest],
                 "shapes": [m[2] for m in manifest]}
+        if not self._packed_in_init:  # vLLM < 0.28 reads `packed` from each update
+            info["packed"] = True
         self.client.call("POST", "/pause", params={"mode": "keep"})
         self.client.call("POST", "/start_weight_update", json={"is_checkpoint_format": True})
         stream = named_weights_for_sync(model)  # FSDP: each tensor gathered as it is sent
@@ -206,16 +230,23 @@ class VLLMServerEngine(VLLMEngine):
             self._while_sending(lambda: self._transfer.send(iterator=stream, group=self._group, src=0,
                                                             post_iter_func=lambda item: item[1]),
                                 lambda: self.client.call("POST", "/update_weights", json={"update_info": info}))
-        finally:
-            with contextlib.suppress(RolloutWorkerError):
-                self.client.call("POST", "/finish_weight_update")
-            self.client.call("POST", "/resume")
+        except RolloutWorkerError as e:  # the transfer's own error is the one to say; the clean-up is brief
+            for path in ("/finish_weight_update", "/resume"):
+                with contextlib.suppress(RolloutWorkerError):
+                    self.client.call("POST", path, timeout_s=10)
+            raise RolloutWorkerError(f"{e}. The server may hold half-received weights: restart it before "
+                                     "resuming (a resumed run pushes every weight again)") from None
+        self.client.call("POST", "/finish_weight_update")
+        self.client.call("POST", "/resume")
 
     def _open(self) -> None:
         t = self._transfer = self._transfer or _vllm_transfer()
+        self._packed_in_init = getattr(t, "packed_in_init", True)
         size = 1 + int(self.client.call("GET", "/get_world_size")["world_size"])
         info = {"master_address": t.get_ip(), "master_port": t.get_open_port(), "rank_offset": 1,
-                "world_size": size, "packed": True}
+                "world_size": size}
+        if self._packed_in_init:
+            info["packed"] = True
         self._while_sending(lambda: setattr(self, "_group", t.trainer_init(info)),
                             lambda: self.client.call("POST", "/init_weight_transfer_engine",
                                                      json={"init_info": info}))
@@ -240,8 +271,9 @@ class VLLMServerEngine(VLLMEngine):
 
     def _sync_adapter(self, adapter, version: int) -> None:
         """Save the adapter where the server reads it and load it under its version's name; the old one goes."""
-        if self._lora_dir is None:
+        if self._lora_dir is None:  # the server reads it: local to the trainer (TMPDIR may be a shared folder)
             self._lora_dir = tempfile.mkdtemp(prefix="grpokit-lora-server-")
+            weakref.finalize(self, shutil.rmtree, self._lora_dir, True)
         previous = self.lora_request
         self._lora_version = version
         name, folder = f"{self.adapter_prefix}-v{version}", Path(self._lora_dir) / f"v{version}"

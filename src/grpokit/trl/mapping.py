@@ -191,6 +191,7 @@ def _mismatch(args) -> dict:
 def _vllm_options(args) -> dict:
     if args.vllm_mode == "server":  # vLLM's own server (grpokit serve): its settings are given where it starts
         host = "localhost" if args.vllm_server_host in ("0.0.0.0", "::") else args.vllm_server_host
+        host = f"[{host}]" if ":" in host else host  # an IPv6 address
         return {"server": args.vllm_server_base_url or f"http://{host}:{args.vllm_server_port}",
                 "server_timeout_s": float(args.vllm_server_timeout)}
     options = {"gpu_memory_utilization": args.vllm_gpu_memory_utilization,

@@ -106,7 +106,15 @@ def handler(state: State):
             url = urlparse(self.path)
             length = int(self.headers.get("Content-Length") or 0)
             body = json.loads(self.rfile.read(length) or b"{}")
+            hang = state.stats.get("hang")  # armed by POST /stand_in_hang: that call never answers
+            if hang and url.path == hang["path"]:
+                hang["after"] -= 1
+                if hang["after"] < 0:
+                    threading.Event().wait()
             try:
+                if url.path == "/stand_in_hang":
+                    state.stats["hang"] = body
+                    return self._reply(200)
                 if url.path == "/v1/completions":
                     return self._reply(200, state.complete(body))
                 if url.path == "/pause":
