@@ -182,11 +182,14 @@ def test_what_is_not_built_with_images_is_refused(vlm_dirs, tmp_path, no_model_l
 
     from grpokit.training.vision_setup import _refuse_unbuilt  # a config with the vllm engine needs vLLM installed
 
-    on_vllm = SimpleNamespace(tools=SimpleNamespace(history="append"), rollout=SimpleNamespace(engine="vllm"))
+    on_vllm = SimpleNamespace(tools=SimpleNamespace(history="append"), rollout=SimpleNamespace(engine="vllm", vllm={}))
     with pytest.raises(SetupError, match="^rollout.engine: the vLLM engine with images in multi-turn rollouts is "
                                          "not built yet"):
         _refuse_unbuilt(on_vllm, environments=False, tools=True)
     _refuse_unbuilt(on_vllm, environments=False, tools=False)  # single-turn: vLLM takes the images
+    on_vllm.rollout.vllm = {"server": "http://localhost:8000"}  # token-id prompts over HTTP carry no pixels
+    with pytest.raises(SetupError, match="^rollout.vllm.server: a vLLM server with images .* not built yet"):
+        _refuse_unbuilt(on_vllm, environments=False, tools=False)
     with pytest.raises(SetupError, match="^tools: .*the chat template ignores the tools"):
         train(config, rows=_rows(), tools=[add], reward_functions=[distinct_letters])
     assert not (tmp_path / "run").exists()
