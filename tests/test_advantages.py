@@ -191,3 +191,15 @@ def test_error_on_unknown_std_lists_choices():
 def test_error_on_2d_rewards():
     with pytest.raises(ValueError, match=r"rewards must have shape \[N\]"):
         group_advantages(torch.zeros(2, 4), 4)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e20, 1e30])
+def test_huge_rewards_keep_their_advantages(scale):
+    """Rewards 1e20 and 0 in float32: the squared deviations (1e40) overflow float32, so a float32 std is inf and
+    every advantage a silent 0. Worked in float64 the ratio is the scale's: population std = scale / 2 for the
+    group (scale, 0, scale, 0), A = (r - scale / 2) / (scale / 2 + 1e-4) = +-1 (to float32)."""
+    rewards = torch.tensor([scale, 0.0, scale, 0.0], dtype=torch.float32)
+    adv = group_advantages(rewards, 4)
+    assert adv.dtype == torch.float32
+    expected = 1.0 / (1.0 + 2e-4 / scale)
+    assert adv.tolist() == pytest.approx([expected, -expected, expected, -expected], rel=1e-6)

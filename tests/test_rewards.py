@@ -161,12 +161,19 @@ def test_batch_only_raise_is_reported_without_a_false_index():
     ([1.0, 1.0, 1.0, 1.0], r"'f0' returned 4 values for 3 completions"),
     ([1.0, nan, 0.0], r"'f0' at sample 1 \(prompt 'p1', completion 'c1'\) returned nan; rewards must be finite"),
     ([1.0, 0.0, math.inf], r"'f0' at sample 2 .* returned inf"),
+    ([1.0, 1e39, 0.0], r"'f0' at sample 1 .* returned 1e\+39, beyond float32's range .*scale the reward down"),
     ([1.0, "0.5", 0.0], r"'f0' at sample 1 .* returned '0\.5' \(str\); return a float, or None"),
     ([1.0, 0.0, [1.0]], r"'f0' at sample 2 .* returned \[1\.0\] \(list\)"),
 ])
 def test_bad_return_values_are_named(returned, pattern):
     with pytest.raises(RewardError, match=pattern):
         _call([lambda completions, **kw: returned], ["c0", "c1", "c2"])
+
+
+def test_a_weighted_total_past_float32_is_named_not_left_inf():
+    big = lambda completions, **kw: [3e38, 0.0]  # noqa: E731
+    with pytest.raises(RewardError, match=r"weighted total of the rewards at sample 0 is beyond float32's range"):
+        _call([big, big], ["a", "b"])
 
 
 def test_numpy_and_bool_returns_are_accepted():

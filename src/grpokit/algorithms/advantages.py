@@ -155,15 +155,17 @@ def group_advantages(
 ) -> Tensor:
     """Turn rewards ``[N]`` (laid out group by group, N = B*G) into advantages ``[N]``.
 
-    Returns floating advantages: same dtype as ``rewards`` if floating, else float32.
+    Returns floating advantages: same dtype as ``rewards`` if floating, else float32. Computed in float64:
+    the squared deviations of float32 rewards past about 1e19 overflow to inf, and the std with them, which
+    would turn every advantage into a silent 0 (the ratio itself does not depend on the rewards' scale).
     """
     _check(rewards, group_size, scale_rewards, std, estimator)
     dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
-    grouped = rewards.detach().to(dtype).reshape(-1, group_size)  # [B, G]
+    grouped = rewards.detach().to(torch.float64).reshape(-1, group_size)  # [B, G]
     valid = ~torch.isnan(grouped)  # [B, G]
     adv = ESTIMATORS[estimator](grouped, valid, scale_rewards, _STD_DDOF[std], eps)  # [B, G]
     # All valid rewards equal (or a single one): no signal, exactly 0.
-    return torch.where(_varies(grouped, valid), adv, 0.0).reshape(-1)  # [N]
+    return torch.where(_varies(grouped, valid), adv, 0.0).reshape(-1).to(dtype)  # [N]
 
 
 def decoupled_advantages(
@@ -212,17 +214,18 @@ def decoupled_advantages(
     size cancels, its sign stays.
 
     The batch is what the caller passes (in training, this process's share of the step).
-    Returns floating advantages [N]: ``per_fn``'s dtype if floating, else float32.
+    Returns floating advantages [N]: ``per_fn``'s dtype if floating, else float32 (computed in float64, as
+    ``group_advantages``).
     """
     if per_fn.dim() != 2 or per_fn.shape[1] < 1:
         raise ValueError(f"per_fn must have shape [N, F] (N = B*G, F >= 1 functions), got {tuple(per_fn.shape)}")
     _check_groups(per_fn.shape[0], group_size, std)
     dtype = per_fn.dtype if per_fn.is_floating_point() else torch.float32
-    w = torch.as_tensor(weights, dtype=dtype, device=per_fn.device)  # [F]
+    w = torch.as_tensor(weights, dtype=torch.float64, device=per_fn.device)  # [F]
     if w.shape != (per_fn.shape[1],):
         raise ValueError(f"weights must have shape [F] = [{per_fn.shape[1]}] (one per function), got {tuple(w.shape)}")
     ddof = _STD_DDOF[std]
-    grouped = per_fn.detach().to(dtype).reshape(-1, group_size, per_fn.shape[1])  # [B, G, F]
+    grouped = per_fn.detach().to(torch.float64).reshape(-1, group_size, per_fn.shape[1])  # [B, G, F]
     valid = ~torch.isnan(grouped)  # [B, G, F]
     z = (grouped - _group_mean(grouped, valid)) / (_masked_std(grouped, valid, ddof, dim=1) + eps)  # [B, G, F]
     signal = _varies(grouped, valid)  # [B, G, F]
@@ -231,4 +234,4 @@ def decoupled_advantages(
     mean = torch.where(scorable, summed, 0.0).sum() / scorable.sum().clamp(min=1)  # []
     adv = (summed - mean) / (_masked_std(summed, scorable, ddof, dim=None) + eps)  # [B, G]
     informative = scorable & signal.flatten(1).any(dim=1, keepdim=True)  # [B, G]
-    return torch.where(informative, adv, 0.0).reshape(-1)  # [N]
+    return torch.where(informative, adv, 0.0).reshape(-1).to(dtype)  # [N]

@@ -253,8 +253,14 @@ def _column_values(spec: RewardSpec, out: Any, prompts: Sequence, completions: S
         if x is not None and not math.isfinite(x):
             raise RewardError(f"{_where(spec.name, i, prompts, completions)} returned {x}; "
                               f"rewards must be finite (return None to skip a sample)")
+        if x is not None and abs(x) > _FLOAT32_MAX:  # it would be inf in the float32 reward table
+            raise RewardError(f"{_where(spec.name, i, prompts, completions)} returned {x}, beyond float32's "
+                              f"range (|r| <= {_FLOAT32_MAX:.3g}); scale the reward down")
         values.append(math.nan if x is None else x)
     return values
+
+
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def _check_lengths(prompts, completions, completion_ids, columns) -> None:
@@ -314,6 +320,10 @@ def compute_rewards(
         per_fn[:, j] = torch.tensor(_column_values(spec, out, prompts, completions), dtype=torch.float32)
     weights = torch.tensor([float(s.weight) for s in specs], dtype=torch.float32)  # [F]
     total = torch.nansum(per_fn * weights, dim=1)  # [N]
+    if torch.isinf(total).any():
+        i = int(torch.isinf(total).nonzero()[0])
+        raise RewardError(f"the weighted total of the rewards at sample {i} is beyond float32's range "
+                          f"({per_fn[i].tolist()} x weights {weights.tolist()}); scale the rewards or weights down")
     total[torch.isnan(per_fn).all(dim=1)] = math.nan
     return per_fn, total
 
