@@ -277,6 +277,8 @@ def test_refused_fields_and_values_are_listed_in_one_error():
     (dict(epsilon_high="5"), r"epsilon_high='5' \(must be a number\)$"),
     (dict(delta="4"), r"delta='4' \(must be a number\)$"),
     (dict(use_vllm="yes"), r"use_vllm='yes' \(must be True or False\)$"),
+    (dict(num_generations=4.0), r"num_generations=4\.0 \(must be a whole number: 4\)$"),
+    (dict(max_steps=3.5), r"max_steps=3\.5 \(must be a whole number\)$"),
 ])
 def test_refused_configs(trl_args, match):
     with pytest.raises(ConfigError, match=match):

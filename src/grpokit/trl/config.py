@@ -247,6 +247,9 @@ def _type_problems(c) -> list[str]:
         numeric = kinds & {int, float} and kinds <= {int, float, type(None)}
         if numeric and not (isinstance(value, (int, float)) and not isinstance(value, bool)):
             out.append(f"{name}={value!r} (must be a number)")
+        elif numeric and float not in kinds and isinstance(value, float):  # 4.0 would reach range() and slices
+            out.append(f"{name}={value!r} (must be a whole number: {int(value)})" if value.is_integer()
+                       else f"{name}={value!r} (must be a whole number)")
         elif kinds == {bool} and not isinstance(value, bool):
             out.append(f"{name}={value!r} (must be True or False)")
     return out
