@@ -21,7 +21,8 @@ from pathlib import Path
 
 from grpokit.data.prompts import columns_of
 from grpokit.rewards.core import compute_rewards
-from grpokit.rewards.isolation import RewardPool, isolate
+from grpokit.rewards.pooled_reward import isolate
+from grpokit.rewards.worker_pool import RewardPool
 from grpokit.tasks import get_task
 
 

@@ -1,4 +1,4 @@
-"""Isolated reward functions (rewards/isolation.py): worker processes that a timeout really stops.
+"""Isolated reward functions (rewards/worker_pool.py): worker processes that a timeout really stops.
 
 Two module-scoped pools keep the file fast (a worker costs ~0.1 s to start, ~3 s more when it imports
 torch): `pool` runs functions that need grpokit's registry (and so torch, until registry.py stops importing
@@ -21,9 +21,9 @@ import pytest
 
 from grpokit.errors import RewardError, RewardLoadError, RewardTimeoutError
 from grpokit.rewards.core import RewardSpec, compute_rewards
-from grpokit.rewards.isolated import isolate
-from grpokit.rewards.isolation import RewardPool, RewardWorkerError, check_isolatable
+from grpokit.rewards.pooled_reward import isolate
 from grpokit.rewards.registry import get_reward, load_reward
+from grpokit.rewards.worker_pool import RewardPool, RewardWorkerError, check_isolatable
 
 FAULTS = '''
 import ctypes, os, subprocess, sys, time
@@ -376,7 +376,7 @@ def test_close_reaps_every_worker():
 def test_workers_die_with_a_sigkilled_trainer(tmp_path):
     """Workers, and what their functions started (a `sleep` that a reward function left running), die with a
     SIGKILLed trainer: nothing is left re-parented to PID 1."""
-    import grpokit.rewards.isolation as isolation
+    import grpokit.rewards.worker_pool as isolation
 
     (tmp_path / "tree.py").write_text(textwrap.dedent("""
         import subprocess, time

@@ -91,7 +91,7 @@ class RewardConfig:
     timeout_s: float = 600.0
     # Where Python reward functions run: "none" (in the trainer's process: a call past its timeout stops
     # the run, since a thread cannot be killed) or "process" (a pool of `workers` processes: a call past
-    # its timeout, or one that crashes, is killed and its worker replaced; rewards/isolation.py).
+    # its timeout, or one that crashes, is killed and its worker replaced; rewards/worker_pool.py).
     isolation: str = "none"
     workers: int = 2
     # A grader that fails (a remote grader after its retries; with isolation = "process" a call that timed

@@ -39,7 +39,7 @@ SAMPLERS = ("inverse_cdf", "gumbel")  # rollout/sampling.py
 # Tasks whose reward is their environment's own get_reward, with no verifier to name in rewards.functions
 ENVIRONMENT_TASKS = ("gridworld",)
 TASK_NAMES = ("addition", "countdown", "gridworld", "multiplication", "shapes")
-REWARD_ISOLATION = ("none", "process")  # rewards/isolation.py
+REWARD_ISOLATION = ("none", "process")  # rewards/worker_pool.py
 REWARD_ON_ERROR = ("raise", "skip")
 TOOL_HISTORY = ("append", "split")  # tools.history: rollout/history.py
 # rewards.aggregation: how several reward functions become one advantage (TRL's multi_objective_aggregation)

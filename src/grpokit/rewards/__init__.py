@@ -20,8 +20,7 @@ from grpokit.rewards.graders import (
     overlong_penalty_value,
     soft_overlong_penalty,
 )
-from grpokit.rewards.isolated import isolate
-from grpokit.rewards.isolation import RewardPool, check_isolatable
+from grpokit.rewards.pooled_reward import isolate
 from grpokit.rewards.registry import (
     available_rewards,
     get_reward,
@@ -34,6 +33,7 @@ from grpokit.rewards.registry import (
 from grpokit.rewards.remote import RemoteGrader, is_url
 from grpokit.rewards.reward_model import RewardModel, check_reward_model_folder, load_reward_model
 from grpokit.rewards.sandbox import code_execution, code_execution_reward, extract_code, sandbox_isolation
+from grpokit.rewards.worker_pool import RewardPool, check_isolatable
 
 __all__ = [
     "DEFAULT_FORMAT", "RemoteGrader", "RewardError", "RewardLoadError", "RewardModel", "RewardPool", "RewardSpec",

@@ -28,7 +28,7 @@ Deviations from TRL, all in the user's favour:
   and waits at most that long; past it, `RewardTimeoutError` names the function
   and the limit. A Python thread cannot be killed, so the hung call is abandoned
   (it runs on in the background until the process exits) and the run stops with
-  the error. With `rewards.isolation = "process"` (rewards/isolation.py) functions
+  the error. With `rewards.isolation = "process"` (rewards/worker_pool.py) functions
   run in worker processes instead, which a timeout or a crash kills and replaces.
   For untrusted code use the sandboxed "code_execution" reward.
 - Reward *models* (`nn.Module`) are not handled here; wrap one in a function.

@@ -109,7 +109,7 @@ class ToolWorkers:
     """The trainer's side: a pool of `workers` processes running one `ToolHost`; `close()` stops them."""
 
     def __init__(self, host: ToolHost, workers: int = 2):
-        from grpokit.rewards.isolation import RewardPool, _source
+        from grpokit.rewards.worker_pool import RewardPool, _source
 
         self.source = _source("tools", host)  # checked to pickle and import now, at start-up
         self.pool, self.workers, self.timeout_s = RewardPool(workers), workers, host.timeout_s
@@ -164,7 +164,7 @@ def attach_workers(box: ToolBox, environments, tools_config, functions: Sequence
     from pathlib import Path
 
     from grpokit.errors import RewardLoadError
-    from grpokit.rewards.isolation import _source
+    from grpokit.rewards.worker_pool import _source
 
     def absolute(ref):
         """A reference resolved now; a callable as a worker finds it (a script's function: by its file)."""

@@ -31,12 +31,12 @@ from grpokit.models.lora import AdapterDisabled, LoraReference, adapter_of, appl
 from grpokit.models.onednn import kernel_note
 from grpokit.models.parallel import DistributedContext
 from grpokit.rewards.core import RewardSpec
-from grpokit.rewards.isolated import isolate
-from grpokit.rewards.isolation import RewardPool, check_isolatable
+from grpokit.rewards.pooled_reward import isolate
 from grpokit.rewards.registry import reward_specs, unique_reward_names
 from grpokit.rewards.remote import RemoteGrader
 from grpokit.rewards.reward_model import RewardModel
 from grpokit.rewards.sandbox import sandbox_isolation
+from grpokit.rewards.worker_pool import RewardPool, check_isolatable
 from grpokit.rollout.engines import RolloutEngine, build_engine
 from grpokit.rollout.environments import Environments
 from grpokit.rollout.multiturn import check_full_attention
@@ -138,7 +138,7 @@ SELF_BOUNDED = ("code_execution",)  # run their answers in their own killable pr
 
 def isolate_rewards(config: Config, specs: list[RewardSpec]) -> tuple[list[RewardSpec], RewardPool | None]:
     """With `rewards.isolation = "process"`, the Python reward functions moved into a pool of worker
-    processes (rewards/isolation.py): `rewards.timeout_s` (or a function's own timeout) then kills a
+    processes (rewards/worker_pool.py): `rewards.timeout_s` (or a function's own timeout) then kills a
     call that hangs, and a crash costs a worker, not the run. Reward models, remote graders and the
     self-bounded built-ins stay as they are. Whether each function can be rebuilt in a worker is checked
     here, before the model loads; the workers start at the first batch."""

@@ -1,5 +1,5 @@
 """The trainer's side of an isolated reward function: the `RewardSpec` whose `fn` sends each call to the
-worker pool (`rewards/isolation.py`) in chunks of whole groups, and turns the workers' replies back into
+worker pool (`rewards/worker_pool.py`) in chunks of whole groups, and turns the workers' replies back into
 scores, the function's own exception, or an error naming the function and the limit."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from grpokit.errors import RewardError, RewardTimeoutError
 from grpokit.rewards.core import RewardSpec
-from grpokit.rewards.isolation import BUILD_LIMIT_S, RewardPool, RewardWorkerError, _pickles, _Source, _source
+from grpokit.rewards.worker_pool import BUILD_LIMIT_S, RewardPool, RewardWorkerError, _pickles, _Source, _source
 
 
 def _chunks(n: int, group_size: int | None, workers: int) -> list[tuple[int, int]]:
