@@ -104,3 +104,18 @@ def test_lora_config_errors():
         ModelConfig(path="m", lora={"r": 0})
     with pytest.raises(ValueError, match="needs a model with LoRA adapters"):
         AdapterDisabled(torch.nn.Linear(2, 2))
+
+
+def test_a_peft_model_given_as_such_is_one_error_naming_both_ways(tiny_model_dir, tmp_path):
+    """train(model=PeftModel) crashed in the first forward (a PeftModel returns no `last_hidden_state`)."""
+    from peft import LoraConfig, get_peft_model
+
+    from grpokit.errors import SetupError
+
+    peft_model = get_peft_model(load_model(str(tiny_model_dir)), LoraConfig(r=2, target_modules=["q_proj"]))
+    for lora in ({}, {"r": 2}):
+        config = make_config(tiny_model_dir, tmp_path / "run", steps=1, model={"lora": lora})
+        with pytest.raises(SetupError, match=r"^train\(model=...\): a peft PeftModel is given; pass the model without "
+                                             r"adapters and set model.lora .* grpokit.trl.GRPOTrainer"):
+            train(config, reward_functions=[parity], model=peft_model)
+    assert not list((tmp_path / "run").glob("checkpoint-*"))

@@ -70,6 +70,19 @@ def adapter_of(model):
     return getattr(model, "__dict__", {}).get(_ATTR)
 
 
+def check_given_model(model) -> None:
+    """`train(model=...)` takes a transformers model, or one `apply_lora` adapted (the TRL drop-in's): a peft
+    `PeftModel` as such has another forward (no `.model.last_hidden_state`) and its own adapter bookkeeping."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # without peft nobody can pass one
+        return
+    if isinstance(model, PeftModel):
+        raise SetupError("train(model=...): a peft PeftModel is given; pass the model without adapters and set "
+                         "model.lora (grpokit adds them), or give the PeftModel to grpokit.trl.GRPOTrainer(model=...), "
+                         "which trains its own adapters")
+
+
 def trainable_parameters(model) -> tuple[int, int]:
     """(trainable, total) parameter counts."""
     total = sum(p.numel() for p in model.parameters())

@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Sequence
 from grpokit.config.loading import to_toml
 from grpokit.config.schema import Config
 from grpokit.errors import RewardError, RolloutWorkerError, TrainingDiverged
+from grpokit.models.lora import check_given_model
 from grpokit.models.onednn import onednn_linears
 from grpokit.models.parallel import DistributedContext
 from grpokit.models.threads import configure_threads
@@ -85,6 +86,8 @@ def train(
                           f"{config.train.steps}); raise train.steps to continue it", flush=True)
                 return inputs.folder.path
             check_async(config, engine)
+            if model is not None:
+                check_given_model(model)
             threads = split_threads(config)[0] if config.rollout.mode == "async" else config.train.num_threads
             _, crowded = configure_threads(threads)
             if crowded and dist.is_main:
