@@ -386,3 +386,21 @@ def test_the_vllm_engine_sends_each_prompts_images_as_multimodal_data(vlm_dirs, 
     assert set(colors) <= set(COLORS.values()) and len(set(colors)) > 1  # each prompt its own image
     records = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
     assert all(len(r["images"]) == 1 for r in records)
+
+
+@pytest.mark.parametrize("damage", ["processor_config.json", "video_preprocessor_config.json", "chat_template.jinja"])
+def test_a_damaged_processor_file_is_one_error_naming_it(vlm_dirs, tmp_path, damage):
+    """A damaged processor file or a chat template without the image placeholders: one error naming the file and
+    the fix, before the run folder is made (both were tracebacks out of transformers)."""
+    import shutil
+
+    from grpokit.errors import ModelLoadError
+
+    folder = tmp_path / "vlm"
+    shutil.copytree(vlm_dirs["qwen2_vl"], folder)
+    (folder / damage).write_text("{broken")
+    match = "chat template and its processor disagree" if damage.endswith(".jinja") else \
+        f"{damage} is not valid JSON .*copy the processor files from the base model again"
+    with pytest.raises(ModelLoadError, match=match):
+        train(_config(folder, tmp_path / "run"), rows=_rows(), reward_functions=[distinct_letters])
+    assert not (tmp_path / "run").exists()

@@ -144,6 +144,12 @@ def _check_tokenizer_files(p: Path, field: str) -> None:
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if name in present:
             _read_json(p, name, field, "copy the tokenizer files from the base model again")
+    for name in _PROCESSOR_FILES:  # a vision-language folder's: AutoProcessor would fail on them with a traceback
+        if (p / name).is_file():
+            _read_json(p, name, field, "copy the processor files from the base model again")
+
+
+_PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json", "video_preprocessor_config.json")
 
 
 # What a Hub model's snapshot needs: config, tokenizer, chat template, the weights transformers

@@ -156,5 +156,13 @@ def encode_image_prompt(processor, messages: list[dict], images: list, family: s
                                          **({"tools": tools} if tools else {}))
     if not images:
         return processor.tokenizer(text, add_special_tokens=False)["input_ids"], None
-    encoded = processor(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
+    try:
+        encoded = processor(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
+    except ValueError as e:  # a template that does not render the parts as the family's placeholders
+        from grpokit.errors import ModelLoadError
+
+        raise ModelLoadError(f"the model's chat template and its processor disagree on a prompt with {len(images)} "
+                             f"image(s) ({e}); the template must render each {{\"type\": \"image\"}} part as the "
+                             "family's image placeholder: copy chat_template.jinja (or the template in "
+                             "tokenizer_config.json) from the base model again") from None
     return encoded["input_ids"][0].tolist(), PromptImages.from_processor(family, encoded)
