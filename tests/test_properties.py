@@ -54,6 +54,19 @@ def test_advantages_are_finite_and_sum_to_zero_per_group(data, scale, std):
 
 
 @SETTINGS
+@given(grouped_rewards(values=st.floats(allow_nan=False, allow_infinity=False, width=32)), st.sampled_from(STDS))
+def test_float32_rewards_of_any_size_keep_their_signal(data, std):
+    """Over float32's whole range: finite advantages, and a group whose rewards span d >= 1 has max |A| >= 0.45
+    (max |r - mean| >= d / 2 and std <= d, so |A| >= (d / 2) / (d + eps)); a float32 std overflowed past 1e19."""
+    rewards, G = data
+    adv = group_advantages(rewards.float(), G, std=std).view(-1, G)
+    assert torch.isfinite(adv).all()
+    grouped = rewards.view(-1, G)
+    spans = (grouped.amax(-1) - grouped.amin(-1)) >= 1
+    assert (adv[spans].abs().amax(-1) >= 0.45).all()
+
+
+@SETTINGS
 @given(grouped_rewards(), st.sampled_from(STDS))
 def test_standardised_groups_are_zero_sum_with_unit_std(data, std):
     rewards, G = data
