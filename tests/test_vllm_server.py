@@ -5,6 +5,7 @@ What a real vLLM server adds (CUDA kernels, NCCL, vLLM's own samplers) is left t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -286,6 +287,12 @@ def test_trls_server_arguments_map_onto_the_server(stand_in):
     assert not [n for n in async_notes(a) if n.startswith("request_timeout")]  # it bounds the server's calls here
     default = AsyncGRPOConfig(max_steps=2)  # TRL's default address: grpokit's own workers, not a server
     assert grpokit_config(default.as_grpo(), model_path="m", dtype="float32").rollout.engine == "hf"
+    assert default.vllm_server_base_url == "http://localhost:8000"  # TRL's attribute, as TRL has it
+    kept = dataclasses.replace(default, max_staleness=1)  # a copy keeps the default a default
+    assert grpokit_config(kept.as_grpo(), model_path="m", dtype="float32").rollout.engine == "hf"
+    typed = AsyncGRPOConfig(max_steps=2, vllm_server_base_url="http://localhost:8000")  # written out: that server
+    assert grpokit_config(typed.as_grpo(), model_path="m", dtype="float32").rollout.vllm["server"] == \
+        "http://localhost:8000"
 
 
 SERVER_TOML = """

@@ -17,9 +17,9 @@ weight_sync_steps - 1 steps), `weight_sync_steps` -> `rollout.weight_sync_every`
 `token_budget` <= 0 is grpokit's fixed-count micro-batches (None, TRL's default, means the vLLM server's
 max_model_len: there is no server, so grpokit packs the fixed count too; > 0 is refused); the others have
 nothing to act on in grpokit and are accepted with a note (`fork_threshold_tokens`, the server's timeouts,
-`max_inflight_tasks`, `queue_maxsize`); `vllm_server_base_url` away from TRL's default samples on that vLLM
-server (started with `grpokit serve`), TRL's default is not connected to (the built-in sampler runs in grpokit's
-workers). docs/TRL.md lists every field with its decision.
+`max_inflight_tasks`, `queue_maxsize`); `vllm_server_base_url` given (TRL's default address too, written out)
+samples on that vLLM server (started with `grpokit serve`); left at its default it is not connected to (the
+built-in sampler runs in grpokit's workers). docs/TRL.md lists every field with its decision.
 """
 
 from __future__ import annotations
@@ -56,9 +56,14 @@ OWN: dict[str, Any] = {
     "weight_sync_steps": 1, "heartbeat_stale_after_s": 300.0,
 }
 # shared fields whose default TRL's AsyncGRPOConfig changes (lr_scheduler_type is "constant" in both)
+class _NotGiven(str):
+    """TRL's default server address as the field's default: equal to the string, but not one a user typed, so
+    `vllm_server_base_url="http://localhost:8000"` written out samples on that server while the default does not."""
+
+
 ASYNC_DEFAULTS: dict[str, Any] = {
     "logging_steps": 1, "ignore_data_skip": True, "remove_unused_columns": True, "max_completion_length": 2048,
-    "vllm_server_base_url": "http://localhost:8000",
+    "vllm_server_base_url": _NotGiven("http://localhost:8000"),
 }
 # shared fields GRPOConfig refuses away from its default that change nothing here (a note says so), with the
 # value the GRPOConfig translation gets
@@ -152,9 +157,10 @@ def own_problems(c) -> list[str]:
 
 
 def _uses_server(c) -> bool:
-    """TRL's async trainer always samples on a vLLM server; grpokit uses one only when its address is given (TRL's
-    default address is not connected to: the built-in sampler runs in grpokit's own worker processes)."""
-    return c.vllm_server_base_url != ASYNC_DEFAULTS["vllm_server_base_url"]
+    """TRL's async trainer always samples on a vLLM server; grpokit uses one only when its address is given, even
+    TRL's default one written out (left at the default it is not connected to: the built-in sampler runs in
+    grpokit's own worker processes)."""
+    return not isinstance(c.vllm_server_base_url, _NotGiven)
 
 
 def async_notes(c) -> list[str]:
