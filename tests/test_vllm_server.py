@@ -165,21 +165,45 @@ def test_a_server_that_dies_ends_the_run_with_one_error_and_the_finished_steps_s
     assert (tmp_path / "run" / "checkpoint-2" / "model.safetensors").is_file()
 
 
-def test_a_server_that_hangs_in_a_push_is_one_timeout_naming_the_call(tiny_model_dir, tmp_path, server):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_server_that_hangs_in_a_push_is_one_timeout_naming_the_call(tiny_model_dir, tmp_path, server, mode):
     """The third /update_weights never answers: one server_timeout_s, then the error names that call and says to
-    restart the server (it may hold half the weights); step 2 trained and is saved."""
-    urllib.request.urlopen(urllib.request.Request(f"{server}/stand_in_hang", method="POST", data=json.dumps(
-        {"path": "/update_weights", "after": 2}).encode(), headers={"Content-Type": "application/json"}), timeout=10)
+    restart the server (it may hold half the weights); step 2 trained and is saved. In async mode too (it was
+    said as a failed transfer to the rollout workers, within their 300 s)."""
+    _arm_hang(server, "/update_weights", 2)
     config = server_config(tiny_model_dir, tmp_path / "run", server, steps=4)
     config = config.__class__(**{**vars(config), "rollout": RolloutConfig(**{
-        **vars(config.rollout), "vllm": {"server": server, "server_timeout_s": 4}})})
+        **vars(config.rollout), "mode": mode, "max_staleness": 0,
+        "vllm": {"server": server, "server_timeout_s": 4}})})
     t0 = time.monotonic()
     with pytest.raises(RolloutWorkerError) as e:
         train(config, reward_functions=[parity])
     said = str(e.value)
     assert "did not answer /update_weights within rollout.vllm.server_timeout_s = 4 s" in said, said
     assert "restart it before resuming" in said and "step 2 is saved" in said, said
+    assert "rollout workers" not in said and "worker_timeout_s" not in said, said
     assert time.monotonic() - t0 < 60
+
+
+def _arm_hang(server: str, path: str, after: int) -> None:
+    urllib.request.urlopen(urllib.request.Request(f"{server}/stand_in_hang", method="POST", data=json.dumps(
+        {"path": path, "after": after}).encode(), headers={"Content-Type": "application/json"}), timeout=10)
+
+
+def test_a_server_stalled_at_the_first_step_says_to_start_again_which_works(tiny_model_dir, tmp_path, server):
+    """Nothing trained, nothing saved: the error says to start again (it said `--resume`, which then refused)."""
+    _arm_hang(server, "/v1/completions", 0)
+    config = server_config(tiny_model_dir, tmp_path / "run", server, steps=2)
+    config = config.__class__(**{**vars(config), "rollout": RolloutConfig(**{
+        **vars(config.rollout), "vllm": {"server": server, "server_timeout_s": 3}})})
+    with pytest.raises(RolloutWorkerError) as e:
+        train(config, reward_functions=[parity])
+    said = str(e.value)
+    assert "did not answer /v1/completions" in said and said.endswith(
+        "no checkpoint was written yet: start again with the same command"), said
+    _arm_hang(server, "/none", 0)  # the server answers again
+    run = train(config, reward_functions=[parity])
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
 
 
 def test_no_server_at_the_address_is_one_error_naming_the_field(tiny_model_dir, tmp_path, stand_in):
@@ -213,6 +237,36 @@ def test_an_address_that_is_not_a_vllm_servers_is_said_at_once(tiny_model_dir, t
     finally:
         other.shutdown()
     assert time.monotonic() - t0 < 25  # not the 30 s of server_timeout_s
+
+
+@pytest.mark.parametrize("body", [b"<html>hello</html>", b"{}", b'{"data": [{"id": "m"}], "choices": [{}]}'])
+def test_a_server_that_answers_200_but_is_not_vllm_is_one_error(tiny_model_dir, tmp_path, stand_in, body):
+    """HTML, an empty object, or replies without vLLM's fields (a JSONDecodeError / KeyError traceback before)."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Anything(BaseHTTPRequestHandler):
+        def _answer(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args):
+            pass
+
+    other = ThreadingHTTPServer(("127.0.0.1", 0), Anything)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{other.server_address[1]}"
+    try:
+        with pytest.raises(UserError, match=r"answered /[\w/]+ with .*not what a vLLM server answers: it is not a "
+                                            r"vLLM server's address"):
+            train(server_config(tiny_model_dir, tmp_path / "run", url), reward_functions=[parity])
+    finally:
+        other.shutdown()
 
 
 @pytest.mark.parametrize("fields, match", [

@@ -82,6 +82,10 @@ class ServerClient:
             raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.url} did not answer {path} "
                                      f"within rollout.vllm.server_timeout_s = {self.timeout_s:g} s "
                                      f"({type(e).__name__}); {FIX}") from None
+        if response.status_code == 404 and path == "/v1/completions" and "does not exist" in response.text:
+            raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.url} no longer holds the model "
+                                     f"or adapter this run samples with ({response.text[:200]}); it was restarted "
+                                     "or evicted it: restart the run with --resume (each start pushes it again)")
         if response.status_code == 404 and "lora" in path:
             raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.url} takes no LoRA adapters "
                                      f"({path}); restart it with `grpokit serve MODEL --lora-rank R` (R >= "
@@ -91,10 +95,21 @@ class ServerClient:
         if response.status_code != 200:
             raise RolloutWorkerError(f"rollout.vllm.server: {path} failed at {self.url} with HTTP "
                                      f"{response.status_code}: {response.text[:300]}")
-        return response.json() if response.content else {}
+        try:
+            return response.json() if response.content else {}
+        except ValueError:  # something that is not vLLM answers there
+            raise self.not_vllm(path, response.text) from None
+
+    def not_vllm(self, path: str, reply) -> RolloutWorkerError:
+        return RolloutWorkerError(f"rollout.vllm.server: {self.url} answered {path} with {str(reply)[:120]!r}, "
+                                  f"not what a vLLM server answers: it is not a vLLM server's address; {FIX}")
 
     def served_model(self) -> str:
-        return self.call("GET", "/v1/models")["data"][0]["id"]
+        reply = self.call("GET", "/v1/models")
+        try:
+            return reply["data"][0]["id"]
+        except (KeyError, IndexError, TypeError):
+            raise self.not_vllm("/v1/models", reply) from None
 
     def check_setup(self) -> None:
         """The server's log-probs must include the temperature, as the trainer's do (when it says)."""
@@ -102,7 +117,10 @@ class ServerClient:
             info = self.call("GET", "/server_info", params={"config_format": "json"})
         except RolloutWorkerError:  # an older server without /server_info: nothing to check against
             return
-        model_config = info.get("vllm_config", {}).get("model_config", {})
+        try:
+            model_config = dict((info.get("vllm_config") or {}).get("model_config") or {})
+        except (AttributeError, TypeError, ValueError):
+            raise self.not_vllm("/server_info", info) from None
         self.dtype = str(model_config.get("dtype") or "").removeprefix("torch.") or None
         mode = model_config.get("logprobs_mode")
         if mode not in (None, "processed_logprobs"):
@@ -120,8 +138,11 @@ class ServerLLM:
     def generate(self, prompts, sampling_params, use_tqdm=False, lora_request=None):
         per_prompt = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         model = lora_request.lora_name if lora_request is not None else self.model
-        with ThreadPoolExecutor(max_workers=max(1, min(256, len(prompts)))) as pool:  # vLLM batches them
+        pool = ThreadPoolExecutor(max_workers=max(1, min(256, len(prompts))))  # vLLM batches them
+        try:
             return list(pool.map(lambda args: self._one(model, *args), zip(prompts, per_prompt, range(len(prompts)))))
+        finally:  # a Ctrl-C or a failed request: the others are not waited for (each has its own timeout)
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _one(self, model: str, prompt: dict, p, index: int) -> SimpleNamespace:
         if "multi_modal_data" in prompt:
@@ -135,12 +156,15 @@ class ServerLLM:
                    "stop_token_ids": getattr(p, "stop_token_ids", None) or [],
                    "stop": getattr(p, "stop", None) or [],
                    "include_stop_str_in_output": bool(getattr(p, "include_stop_str_in_output", False))}
-        choices = sorted(self.client.call("POST", "/v1/completions", json=payload)["choices"],
-                         key=lambda c: c.get("index", 0))
-        outputs = [SimpleNamespace(token_ids=c["token_ids"], finish_reason=c.get("finish_reason"),
-                                   logprobs=[{t: lp} for t, lp in zip(c["token_ids"],
-                                                                       c["logprobs"]["token_logprobs"])])
-                   for c in choices]
+        reply = self.client.call("POST", "/v1/completions", json=payload)
+        try:
+            choices = sorted(reply["choices"], key=lambda c: c.get("index", 0))
+            outputs = [SimpleNamespace(token_ids=c["token_ids"], finish_reason=c.get("finish_reason"),
+                                       logprobs=[{t: lp} for t, lp in zip(c["token_ids"],
+                                                                           c["logprobs"]["token_logprobs"])])
+                       for c in choices]
+        except (KeyError, TypeError, AttributeError):  # no token ids or log-probs: not vLLM, or one too old
+            raise self.client.not_vllm("/v1/completions", reply) from None
         return SimpleNamespace(outputs=outputs, prompt_token_ids=prompt["prompt_token_ids"])
 
     def reset_prefix_cache(self):
@@ -242,7 +266,11 @@ class VLLMServerEngine(VLLMEngine):
     def _open(self) -> None:
         t = self._transfer = self._transfer or _vllm_transfer()
         self._packed_in_init = getattr(t, "packed_in_init", True)
-        size = 1 + int(self.client.call("GET", "/get_world_size")["world_size"])
+        reply = self.client.call("GET", "/get_world_size")
+        try:
+            size = 1 + int(reply["world_size"])
+        except (KeyError, TypeError, ValueError):
+            raise self.client.not_vllm("/get_world_size", reply) from None
         info = {"master_address": t.get_ip(), "master_port": t.get_open_port(), "rank_offset": 1,
                 "world_size": size}
         if self._packed_in_init:
@@ -251,15 +279,18 @@ class VLLMServerEngine(VLLMEngine):
                             lambda: self.client.call("POST", "/init_weight_transfer_engine",
                                                      json={"init_info": info}))
 
-    @staticmethod
-    def _while_sending(send, drive) -> None:
+    def _while_sending(self, send, drive) -> None:
         """Run `send` (a collective without a timeout) on a thread while `drive` (the HTTP call that makes the
         server take part, with one) runs here: a server that fails answers the call, never hangs the trainer."""
         failed: list[BaseException] = []
         thread = threading.Thread(target=lambda: _noting(send, failed), daemon=True, name="vllm-weight-transfer")
         thread.start()
         drive()
-        thread.join()
+        thread.join(self.client.timeout_s)  # the server said it received: the sending side ends soon after
+        if thread.is_alive():
+            raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.client.url} answered, but the "
+                                     f"weight transfer did not end within rollout.vllm.server_timeout_s = "
+                                     f"{self.client.timeout_s:g} s; {FIX}")
         if failed:
             raise RolloutWorkerError(f"rollout.vllm.server: the weight transfer to the vLLM server failed "
                                      f"({type(failed[0]).__name__}: {failed[0]})") from failed[0]

@@ -29,7 +29,7 @@ from grpokit.observe.diagnostics import Diagnostics
 from grpokit.observe.metrics import num_tokens, reduce_metrics
 from grpokit.observe.tracking import ConsoleProgress, MetricsWriter, drop_rows_after, write_completions
 from grpokit.rollout.agent_engine import agent_engine_from_config
-from grpokit.training.checkpoint import CheckpointWeights, save_checkpoint, trainer_state
+from grpokit.training.checkpoint import CheckpointWeights, list_checkpoints, save_checkpoint, trainer_state
 from grpokit.training.evaluation import BestCheckpoint, HeldOut
 from grpokit.training.reference import sync_reference
 from grpokit.training.rollout_source import build_rollouts, check_async, split_threads
@@ -148,6 +148,9 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
                 except RolloutWorkerError as e:  # the finished steps are kept, the folder resumable
                     path = save(step - 1) if step - 1 > saved and dist.world_size == 1 else None
                     kept = f"step {step - 1} is saved ({path})" if path else "the newest checkpoint stays"
+                    if path is None and not list_checkpoints(run_dir):  # nothing to --resume from
+                        raise RolloutWorkerError(f"{e}; no checkpoint was written yet: start again with the same "
+                                                 "command") from None
                     raise RolloutWorkerError(f"{e}; {kept}. Continue with: {hint}") from None
                 t1 = time.perf_counter()
                 # update: old / reference log-probs, then μ passes of clipped-surrogate steps

@@ -337,6 +337,8 @@ class AsyncRollouts:
         started = time.time()
         try:
             seconds = self.channel.publish(model, version, full=full)
+        except RolloutWorkerError:  # the vLLM server's own error (the worker has no part in a push to it)
+            raise
         except RuntimeError as e:  # gloo's timeout, or a closed connection: a worker did not take part
             if (said := self._reported_error(within_s=2)) is not None:  # a reward or tool failed: its words
                 raise said from None
