@@ -394,3 +394,28 @@ def test_torchrun_data_parallel_samples_on_one_server_and_rank_0_pushes(tiny_mod
     assert stats["completions"] == 2 * 4  # both ranks' prompts (2 each) over 2 steps
     assert stats["updates"] == (0 if lora else 3)  # rank 0 alone: the start, then after each step
     assert stats["loras_loaded"] == (1 if lora else 0)
+
+
+def test_a_second_ctrl_c_stops_at_once_while_requests_hang(tiny_model_dir, tmp_path, server):
+    """Sync mode, every /v1/completions hangs: the first Ctrl-C asks for a stop after the step, the second stops
+    now (it waited for the hung requests, up to server_timeout_s, before)."""
+    import signal
+
+    _arm_hang(server, "/v1/completions", 0)
+    toml = tmp_path / "run.toml"
+    toml.write_text(SERVER_TOML.format(model=str(tiny_model_dir), url=server, out=str(tmp_path / "run"),
+                                       tests=str(Path(__file__).parent), lora=""))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen([sys.executable, "-m", "grpokit.cli", "train", str(toml)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not get(f"{server}/stand_in_stats").get("hung") and time.monotonic() < deadline:
+        time.sleep(0.2)  # until the first request hangs
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    out, _ = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 15, out  # server_timeout_s is 30
+    assert proc.returncode == 130 and "the run stopped at once" in out, out

@@ -33,7 +33,6 @@ import tempfile
 import threading
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -138,11 +137,8 @@ class ServerLLM:
     def generate(self, prompts, sampling_params, use_tqdm=False, lora_request=None):
         per_prompt = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         model = lora_request.lora_name if lora_request is not None else self.model
-        pool = ThreadPoolExecutor(max_workers=max(1, min(256, len(prompts))))  # vLLM batches them
-        try:
-            return list(pool.map(lambda args: self._one(model, *args), zip(prompts, per_prompt, range(len(prompts)))))
-        finally:  # a Ctrl-C or a failed request: the others are not waited for (each has its own timeout)
-            pool.shutdown(wait=False, cancel_futures=True)
+        return _concurrently(lambda *args: self._one(model, *args), list(zip(prompts, per_prompt, range(len(prompts)))),
+                             width=min(256, len(prompts)))  # vLLM batches them
 
     def _one(self, model: str, prompt: dict, p, index: int) -> SimpleNamespace:
         if "multi_modal_data" in prompt:
@@ -169,6 +165,37 @@ class ServerLLM:
 
     def reset_prefix_cache(self):
         """The server clears its caches itself when paused for new weights."""
+
+
+def _concurrently(fn, calls: list[tuple], width: int) -> list:
+    """`[fn(*c) for c in calls]` on `width` daemon threads: a Ctrl-C or a failed call returns at once, with no
+    wait for the calls still in flight (a ThreadPoolExecutor joins its threads at exit: up to the timeout)."""
+    if not calls:
+        return []
+    out, failed, left, done = [None] * len(calls), [], [width], threading.Event()
+    lock = threading.Lock()
+
+    def run(first: int) -> None:
+        try:
+            for i in range(first, len(calls), width):
+                if failed:
+                    return
+                out[i] = fn(*calls[i])
+        except BaseException as e:  # said by the caller's thread; the first failure ends the wait
+            failed.append(e)
+            done.set()
+        finally:
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+
+    for k in range(width):
+        threading.Thread(target=run, args=(k,), daemon=True, name="vllm-request").start()
+    done.wait()
+    if failed:
+        raise failed[0]
+    return out
 
 
 def _vllm_transfer():

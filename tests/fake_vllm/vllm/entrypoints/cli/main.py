@@ -110,6 +110,7 @@ def handler(state: State):
             if hang and url.path == hang["path"]:
                 hang["after"] -= 1
                 if hang["after"] < 0:
+                    state.stats["hung"] = state.stats.get("hung", 0) + 1
                     threading.Event().wait()
             try:
                 if url.path == "/stand_in_hang":
