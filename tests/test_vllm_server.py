@@ -273,6 +273,9 @@ def test_a_server_that_answers_200_but_is_not_vllm_is_one_error(tiny_model_dir, 
     ({"vllm": {"server": "localhost:8000"}}, r"rollout.vllm.server: 'localhost:8000' is not an http\(s\) address"),
     ({"vllm": {"server": "http://h:8000/v1"}}, r"rollout.vllm.server: 'http://h:8000/v1' has a path \(/v1\)"),
     ({"vllm": {"server": "http://h:abc"}}, r"rollout.vllm.server: 'http://h:abc' is not an address"),
+    ({"vllm": {"server": "http://h:8000#x"}}, r"rollout.vllm.server: 'http://h:8000#x' has a fragment \(x\)"),
+    ({"vllm": {"server": "http://h:8000?a=1"}}, r"rollout.vllm.server: 'http://h:8000\?a=1' has a query \(a=1\)"),
+    ({"vllm": {"server": "http://h:8000\n"}}, r"rollout.vllm.server: 'http://h:8000\\n' is not an http\(s\) address"),
     ({"vllm": {"server": "http://h:0"}}, r"rollout.vllm.server: 'http://h:0' has port 0"),
     ({"vllm": {"server": "http://h:1", "gpu_memory_utilization": 0.5}},
      r"rollout.vllm.gpu_memory_utilization: applies to the colocated engine only"),
@@ -309,7 +312,15 @@ def test_serve_refuses_what_vllm_would_fail_on_later(tmp_path, stand_in, capsys)
                        (["--vllm-args=--seed \"x"], "--vllm-args: '--seed \"x' cannot be read as flags"),
                        (["--host", "nosuchhost.invalid"], "--host: nosuchhost.invalid is not an address"),
                        (["--gpu-memory-utilization", "2"], "--gpu-memory-utilization: must be in (0, 1]"),
-                       (["--lora-rank", "0"], "--lora-rank: must be >= 1")]:
+                       (["--lora-rank", "0"], "--lora-rank: must be in 1-512"),
+                       (["--lora-rank", "1000"], "--lora-rank: must be in 1-512"),
+                       (["--devices", "01,1"], "--devices: 01,1 names a GPU twice"),
+                       (["--devices", "1", "--tensor-parallel-size", "2"],
+                        "--tensor-parallel-size: 2 GPUs, but --devices gives 1 (1)"),
+                       (["--vllm-args=--port 9999"], "--vllm-args: --port is grpokit serve's own (--port)"),
+                       (["--vllm-args=--max_lora_rank=8"], "--vllm-args: --max-lora-rank is grpokit serve's own"),
+                       (["--vllm-args=--logprobs-mode raw_logprobs"], "--vllm-args: --logprobs-mode is grpokit "
+                                                                      "serve's own (always processed_logprobs")]:
         assert main(["serve", str(good), *argv]) != 0
         assert said in capsys.readouterr().err
     assert main(["serve", str(tmp_path / "f")]) != 0
@@ -318,6 +329,11 @@ def test_serve_refuses_what_vllm_would_fail_on_later(tmp_path, stand_in, capsys)
     assert f"MODEL: {tmp_path / 'm'} has no config.json" in capsys.readouterr().err
     assert main(["serve", str(tmp_path / "missing")]) != 0
     assert f"MODEL: there is no folder {tmp_path / 'missing'}" in capsys.readouterr().err
+    from grpokit.config.options import server_address_problem
+    from grpokit.serve import server_url
+
+    for host, url in (("0.0.0.0", "http://localhost:8000"), ("::1", "http://[::1]:8000"), ("box", "http://box:8000")):
+        assert server_url(host, 8000) == url and server_address_problem(url) is None  # what it prints, accepted
 
 
 def test_trls_server_arguments_map_onto_the_server(stand_in):

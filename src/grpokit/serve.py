@@ -20,6 +20,13 @@ import sys
 
 from grpokit.errors import UserError
 
+# what grpokit serve sets itself, and the flag of its own that sets it
+OWN_FLAGS = {"--host": "--host", "--port": "--port", "--dtype": "--dtype", "--tensor-parallel-size":
+             "--tensor-parallel-size", "-tp": "--tensor-parallel-size", "--gpu-memory-utilization":
+             "--gpu-memory-utilization", "--max-model-len": "--max-model-len", "--enable-lora": "--lora-rank",
+             "--max-lora-rank": "--lora-rank", "--logprobs-mode": "always processed_logprobs, the trainer's",
+             "--weight-transfer-config": "always NCCL, what the trainer sends with"}
+
 
 def serve_command(args) -> tuple[list[str], dict]:
     """The vLLM command line and its environment for `args` (checked first: one error naming the flag)."""
@@ -27,18 +34,29 @@ def serve_command(args) -> tuple[list[str], dict]:
         raise UserError(f"--devices: {args.devices!r} is not a list of GPU indices such as 1 or 2,3")
     if not 0 < args.gpu_memory_utilization <= 1:
         raise UserError("--gpu-memory-utilization: must be in (0, 1]")
-    if args.lora_rank is not None and args.lora_rank < 1:
-        raise UserError("--lora-rank: must be >= 1 (the adapter's r)")
+    from grpokit.rollout.vllm import VLLM_LORA_RANKS
+
+    if args.lora_rank is not None and not 1 <= args.lora_rank <= VLLM_LORA_RANKS[-1]:
+        raise UserError(f"--lora-rank: must be in 1-{VLLM_LORA_RANKS[-1]} (the adapter's r; vLLM serves no larger)")
     for flag, value, low in (("--port", args.port, 1), ("--tensor-parallel-size", args.tensor_parallel_size, 1),
                              ("--max-model-len", args.max_model_len, 0)):
         if value < low or (flag == "--port" and value > 65535):
             raise UserError(f"{flag}: {value} is out of range ({'1-65535' if flag == '--port' else f'>= {low}'})")
-    if args.devices and len(set(args.devices.split(","))) != len(args.devices.split(",")):
+    devices = [int(d) for d in args.devices.split(",")] if args.devices else []
+    if len(set(devices)) != len(devices):
         raise UserError(f"--devices: {args.devices} names a GPU twice")
+    if devices and args.tensor_parallel_size > len(devices):
+        raise UserError(f"--tensor-parallel-size: {args.tensor_parallel_size} GPUs, but --devices gives "
+                        f"{len(devices)} ({args.devices})")
     try:
         extra = shlex.split(args.vllm_args)
     except ValueError as e:
         raise UserError(f"--vllm-args: {args.vllm_args!r} cannot be read as flags ({e})") from None
+    for flag in extra:
+        name = flag.split("=", 1)[0].replace("_", "-")
+        if name in OWN_FLAGS:
+            raise UserError(f"--vllm-args: {name} is grpokit serve's own ({OWN_FLAGS[name]}); leave it out of "
+                            "--vllm-args")
     if os.path.exists(args.model) and not os.path.isdir(args.model):
         raise UserError(f"MODEL: {args.model} is a file; give a model folder or a Hub name")
     folder = os.path.expanduser(args.model)
@@ -65,8 +83,6 @@ def serve_command(args) -> tuple[list[str], dict]:
         argv += ["--max-model-len", str(args.max_model_len)]
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     if args.lora_rank is not None:  # vLLM accepts only some ranks as its maximum: the smallest that holds r
-        from grpokit.rollout.vllm import VLLM_LORA_RANKS
-
         argv += ["--enable-lora", "--max-lora-rank", str(next((k for k in VLLM_LORA_RANKS if k >= args.lora_rank),
                                                               args.lora_rank))]
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
@@ -75,14 +91,19 @@ def serve_command(args) -> tuple[list[str], dict]:
     return argv + extra, env
 
 
+def server_url(host: str, port: int) -> str:
+    """The address the trainer gives as rollout.vllm.server for a server listening on host:port."""
+    host = "localhost" if host in ("0.0.0.0", "::") else f"[{host}]" if ":" in host else host  # IPv6 in brackets
+    return f"http://{host}:{port}"
+
+
 def cmd_serve(args) -> int:
     argv, env = serve_command(args)
     if importlib.util.find_spec("vllm") is None:
         raise UserError("grpokit serve starts vLLM, which is not installed: pip install 'grpokit[vllm]' on a CUDA "
                         "machine")
-    host = "localhost" if args.host in ("0.0.0.0", "::") else args.host
     print(f"starting: {shlex.join(argv)}\nthen train with: rollout.engine = \"vllm\" and "
-          f"rollout.vllm = {{server = \"http://{host}:{args.port}\"}}", flush=True)
+          f"rollout.vllm = {{server = \"{server_url(args.host, args.port)}\"}}", flush=True)
     os.execve(argv[0], argv, env)
     return 0  # not reached
 

@@ -26,12 +26,14 @@ def server_address_problem(url: str) -> str | None:
         port = parts.port
     except ValueError as e:
         return f"{url!r} is not an address ({e})"
-    if parts.scheme not in ("http", "https") or not parts.hostname or " " in url:
+    if parts.scheme not in ("http", "https") or not parts.hostname or any(c.isspace() for c in url):
         return f"{url!r} is not an http(s) address with a host"
     if port is not None and not 1 <= port <= 65535:
         return f"{url!r} has port {port}"
-    if parts.path.strip("/") or parts.query:
-        return f"{url!r} has a path ({parts.path}); the address alone is wanted (no /v1)"
+    extra = [(what, part) for what, part in (("a path", parts.path.rstrip("/")), ("a query", parts.query),
+                                             ("a fragment", parts.fragment)) if part]
+    if extra:
+        return f"{url!r} has {extra[0][0]} ({extra[0][1]}); the address alone is wanted (no /v1)"
     return None
 
 
