@@ -278,6 +278,9 @@ def test_refused_fields_and_values_are_listed_in_one_error():
     (dict(delta="4"), r"delta='4' \(must be a number\)$"),
     (dict(use_vllm="yes"), r"use_vllm='yes' \(must be True or False\)$"),
     (dict(num_generations=4.0), r"num_generations=4\.0 \(must be a whole number: 4\)$"),
+    (dict(use_vllm=True, vllm_mode="server", vllm_server_host=None), r"vllm_server_host=None \(must be a string\)$"),
+    (dict(use_vllm=True, vllm_mode="server", vllm_server_base_url=""),
+     r"vllm_server_base_url='' \(give the server's address, or None for host and port\)$"),
     (dict(max_steps=3.5), r"max_steps=3\.5 \(must be a whole number\)$"),
 ])
 def test_refused_configs(trl_args, match):

@@ -237,8 +237,7 @@ class _Supported:
 
 
 def _type_problems(c) -> list[str]:
-    """Numeric and boolean fields given a value of another type (TRL's own dataclass does not check them; the
-    comparisons below would fail with a bare TypeError)."""
+    """Fields given a value of another type (TRL does not check them; the checks below would raise TypeError)."""
     out = []
     for name, hint in typing.get_type_hints(_Supported).items():
         value, kinds = getattr(c, name), set(typing.get_args(hint)) or {hint}
@@ -250,8 +249,8 @@ def _type_problems(c) -> list[str]:
         elif numeric and float not in kinds and isinstance(value, float):  # 4.0 would reach range() and slices
             out.append(f"{name}={value!r} (must be a whole number: {int(value)})" if value.is_integer()
                        else f"{name}={value!r} (must be a whole number)")
-        elif kinds == {bool} and not isinstance(value, bool):
-            out.append(f"{name}={value!r} (must be True or False)")
+        elif kinds in ({bool}, {str}) and not isinstance(value, next(iter(kinds))):
+            out.append(f"{name}={value!r} (must be {'True or False' if bool in kinds else 'a string'})")
     return out
 
 
@@ -290,6 +289,8 @@ def _value_problems(c) -> list[str]:
          "give the answer budget in tokens"),
         ("model_init_kwargs", set(c.model_init_kwargs or {}) <= {"dtype", "torch_dtype"}, "grpokit reads only dtype"),
         ("vllm_mode", c.vllm_mode in ("colocate", "server"), "use 'colocate' or 'server'"),
+        ("vllm_server_base_url", c.vllm_mode != "server" or c.vllm_server_base_url is None
+         or bool(str(c.vllm_server_base_url).strip()), "give the server's address, or None for host and port"),
         ("entropy_coef", c.entropy_coef >= 0, "grpokit's entropy bonus needs a coefficient >= 0; a negative one, "
          "an entropy penalty, is not supported"),
         ("vllm_importance_sampling_clip_max", c.vllm_importance_sampling_clip_max is None
