@@ -13,7 +13,7 @@ import os
 import shlex
 import sys
 
-from grpokit.errors import ConfigError, UserError
+from grpokit.errors import ConfigError, UserError, say
 
 
 def _key_values(items: list[str]) -> dict:
@@ -388,8 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        if not e.at_start_up or os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun: once per machine
-            print(f"{e.label}: {e}", file=sys.stderr)
+        say(e)  # under torchrun, a start-up error once per machine
         return e.exit_code
     except KeyboardInterrupt:
         print("stopped: interrupted (Ctrl-C)", file=sys.stderr)

@@ -3,7 +3,7 @@
 Every user-facing error class lives here (ConfigError, DataError, ...); each is
 raised with a message that names the field, file or row and the fix; `cli.main`
 catches `UserError` alone and prints that message as one `error:` line with exit code 2. Anything
-else is a bug and keeps its traceback. This module imports nothing, so the CLI
+else is a bug and keeps its traceback. This module imports nothing at load, so the CLI
 can catch errors without importing torch.
 """
 
@@ -18,6 +18,19 @@ class UserError(Exception):
     # Found by the start-up checks, which every torchrun process runs alike on the same files: the CLI prints it
     # on one process per machine (LOCAL_RANK 0), not once per process. A fault in a run is printed wherever it is.
     at_start_up = False
+
+
+def say(e: UserError) -> None:
+    """Print `e` as its one line, a start-up error once per machine (LOCAL_RANK 0). A quiet process waits a moment
+    before it exits: torchrun stops the others when one exits, and the one that prints must not be stopped first."""
+    import os
+    import sys
+    import time
+
+    if not e.at_start_up or os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"{e.label}: {e}", file=sys.stderr, flush=True)
+    else:
+        time.sleep(5)
 
 
 class ConfigError(UserError, ValueError):

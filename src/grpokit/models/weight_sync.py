@@ -36,6 +36,8 @@ import torch
 import torch.distributed as tdist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from grpokit.models.lora import adapter_of
+
 BUCKET_MB = 64
 
 
@@ -203,3 +205,55 @@ class WeightReceiver:
                     p.copy_(staged[name])
             self.version = max(self.version, version)
         return self.version
+
+
+class ServerChannel:
+    """Async mode with a vLLM server, the trainer's end (in place of WeightChannel): the trainer pushes to the
+    server itself, under the lock its worker holds while it samples a batch; `version` (shared) tells the worker
+    which weights the server holds."""
+
+    port = 0  # no store for the workers to join
+
+    def __init__(self, engine, timeout_s: float, lock, version):  # engine: rollout/vllm_server.VLLMServerEngine
+        self.engine, self.timeout_s, self.lock, self.version = engine, timeout_s, lock, version
+
+    def connect(self) -> None:
+        """Nothing to join: the trainer's engine opened its transfer group with the server."""
+
+    def publish(self, model, version: int, *, full: bool) -> float:
+        """Push `model` as `version` once no batch is being sampled; the seconds it took. The first (`full`)
+        moves no full weights: the trainer's engine pushed them when it was built (an adapter goes again, under
+        its version's name)."""
+        t0 = time.perf_counter()
+        if not self.lock.acquire(timeout=self.timeout_s):
+            raise RuntimeError(f"the rollout worker kept the vLLM server busy for more than {self.timeout_s:g} s")
+        try:
+            if not full or adapter_of(model) is not None:
+                self.engine.push(model, version)
+            with self.version.get_lock():
+                self.version.value = version
+        finally:
+            self.lock.release()
+        return time.perf_counter() - t0
+
+
+class ServerVersions:
+    """Async mode with a vLLM server, the worker's end (in place of WeightReceiver): the version the server
+    holds, and the lock under which a batch is sampled (no push lands inside it: each answer has one version)."""
+
+    def __init__(self, lock, version):
+        self.lock, self.version = lock, version
+
+    def wait_for(self, version: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.version.value < version:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def apply(self) -> int:
+        return int(self.version.value)
+
+    def holding(self):
+        return self.lock

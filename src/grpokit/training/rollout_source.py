@@ -42,8 +42,7 @@ from grpokit.errors import RolloutWorkerError, SetupError
 from grpokit.models.loading import resolve_device
 from grpokit.models.parallel import world_size
 from grpokit.models.threads import usable_cores
-from grpokit.models.weight_sync import WeightChannel
-from grpokit.rollout.vllm_server import ServerChannel
+from grpokit.models.weight_sync import ServerChannel, WeightChannel
 from grpokit.training.generate import generate_and_grade
 from grpokit.training.rollout_workers import HEARTBEAT_S, WorkerSpec, parameter_shapes, worker_main
 

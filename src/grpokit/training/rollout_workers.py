@@ -35,9 +35,8 @@ from grpokit.config.schema import Config
 from grpokit.errors import UserError
 from grpokit.models.loading import load_model, load_tokenizer, max_positions_of
 from grpokit.models.lora import apply_lora
-from grpokit.models.weight_sync import WeightReceiver
+from grpokit.models.weight_sync import ServerVersions, WeightReceiver
 from grpokit.rollout.engines import build_engine
-from grpokit.rollout.vllm_server import ServerVersions
 from grpokit.training import vision_setup
 from grpokit.training.generate import generate_and_grade
 from grpokit.training.setup import PromptTable, isolate_rewards, prepare_data, resolve_reward_specs
