@@ -154,6 +154,29 @@ def test_a_reward_that_raises_while_the_trainer_updates_is_said_in_its_own_words
     assert "step 1 is saved" in words and (out / "checkpoint-1").is_dir()
 
 
+def test_a_batch_sent_before_the_workers_error_is_still_trained(tiny_model_dir, tmp_path, monkeypatch):
+    """The trainer reaches step 1's batch only after the worker failed on step 2's: the batch's tensors live in the
+    worker's memory, and a worker that exited at once after its error took them along (the run ended at step 1
+    with nothing saved). It stays until the trainer stops it, so step 1 trains and is saved."""
+    from test_async import raises_on_second_batch
+
+    get = rollout_source.AsyncRollouts._get
+
+    def late(self, **kwargs):
+        if kwargs.get("what") == "batch for step 1":
+            time.sleep(8)  # the worker has sampled both batches and failed on the second meanwhile
+        return get(self, **kwargs)
+
+    monkeypatch.setattr(rollout_source.AsyncRollouts, "_get", late)
+    out = tmp_path / "run"
+    with pytest.raises(RolloutWorkerError) as err:
+        train(config(tiny_model_dir, out, steps=4, rollout={"max_staleness": 1, "worker_timeout_s": 30}),
+              reward_functions=[raises_on_second_batch])
+    words = str(err.value)
+    assert "the grader's database is gone" in words and "step 1 is saved" in words, words
+    assert (out / "checkpoint-1").is_dir()
+
+
 def slow_parity(completions, **kwargs):
     time.sleep(1.5)  # a grader slower than the trainer's update
     return parity(completions)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import queue
 import signal
 import sys
 import threading
@@ -220,6 +221,19 @@ class _Worker:
             self.pool.close()
 
 
+def _linger(orders, limit_s: float = 60.0) -> None:
+    """After an error, stay until the trainer's None (at most `limit_s`): the batches this worker sent before it
+    are read from its memory (torch shares tensors between processes), so a worker that exited at once lost the
+    batch the trainer was about to take, and the steps it would have trained."""
+    deadline = time.monotonic() + limit_s
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            if orders.get(timeout=left) is None:
+                return
+        except (queue.Empty, OSError, EOFError, ValueError):
+            return
+
+
 def worker_main(spec: WorkerSpec, index: int, device: str, orders, results, beats, announced, parent: int,
                 server_lock=None) -> None:
     """The worker process: build, say "ready", join the weight channel, then serve orders until None."""
@@ -242,6 +256,7 @@ def worker_main(spec: WorkerSpec, index: int, device: str, orders, results, beat
             idle_since = time.perf_counter()
     except BaseException as e:  # noqa: BLE001 - the trainer says it, naming this worker
         results.put(("error", index, -1, _describe(e)))
+        _linger(orders)
     finally:
         if worker is not None:
             worker.close()
