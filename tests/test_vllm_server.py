@@ -206,6 +206,21 @@ def test_a_server_stalled_at_the_first_step_says_to_start_again_which_works(tiny
     assert [r["step"] for r in read_metrics(run)] == [1, 2]
 
 
+def test_a_push_the_server_claims_but_never_receives_is_bounded(tiny_model_dir, tmp_path, server):
+    """/update_weights answers at once but the server never joins the transfer: the sending side (NCCL: no timeout
+    of its own) is given server_timeout_s, then one error; it was joined without a bound."""
+    urllib.request.urlopen(urllib.request.Request(f"{server}/stand_in_skip_receive", method="POST", data=b"{}",
+                                                  headers={"Content-Type": "application/json"}), timeout=10)
+    config = server_config(tiny_model_dir, tmp_path / "run", server, steps=2)
+    config = config.__class__(**{**vars(config), "rollout": RolloutConfig(**{
+        **vars(config.rollout), "vllm": {"server": server, "server_timeout_s": 3}})})
+    t0 = time.monotonic()
+    with pytest.raises(RolloutWorkerError, match=r"answered, but the weight transfer did not end within "
+                                                 r"rollout.vllm.server_timeout_s = 3 s"):
+        train(config, reward_functions=[parity])
+    assert time.monotonic() - t0 < 30  # the stand-in's gloo group would wait 60 s
+
+
 def test_no_server_at_the_address_is_one_error_naming_the_field(tiny_model_dir, tmp_path, stand_in):
     url = f"http://127.0.0.1:{free_port()}"
     config = make_config(tiny_model_dir, tmp_path / "run", rollout={"engine": "vllm", "vllm": {

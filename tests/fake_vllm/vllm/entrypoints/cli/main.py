@@ -116,6 +116,9 @@ def handler(state: State):
                 if url.path == "/stand_in_hang":
                     state.stats["hang"] = body
                     return self._reply(200)
+                if url.path == "/stand_in_skip_receive":
+                    state.stats["skip_receive"] = True
+                    return self._reply(200)
                 if url.path == "/v1/completions":
                     return self._reply(200, state.complete(body))
                 if url.path == "/pause":
@@ -126,6 +129,8 @@ def handler(state: State):
 
                     info = body["init_info"]
                     state.group = open_group(info, info["rank_offset"])
+                elif url.path == "/update_weights" and state.stats.get("skip_receive"):
+                    pass  # armed by POST /stand_in_skip_receive: says it received, never joins the transfer
                 elif url.path == "/update_weights":
                     state.update(body["update_info"])
                 elif url.path == "/v1/load_lora_adapter":
