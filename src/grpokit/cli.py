@@ -395,5 +395,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # a torchrun process leaves without the interpreter's teardown (models/parallel.py)
+    sys.exit(main()) if int(os.environ.get("WORLD_SIZE", "1")) < 2 else __import__(
+        "grpokit.models.parallel", fromlist=["exit_rank"]).exit_rank(main())

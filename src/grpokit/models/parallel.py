@@ -55,6 +55,19 @@ def _destroy() -> None:
         tdist.destroy_process_group()
 
 
+def exit_rank(code: int | None) -> None:
+    """How `python -m grpokit.cli` ends in a torchrun process: the group left and the output flushed, then out
+    without the interpreter's teardown, where a native thread still running can abort a finished process
+    ("terminate called without an active exception", SIGABRT, rank 1 after its run: seen in CI). The loop has
+    closed its writers, workers and pools by then."""
+    import sys
+
+    _destroy()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(int(code or 0))
+
+
 def is_distributed() -> bool:
     """Several torchrun processes share this run (a process group of more than one)."""
     return tdist.is_available() and tdist.is_initialized() and tdist.get_world_size() > 1
