@@ -155,9 +155,12 @@ class FakeLLM:
 
     def __init__(self):
         self.calls, self.loaded = [], []
-        worker = SimpleNamespace(model_runner=SimpleNamespace(model=SimpleNamespace(load_weights=self._load)))
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=worker),
-                                          remove_lora=lambda i: self.calls.append(("remove_lora", i)))
+        self.llm_engine = SimpleNamespace(remove_lora=lambda i: self.calls.append(("remove_lora", i)))
+
+    def collective_rpc(self, method, kwargs):  # vLLM's in-process worker call; grpokit asks for reload_weights
+        assert method == "reload_weights" and kwargs["is_checkpoint_format"]
+        self.calls.append(("reload_weights",))
+        self._load(list(kwargs["weights_iterator"]))
 
     def _load(self, weights):
         self.loaded.append([name for name, _ in weights])
@@ -186,7 +189,8 @@ class FakeLLM:
 
 
 FAKE_VLLM = SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw),
-                            LoRARequest=lambda name, i, path: SimpleNamespace(lora_name=name, lora_int_id=i, path=path))
+                            LoRARequest=lambda name, i, path: SimpleNamespace(lora_name=name, lora_int_id=i,
+                                                                              lora_path=path))
 
 
 def test_vllm_engine_builds_a_rollout_from_vllm_outputs():
@@ -208,22 +212,18 @@ def test_vllm_engine_builds_a_rollout_from_vllm_outputs():
     assert other.llm.calls[0][1].seed == params.seed  # same generator state, same vLLM seed
 
 
-def test_vllm_weight_sync_goes_in_buckets_not_one_call_per_parameter(tiny):
+def test_vllm_weight_sync_is_one_reload_streaming_each_weight_once(tiny):
+    """The colocated engine reloads in vLLM's checkpoint format (vLLM repacks for its kernels: writing into its
+    live parameters broke its CPU layers), every weight once, the tied head once, then drops its prefix cache."""
     model, _ = tiny
     llm = FakeLLM()
-    engine = VLLMEngine("unused", llm=llm, vllm_module=FAKE_VLLM, sync_bucket_mb=0.05)  # ~52 KB buckets
+    engine = VLLMEngine("unused", llm=llm, vllm_module=FAKE_VLLM)
     engine.sync_weights(model)
     names = [n for call in llm.loaded for n in call]
     params = {n for n, _ in model.named_parameters()}
-    assert set(names) == params and len(names) == len(params)  # every weight once (the tied head once)
-    assert 1 < len(llm.loaded) < len(params)  # several buckets, far fewer calls than tensors
-    weights = dict(model.named_parameters())
-    for call in llm.loaded:  # a bucket stays under the limit unless one tensor alone exceeds it
-        assert sum(weights[n].numel() * 4 for n in call) <= 0.05 * 2**20 or len(call) == 1
-    assert llm.calls[-1] == ("reset_prefix_cache",)
-    engine.bucket_bytes = 2**40
-    engine.sync_weights(model)
-    assert engine.sync_calls == [len(params)]  # one bucket: one call
+    assert len(llm.loaded) == 1 and set(names) == params and len(names) == len(params)
+    assert llm.calls[-2:] == [("reload_weights",), ("reset_prefix_cache",)]
+    assert engine.version == 1
 
 
 def test_vllm_lora_sync_pushes_only_the_adapter(tiny_model_dir, tmp_path):
@@ -239,8 +239,8 @@ def test_vllm_lora_sync_pushes_only_the_adapter(tiny_model_dir, tmp_path):
     assert llm.loaded == []  # no base weight moved
     req = engine.lora_request
     assert (req.lora_int_id, req.lora_name) == (2, "policy-v2")
-    assert {p.name for p in __import__("pathlib").Path(req.path).iterdir()} >= {"adapter_config.json",
-                                                                                 "adapter_model.safetensors"}
+    assert {p.name for p in __import__("pathlib").Path(req.lora_path).iterdir()} >= {"adapter_config.json",
+                                                                                      "adapter_model.safetensors"}
     assert ("remove_lora", 1) in llm.calls
     s = SamplingParams(max_new_tokens=2, pad_token_id=0)
     engine.generate([[5]], group_size=1, sampling=s)
@@ -255,8 +255,8 @@ def test_vllm_sleep_mode_frees_memory_between_rollouts():
     engine.sync_weights(torch.nn.Linear(2, 2))
     engine.generate([[5]], group_size=1, sampling=s)
     kinds = [f"wake_up:{','.join(c[1])}" if c[0] == "wake_up" else c[0] for c in llm.calls]
-    assert kinds == ["generate", "sleep", "wake_up:weights", "reset_prefix_cache", "wake_up:kv_cache", "generate",
-                     "sleep"]
+    assert kinds == ["generate", "sleep", "wake_up:weights", "reload_weights", "reset_prefix_cache", "wake_up:kv_cache",
+                     "generate", "sleep"]
     assert llm.calls[1] == ("sleep", 2)  # full weights are pushed after each update: level 2 drops them
 
 
@@ -297,7 +297,7 @@ def test_the_trainer_through_the_vllm_engine_keeps_the_sampler_in_sync(tiny_mode
 
     def runs(cls, out):
         def engine(config, model, tok):
-            return cls(config.model.path, llm=HFBackedLLM(tiny_model_dir), vllm_module=FAKE_VLLM, sync_bucket_mb=0.1)
+            return cls(config.model.path, llm=HFBackedLLM(tiny_model_dir), vllm_module=FAKE_VLLM)
 
         cfg = run_config(tiny_model_dir, out, algorithm={"tis_cap": 2.0}, train={"steps": 3, "learning_rate": 1e-2})
         run = train(cfg, reward_functions=[parity], engine=engine)
@@ -312,13 +312,39 @@ def test_vllm_engine_builds_a_colocated_in_process_llm(monkeypatch):
     made = []
     fake = SimpleNamespace(**vars(FAKE_VLLM), LLM=lambda **kw: made.append(kw) or FakeLLM())
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    monkeypatch.setattr("grpokit.rollout.vllm.on_cpu", lambda: False)  # a GPU machine
     VLLMEngine("/models/m", dtype="bfloat16", seed=3, lora={"r": 4}, gpu_memory_utilization=0.4, vllm_module=fake)
     kw = made[0]
     assert kw["model"] == "/models/m" and kw["seed"] == 3 and kw["gpu_memory_utilization"] == 0.4
     assert kw["logprobs_mode"] == "processed_logprobs"  # temperature-scaled log-probs, as the trainer's
     assert (kw["enable_lora"], kw["max_lora_rank"], kw["max_loras"]) == (True, 8, 1)  # r = 4 fits vLLM's rank 8
     assert "distributed_executor_backend" not in kw  # one process: no torchrun group to join
-    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # its model in this process, for load_weights
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # its worker in this process: reload takes tensors
+
+
+def test_vllm_engine_on_cpu_sizes_its_kv_cache_in_ram_and_leaves_the_trainers_threads(monkeypatch):
+    """vLLM's CPU build: no GPU share to give, its KV cache in GiB of RAM, its threads unpinned; and its start
+    (which lowers the process's torch threads to its own) leaves the trainer's thread count as it was."""
+    made = []
+
+    def build(**kw):
+        made.append(kw)
+        torch.set_num_threads(1)  # as vLLM's CPU worker does in this process
+        return FakeLLM()
+
+    for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr("grpokit.rollout.vllm.on_cpu", lambda: True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        VLLMEngine("/models/m", kv_cache_gib=1.5, gpu_memory_utilization=0.4,
+                   vllm_module=SimpleNamespace(**vars(FAKE_VLLM), LLM=build))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert "gpu_memory_utilization" not in made[0]
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1.5" and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
 
 
 @pytest.mark.slow

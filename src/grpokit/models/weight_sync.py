@@ -1,13 +1,20 @@
-"""Moving the trainer's weights to rollout workers: torch.distributed broadcast in buckets.
+"""Moving the trainer's weights to whoever samples: one interface, one implementation per transport.
 
-    trainer:  channel = WeightChannel.open(workers=W, timeout_s)        # rank 0 of a group of its own
-              channel.publish(model, version, full=False)               # every weight_sync_every steps
-    worker w: receiver = WeightReceiver(model, port, rank=w + 1, size=W + 1, timeout_s)
-              receiver.wait_for(version, deadline); receiver.apply()    # between two batches
+    trainer:  publisher.publish(model, version, full=...) -> seconds     # after the update (every weight_sync_every)
+    sampler:  subscriber.wait_for(version, timeout_s); subscriber.apply()  # between two batches, never inside one
 
-The group is a gloo `ProcessGroup` built on its own `TCPStore` (127.0.0.1, a free port), not the default
-group: under torchrun every trainer rank has its own workers and its own group, so no collective of the
-training ranks ever waits on a worker (TRL's async trainer deadlocked above 2 trainer processes when its
+The transports (prime-rl's weight-broadcast interface is the model):
+- `GlooPublisher` / `GlooSubscriber` (here): the built-in rollout workers, torch.distributed broadcast in buckets;
+- `rollout/vllm_weights.py`: a colocated vLLM reloads in process (`InProcessReload`); a vLLM server takes them
+  through vLLM's NCCL weight transfer (`NcclTransfer`, GPU) or reloads them from a safetensors folder both sides
+  see (`FolderReload`, CPU, or any cluster with a shared filesystem); LoRA moves the adapter alone
+  (`AdapterFolders`). An engine's `sync_weights` is its publisher's `publish`;
+- `LockedPublisher` / `ServerSubscriber` (here): async mode with a vLLM server, where the server is the
+  subscriber: the trainer publishes under the lock its worker holds while it samples a batch.
+
+The gloo transport. The group is a gloo `ProcessGroup` built on its own `TCPStore` (127.0.0.1, a free port), not
+the default group: under torchrun every trainer rank has its own workers and its own group, so no collective of
+the training ranks ever waits on a worker (TRL's async trainer deadlocked above 2 trainer processes when its
 weight sync shared the training group). gloo moves host tensors: a GPU trainer's buckets are copied to
 the host, and a GPU worker copies them onto its device when it applies them (NCCL between GPUs would
 skip the host; not built yet).
@@ -28,6 +35,7 @@ once; the model stays sharded.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
@@ -37,6 +45,7 @@ import torch.distributed as tdist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from grpokit.models.lora import adapter_of
+from grpokit.models.parallel import buckets
 
 BUCKET_MB = 64
 
@@ -46,18 +55,10 @@ def transferred(model: torch.nn.Module, full: bool) -> list[tuple[str, torch.nn.
     return [(n, p) for n, p in model.named_parameters() if full or p.requires_grad]
 
 
-def buckets(params: list[tuple[str, torch.Tensor]], bucket_mb: float = BUCKET_MB) -> list[list[int]]:
-    """Indices of `params` grouped into runs of one dtype of at most ~bucket_mb each (one bucket per
-    parameter larger than that); the same on both sides, since both see the same shapes."""
-    out, size, limit = [], 0, bucket_mb * 2 ** 20
-    for i, (_, p) in enumerate(params):
-        nbytes = p.numel() * p.element_size()
-        if not out or size + nbytes > limit or params[out[-1][-1]][1].dtype != p.dtype:
-            out.append([])
-            size = 0
-        out[-1].append(i)
-        size += nbytes
-    return out
+def bucket_indices(params: list[tuple[str, torch.Tensor]], bucket_mb: float = BUCKET_MB) -> list[list[int]]:
+    """Indices of `params` in `parallel.buckets`' groups (one dtype, about bucket_mb each); the same on both sides,
+    since both see the same shapes."""
+    return [[i for i, _ in b] for b in buckets(((i, p) for i, (_, p) in enumerate(params)), bucket_mb * 2 ** 20)]
 
 
 def _is_dtensor(p: torch.Tensor) -> bool:
@@ -102,8 +103,22 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
     group.broadcast([tensor], options).wait()
 
 
-class WeightChannel:
-    """The trainer's end: rank 0 of a gloo group with its W workers."""
+class WeightPublisher:
+    """The trainer's end of a transport. `publish` moves `model`'s weights as `version` (`full`: every tensor, the
+    start's transfer; else what changed) and returns the seconds it took; `lora_request` is what a vLLM engine
+    samples with after an adapter transport (None for full weights)."""
+
+    lora_request = None
+
+    def publish(self, model: torch.nn.Module, version: int, *, full: bool = False) -> float:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the transport holds (groups, folders)."""
+
+
+class GlooPublisher(WeightPublisher):
+    """The trainer's end to the built-in workers: rank 0 of a gloo group with its W workers."""
 
     def __init__(self, workers: int, timeout_s: float, announced):
         self.size, self.timeout_s, self.announced = workers + 1, timeout_s, announced  # announced: mp.Value
@@ -116,10 +131,10 @@ class WeightChannel:
         return self.store.port
 
     def connect(self) -> None:
-        """Form the group (every worker joins with its WeightReceiver); a collective with the workers."""
+        """Form the group (every worker joins with its GlooSubscriber); a collective with the workers."""
         _, self.group = _group(self.port, 0, self.size, self.timeout_s, True, store=self.store)
 
-    def publish(self, model: torch.nn.Module, version: int, *, full: bool) -> float:
+    def publish(self, model: torch.nn.Module, version: int, *, full: bool = False) -> float:
         """Send `model`'s weights as `version`; the seconds it took. Raises RuntimeError (gloo's) when a
         worker does not take part within the timeout."""
         t0 = time.perf_counter()
@@ -129,12 +144,12 @@ class WeightChannel:
             self.announced.value = version
         _broadcast(self.group, header)
         with torch.no_grad():
-            for bucket in buckets(params):  # FSDP2: shapes and sizes are the whole tensors', on every rank
+            for bucket in bucket_indices(params):  # FSDP2: shapes and sizes are the whole tensors', on every rank
                 _broadcast(self.group, _flat([params[i][1] for i in bucket]))  # gloo: host memory
         return time.perf_counter() - t0
 
 
-class WeightReceiver:
+class GlooSubscriber:
     """A worker's end: a thread that takes every transfer into buffers of its own; `apply()` copies the
     newest into the model between two batches (never during one: each answer has one version)."""
 
@@ -164,7 +179,7 @@ class WeightReceiver:
                 if len(params) != count:
                     raise RuntimeError(f"the trainer sent {count} parameters, this worker's model has {len(params)}")
                 received = {}
-                for bucket in buckets(params):
+                for bucket in bucket_indices(params):
                     parts = [params[i][1] for i in bucket]
                     flat = torch.empty(sum(p.numel() for p in parts), dtype=parts[0].dtype)  # host; apply() moves it
                     _broadcast(self.group, flat)
@@ -193,6 +208,10 @@ class WeightReceiver:
             raise RuntimeError(f"receiving weights failed: {self.error}") from self.error
         return True
 
+    def holding(self):
+        """Nothing to hold while a batch is sampled: `apply` runs only between batches."""
+        return contextlib.nullcontext()
+
     @torch.no_grad()
     def apply(self) -> int:
         """Copy the newest received weights into the model; the version it now holds."""
@@ -207,20 +226,20 @@ class WeightReceiver:
         return self.version
 
 
-class ServerChannel:
-    """Async mode with a vLLM server, the trainer's end (in place of WeightChannel): the trainer pushes to the
-    server itself, under the lock its worker holds while it samples a batch; `version` (shared) tells the worker
-    which weights the server holds."""
+class LockedPublisher(WeightPublisher):
+    """Async mode with a vLLM server, the trainer's end: the trainer's engine publishes (`publisher`, one of
+    rollout/vllm_weights.py's transports) under the lock its worker holds while it samples a batch; `version`
+    (shared) tells the worker which weights the server holds."""
 
     port = 0  # no store for the workers to join
 
-    def __init__(self, engine, timeout_s: float, lock, version):  # engine: rollout/vllm_server.VLLMServerEngine
-        self.engine, self.timeout_s, self.lock, self.version = engine, timeout_s, lock, version
+    def __init__(self, publisher: WeightPublisher, timeout_s: float, lock, version):
+        self.publisher, self.timeout_s, self.lock, self.version = publisher, timeout_s, lock, version
 
     def connect(self) -> None:
-        """Nothing to join: the trainer's engine opened its transfer group with the server."""
+        """Nothing to join: the server is the subscriber."""
 
-    def publish(self, model, version: int, *, full: bool) -> float:
+    def publish(self, model, version: int, *, full: bool = False) -> float:
         """Push `model` as `version` once no batch is being sampled; the seconds it took. The first (`full`)
         moves no full weights: the trainer's engine pushed them when it was built (an adapter goes again, under
         its version's name)."""
@@ -229,7 +248,7 @@ class ServerChannel:
             raise RuntimeError(f"the rollout worker kept the vLLM server busy for more than {self.timeout_s:g} s")
         try:
             if not full or adapter_of(model) is not None:
-                self.engine.push(model, version)
+                self.publisher.publish(model, version)
             with self.version.get_lock():
                 self.version.value = version
         finally:
@@ -237,8 +256,8 @@ class ServerChannel:
         return time.perf_counter() - t0
 
 
-class ServerVersions:
-    """Async mode with a vLLM server, the worker's end (in place of WeightReceiver): the version the server
+class ServerSubscriber:
+    """Async mode with a vLLM server, the worker's end (in place of GlooSubscriber): the version the server
     holds, and the lock under which a batch is sampled (no push lands inside it: each answer has one version)."""
 
     def __init__(self, lock, version):

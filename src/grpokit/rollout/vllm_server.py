@@ -9,14 +9,16 @@ with the temperature: the server runs with `--logprobs-mode processed_logprobs`)
 colocated engine's `llm.generate(...)` calls over HTTP, so sampling, multi-turn tool calls and the
 answers' bookkeeping are `VLLMEngine`'s own code; only the weights move differently:
 
-- full weights through vLLM's weight-transfer API (the server started with `VLLM_SERVER_DEV_MODE=1` and
-  `--weight-transfer-config '{"backend": "nccl"}'`): the trainer opens an NCCL group with the server's
-  workers once (`/init_weight_transfer_engine`), then per sync `/pause` -> `/start_weight_update` ->
-  the tensors broadcast from the trainer while `/update_weights` receives them -> `/finish_weight_update`
-  -> `/resume`. The broadcast runs on a thread of its own: NCCL has no timeout, the HTTP call has one;
+- full weights through vLLM's NCCL weight-transfer API (GPU), or written to a folder the server reloads them from
+  (`rollout.vllm.weight_transfer`: "auto" picks NCCL where it can run; rollout/vllm_weights.py has both);
 - with LoRA the adapter alone: saved to a folder the server can read and loaded under a new name
   (`/v1/load_lora_adapter`; the server started with `--enable-lora` and
   `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`), which later requests name as their model.
+
+The server must hold the model the trainer trains: after the start's push a probe (one short answer sampled by
+the server, scored by the trainer) compares the two's log-probs, so a server started on another model, or one
+still holding weights an earlier run pushed under LoRA, is one error at the start, not a run that learns nothing.
+A server restarted mid-run (it lost the pushed weights) is noticed by its start time (`/metrics`).
 
 In async mode (docs/ASYNC.md) the worker process sends the requests and the trainer pushes the weights;
 a lock shared by the two keeps a push from landing while a batch is being sampled, so each answer has
@@ -26,23 +28,17 @@ one policy version. FSDP shards are gathered one tensor at a time (`named_weight
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import sys
-import tempfile
 import threading
 import time
-import weakref
-from pathlib import Path
 from types import SimpleNamespace
 
 from grpokit.errors import RolloutWorkerError, UserError
-from grpokit.models.lora import adapter_of
-from grpokit.models.parallel import any_rank, rank
-from grpokit.rollout.vllm import VLLMEngine, named_weights_for_sync, sync_tensors
+from grpokit.models.parallel import rank
+from grpokit.rollout.vllm import VLLMEngine
+from grpokit.rollout.vllm_weights import AdapterFolders, RankZero, choose_server_transport, run_prefix
 
-FIX = ("start it with `grpokit serve MODEL` (or vLLM's `vllm serve` with VLLM_SERVER_DEV_MODE=1 and "
-       "--weight-transfer-config '{\"backend\": \"nccl\"}'), or check rollout.vllm.server")
+FIX = ("start it with `grpokit serve MODEL` (or vLLM's api_server with VLLM_SERVER_DEV_MODE=1), or check "
+       "rollout.vllm.server")
 
 
 class ServerClient:
@@ -53,6 +49,9 @@ class ServerClient:
 
         self.url, self.timeout_s, self.errors = url.rstrip("/"), timeout_s, requests.RequestException
         self.dtype: str | None = None  # the served weights' dtype, when the server says
+        self.info: dict = {}  # /server_info's reply, when the server has it
+        self.started: float | None = None  # the server's process start time: a restart loses pushed weights
+        self.fix = FIX
         self.session = requests.Session()
 
     def wait_ready(self) -> None:
@@ -73,7 +72,8 @@ class ServerClient:
                                 f"rollout.vllm.server_timeout_s = {self.timeout_s:g} s; {FIX}")
             time.sleep(1.0)
 
-    def call(self, method: str, path: str, *, timeout_s: float | None = None, **kwargs) -> dict:
+    def call(self, method: str, path: str, *, timeout_s: float | None = None, text: bool = False, **kwargs):
+        """The reply's JSON (`text`: its text, for the calls vLLM answers in plain text, as loading an adapter)."""
         try:
             response = self.session.request(method, f"{self.url}{path}", timeout=timeout_s or self.timeout_s,
                                             **kwargs)
@@ -94,10 +94,34 @@ class ServerClient:
         if response.status_code != 200:
             raise RolloutWorkerError(f"rollout.vllm.server: {path} failed at {self.url} with HTTP "
                                      f"{response.status_code}: {response.text[:300]}")
+        if text:
+            return response.text
         try:
             return response.json() if response.content else {}
         except ValueError:  # something that is not vLLM answers there
             raise self.not_vllm(path, response.text) from None
+
+    def start_time(self) -> float | None:
+        """The server's process start time (vLLM's Prometheus /metrics), or None where it does not say."""
+        try:
+            reply = self.call("GET", "/metrics", text=True, timeout_s=min(self.timeout_s, 30))
+        except RolloutWorkerError:
+            return None
+        for line in reply.splitlines():
+            if line.startswith("process_start_time_seconds "):
+                return float(line.split()[1])
+        return None
+
+    def check_not_restarted(self) -> None:
+        """The server this run pushed its weights to is still the one answering (a restarted server holds its
+        starting weights, and a run would go on sampling from them without an error)."""
+        if self.started is None:
+            return
+        now = self.start_time()
+        if now is not None and now != self.started:
+            raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.url} was restarted during the "
+                                     "run and lost the weights it was sent; continue with --resume (each start "
+                                     "pushes them again)")
 
     def not_vllm(self, path: str, reply) -> RolloutWorkerError:
         return RolloutWorkerError(f"rollout.vllm.server: {self.url} answered {path} with {str(reply)[:120]!r}, "
@@ -120,6 +144,7 @@ class ServerClient:
             model_config = dict((info.get("vllm_config") or {}).get("model_config") or {})
         except (AttributeError, TypeError, ValueError):
             raise self.not_vllm("/server_info", info) from None
+        self.info = info if isinstance(info, dict) else {}
         self.dtype = str(model_config.get("dtype") or "").removeprefix("torch.") or None
         mode = model_config.get("logprobs_mode")
         if mode not in (None, "processed_logprobs"):
@@ -135,6 +160,7 @@ class ServerLLM:
         self.client, self.model = client, client.served_model()
 
     def generate(self, prompts, sampling_params, use_tqdm=False, lora_request=None):
+        self.client.check_not_restarted()  # once per batch (a multi-turn rollout: per turn)
         per_prompt = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         model = lora_request.lora_name if lora_request is not None else self.model
         return _concurrently(lambda *args: self._one(model, *args), list(zip(prompts, per_prompt, range(len(prompts)))),
@@ -198,168 +224,91 @@ def _concurrently(fn, calls: list[tuple], width: int) -> list:
     return out
 
 
-def _vllm_transfer():
-    """vLLM's trainer side of its NCCL weight transfer (imported on the trainer only: the worker sends HTTP).
-    vLLM 0.28 replaced the engine's static trainer calls with these helpers (as TRL 1.16 reads them)."""
-    try:
-        from vllm.utils.network_utils import get_ip, get_open_port
-        packed_in_init = True
-        try:
-            from vllm.distributed.weight_transfer.nccl_common import trainer_init
-            from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer as send
-        except ImportError:  # vLLM < 0.28: `packed` travels with each update, not in the init info
-            packed_in_init = False
-            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerSendWeightsArgs
-            from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine as Engine
-
-            trainer_init = Engine.trainer_init
-
-            def send(iterator, group, src=0, post_iter_func=None):
-                Engine.trainer_send_weights(iterator=iterator,
-                                            trainer_args=NCCLTrainerSendWeightsArgs(group=group, packed=True))
-    except ImportError as e:
-        raise UserError(f"rollout.vllm.server: this vLLM has no weight-transfer API ({e}); install a vLLM that does "
-                        "(pip install -U vllm), or train with LoRA (model.lora: adapters travel as folders)") from None
-    return SimpleNamespace(trainer_init=trainer_init, send=send, get_ip=get_ip, get_open_port=get_open_port,
-                           packed_in_init=packed_in_init)
-
-
 class VLLMServerEngine(VLLMEngine):
-    """The colocated engine's sampling over HTTP (`ServerLLM`), weights pushed through vLLM's transfer API."""
+    """The colocated engine's sampling over HTTP (`ServerLLM`); the weights go through one of
+    rollout/vllm_weights.py's transports (`weights`): the adapter alone with LoRA, else NCCL or a folder."""
 
     def __init__(self, url: str, *, server_timeout_s: float = 600.0, seed: int = 0, lora: dict | None = None,
-                 tokenizer=None, tools=None, max_tool_turns: int = 8, transfer=None):
+                 tokenizer=None, tools=None, max_tool_turns: int = 8, weight_transfer: str = "auto",
+                 weight_folder: str | None = None, sync_bucket_mb: float = 512, transfer=None):
         self.client = ServerClient(url, server_timeout_s)
         self.client.wait_ready()
         self.client.check_setup()
-        super().__init__(url, seed=seed, lora=lora, llm=ServerLLM(self.client),
-                         vllm_module=SimpleNamespace(SamplingParams=SimpleNamespace), tokenizer=tokenizer,
-                         tools=tools, max_tool_turns=max_tool_turns)
-        self._transfer, self._group, self._packed_in_init = transfer, None, True
+        self.client.started = self.client.start_time()
         # adapters are named <prefix>-v<version>: this run's own names (a server outlives runs), which an async
         # worker's engine, given the same prefix, asks for by the version it reads
-        self.adapter_prefix = _shared_with_ranks(f"grpokit-{os.getpid()}-{int(time.time())}")
+        self.adapters = AdapterFolders(run_prefix(), self._load_adapter, self._unload_adapter) if lora else None
+        self.full_weights = None if lora else choose_server_transport(self.client, weight_transfer, weight_folder,
+                                                                     sync_bucket_mb, transfer)
+        super().__init__(url, seed=seed, lora=lora, llm=ServerLLM(self.client),
+                         vllm_module=SimpleNamespace(SamplingParams=SimpleNamespace), tokenizer=tokenizer,
+                         tools=tools, max_tool_turns=max_tool_turns,
+                         weights=RankZero(self.adapters or self.full_weights))
+        self.checked = False  # the probe: once, after the start's push
+
+    @property
+    def adapter_prefix(self) -> str:
+        return self.adapters.prefix if self.adapters else ""
+
+    @adapter_prefix.setter
+    def adapter_prefix(self, prefix: str) -> None:
+        if self.adapters:
+            self.adapters.prefix = prefix
 
     def sync_weights(self, model) -> None:
-        self.push(model, self._lora_version + 1)
+        self.push(model, self.version + 1)
 
     def push(self, model, version: int) -> None:
-        """Push the trainer's weights to the server: with LoRA the adapter alone, named for `version`, else every
-        tensor. Under torchrun (data parallel: every rank holds the whole model) rank 0 pushes while the others
-        wait for it, then ask for the same adapter name; a failure on rank 0 reaches every rank."""
-        adapter, failed = adapter_of(model), None
-        if rank() == 0:
-            try:
-                self._sync_adapter(adapter, version) if adapter is not None else self._push_all(model)
-            except RolloutWorkerError as e:
-                failed = e
-        if any_rank(failed is not None):  # the others wait here for rank 0's push
-            raise failed or RolloutWorkerError("rollout.vllm.server: rank 0 could not push the weights to the "
-                                               "vLLM server (its error says why)")
-        if adapter is not None and rank() != 0:
-            self._lora_version = version
-            self.use_adapter(version)
-
-    def _push_all(self, model) -> None:
-        if self._group is None:
-            self._open()
-            ours = str(next(model.parameters()).dtype).removeprefix("torch.")
-            if self.client.dtype not in (None, ours):  # as TRL: said once, the correction covers the gap
-                print(f"note: the vLLM server at {self.client.url} holds {self.client.dtype} weights, the trainer "
-                      f"{ours}: the sampler's log-probs will differ more (algorithm.is_correction corrects for "
-                      f"it); `grpokit serve --dtype {ours}` or model.dtype = \"{self.client.dtype}\" aligns "
-                      "them", file=sys.stderr, flush=True)
-        manifest = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in sync_tensors(model)]
-        info = {"names": [m[0] for m in manifest], "dtype_names": [m[1] for m in manifest],
-                "shapes": [m[2] for m in manifest]}
-        if not self._packed_in_init:  # vLLM < 0.28 reads `packed` from each update
-            info["packed"] = True
-        self.client.call("POST", "/pause", params={"mode": "keep"})
-        self.client.call("POST", "/start_weight_update", json={"is_checkpoint_format": True})
-        stream = named_weights_for_sync(model)  # FSDP: each tensor gathered as it is sent
-        try:
-            self._while_sending(lambda: self._transfer.send(iterator=stream, group=self._group, src=0,
-                                                            post_iter_func=lambda item: item[1]),
-                                lambda: self.client.call("POST", "/update_weights", json={"update_info": info}))
-        except RolloutWorkerError as e:  # the transfer's own error is the one to say; the clean-up is brief
-            for path in ("/finish_weight_update", "/resume"):
-                with contextlib.suppress(RolloutWorkerError):
-                    self.client.call("POST", path, timeout_s=10)
-            raise RolloutWorkerError(f"{e}. The server may hold half-received weights: restart it before "
-                                     "resuming (a resumed run pushes every weight again)") from None
-        self.client.call("POST", "/finish_weight_update")
-        self.client.call("POST", "/resume")
-
-    def _open(self) -> None:
-        t = self._transfer = self._transfer or _vllm_transfer()
-        self._packed_in_init = getattr(t, "packed_in_init", True)
-        reply = self.client.call("GET", "/get_world_size")
-        try:
-            size = 1 + int(reply["world_size"])
-        except (KeyError, TypeError, ValueError):
-            raise self.client.not_vllm("/get_world_size", reply) from None
-        info = {"master_address": t.get_ip(), "master_port": t.get_open_port(), "rank_offset": 1,
-                "world_size": size}
-        if self._packed_in_init:
-            info["packed"] = True
-        self._while_sending(lambda: setattr(self, "_group", t.trainer_init(info)),
-                            lambda: self.client.call("POST", "/init_weight_transfer_engine",
-                                                     json={"init_info": info}))
-
-    def _while_sending(self, send, drive) -> None:
-        """Run `send` (a collective without a timeout) on a thread while `drive` (the HTTP call that makes the
-        server take part, with one) runs here: a server that fails answers the call, never hangs the trainer."""
-        failed: list[BaseException] = []
-        thread = threading.Thread(target=lambda: _noting(send, failed), daemon=True, name="vllm-weight-transfer")
-        thread.start()
-        drive()
-        thread.join(self.client.timeout_s)  # the server said it received: the sending side ends soon after
-        if thread.is_alive():
-            raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.client.url} answered, but the "
-                                     f"weight transfer did not end within rollout.vllm.server_timeout_s = "
-                                     f"{self.client.timeout_s:g} s; {FIX}")
-        if failed:
-            raise RolloutWorkerError(f"rollout.vllm.server: the weight transfer to the vLLM server failed "
-                                     f"({type(failed[0]).__name__}: {failed[0]})") from failed[0]
+        """Publish `model` as `version` (under torchrun rank 0 pushes, `RankZero`); after the first, the probe."""
+        self.client.check_not_restarted()
+        self.weights.publish(model, version)
+        self.version, self.lora_request = version, self.weights.lora_request
+        if not self.checked and rank() == 0:
+            self.checked = True
+            check_serves(self.client, self.llm, model, self.lora_request)
 
     def use_adapter(self, version: int) -> None:
         """Sample with the adapter pushed as `version` (an async worker: the trainer's engine pushed it)."""
-        name = f"{self.adapter_prefix}-v{version}"
-        self.lora_request = SimpleNamespace(lora_name=name, lora_int_id=version, lora_path="")
+        self.adapters.use(version)
+        self.version, self.lora_request = version, self.adapters.lora_request
 
-    def _sync_adapter(self, adapter, version: int) -> None:
-        """Save the adapter where the server reads it and load it under its version's name; the old one goes."""
-        if self._lora_dir is None:  # the server reads it: local to the trainer (TMPDIR may be a shared folder)
-            self._lora_dir = tempfile.mkdtemp(prefix="grpokit-lora-server-")
-            weakref.finalize(self, shutil.rmtree, self._lora_dir, True)
-        previous = self.lora_request
-        self._lora_version = version
-        name, folder = f"{self.adapter_prefix}-v{version}", Path(self._lora_dir) / f"v{version}"
-        if previous is not None and previous.lora_name == name:  # already there (the start's push, again)
-            return
-        adapter.save_pretrained(str(folder))
-        self.client.call("POST", "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(folder),
-                                                                "load_inplace": False})
-        self.lora_request = SimpleNamespace(lora_name=name, lora_int_id=version, lora_path=str(folder))
-        if previous is not None:
-            with contextlib.suppress(RolloutWorkerError):
-                self.client.call("POST", "/v1/unload_lora_adapter", json={"lora_name": previous.lora_name})
-            shutil.rmtree(previous.lora_path, ignore_errors=True)
+    def _load_adapter(self, name: str, version: int, folder: str):
+        reply = self.client.call("POST", "/v1/load_lora_adapter", text=True,
+                                 json={"lora_name": name, "lora_path": folder, "load_inplace": False})
+        if "success" not in reply.lower():  # vLLM answers "Success: LoRA adapter '...' added successfully."
+            raise self.client.not_vllm("/v1/load_lora_adapter", reply)
+        return SimpleNamespace(lora_name=name, lora_int_id=version, lora_path=folder)
+
+    def _unload_adapter(self, previous) -> None:
+        with contextlib.suppress(RolloutWorkerError):  # already gone (evicted, a restart): nothing to free
+            self.client.call("POST", "/v1/unload_lora_adapter", text=True, json={"lora_name": previous.lora_name})
 
 
-def _shared_with_ranks(value: str) -> str:
-    """Rank 0's `value` on every rank (torchrun: all ranks ask for the adapters rank 0 loads)."""
-    import torch.distributed as tdist
+def check_serves(client: ServerClient, llm: ServerLLM, model, lora_request, tokens: int = 16) -> None:
+    """One answer sampled by the server, its log-probs recomputed by the trainer: far apart, the server serves
+    another model (or another base under LoRA, e.g. weights an earlier run pushed), and the run would learn from
+    a sampler that is not its policy. One error, at the start."""
+    import torch
 
-    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
-        return value
-    box = [value]
-    tdist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _noting(fn, failed: list) -> None:
-    try:
-        fn()
-    except BaseException as e:  # noqa: BLE001 - said by the caller's thread
-        failed.append(e)
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    prompt = [i % vocab for i in range(1, 9)]
+    params = SimpleNamespace(n=1, max_tokens=tokens, temperature=1.0, top_p=1.0, top_k=0, seed=0, stop=None,
+                             stop_token_ids=[], ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, lora_request=lora_request)[0].outputs[0]
+    ids = list(out.token_ids)
+    served = torch.tensor([next(iter(lp.values())) for lp in out.logprobs], dtype=torch.float64)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + ids], device=device)).logits[0, len(prompt) - 1:-1]
+        ours = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(ids, device=device)[:, None])[:, 0]
+    gap = float((served - ours.cpu()).abs().mean())
+    ours_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    # float32 on both sides: kernels differ by ~1e-6; in bf16 a token's gap is ~0.01-0.05 on real models, while
+    # another model (or base) is off by much more than 0.25 a token
+    limit = 0.02 if client.dtype == ours_dtype == "float32" else 0.25
+    if gap > limit:
+        what = "the adapter's base model" if lora_request is not None else "the weights just pushed"
+        raise UserError(f"rollout.vllm.server: the vLLM server at {client.url} does not serve {what}: its log-probs "
+                        f"of a probe answer differ from the trainer's by {gap:.3f} nats a token on average (at most "
+                        f"{limit:g} expected). It was started on another model, or holds weights an earlier run "
+                        "pushed: restart it with `grpokit serve MODEL` on model.path")

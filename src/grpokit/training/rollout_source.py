@@ -42,7 +42,7 @@ from grpokit.errors import RolloutWorkerError, SetupError
 from grpokit.models.loading import resolve_device
 from grpokit.models.parallel import world_size
 from grpokit.models.threads import usable_cores
-from grpokit.models.weight_sync import ServerChannel, WeightChannel
+from grpokit.models.weight_sync import GlooPublisher, LockedPublisher
 from grpokit.training.generate import generate_and_grade
 from grpokit.training.rollout_workers import HEARTBEAT_S, WorkerSpec, parameter_shapes, worker_main
 
@@ -194,14 +194,14 @@ class AsyncRollouts:
         self.beats = ctx.Array("d", [time.monotonic()] * self.W)
         self.results, self.orders = ctx.Queue(), [ctx.Queue() for _ in range(self.W)]
         self.server_lock = ctx.Lock()  # a vLLM server: held by the worker while it samples, by the trainer to push
-        self.channel = ServerChannel(run.engine, self.timeout_s, self.server_lock, self.announced) \
-            if "server" in r.vllm else WeightChannel(self.W, self.timeout_s, self.announced)
+        self.channel = LockedPublisher(run.engine.weights, self.timeout_s, self.server_lock, self.announced) \
+            if "server" in r.vllm else GlooPublisher(self.W, self.timeout_s, self.announced)
         spec = WorkerSpec(local, run.inputs.data.rows, run.inputs.prompts,
                           [n for n, p in run.policy.model.named_parameters() if p.requires_grad], run.stream,
                           run.sampler.get_state(), self.W, split_threads(config)[1], self.channel.port,
                           self.timeout_s, reward_functions, tools, environment_factory,
                           parameter_shapes(run.policy.model), run.start_step + 1,
-                          getattr(run.engine, "adapter_prefix", ""))
+                          run.engine.adapter_prefix if "server" in r.vllm else "")
         from_main = [_sendable(what, value) for what, value in (
             ("train(reward_functions=...)", reward_functions), ("train(tools=...)", tools),
             ("train(environment_factory=...)", environment_factory), ("the run's rows, prompts or config", spec))]

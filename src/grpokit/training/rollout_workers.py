@@ -18,7 +18,6 @@ trainer stops it after saving), and beats a heartbeat every half second from a t
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import queue
@@ -36,7 +35,7 @@ from grpokit.config.schema import Config
 from grpokit.errors import UserError
 from grpokit.models.loading import load_model, load_tokenizer, max_positions_of
 from grpokit.models.lora import apply_lora
-from grpokit.models.weight_sync import ServerVersions, WeightReceiver
+from grpokit.models.weight_sync import GlooSubscriber, ServerSubscriber
 from grpokit.rollout.engines import build_engine
 from grpokit.training import vision_setup
 from grpokit.training.generate import generate_and_grade
@@ -179,7 +178,7 @@ class _Worker:
             self.sampler.manual_seed(config.train.seed)
         if index:  # the others: noise of their own, from the trainer's generator
             self.sampler.manual_seed(int(torch.randint(2 ** 62, (1,), generator=self.sampler, device=device)) + index)
-        self.receiver: WeightReceiver | None = None
+        self.receiver: GlooSubscriber | ServerSubscriber | None = None
 
     @staticmethod
     def _load_policy(config, spec: WorkerSpec, device: str):
@@ -195,15 +194,15 @@ class _Worker:
 
     def connect(self, server_lock) -> None:
         s = self.spec
-        self.receiver = ServerVersions(server_lock, self.announced) if self.server else \
-            WeightReceiver(self.model, s.port, self.index + 1, s.workers + 1, s.timeout_s, self.announced)
+        self.receiver = ServerSubscriber(server_lock, self.announced) if self.server else \
+            GlooSubscriber(self.model, s.port, self.index + 1, s.workers + 1, s.timeout_s, self.announced)
 
     def draw(self, step: int, min_version: int, waited_s: float) -> WorkerBatch:
         t0 = time.perf_counter()
         if not self.receiver.wait_for(min_version, self.spec.timeout_s):
             raise UserError(f"no weights of step {min_version} arrived within rollout.worker_timeout_s = "
                             f"{self.spec.timeout_s:g} s for step {step}")
-        with self.receiver.holding() if self.server else contextlib.nullcontext():  # a server: no push inside
+        with self.receiver.holding():  # a server: no push lands inside the batch
             version = self.receiver.apply()
             if self.server and self.config.model.lora:  # the adapter the trainer pushed as that version
                 self.engine.use_adapter(version)

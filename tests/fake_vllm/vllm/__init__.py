@@ -1,8 +1,10 @@
 """A CPU stand-in for vLLM's offline API: just enough of `vllm.LLM` for grpokit's VLLMEngine.
 
 Not vLLM: a Hugging Face model sampled with grpokit's own sampler, whose weights change only
-through `llm_engine.model_executor.driver_worker.model_runner.model.load_weights(...)` (as vLLM's
-in-process engine) and whose LoRA adapters come from `LoRARequest` folders. It lets the logic of
+through `collective_rpc("reload_weights", kwargs={"weights_iterator": ...})` (as vLLM's in-process
+engine) and whose LoRA adapters come from `LoRARequest` folders. grpokit's tests run the real vLLM
+(its CPU build, tests/real_vllm); this stand-in is for the faults a real server cannot be made to show
+and for scripts/check_vllm_gpu.py's own logic. It lets the logic of
 `engines.VLLMEngine` and of `scripts/check_vllm_gpu.py` run where vLLM cannot:
 
     GRPOKIT_CHECK_DEVICE=cpu PYTHONPATH=tests/fake_vllm python scripts/check_vllm_gpu.py --out /tmp/check
@@ -53,9 +55,9 @@ class LLM:
         self.processor = load_processor(model) if self.family else None
         loader = AutoModelForImageTextToText if self.family else AutoModelForCausalLM
         self.hf = loader.from_pretrained(model, dtype=getattr(torch, dtype))
-        runner = SimpleNamespace(model=_Loadable(self.hf))
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)),
-                                          remove_lora=lambda lora_id: None)
+        self.model = _Loadable(self.hf)
+        self.reloads = 0  # reload_weights calls (scripts/check_vllm_gpu.py counts them)
+        self.llm_engine = SimpleNamespace(remove_lora=lambda lora_id: None)
         self._adapter = (None, None)  # (id, merged model)
 
     def _model(self, lora_request):
@@ -106,6 +108,12 @@ class LLM:
                                                  return_tensors="pt")
         return RowMedia(self.family, (PromptImages.from_processor(self.family, encoded),),
                         int(self.hf.config.image_token_id))
+
+    def collective_rpc(self, method, args=(), kwargs=None):
+        if method != "reload_weights":
+            raise NotImplementedError(method)
+        self.model.load_weights((kwargs or {})["weights_iterator"])
+        self.reloads += 1
 
     def reset_prefix_cache(self):
         pass

@@ -1,0 +1,337 @@
+"""The weight transports to vLLM: implementations of `models.weight_sync.WeightPublisher`.
+
+    colocated engine            InProcessReload    vLLM's `reload_weights` with the trainer's tensors, streamed
+    server, full weights, GPU   NcclTransfer       vLLM's NCCL weight-transfer API (/init_weight_transfer_engine ...)
+    server, full weights, any   FolderReload       safetensors shards in a folder both sides see, then the server's
+                                                   `reload_weights` from it (POST /collective_rpc)
+    LoRA, colocated or server   AdapterFolders     the adapter alone, saved to a folder and loaded under a new name
+
+`choose_server_transport` picks NCCL where it can run (a CUDA trainer and a server started with vLLM's NCCL
+weight transfer) and the folder otherwise, with one note saying which. Every transport reloads the weights in
+vLLM's checkpoint format, so vLLM repacks them for its kernels itself (its CPU linear layers keep their weights
+in a packed layout: writing into the live parameters, as `load_weights` does, broke them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from pathlib import Path
+from types import SimpleNamespace
+
+from grpokit.errors import RolloutWorkerError, UserError
+from grpokit.models.lora import adapter_of
+from grpokit.models.parallel import any_rank, buckets, rank
+from grpokit.models.weight_sync import WeightPublisher
+
+
+def sync_tensors(model):
+    """(Hugging Face name, tensor) of every parameter and buffer the sampler needs, ungathered (an FSDP
+    shard's `shape` is the whole tensor's): a tied output head under its own name too (vLLM's reload re-creates
+    each layer's tensors, untying them, and keeps the head's old ones when no `lm_head.weight` arrives; its loader
+    skips the alias where the tie holds); other shared tensors once; rotary tables (the decoder's, a vision
+    tower's rotary_pos_emb) are rebuilt by vLLM."""
+    seen = set()
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+        if "rotary_emb" in name or name.endswith("inv_freq") or (id(t) in seen and not _is_head(name)):
+            continue
+        seen.add(id(t))
+        yield name, t
+
+
+def _is_head(name: str) -> bool:
+    return name.removeprefix("base_model.model.").endswith("lm_head.weight")
+
+
+def named_weights_for_sync(model):
+    """`sync_tensors`, each whole, one at a time (FSDP shards are gathered here, one tensor at a time: every
+    rank must iterate in step); a tied head as a copy of its own (safetensors refuses shared storage)."""
+    sent = set()
+    for name, t in sync_tensors(model):
+        full = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
+        yield name, full.clone() if id(t) in sent else full
+        sent.add(id(t))
+
+
+def _timed(fn):
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class InProcessReload(WeightPublisher):
+    """A colocated `vllm.LLM` (its engine in this process): `reload_weights` with the trainer's tensors, one at a
+    time (FSDP gathers each as it goes), then the prefix cache dropped (its KV was computed with the old ones)."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def publish(self, model, version: int, *, full: bool = False) -> float:
+        def reload():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_weights_for_sync(model),
+                                                              "is_checkpoint_format": True})
+            self.llm.reset_prefix_cache()
+        return _timed(reload)
+
+
+class AdapterFolders(WeightPublisher):
+    """LoRA: the adapter alone, saved to a folder of its own per version and loaded as `<prefix>-v<version>`; the
+    previous one unloaded and its folder removed. `load(name, folder)` / `unload(name)` are the engine's (a
+    colocated LLM's LoRARequest, or a server's /v1/load_lora_adapter); the folder must be one the sampler reads."""
+
+    def __init__(self, prefix: str, load, unload, root: str | None = None):
+        self.prefix, self.load, self.unload = prefix, load, unload
+        self.root = tempfile.mkdtemp(prefix="grpokit-lora-", dir=root)
+        weakref.finalize(self, shutil.rmtree, self.root, True)
+        self.lora_request = None
+
+    def name(self, version: int) -> str:
+        return f"{self.prefix}-v{version}"
+
+    def use(self, version: int) -> None:
+        """Sample with the adapter loaded as `version` by another process (an async worker, a torchrun rank)."""
+        self.lora_request = SimpleNamespace(lora_name=self.name(version), lora_int_id=version, lora_path="")
+
+    def publish(self, model, version: int, *, full: bool = False) -> float:
+        t0 = time.perf_counter()
+        previous, name = self.lora_request, self.name(version)
+        if previous is not None and previous.lora_name == name:  # already there (the start's push, again)
+            return 0.0
+        folder = _next_folder(self.root)
+        _writing(folder, lambda: adapter_of(model).save_pretrained(str(folder)), "the LoRA adapter")
+        self.lora_request = self.load(name, version, str(folder))
+        if previous is not None:
+            self.unload(previous)
+            if previous.lora_path:
+                shutil.rmtree(previous.lora_path, ignore_errors=True)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _next_folder(root: str) -> Path:
+    """A new folder's path under `root`, one per push (a version may be pushed twice: the start's, a resume's)."""
+    count = len(list(Path(root).iterdir())) if Path(root).is_dir() else 0
+    while (Path(root) / f"push-{count}").exists():
+        count += 1
+    return Path(root) / f"push-{count}"
+
+
+def _writing(folder: Path, write, what: str, field: str = "TMPDIR") -> None:
+    """`write()` into a new `folder`; a full disk (or any OSError) removes what was written and is one error."""
+    try:
+        folder.mkdir(parents=True, exist_ok=False)
+        write()
+    except OSError as e:
+        shutil.rmtree(folder, ignore_errors=True)
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise RolloutWorkerError(f"{field}: writing {what} to {folder} failed ({e.strerror or e}); "
+                                 + ("free space there or point it at a disk with room" if full else
+                                    "check that the folder is writable")) from None
+
+
+class FolderReload(WeightPublisher):
+    """A server's full weights through a folder both sides see: the trainer writes them as safetensors shards of
+    about `shard_mb` (FSDP: gathered one tensor at a time), the server reloads them in place (`POST /collective_rpc
+    reload_weights`, paused, its prefix cache reset), then the previous version's folder goes. No NCCL: on CPU, or
+    a cluster where trainer and server cannot open an NCCL connection but share a filesystem."""
+
+    def __init__(self, client, folder: str | None = None, shard_mb: float = 512):
+        self.client, self.shard_bytes = client, int(shard_mb * 2 ** 20)
+        self.field = "rollout.vllm.weight_folder" if folder else "TMPDIR (or rollout.vllm.weight_folder)"
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        self.root = tempfile.mkdtemp(prefix="grpokit-weights-", dir=folder)
+        weakref.finalize(self, shutil.rmtree, self.root, True)
+        self.previous: Path | None = None
+
+    def publish(self, model, version: int, *, full: bool = False) -> float:
+        from safetensors.torch import save_file
+
+        t0 = time.perf_counter()
+        folder = _next_folder(self.root)
+
+        def write():
+            for k, bucket in enumerate(buckets(named_weights_for_sync(model), self.shard_bytes)):
+                save_file({n: t.cpu().contiguous() for n, t in bucket}, str(folder / f"model-{k:05d}.safetensors"))
+
+        _writing(folder, write, "the weights", self.field)
+        self.client.call("POST", "/pause", params={"mode": "keep"})
+        try:
+            self.client.call("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {
+                "weights_path": str(folder), "is_checkpoint_format": True}})
+            self.client.call("POST", "/reset_prefix_cache")
+        finally:
+            with contextlib.suppress(RolloutWorkerError):
+                self.client.call("POST", "/resume")
+        if self.previous is not None:
+            shutil.rmtree(self.previous, ignore_errors=True)
+        self.previous = folder
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _vllm_transfer():
+    """vLLM's trainer side of its NCCL weight transfer (imported on the trainer only: the worker sends HTTP).
+    vLLM 0.28 replaced the engine's static trainer calls with these helpers (as TRL 1.16 reads them)."""
+    try:
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer as send
+        from vllm.utils.network_utils import get_ip, get_open_port
+    except ImportError as e:
+        raise UserError(f"rollout.vllm.weight_transfer: this vLLM has no NCCL weight-transfer API ({e}); install "
+                        "vLLM >= 0.28, or use rollout.vllm.weight_transfer = \"folder\"") from None
+    return SimpleNamespace(trainer_init=trainer_init, send=send, get_ip=get_ip, get_open_port=get_open_port)
+
+
+class NcclTransfer(WeightPublisher):
+    """A server's full weights through vLLM's weight-transfer API (the server started with `VLLM_SERVER_DEV_MODE=1`
+    and `--weight-transfer-config '{"backend": "nccl"}'`): the trainer opens an NCCL group with the server's
+    workers once (`/init_weight_transfer_engine`), then per push `/pause` -> `/start_weight_update` -> the tensors
+    broadcast from the trainer while `/update_weights` receives them -> `/finish_weight_update` -> `/resume`. The
+    broadcast runs on a thread of its own: NCCL has no timeout, the HTTP call has one."""
+
+    def __init__(self, client, transfer=None):
+        self.client, self._transfer, self._group = client, transfer, None
+
+    def publish(self, model, version: int, *, full: bool = False) -> float:
+        t0 = time.perf_counter()
+        if self._group is None:
+            self._open()
+        manifest = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in sync_tensors(model)]
+        info = {"names": [m[0] for m in manifest], "dtype_names": [m[1] for m in manifest],
+                "shapes": [m[2] for m in manifest]}
+        self.client.call("POST", "/pause", params={"mode": "keep"})
+        self.client.call("POST", "/start_weight_update", json={"is_checkpoint_format": True})
+        stream = named_weights_for_sync(model)  # FSDP: each tensor gathered as it is sent
+        try:
+            self._while_sending(lambda: self._transfer.send(iterator=stream, group=self._group, src=0,
+                                                            post_iter_func=lambda item: item[1]),
+                                lambda: self.client.call("POST", "/update_weights", json={"update_info": info}))
+        except RolloutWorkerError as e:  # the transfer's own error is the one to say; the clean-up is brief
+            for path in ("/finish_weight_update", "/resume"):
+                with contextlib.suppress(RolloutWorkerError):
+                    self.client.call("POST", path, timeout_s=10)
+            raise RolloutWorkerError(f"{e}. The server may hold half-received weights: restart it before "
+                                     "resuming (a resumed run pushes every weight again)") from None
+        self.client.call("POST", "/finish_weight_update")
+        self.client.call("POST", "/resume")
+        return time.perf_counter() - t0
+
+    def _open(self) -> None:
+        t = self._transfer = self._transfer or _vllm_transfer()
+        reply = self.client.call("GET", "/get_world_size")
+        try:
+            size = 1 + int(reply["world_size"])
+        except (KeyError, TypeError, ValueError):
+            raise self.client.not_vllm("/get_world_size", reply) from None
+        info = {"master_address": t.get_ip(), "master_port": t.get_open_port(), "rank_offset": 1,
+                "world_size": size, "packed": True}
+        self._while_sending(lambda: setattr(self, "_group", t.trainer_init(info)),
+                            lambda: self.client.call("POST", "/init_weight_transfer_engine",
+                                                     json={"init_info": info}))
+
+    def _while_sending(self, send, drive) -> None:
+        """Run `send` (a collective without a timeout) on a thread while `drive` (the HTTP call that makes the
+        server take part, with one) runs here: a server that fails answers the call, never hangs the trainer."""
+        failed: list[BaseException] = []
+        thread = threading.Thread(target=lambda: _noting(send, failed), daemon=True, name="vllm-weight-transfer")
+        thread.start()
+        drive()
+        thread.join(self.client.timeout_s)  # the server said it received: the sending side ends soon after
+        if thread.is_alive():
+            raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.client.url} answered, but the "
+                                     f"weight transfer did not end within rollout.vllm.server_timeout_s = "
+                                     f"{self.client.timeout_s:g} s; {self.client.fix}")
+        if failed:
+            raise RolloutWorkerError(f"rollout.vllm.server: the weight transfer to the vLLM server failed "
+                                     f"({type(failed[0]).__name__}: {failed[0]})") from failed[0]
+
+
+def _noting(fn, failed: list) -> None:
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - said by the caller's thread
+        failed.append(e)
+
+
+class RankZero(WeightPublisher):
+    """Under torchrun (data parallel, every rank holds the whole model), one server: rank 0 publishes while the
+    others wait for it, then ask for the same adapter; a failure on rank 0 reaches every rank."""
+
+    def __init__(self, inner: WeightPublisher):
+        self.inner = inner
+
+    @property
+    def lora_request(self):
+        return self.inner.lora_request
+
+    def publish(self, model, version: int, *, full: bool = False) -> float:
+        t0, failed = time.perf_counter(), None
+        if rank() == 0:
+            try:
+                self.inner.publish(model, version, full=full)
+            except RolloutWorkerError as e:
+                failed = e
+        if any_rank(failed is not None):  # the others wait here for rank 0's push
+            raise failed or RolloutWorkerError("rollout.vllm.server: rank 0 could not push the weights to the "
+                                               "vLLM server (its error says why)")
+        if rank() != 0 and isinstance(self.inner, AdapterFolders):
+            self.inner.use(version)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def can_run_nccl(server_info: dict) -> str | None:
+    """Why vLLM's NCCL weight transfer cannot run between this trainer and the server, or None."""
+    import torch
+
+    config = server_info.get("vllm_config") or {}
+    if not torch.cuda.is_available():
+        return "the trainer has no CUDA device"
+    if str((config.get("device_config") or {}).get("device", "cuda")) == "cpu":
+        return "the server runs on CPU"
+    if "weight_transfer_config" in config and not config.get("weight_transfer_config"):
+        return "the server was started without --weight-transfer-config"
+    return None
+
+
+def choose_server_transport(client, choice: str, folder: str | None, shard_mb: float, transfer=None):
+    """The full-weight transport `rollout.vllm.weight_transfer` names ("auto": NCCL where it can run, else the
+    folder, said once)."""
+    if choice == "folder":
+        return FolderReload(client, folder, shard_mb)
+    why = can_run_nccl(client.info) if transfer is None else None  # a transfer given (tests): NCCL as asked
+    if choice == "nccl" or why is None:
+        return NcclTransfer(client, transfer)
+    print(f"note: weights go to the vLLM server at {client.url} through a folder ({folder or 'under TMPDIR'}; "
+          f"rollout.vllm.weight_folder), not NCCL: {why}", file=sys.stderr, flush=True)
+    return FolderReload(client, folder, shard_mb)
+
+
+def shared_with_ranks(value: str) -> str:
+    """Rank 0's `value` on every rank (torchrun: all ranks ask for the adapters rank 0 loads)."""
+    import torch.distributed as tdist
+
+    if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
+        return value
+    box = [value]
+    tdist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def run_prefix() -> str:
+    """This run's adapter names' prefix (a server outlives runs: names of its own)."""
+    return shared_with_ranks(f"grpokit-{os.getpid()}-{int(time.time())}")
