@@ -221,7 +221,8 @@ def test_vllm_weight_sync_is_one_reload_streaming_each_weight_once(tiny):
     engine.sync_weights(model)
     names = [n for call in llm.loaded for n in call]
     params = {n for n, _ in model.named_parameters()}
-    assert len(llm.loaded) == 1 and set(names) == params and len(names) == len(params)
+    assert "lm_head.weight" not in params and model.config.tie_word_embeddings  # tied: one parameter, two names
+    assert len(llm.loaded) == 1 and set(names) == params | {"lm_head.weight"} and len(names) == len(params) + 1
     assert llm.calls[-2:] == [("reload_weights",), ("reset_prefix_cache",)]
     assert engine.version == 1
 
@@ -269,7 +270,7 @@ class HFBackedLLM(FakeLLM):
 
     def _load(self, weights):
         super()._load(weights)
-        params = dict(self.model.named_parameters())
+        params = dict(self.model.named_parameters(remove_duplicate=False))  # a tied head by its name too
         with torch.no_grad():
             for name, tensor in weights:
                 params[name].copy_(tensor)
@@ -338,13 +339,13 @@ def test_vllm_engine_on_cpu_sizes_its_kv_cache_in_ram_and_leaves_the_trainers_th
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        VLLMEngine("/models/m", kv_cache_gib=1.5, gpu_memory_utilization=0.4,
+        VLLMEngine("/models/m", kv_cache_gib=2, gpu_memory_utilization=0.4,
                    vllm_module=SimpleNamespace(**vars(FAKE_VLLM), LLM=build))
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
     assert "gpu_memory_utilization" not in made[0]
-    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "1.5" and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == "2" and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
 
 
 @pytest.mark.slow

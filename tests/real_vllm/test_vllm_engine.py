@@ -152,7 +152,7 @@ num_prompts = 64
 group_size = 4
 max_new_tokens = 6
 engine = "vllm"
-vllm = {{dtype = "float32", max_model_len = 128, enforce_eager = true, kv_cache_gib = 0.5}}
+vllm = {{dtype = "float32", max_model_len = 128, enforce_eager = true, kv_cache_gib = 1}}
 [algorithm]
 is_correction = "token_truncate"
 [train]

@@ -8,7 +8,7 @@ from grpokit.config.variants import ROLLOUT_MODES
 
 # rollout.vllm options (rollout/vllm.VLLMEngine's keyword arguments): type, example
 VLLM_OPTIONS = {"gpu_memory_utilization": (float, "0.3"), "enable_sleep_mode": (bool, "true"),
-                "kv_cache_gib": (float, "1"), "max_model_len": (int, "4096"), "enforce_eager": (bool, "true"),
+                "kv_cache_gib": (int, "1"), "max_model_len": (int, "4096"), "enforce_eager": (bool, "true"),
                 "dtype": (str, '"bfloat16"'), "server": (str, '"http://localhost:8000"'),
                 "server_timeout_s": (float, "600"), "weight_transfer": (str, '"folder"'),
                 "weight_folder": (str, '"/shared/grpokit-weights"'), "sync_bucket_mb": (float, "512")}
@@ -51,7 +51,7 @@ def check_vllm(rollout) -> None:
     _check(0 < options.get("gpu_memory_utilization", 0.3) <= 1, "rollout.vllm.gpu_memory_utilization",
            "must be in (0, 1]: the share of the GPU's memory vLLM may take")
     _check(options.get("sync_bucket_mb", 512) > 0, "rollout.vllm.sync_bucket_mb", "must be > 0 (MB per shard)")
-    _check(options.get("kv_cache_gib", 1) > 0, "rollout.vllm.kv_cache_gib", "must be > 0 (GiB of RAM for the KV cache)")
+    _check(options.get("kv_cache_gib", 1) >= 1, "rollout.vllm.kv_cache_gib", "must be >= 1 (GiB of RAM, whole)")
     _one_of(options.get("weight_transfer", "auto"), WEIGHT_TRANSFERS, "rollout.vllm.weight_transfer")
     _check(options.get("max_model_len", 1) >= 1, "rollout.vllm.max_model_len", "must be >= 1")
     _one_of(options.get("dtype", "auto"), ("auto", "float32", "bfloat16", "float16"), "rollout.vllm.dtype")

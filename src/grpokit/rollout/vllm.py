@@ -81,7 +81,7 @@ class VLLMEngine:
     over HTTP); `sync_weights` publishes through it."""
 
     def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0, lora: dict | None = None,
-                 gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False, kv_cache_gib: float = 1.0,
+                 gpu_memory_utilization: float = 0.3, enable_sleep_mode: bool = False, kv_cache_gib: int = 1,
                  max_model_len: int | None = None, enforce_eager: bool = False, llm=None, vllm_module=None,
                  tokenizer=None, tools: ToolBox | None = None, max_tool_turns: int = 8, weights=None):
         self.vllm = vllm_module or _import_vllm()
@@ -105,7 +105,7 @@ class VLLMEngine:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process engine: reload_weights takes tensors
         kwargs = dict(model=str(model_path), logprobs_mode="processed_logprobs", **options)
         if on_cpu():  # the CPU build: its KV cache in GiB of RAM; threads not pinned (the trainer's share the cores)
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{kv_cache_gib:g}")
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB: vLLM reads an int
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             kwargs.pop("gpu_memory_utilization")
         if world_size() > 1:  # one engine per rank, inside torchrun's process group

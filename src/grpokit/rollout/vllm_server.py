@@ -85,7 +85,7 @@ class ServerClient:
             raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.url} no longer holds the model "
                                      f"or adapter this run samples with ({response.text[:200]}); it was restarted "
                                      "or evicted it: restart the run with --resume (each start pushes it again)")
-        if response.status_code == 404 and "lora" in path:
+        if "lora" in path and (response.status_code == 404 or "LoRA is not enabled" in response.text):
             raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.url} takes no LoRA adapters "
                                      f"({path}); restart it with `grpokit serve MODEL --lora-rank R` (R >= "
                                      "model.lora.r), or vLLM's --enable-lora with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1")

@@ -126,14 +126,18 @@ def _next_folder(root: str) -> Path:
 
 
 def _writing(folder: Path, write, what: str, field: str = "TMPDIR") -> None:
-    """`write()` into a new `folder`; a full disk (or any OSError) removes what was written and is one error."""
+    """`write()` into a new `folder`; a full disk (or any other write error) removes what was written and is one
+    error. safetensors reports its I/O errors as its own type, with the OS error in the text."""
+    from safetensors import SafetensorError
+
     try:
         folder.mkdir(parents=True, exist_ok=False)
         write()
-    except OSError as e:
+    except (OSError, SafetensorError) as e:
         shutil.rmtree(folder, ignore_errors=True)
-        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-        raise RolloutWorkerError(f"{field}: writing {what} to {folder} failed ({e.strerror or e}); "
+        full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "os error 28" in str(e)
+        reason = "No space left on device" if full else (getattr(e, "strerror", None) or str(e))
+        raise RolloutWorkerError(f"{field}: writing {what} to {folder} failed ({reason}); "
                                  + ("free space there or point it at a disk with room" if full else
                                     "check that the folder is writable")) from None
 
