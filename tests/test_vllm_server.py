@@ -298,6 +298,14 @@ def test_a_server_that_answers_200_but_is_not_vllm_is_one_error(tiny_model_dir, 
     ({"vllm": {"server": "http://h:1"}, "mode": "async", "workers": 2}, r"rollout.workers: is 2, but one worker"),
     ({"vllm": {"server": "http://h:1"}, "mode": "async", "worker_devices": ("cpu",)}, r"rollout.worker_devices: a"),
     ({"mode": "async"}, r"rollout.engine: rollout.mode = \"async\" samples in processes of its own"),
+    ({"vllm": {"server": "http://h:1", "weight_transfer": "ipc"}},
+     r"rollout.vllm.weight_transfer: got 'ipc'; choose one of 'auto', 'nccl', 'folder'"),
+    ({"vllm": {"weight_folder": "/shared"}}, r"rollout.vllm.weight_folder: is how full weights reach a vLLM server"),
+    ({"vllm": {"sync_bucket_mb": 64}}, r"rollout.vllm.sync_bucket_mb: is how full weights reach a vLLM server"),
+    ({"vllm": {"server": "http://h:1", "sync_bucket_mb": 0}}, r"rollout.vllm.sync_bucket_mb: must be > 0"),
+    ({"vllm": {"kv_cache_gib": 0}}, r"rollout.vllm.kv_cache_gib: must be >= 1"),
+    ({"vllm": {"kv_cache_gib": 1.5}}, r"rollout.vllm.kv_cache_gib: must be"),
+    ({"vllm": {"server": "http://h:1", "kv_cache_gib": 2}}, r"rollout.vllm.kv_cache_gib: applies to the colocated"),
 ])
 def test_server_settings_are_checked_with_their_field(fields, match, stand_in):
     with pytest.raises(ConfigError, match=match):

@@ -130,8 +130,9 @@ class RolloutConfig:
     engine: str = "hf"  # hf (built-in sampler on the training model) | vllm (colocated vLLM, or a vLLM server)
     # vLLM options: colocated (rollout/vllm.py) gpu_memory_utilization, enable_sleep_mode, kv_cache_gib (CPU),
     # max_model_len, enforce_eager, dtype; or server = "http://host:8000" (grpokit serve; rollout/vllm_server.py)
-    # with server_timeout_s, weight_transfer (auto | nccl | folder), weight_folder, sync_bucket_mb
-    # with server_timeout_s (every call to it, generation included, waits at most this long; 600)
+    # with server_timeout_s (every call to it, generation included, waits at most this long; 600), weight_transfer
+    # (auto | nccl | folder: how full weights reach it; auto = NCCL where it can run), weight_folder (a folder the
+    # server can read; default under TMPDIR) and sync_bucket_mb (the folder's shard size, 512)
     vllm: dict = field(default_factory=dict)
     # Speed options of the built-in sampler (rollout.engine = "hf"); the samples' distribution is the
     # same either way, so they exist for benchmark ablations: the token sampler (inverse_cdf | gumbel),

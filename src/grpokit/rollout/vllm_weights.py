@@ -186,16 +186,30 @@ class FolderReload(WeightPublisher):
 
 
 def _vllm_transfer():
-    """vLLM's trainer side of its NCCL weight transfer (imported on the trainer only: the worker sends HTTP).
-    vLLM 0.28 replaced the engine's static trainer calls with these helpers (as TRL 1.16 reads them)."""
-    try:
-        from vllm.distributed.weight_transfer.nccl_common import trainer_init
-        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer as send
-        from vllm.utils.network_utils import get_ip, get_open_port
-    except ImportError as e:
-        raise UserError(f"rollout.vllm.weight_transfer: this vLLM has no NCCL weight-transfer API ({e}); install "
-                        "vLLM >= 0.28, or use rollout.vllm.weight_transfer = \"folder\"") from None
+    """vLLM's trainer side of its NCCL weight transfer (imported on the trainer only: the worker sends HTTP), in
+    the layout of vLLM 0.28 and later (`packed` in the init info; 0.25-0.27 had these helpers but refuse it)."""
+    problem = nccl_api_problem()
+    if problem:
+        raise UserError(f"rollout.vllm.weight_transfer = \"nccl\": {problem}; install vLLM >= 0.28 beside the "
+                        "trainer, or use rollout.vllm.weight_transfer = \"folder\"")
+    from vllm.distributed.weight_transfer.nccl_common import trainer_init
+    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer as send
+    from vllm.utils.network_utils import get_ip, get_open_port
+
     return SimpleNamespace(trainer_init=trainer_init, send=send, get_ip=get_ip, get_open_port=get_open_port)
+
+
+def nccl_api_problem() -> str | None:
+    """Why this process cannot drive vLLM's NCCL weight transfer (0.28's API), or None."""
+    try:
+        from vllm.distributed.weight_transfer import nccl_common
+        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer  # noqa: F401
+    except ImportError as e:
+        return f"this process has no vLLM weight-transfer API ({e})"
+    info = getattr(nccl_common, "NCCLWeightTransferInitInfo", None)
+    if info is not None and "packed" not in getattr(info, "__dataclass_fields__", {"packed": None}):
+        return "this vLLM's transfer takes no `packed` init info (vLLM 0.25-0.27)"
+    return None
 
 
 class NcclTransfer(WeightPublisher):
@@ -309,7 +323,7 @@ def can_run_nccl(server_info: dict) -> str | None:
         return "the server runs on CPU"
     if "weight_transfer_config" in config and not config.get("weight_transfer_config"):
         return "the server was started without --weight-transfer-config"
-    return None
+    return nccl_api_problem()
 
 
 def choose_server_transport(client, choice: str, folder: str | None, shard_mb: float, transfer=None):

@@ -34,7 +34,7 @@ class _Loadable:
         self.hf = model
 
     def load_weights(self, weights):
-        params = dict(self.hf.named_parameters())
+        params = dict(self.hf.named_parameters(remove_duplicate=False))  # a tied head by its name too
         with torch.no_grad():
             for name, tensor in weights:
                 params[name].copy_(tensor.to(params[name].dtype))
