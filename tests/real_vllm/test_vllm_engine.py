@@ -193,7 +193,7 @@ def test_the_colocated_engine_refuses_a_head_size_the_cpu_backend_lacks(tiny_mod
                           timeout=120)
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
     errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "head size is 8" in errors[0], done.stderr[-2000:]
+    assert len(errors) == 1 and "heads are of size 8" in errors[0], done.stderr[-2000:]
     assert not (tmp_path / "run").exists()
 
 

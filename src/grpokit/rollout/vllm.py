@@ -10,7 +10,10 @@ head sizes 32 and up only (checked before the model loads: config/options.py).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import os
+from pathlib import Path
 
 import torch
 
@@ -39,38 +42,48 @@ def on_cpu() -> bool:
     return not torch.cuda.is_available()
 
 
-CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # vLLM 0.32's CPU attention
+# vLLM 0.32.0's CPU attention head sizes (CPUAttentionBackend.get_supported_head_sizes()), for when vLLM's own
+# list cannot be imported
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
+@functools.cache
 def cpu_head_sizes() -> tuple[int, ...]:
-    """The head sizes vLLM's CPU attention takes: the installed vLLM's own list, where it can say."""
+    """The attention head sizes vLLM's CPU attention runs: vLLM's own list where it imports (about 10 s on a small
+    machine, so asked only for a size outside CPU_HEAD_SIZES), else CPU_HEAD_SIZES."""
     try:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
         return tuple(CPUAttentionBackend.get_supported_head_sizes())
-    except Exception:  # noqa: BLE001 - vLLM absent, or another layout: the list of the release tested
+    except Exception:  # noqa: BLE001 - another vLLM version or a stand-in: the known list
         return CPU_HEAD_SIZES
+
+
+def head_size(folder) -> int | None:
+    """The attention head size of the model in `folder` (its config.json; a vision-language model's text model),
+    or None where the config does not say it (or cannot be read: the folder's own checks say why)."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    size = text.get("head_dim")
+    if not size and text.get("hidden_size") and text.get("num_attention_heads"):
+        size = text["hidden_size"] // text["num_attention_heads"]
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def cpu_head_size_problem(folder) -> str | None:
     """Why vLLM's CPU build cannot run the model in `folder` (its attention head size), or None. vLLM itself
     starts, then fails at the first request."""
-    import json
-    from pathlib import Path
-
-    try:
-        config = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None  # the folder's own checks say what is wrong with it
-    config = config.get("text_config") or config
-    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
-    size = config.get("head_dim") or (hidden // heads if heads and hidden else None)
-    sizes = cpu_head_sizes()
-    if size is None or size in sizes:
+    size = head_size(folder)
+    if size is None or size in CPU_HEAD_SIZES or size in cpu_head_sizes():
         return None
-    return (f"its attention head size is {size} (hidden_size / num_attention_heads), and vLLM's CPU backend takes "
-            f"{', '.join(map(str, sizes))} only: use a model with one of those (e.g. `grpokit tiny-model --hidden-size "
-            "128`: 4 heads of 32), a GPU machine, or rollout.engine = \"hf\"")
+    return (f"its attention heads are of size {size}, which vLLM's CPU attention cannot run (it runs "
+            f"{', '.join(map(str, cpu_head_sizes()))}); use a model whose head size is one of those (e.g. grpokit "
+            "tiny-model OUT --hidden-size 128: 4 heads of 32), or a GPU")
 
 
 class VLLMEngine:

@@ -1,5 +1,5 @@
-"""`vllm serve MODEL ...` on the CPU stand-in: the HTTP endpoints grpokit's server engine calls, around the
-stand-in `vllm.LLM` (tests/fake_vllm/vllm/__init__.py).
+"""`vllm serve MODEL ...` and `python -m vllm.entrypoints.openai.api_server --model MODEL ...` on the CPU stand-in:
+the HTTP endpoints grpokit's server engine calls, around the stand-in `vllm.LLM` (tests/fake_vllm/vllm/__init__.py).
 
 Not vLLM's server: `/v1/completions` samples with grpokit's own sampler; the weight-transfer endpoints receive
 tensors over a gloo group (vLLM: NCCL) in the manifest's order and load them into the model. It also keeps what a
@@ -73,16 +73,39 @@ class State:
                     params[name].copy_(t)
         self.stats["updates"] += 1
 
+    def reload(self, body: dict) -> None:
+        """`POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": FOLDER}}` (VLLM_SERVER_DEV_MODE
+        only, as vLLM's): the weights of the folder's safetensors files, the CPU build's transfer (no NCCL)."""
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        if not os.environ.get("VLLM_SERVER_DEV_MODE"):
+            raise LookupError("not found")
+        if body.get("method") != "reload_weights":
+            raise NotImplementedError(f"the stand-in runs only reload_weights, not {body.get('method')}")
+        if self.in_flight:
+            self.stats["updates_during_sampling"] += 1
+        params = dict(self.llm.hf.named_parameters())
+        with torch.no_grad():
+            for file in sorted(Path(body["kwargs"]["weights_path"]).glob("*.safetensors")):
+                for name, t in load_file(str(file)).items():
+                    if name in params:
+                        params[name].copy_(t.to(params[name].dtype))
+        self.stats["updates"] += 1
+        self.stats["reloads"] = self.stats.get("reloads", 0) + 1
+
 
 def handler(state: State):
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args):
             pass
 
-        def _reply(self, code: int, body: dict | None = None):
-            data = json.dumps(body or {}).encode()
+        def _reply(self, code: int, body: dict | str | None = None):
+            text = isinstance(body, str)  # vLLM answers its LoRA calls in plain text
+            data = body.encode() if text else json.dumps(body or {}).encode()
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", "text/plain" if text else "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -139,9 +162,17 @@ def handler(state: State):
                     state.loaded += 1  # vLLM's own id for each adapter ever loaded
                     state.loras[body["lora_name"]] = state.LoRARequest(body["lora_name"], state.loaded,
                                                                        body["lora_path"])
+                    return self._reply(200, f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
                 elif url.path == "/v1/unload_lora_adapter":
                     state.loras.pop(body["lora_name"], None)
-                elif url.path not in ("/resume", "/start_weight_update", "/finish_weight_update"):
+                    return self._reply(200, f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
+                elif url.path == "/collective_rpc":
+                    try:
+                        state.reload(body)
+                    except LookupError:
+                        return self._reply(404, {"error": "not found"})
+                elif url.path not in ("/resume", "/start_weight_update", "/finish_weight_update",
+                                      "/reset_prefix_cache"):
                     return self._reply(404, {"error": "not found"})
                 return self._reply(200)
             except Exception as e:  # noqa: BLE001 - the server's answer says it
@@ -151,17 +182,21 @@ def handler(state: State):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="vllm")
-    sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve")
-    serve.add_argument("model")
-    serve.add_argument("--host", default="0.0.0.0")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--dtype", default="auto")
-    serve.add_argument("--logprobs-mode", default="raw_logprobs")
-    serve.add_argument("--served-model-name", dest="served_name", default=None)
-    args, _ = serve.parse_known_args(sys.argv[2:]) if len(sys.argv) > 1 and sys.argv[1] == "serve" else \
-        parser.parse_known_args()
+    """Both of vLLM's ways to start its server: `vllm serve MODEL ...` (this module) and
+    `python -m vllm.entrypoints.openai.api_server --model MODEL ...` (the stand-in's api_server calls this)."""
+    argv = sys.argv[1:]
+    parser = argparse.ArgumentParser(prog="vllm serve" if argv[:1] == ["serve"] else "api_server")
+    if argv[:1] == ["serve"]:
+        parser.add_argument("model")
+        argv = argv[1:]
+    else:  # no positional: an unknown flag's value (`--seed 1`) would be taken for it
+        parser.add_argument("--model", required=True)
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--logprobs-mode", default="raw_logprobs")
+    parser.add_argument("--served-model-name", dest="served_name", default=None)
+    args, _ = parser.parse_known_args(argv)
     args.served_name = args.served_name or args.model
     torch.set_num_threads(1)
     state = State(args)
