@@ -78,7 +78,7 @@ def check_transfer(model_dir: str) -> None:
     from grpokit.models.checkpointing import enable_activation_checkpointing
     from grpokit.models.fsdp import prepare_model
     from grpokit.models.loading import load_model
-    from grpokit.models.weight_sync import WeightChannel, WeightReceiver
+    from grpokit.models.weight_sync import GlooPublisher, GlooSubscriber
     from grpokit.training.rollout_workers import parameter_shapes
 
     rank = torch.distributed.get_rank()
@@ -93,9 +93,9 @@ def check_transfer(model_dir: str) -> None:
             p.to_local().add_(1.0 + i + 100 * rank)  # each rank's shard its own change: the whole is both
     expected = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
     announced = multiprocessing.Value("q", -1)
-    channel = WeightChannel(1, 60, announced)
+    channel = GlooPublisher(1, 60, announced)
     got = {}
-    joining = threading.Thread(target=lambda: got.update(r=WeightReceiver(receiver_model, channel.port, 1, 2, 60,
+    joining = threading.Thread(target=lambda: got.update(r=GlooSubscriber(receiver_model, channel.port, 1, 2, 60,
                                                                           announced)))
     joining.start()
     channel.connect()

@@ -373,7 +373,7 @@ def test_the_vllm_engine_sends_each_prompts_images_as_multimodal_data(vlm_dirs, 
         llm = fake.LLM(model=config.model.path, dtype="float32")
         generate = llm.generate
         llm.generate = lambda prompts, **kw: sent.extend(prompts) or generate(prompts, **kw)
-        return VLLMEngine(config.model.path, llm=llm, vllm_module=fake, sync_bucket_mb=0.1)
+        return VLLMEngine(config.model.path, llm=llm, vllm_module=fake)
 
     config = _config(vlm_dirs[arch], tmp_path / "run", output={"completions_every": 1},
                      algorithm={"is_correction": "token_truncate"})

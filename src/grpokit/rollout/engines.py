@@ -105,6 +105,14 @@ class HFEngine:
         """Nothing to do: the sampler is the training model."""
 
 
+def check_engine_can_run(config, folder) -> None:
+    """What the engine `rollout.engine` names cannot do with this model here, said before the model loads."""
+    if config.rollout.engine == "vllm":
+        from grpokit.rollout.vllm import check_vllm_can_run  # imports vllm only when asked for
+
+        check_vllm_can_run(config, folder)
+
+
 def build_engine(config, model, tokenizer, *, tools: ToolBox | None = None) -> RolloutEngine:
     """The engine `rollout.engine` names, for this process (with `tools`: multi-turn rollouts)."""
     r = config.rollout

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from grpokit.errors import SetupError
 from grpokit.models.parallel import world_size
 from grpokit.rollout.batch import Rollout, rollout_from_tokens
 from grpokit.rollout.multiturn import ToolStats, converse
@@ -84,6 +85,15 @@ def cpu_head_size_problem(folder) -> str | None:
     return (f"its attention heads are of size {size}, which vLLM's CPU attention cannot run (it runs "
             f"{', '.join(map(str, cpu_head_sizes()))}); use a model whose head size is one of those (e.g. grpokit "
             "tiny-model OUT --hidden-size 128: 4 heads of 32), or a GPU")
+
+
+def check_vllm_can_run(config, folder) -> None:
+    """A colocated vLLM on a machine without CUDA is vLLM's CPU build, whose attention takes some head sizes only:
+    said before the model loads, not at the first request after the engine started."""
+    if config.rollout.engine != "vllm" or "server" in config.rollout.vllm:
+        return
+    if on_cpu() and (problem := cpu_head_size_problem(folder)):
+        raise SetupError(f"rollout.engine = \"vllm\" on this CPU: {config.model.path}: {problem}")
 
 
 class VLLMEngine:

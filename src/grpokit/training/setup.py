@@ -37,7 +37,7 @@ from grpokit.rewards.remote import RemoteGrader
 from grpokit.rewards.reward_model import RewardModel
 from grpokit.rewards.sandbox import sandbox_isolation
 from grpokit.rewards.worker_pool import RewardPool, check_isolatable
-from grpokit.rollout.engines import RolloutEngine, build_engine
+from grpokit.rollout.engines import RolloutEngine, build_engine, check_engine_can_run
 from grpokit.rollout.environments import Environments
 from grpokit.rollout.multiturn import check_full_attention
 from grpokit.rollout.tools import ToolBox, check_tool_template
@@ -299,17 +299,6 @@ class Run:
     start_step: int  # 0, or the step of the checkpoint resumed from
 
 
-def check_vllm_can_run(config: Config, folder) -> None:
-    """A colocated vLLM on a machine without CUDA is vLLM's CPU build, whose attention takes some head sizes only:
-    said now, not at the first request after the engine started."""
-    if config.rollout.engine != "vllm" or "server" in config.rollout.vllm:
-        return
-    from grpokit.rollout.vllm import cpu_head_size_problem, on_cpu
-
-    if on_cpu() and (problem := cpu_head_size_problem(folder)):
-        raise SetupError(f"rollout.engine = \"vllm\" on this CPU: {config.model.path}: {problem}")
-
-
 def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward_functions, resume: bool,
                  tools: Sequence[Callable] | None = None, environment_factory: Callable | dict | None = None,
                  eval_rows: Iterable[dict] | None = None) -> Inputs:
@@ -321,7 +310,7 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
                          f"{dist.world_size} processes: set it to false, or run one process")
     folder = check_model_folder(config.model.path)  # for a Hub id, its snapshot in the Hugging Face cache
     resolve_device(config.model.device)  # a device this machine lacks fails here, not after the folder is prepared
-    check_vllm_can_run(config, folder)
+    check_engine_can_run(config, folder)  # e.g. vLLM's CPU build and a head size it cannot run
     data = prepare_data(config, rows)
     toolbox, environments = resolve_tools(config, tools, environment_factory, data.task)
     vision = vision_setup.check_vision_inputs(config, data, folder,  # images vs the model: before anything loads
