@@ -406,3 +406,43 @@ def test_a_second_ctrl_c_stops_at_once_while_requests_hang(tiny_model_dir, tmp_p
     out, _ = proc.communicate(timeout=60)
     assert time.monotonic() - t0 < 15, out  # server_timeout_s is 30
     assert proc.returncode == 130 and "the run stopped at once" in out, out
+
+
+def test_a_keep_alive_connection_the_server_closed_is_tried_again_on_a_new_one():
+    """vLLM's server closes idle connections after 5 s; a pooled one taken just then answers nothing ("Remote end
+    closed connection without response"): it ended a 400-step run at step 252. The race is not reproducible on a
+    real server, so a local one here drops the second request on a kept-alive connection without a reply."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from grpokit.rollout.vllm_server import ServerClient
+
+    seen = []
+
+    class DropsTheSecond(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: the client reuses the connection
+
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            seen.append(self.path)
+            if len(seen) == 2:  # closed as the request arrives: no reply at all
+                self.close_connection = True
+                return
+            body = b'{"ok": true}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), DropsTheSecond)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = ServerClient(f"http://127.0.0.1:{server.server_port}", timeout_s=10)
+        assert client.call("GET", "/a") == {"ok": True}
+        assert client.call("GET", "/b") == {"ok": True}  # dropped once, answered on a new connection
+        assert seen == ["/a", "/b", "/b"]
+    finally:
+        server.shutdown()

@@ -73,10 +73,23 @@ class ServerClient:
             time.sleep(1.0)
 
     def call(self, method: str, path: str, *, timeout_s: float | None = None, text: bool = False, **kwargs):
-        """The reply's JSON (`text`: its text, for the calls vLLM answers in plain text, as loading an adapter)."""
+        """The reply's JSON (`text`: its text, for the calls vLLM answers in plain text, as loading an adapter).
+
+        A connection the server closed while idle (its HTTP keep-alive is 5 s; a pooled connection can be taken
+        just as it closes: "Remote end closed connection without response") is tried once more on a new one: every
+        call grpokit makes may be repeated (a seeded request samples the same answers). A server that is down
+        refuses the second try too."""
+        import requests
+
         try:
-            response = self.session.request(method, f"{self.url}{path}", timeout=timeout_s or self.timeout_s,
-                                            **kwargs)
+            try:
+                response = self.session.request(method, f"{self.url}{path}", timeout=timeout_s or self.timeout_s,
+                                                **kwargs)
+            except requests.ConnectionError as e:
+                if isinstance(e, requests.Timeout):
+                    raise
+                response = self.session.request(method, f"{self.url}{path}", timeout=timeout_s or self.timeout_s,
+                                                **kwargs)
         except self.errors as e:  # down, unreachable, or slower than the timeout
             raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.url} did not answer {path} "
                                      f"within rollout.vllm.server_timeout_s = {self.timeout_s:g} s "
@@ -273,8 +286,13 @@ class VLLMServerEngine(VLLMEngine):
         self.version, self.lora_request = version, self.adapters.lora_request
 
     def _load_adapter(self, name: str, version: int, folder: str):
-        reply = self.client.call("POST", "/v1/load_lora_adapter", text=True,
-                                 json={"lora_name": name, "lora_path": folder, "load_inplace": False})
+        try:
+            reply = self.client.call("POST", "/v1/load_lora_adapter", text=True,
+                                     json={"lora_name": name, "lora_path": folder, "load_inplace": False})
+        except RolloutWorkerError as e:  # a retried call whose first try loaded it: it is there, as asked
+            if "has already been loaded" not in str(e):
+                raise
+            reply = "success"
         if "success" not in reply.lower():  # vLLM answers "Success: LoRA adapter '...' added successfully."
             raise self.client.not_vllm("/v1/load_lora_adapter", reply)
         return SimpleNamespace(lora_name=name, lora_int_id=version, lora_path=folder)
