@@ -140,7 +140,7 @@ def test_async_lora_with_lag_samples_each_batch_with_one_version(vllm_model_dir,
     assert fresh and max(r["sampling/logprob_gap_max"] for r in fresh) < GAP  # where not stale: the trainer's
 
 
-COLOCATED_TOML = """
+RUN_TOML = """
 [model]
 path = {model!r}
 dtype = "float32"
@@ -152,11 +152,11 @@ num_prompts = 64
 group_size = 4
 max_new_tokens = 6
 engine = "vllm"
-vllm = {{dtype = "float32", max_model_len = 128, enforce_eager = true, kv_cache_gib = 1}}
+vllm = {vllm}
 [algorithm]
 is_correction = "token_truncate"
 [train]
-steps = 3
+steps = {steps}
 prompts_per_step = 4
 learning_rate = 1e-2
 [rewards]
@@ -165,6 +165,14 @@ functions = ["{tests}/conftest.py:parity"]
 dir = {out!r}
 console = false
 """
+COLOCATED = '{dtype = "float32", max_model_len = 128, enforce_eager = true, kv_cache_gib = 1}'
+
+
+def run_toml(path, model, out, *, vllm: str = COLOCATED, lora: bool = False, steps: int = 3) -> Path:
+    """A run's TOML file (the addition task, 4 prompts of 4 answers a step), as a user writes one."""
+    path.write_text(RUN_TOML.format(model=str(model), out=str(out), tests=str(TESTS), vllm=vllm, steps=steps,
+                                    lora="lora = {r = 4}" if lora else ""))
+    return path
 
 
 @pytest.mark.vllm_smoke
@@ -173,9 +181,7 @@ def test_the_colocated_engine_trains_on_cpu(vllm_model_dir, tmp_path, lora):
     """`rollout.engine = "vllm"` without a server: vLLM in the trainer's process (its CPU build), the weights
     reloaded in process after each update (LoRA: the adapter as a new request); through the CLI, as a user runs
     it. It crashed at the first sync before (vLLM's CPU layers repack their weights: load_weights broke them)."""
-    toml = tmp_path / "run.toml"
-    toml.write_text(COLOCATED_TOML.format(model=str(vllm_model_dir), out=str(tmp_path / "run"), tests=str(TESTS),
-                                          lora="lora = {r = 4}" if lora else ""))
+    toml = run_toml(tmp_path / "run.toml", vllm_model_dir, tmp_path / "run", lora=lora)
     done = subprocess.run([sys.executable, "-m", "grpokit.cli", "train", str(toml)], capture_output=True, text=True,
                           timeout=400)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -186,9 +192,7 @@ def test_the_colocated_engine_trains_on_cpu(vllm_model_dir, tmp_path, lora):
 def test_the_colocated_engine_refuses_a_head_size_the_cpu_backend_lacks(tiny_model_dir, tmp_path):
     """The suite's usual tiny model has heads of 8: vLLM's CPU attention would start, then fail at the first
     request. One error before anything loads."""
-    toml = tmp_path / "run.toml"
-    toml.write_text(COLOCATED_TOML.format(model=str(tiny_model_dir), out=str(tmp_path / "run"), tests=str(TESTS),
-                                          lora=""))
+    toml = run_toml(tmp_path / "run.toml", tiny_model_dir, tmp_path / "run")
     done = subprocess.run([sys.executable, "-m", "grpokit.cli", "train", str(toml)], capture_output=True, text=True,
                           timeout=120)
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
@@ -197,42 +201,13 @@ def test_the_colocated_engine_refuses_a_head_size_the_cpu_backend_lacks(tiny_mod
     assert not (tmp_path / "run").exists()
 
 
-SERVER_TOML = """
-[model]
-path = {model!r}
-dtype = "float32"
-{lora}
-[data]
-task = "addition"
-num_prompts = 64
-[rollout]
-group_size = 4
-max_new_tokens = 5
-engine = "vllm"
-vllm = {{server = {url!r}, server_timeout_s = 60}}
-[algorithm]
-is_correction = "token_truncate"
-[train]
-steps = 2
-prompts_per_step = 4
-learning_rate = 1e-2
-num_threads = 1
-[rewards]
-functions = ["{tests}/conftest.py:parity"]
-[output]
-dir = {out!r}
-console = false
-"""
-
-
 @pytest.mark.parametrize("lora", [False, True])
 def test_torchrun_data_parallel_samples_on_one_server_and_rank_0_pushes(vllm_model_dir, fresh_server, tmp_path,
                                                                         lora):
     """Two trainer processes send their own prompts to one server; rank 0 pushes each update (the other waits
     for it, then asks for the same adapter): the server's log-probs stay the trainer's on both ranks."""
-    toml = tmp_path / "run.toml"
-    toml.write_text(SERVER_TOML.format(model=str(vllm_model_dir), url=fresh_server, out=str(tmp_path / "run"),
-                                       tests=str(TESTS), lora="lora = {r = 4}" if lora else ""))
+    toml = run_toml(tmp_path / "run.toml", vllm_model_dir, tmp_path / "run", lora=lora, steps=2,
+                    vllm=f'{{server = "{fresh_server}", server_timeout_s = 60}}')
     done = subprocess.run([sys.executable, "-m", "grpokit.cli", "train", str(toml), "--nproc-per-node", "2"],
                           capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
