@@ -361,3 +361,35 @@ def test_the_gpu_check_script_passes_against_the_cpu_stand_in(tmp_path):
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "ALL PASSED" in proc.stdout and "FAIL" not in proc.stdout
+
+
+def test_only_checkpoint_tensors_go_to_vllm(tiny):
+    """Persistent buffers travel, non-persistent ones do not (transformers 5's Gemma `embed_scale`: vLLM's loader
+    refused the name and the first sync ended in a traceback), nor rotary tables; a tied head goes by its own name."""
+    from grpokit.rollout.vllm_weights import named_weights_for_sync
+
+    model, _ = tiny
+    model.model.register_buffer("embed_scale", torch.tensor(3.0), persistent=False)
+    model.model.norm.register_buffer("kept", torch.ones(2))
+    names = [n for n, _ in named_weights_for_sync(model)]
+    assert "model.norm.kept" in names and "model.embed_scale" not in names
+    assert not any("rotary_emb" in n or n.endswith("inv_freq") for n in names)
+    sent = dict(named_weights_for_sync(model))
+    assert torch.equal(sent["lm_head.weight"], sent["model.embed_tokens.weight"])
+    assert sent["lm_head.weight"].data_ptr() != sent["model.embed_tokens.weight"].data_ptr()  # safetensors: a copy
+
+
+def test_a_weight_folder_that_cannot_hold_the_runs_folders_is_one_error(tiny, tmp_path):
+    """rollout.vllm.weight_folder naming a file (or under one): one error naming the field, before anything is
+    sent (it was a FileExistsError / NotADirectoryError traceback); the same for LoRA adapters' folders."""
+    from grpokit.errors import UserError
+    from grpokit.rollout.vllm_weights import AdapterFolders, FolderReload
+
+    model, _ = tiny
+    a_file = tmp_path / "afile"
+    a_file.write_text("x")
+    for folder in (a_file, a_file / "sub"):
+        with pytest.raises(UserError, match=r"rollout.vllm.weight_folder: .* cannot hold the run's weight folders"):
+            FolderReload(client=None, folder=str(folder)).publish(model, 1)
+    with pytest.raises(UserError, match=r"rollout.vllm.weight_folder: .* cannot hold"):
+        AdapterFolders("p", load=None, unload=None, folder=str(a_file)).publish(model, 1)

@@ -72,10 +72,11 @@ def server(tiny_model_dir, stand_in):
     proc.wait(10)
 
 
-def server_config(model_dir, out, url, *, steps=2, rollout=None, **kw):
+def server_config(model_dir, out, url, *, steps=2, rollout=None, transfer="nccl", **kw):
+    """A run through the stand-in: its full weights by the NCCL push's protocol (gloo in the stand-in)."""
     return make_config(model_dir, out, steps=steps, learning_rate=1e-2,
                        rollout={"engine": "vllm", "vllm": {"server": url, "server_timeout_s": 30,
-                                                           "weight_transfer": "nccl"}, **(rollout or {})},
+                                                           "weight_transfer": transfer}, **(rollout or {})},
                        train={"num_threads": 1, **kw.pop("train", {})},
                        algorithm={"is_correction": "token_truncate"}, **kw)  # logs the sampler-trainer gap
 
@@ -215,7 +216,7 @@ def test_an_address_that_is_not_a_vllm_servers_is_said_at_once(tiny_model_dir, t
     t0 = time.monotonic()
     try:
         with pytest.raises(UserError, match=r"answers, but has no /health: it is not a vLLM server's address"):
-            train(server_config(tiny_model_dir, tmp_path / "run", url), reward_functions=[parity])
+            train(server_config(tiny_model_dir, tmp_path / "run", url, transfer="auto"), reward_functions=[parity])
     finally:
         other.shutdown()
     assert time.monotonic() - t0 < 25  # not the 30 s of server_timeout_s
@@ -246,7 +247,7 @@ def test_a_server_that_answers_200_but_is_not_vllm_is_one_error(tiny_model_dir, 
     try:
         with pytest.raises(UserError, match=r"answered /[\w/]+ with .*not what a vLLM server answers: it is not a "
                                             r"vLLM server's address"):
-            train(server_config(tiny_model_dir, tmp_path / "run", url), reward_functions=[parity])
+            train(server_config(tiny_model_dir, tmp_path / "run", url, transfer="auto"), reward_functions=[parity])
     finally:
         other.shutdown()
 
@@ -446,3 +447,26 @@ def test_a_keep_alive_connection_the_server_closed_is_tried_again_on_a_new_one()
         assert seen == ["/a", "/b", "/b"]
     finally:
         server.shutdown()
+
+
+def test_nccl_asked_for_where_it_cannot_run_is_one_error_at_the_start(stand_in):
+    """weight_transfer = "nccl" on a trainer without CUDA (or to a CPU server, or one started without a weight
+    transfer): said at the start by grpokit (it was vLLM's HTTP 500 at the first push)."""
+    from types import SimpleNamespace
+
+    from grpokit.rollout.vllm_weights import FolderReload, NcclTransfer, can_run_nccl, choose_server_transport
+
+    cuda = torch.cuda.is_available()
+    for info, why in (({"vllm_config": {"weight_transfer_config": None}},
+                       "the server was started without --weight-transfer-config"),
+                      ({"vllm_config": {"weight_transfer_config": {"backend": "nccl"}}},
+                       "the server runs on CPU" if cuda else "the trainer has no CUDA device")):
+        if cuda:
+            info["vllm_config"]["device_config"] = {"device": "cpu"}
+        assert why in can_run_nccl(info)
+        client = SimpleNamespace(info=info, url="http://h:1")
+        with pytest.raises(UserError, match=f"rollout.vllm.weight_transfer = \"nccl\" cannot run: {why}"):
+            choose_server_transport(client, "nccl", None, 64)
+        assert isinstance(choose_server_transport(client, "auto", None, 64), FolderReload)
+    gloo = SimpleNamespace(info={"vllm_config": {"weight_transfer_config": {"backend": "gloo"}}}, url="http://h:1")
+    assert isinstance(choose_server_transport(gloo, "nccl", None, 64), NcclTransfer)  # the stand-in's

@@ -176,17 +176,38 @@ def run_toml(path, model, out, *, vllm: str = COLOCATED, lora: bool = False, ste
 
 
 @pytest.mark.vllm_smoke
-@pytest.mark.parametrize("lora", [False, True])
-def test_the_colocated_engine_trains_on_cpu(vllm_model_dir, tmp_path, lora):
+@pytest.mark.parametrize("arch, lora", [("qwen2", False), ("qwen2", True), ("gemma", False)])
+def test_the_colocated_engine_trains_on_cpu(vllm_model_dir, tmp_path, arch, lora):
     """`rollout.engine = "vllm"` without a server: vLLM in the trainer's process (its CPU build), the weights
     reloaded in process after each update (LoRA: the adapter as a new request); through the CLI, as a user runs
-    it. It crashed at the first sync before (vLLM's CPU layers repack their weights: load_weights broke them)."""
-    toml = run_toml(tmp_path / "run.toml", vllm_model_dir, tmp_path / "run", lora=lora)
+    it. It crashed at the first sync before (vLLM's CPU layers repack their weights: load_weights broke them);
+    Gemma's non-persistent `embed_scale` buffer was sent, and vLLM's loader refused it."""
+    model = vllm_model_dir
+    if arch != "qwen2":
+        from grpokit.models.tiny import build_tiny_model
+
+        model = tmp_path / arch
+        build_tiny_model(model, arch=arch, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=0)
+    toml = run_toml(tmp_path / "run.toml", model, tmp_path / "run", lora=lora)
     done = subprocess.run([sys.executable, "-m", "grpokit.cli", "train", str(toml)], capture_output=True, text=True,
                           timeout=400)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = read_metrics(tmp_path / "run")
     assert len(rows) == 3 and max(r["sampling/logprob_gap_max"] for r in rows) < GAP
+
+
+def test_the_colocated_engine_refuses_an_architecture_vllm_runs_through_transformers(tmp_path):
+    """GPT-NeoX has no vLLM implementation: vLLM's Transformers backend patches the transformers class in place, and
+    the trainer's own model (same process) then failed in its first forward. One error before anything loads."""
+    from grpokit.models.tiny import build_tiny_model
+
+    build_tiny_model(tmp_path / "neox", arch="gpt_neox", hidden_size=64, num_layers=1, num_heads=2, seed=0)
+    toml = run_toml(tmp_path / "run.toml", tmp_path / "neox", tmp_path / "run")
+    done = subprocess.run([sys.executable, "-m", "grpokit.cli", "train", str(toml)], capture_output=True, text=True,
+                          timeout=200)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert len(errors) == 1 and "GPTNeoXForCausalLM" in errors[0] and "grpokit serve" in errors[0], errors
 
 
 def test_the_colocated_engine_refuses_a_head_size_the_cpu_backend_lacks(tiny_model_dir, tmp_path):

@@ -45,6 +45,7 @@ class AgentEngine:
 
     def close(self) -> None:
         self.endpoint.close()
+        getattr(self.inner, "stop_serving", lambda: None)()  # a vLLM engine's weight folders
 
     stop_serving = close  # what train() calls when the run ends
 

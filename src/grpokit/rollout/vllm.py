@@ -94,6 +94,25 @@ def check_vllm_can_run(config, folder) -> None:
         return
     if on_cpu() and (problem := cpu_head_size_problem(folder)):
         raise SetupError(f"rollout.engine = \"vllm\" on this CPU: {config.model.path}: {problem}")
+    if fallback := transformers_fallback(folder):
+        raise SetupError(f"rollout.engine = \"vllm\" (colocated): vLLM has no implementation of {fallback} and runs "
+                         "it through its Transformers backend, which patches the transformers class in place: the "
+                         "trainer's own model, in the same process, then breaks. Sample on a vLLM server (grpokit "
+                         "serve, rollout.vllm.server: its own process), or use rollout.engine = \"hf\"")
+
+
+def transformers_fallback(folder) -> str | None:
+    """The model's architecture when vLLM runs it through its Transformers backend (no implementation of its own,
+    or one that maps to that backend, as GPT-NeoX's in 0.32), else None (or when the installed vLLM cannot say)."""
+    try:
+        architectures = json.loads((Path(folder) / "config.json").read_text()).get("architectures") or []
+        from vllm.model_executor.models import ModelRegistry
+
+        modules = {a: getattr(ModelRegistry.models.get(a), "module_name", "") for a in architectures}
+    except Exception:  # noqa: BLE001 - no vLLM (the engine's own import says so), or another registry layout
+        return None
+    native = [a for a, module in modules.items() if module and module.rsplit(".", 1)[-1] != "transformers"]
+    return None if not architectures or native else architectures[0]
 
 
 class VLLMEngine:
@@ -215,9 +234,12 @@ class VLLMEngine:
     def sync_weights(self, model) -> None:
         """Publish the trainer's weights as the next version (vllm_weights.py: the adapter alone with LoRA)."""
         self._wake(weights_only=True)
-        self.version += 1
-        self.weights.publish(model, self.version)
-        self.lora_request = self.weights.lora_request
+        self.weights.publish(model, self.version + 1)
+        self.version, self.lora_request = self.version + 1, self.weights.lora_request
+
+    def stop_serving(self) -> None:
+        """The run ended: the weight transport's folders go (torchrun ranks end with os._exit, no finalizers)."""
+        self.weights.close()
 
     def _load_adapter(self, name: str, version: int, folder: str):
         return _lora_request_class(self.vllm)(name, version, folder)  # vLLM loads it at the next generate

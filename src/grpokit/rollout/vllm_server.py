@@ -28,6 +28,7 @@ one policy version. FSDP shards are gathered one tensor at a time (`named_weight
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -248,12 +249,14 @@ class VLLMServerEngine(VLLMEngine):
         self.client.wait_ready()
         self.client.check_setup()
         self.client.started = self.client.start_time()
+        llm = ServerLLM(self.client)  # asks for the served model: something that is not vLLM is said first
         # adapters are named <prefix>-v<version>: this run's own names (a server outlives runs), which an async
         # worker's engine, given the same prefix, asks for by the version it reads
-        self.adapters = AdapterFolders(run_prefix(), self._load_adapter, self._unload_adapter) if lora else None
+        self.adapters = AdapterFolders(run_prefix(), self._load_adapter, self._unload_adapter,
+                                       weight_folder) if lora else None
         self.full_weights = None if lora else choose_server_transport(self.client, weight_transfer, weight_folder,
                                                                      sync_bucket_mb, transfer)
-        super().__init__(url, seed=seed, lora=lora, llm=ServerLLM(self.client),
+        super().__init__(url, seed=seed, lora=lora, llm=llm,
                          vllm_module=SimpleNamespace(SamplingParams=SimpleNamespace), tokenizer=tokenizer,
                          tools=tools, max_tool_turns=max_tool_turns,
                          weights=RankZero(self.adapters or self.full_weights))
@@ -274,6 +277,13 @@ class VLLMServerEngine(VLLMEngine):
     def push(self, model, version: int) -> None:
         """Publish `model` as `version` (under torchrun rank 0 pushes, `RankZero`); after the first, the probe."""
         self.client.check_not_restarted()
+        if not self.checked and rank() == 0 and self.full_weights is not None:
+            ours = str(next(model.parameters()).dtype).removeprefix("torch.")
+            if self.client.dtype not in (None, ours):  # as TRL: said once, the correction covers the gap
+                print(f"note: the vLLM server at {self.client.url} holds {self.client.dtype} weights, the trainer "
+                      f"{ours}: the sampler's log-probs will differ more (algorithm.is_correction corrects for "
+                      f"it); `grpokit serve --dtype {ours}` or model.dtype = \"{self.client.dtype}\" aligns "
+                      "them", file=sys.stderr, flush=True)
         self.weights.publish(model, version)
         self.version, self.lora_request = version, self.weights.lora_request
         if not self.checked and rank() == 0:

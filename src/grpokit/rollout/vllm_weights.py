@@ -33,17 +33,23 @@ from grpokit.models.weight_sync import WeightPublisher
 
 
 def sync_tensors(model):
-    """(Hugging Face name, tensor) of every parameter and buffer the sampler needs, ungathered (an FSDP
+    """(Hugging Face name, tensor) of every parameter and persistent buffer the sampler needs, ungathered (an FSDP
     shard's `shape` is the whole tensor's): a tied output head under its own name too (vLLM's reload re-creates
     each layer's tensors, untying them, and keeps the head's old ones when no `lm_head.weight` arrives; its loader
-    skips the alias where the tie holds); other shared tensors once; rotary tables (the decoder's, a vision
-    tower's rotary_pos_emb) are rebuilt by vLLM."""
+    skips the alias where the tie holds); other shared tensors once. Not sent: non-persistent buffers, which are
+    not checkpoint weights (Gemma's `embed_scale`: vLLM's loader refuses the name) and rotary tables (the
+    decoder's, a vision tower's rotary_pos_emb), which vLLM rebuilds."""
     seen = set()
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + _persistent_buffers(model):
         if "rotary_emb" in name or name.endswith("inv_freq") or (id(t) in seen and not _is_head(name)):
             continue
         seen.add(id(t))
         yield name, t
+
+
+def _persistent_buffers(model) -> list:
+    return [(f"{prefix}.{name}" if prefix else name, b) for prefix, module in model.named_modules()
+            for name, b in module.named_buffers(recurse=False) if name not in module._non_persistent_buffers_set]
 
 
 def _is_head(name: str) -> bool:
@@ -75,8 +81,14 @@ class InProcessReload(WeightPublisher):
 
     def publish(self, model, version: int, *, full: bool = False) -> float:
         def reload():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_weights_for_sync(model),
-                                                              "is_checkpoint_format": True})
+            try:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_weights_for_sync(model),
+                                                                  "is_checkpoint_format": True})
+            except (ValueError, KeyError, RuntimeError) as e:  # vLLM's loader: a name or shape it does not take
+                raise RolloutWorkerError(f"rollout.engine = \"vllm\": vLLM could not load the trainer's weights "
+                                         f"({type(e).__name__}: {e}); this model's architecture may load differently"
+                                         " in vLLM: try rollout.engine = \"hf\", or a vLLM server (grpokit serve)"
+                                         ) from None
             self.llm.reset_prefix_cache()
         return _timed(reload)
 
@@ -86,10 +98,9 @@ class AdapterFolders(WeightPublisher):
     previous one unloaded and its folder removed. `load(name, folder)` / `unload(name)` are the engine's (a
     colocated LLM's LoRARequest, or a server's /v1/load_lora_adapter); the folder must be one the sampler reads."""
 
-    def __init__(self, prefix: str, load, unload, root: str | None = None):
-        self.prefix, self.load, self.unload = prefix, load, unload
-        self.root = tempfile.mkdtemp(prefix="grpokit-lora-", dir=root)
-        weakref.finalize(self, shutil.rmtree, self.root, True)
+    def __init__(self, prefix: str, load, unload, folder: str | None = None):
+        self.prefix, self.load, self.unload, self.folder = prefix, load, unload, folder
+        self.root: str | None = None  # made at the first push (a torchrun rank that never pushes makes none)
         self.lora_request = None
 
     def name(self, version: int) -> str:
@@ -104,6 +115,8 @@ class AdapterFolders(WeightPublisher):
         previous, name = self.lora_request, self.name(version)
         if previous is not None and previous.lora_name == name:  # already there (the start's push, again)
             return 0.0
+        if self.root is None:
+            self.root = _run_folder(self, "grpokit-lora-", self.folder)
         folder = _next_folder(self.root)
         _writing(folder, lambda: adapter_of(model).save_pretrained(str(folder)), "the LoRA adapter")
         self.lora_request = self.load(name, version, str(folder))
@@ -114,7 +127,23 @@ class AdapterFolders(WeightPublisher):
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _run_folder(owner, prefix: str, folder: str | None) -> str:
+    """A new folder of this run's under `folder` (TMPDIR by default), removed with `owner` (or its `close()`);
+    a place that cannot hold one is one error naming rollout.vllm.weight_folder."""
+    field = "rollout.vllm.weight_folder" if folder else "TMPDIR"
+    try:
+        if folder:
+            Path(folder).mkdir(parents=True, exist_ok=True)
+        root = tempfile.mkdtemp(prefix=prefix, dir=folder)
+    except OSError as e:
+        raise UserError(f"{field}: {folder or tempfile.gettempdir()} cannot hold the run's weight folders "
+                        f"({e.strerror or e}); give a folder the trainer can write and the sampler can read") from None
+    weakref.finalize(owner, shutil.rmtree, root, True)
+    return root
 
 
 def _next_folder(root: str) -> Path:
@@ -148,19 +177,20 @@ class FolderReload(WeightPublisher):
     reload_weights`, paused, its prefix cache reset), then the previous version's folder goes. No NCCL: on CPU, or
     a cluster where trainer and server cannot open an NCCL connection but share a filesystem."""
 
-    def __init__(self, client, folder: str | None = None, shard_mb: float = 512):
-        self.client, self.shard_bytes = client, int(shard_mb * 2 ** 20)
+    def __init__(self, client, folder: str | None = None, shard_mb: float = 512, note: str | None = None):
+        self.client, self.shard_bytes, self.folder, self.note = client, int(shard_mb * 2 ** 20), folder, note
         self.field = "rollout.vllm.weight_folder" if folder else "TMPDIR (or rollout.vllm.weight_folder)"
-        if folder:
-            Path(folder).mkdir(parents=True, exist_ok=True)
-        self.root = tempfile.mkdtemp(prefix="grpokit-weights-", dir=folder)
-        weakref.finalize(self, shutil.rmtree, self.root, True)
+        self.root: str | None = None  # made at the first push: an async worker's engine or a torchrun rank never does
         self.previous: Path | None = None
 
     def publish(self, model, version: int, *, full: bool = False) -> float:
         from safetensors.torch import save_file
 
         t0 = time.perf_counter()
+        if self.root is None:
+            self.root = _run_folder(self, "grpokit-weights-", self.folder)
+            if self.note:  # why not NCCL: said once, by the process that pushes
+                print(self.note, file=sys.stderr, flush=True)
         folder = _next_folder(self.root)
 
         def write():
@@ -182,7 +212,8 @@ class FolderReload(WeightPublisher):
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 def _vllm_transfer():
@@ -313,16 +344,19 @@ class RankZero(WeightPublisher):
 
 
 def can_run_nccl(server_info: dict) -> str | None:
-    """Why vLLM's NCCL weight transfer cannot run between this trainer and the server, or None."""
+    """Why vLLM's weight transfer cannot run between this trainer and the server, or None. Its NCCL backend needs
+    CUDA on both sides (a server that names another backend, such as tests/fake_vllm's gloo, does not)."""
     import torch
 
     config = server_info.get("vllm_config") or {}
-    if not torch.cuda.is_available():
-        return "the trainer has no CUDA device"
-    if str((config.get("device_config") or {}).get("device", "cuda")) == "cpu":
-        return "the server runs on CPU"
-    if "weight_transfer_config" in config and not config.get("weight_transfer_config"):
+    transfer = config.get("weight_transfer_config")
+    if "weight_transfer_config" in config and not transfer:
         return "the server was started without --weight-transfer-config"
+    if str((transfer or {}).get("backend", "nccl")) == "nccl":
+        if not torch.cuda.is_available():
+            return "the trainer has no CUDA device"
+        if str((config.get("device_config") or {}).get("device", "cuda")) == "cpu":
+            return "the server runs on CPU"
     return nccl_api_problem()
 
 
@@ -332,11 +366,13 @@ def choose_server_transport(client, choice: str, folder: str | None, shard_mb: f
     if choice == "folder":
         return FolderReload(client, folder, shard_mb)
     why = can_run_nccl(client.info) if transfer is None else None  # a transfer given (tests): NCCL as asked
-    if choice == "nccl" or why is None:
+    if choice == "nccl" and why is not None:
+        raise UserError(f"rollout.vllm.weight_transfer = \"nccl\" cannot run: {why}; use \"folder\" (a folder "
+                        "the server can read, rollout.vllm.weight_folder) or \"auto\"")
+    if why is None:
         return NcclTransfer(client, transfer)
-    print(f"note: weights go to the vLLM server at {client.url} through a folder ({folder or 'under TMPDIR'}; "
-          f"rollout.vllm.weight_folder), not NCCL: {why}", file=sys.stderr, flush=True)
-    return FolderReload(client, folder, shard_mb)
+    return FolderReload(client, folder, shard_mb, note=f"note: weights go to the vLLM server at {client.url} through "
+                        f"a folder ({folder or 'under TMPDIR'}; rollout.vllm.weight_folder), not NCCL: {why}")
 
 
 def shared_with_ranks(value: str) -> str:
