@@ -449,24 +449,24 @@ def test_a_keep_alive_connection_the_server_closed_is_tried_again_on_a_new_one()
         server.shutdown()
 
 
-def test_nccl_asked_for_where_it_cannot_run_is_one_error_at_the_start(stand_in):
+def test_nccl_asked_for_where_it_cannot_run_is_one_error_at_the_start(stand_in, monkeypatch):
     """weight_transfer = "nccl" on a trainer without CUDA (or to a CPU server, or one started without a weight
     transfer): said at the start by grpokit (it was vLLM's HTTP 500 at the first push)."""
     from types import SimpleNamespace
 
     from grpokit.rollout.vllm_weights import FolderReload, NcclTransfer, can_run_nccl, choose_server_transport
 
-    cuda = torch.cuda.is_available()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU trainer: the server's side decides
     for info, why in (({"vllm_config": {"weight_transfer_config": None}},
                        "the server was started without --weight-transfer-config"),
-                      ({"vllm_config": {"weight_transfer_config": {"backend": "nccl"}}},
-                       "the server runs on CPU" if cuda else "the trainer has no CUDA device")):
-        if cuda:
-            info["vllm_config"]["device_config"] = {"device": "cpu"}
+                      ({"vllm_config": {"weight_transfer_config": {"backend": "nccl"}, "device_config": {
+                          "device": "cpu"}}}, "the server runs on CPU")):
         assert why in can_run_nccl(info)
         client = SimpleNamespace(info=info, url="http://h:1")
         with pytest.raises(UserError, match=f"rollout.vllm.weight_transfer = \"nccl\" cannot run: {why}"):
             choose_server_transport(client, "nccl", None, 64)
         assert isinstance(choose_server_transport(client, "auto", None, 64), FolderReload)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this CPU: said before the server's reasons
+    assert can_run_nccl({"vllm_config": {"weight_transfer_config": None}}) == "the trainer has no CUDA device"
     gloo = SimpleNamespace(info={"vllm_config": {"weight_transfer_config": {"backend": "gloo"}}}, url="http://h:1")
     assert isinstance(choose_server_transport(gloo, "nccl", None, 64), NcclTransfer)  # the stand-in's

@@ -350,13 +350,13 @@ def can_run_nccl(server_info: dict) -> str | None:
 
     config = server_info.get("vllm_config") or {}
     transfer = config.get("weight_transfer_config")
-    if "weight_transfer_config" in config and not transfer:
-        return "the server was started without --weight-transfer-config"
-    if str((transfer or {}).get("backend", "nccl")) == "nccl":
+    if str((transfer or {}).get("backend", "nccl")) == "nccl":  # the first reason a user can act on
         if not torch.cuda.is_available():
             return "the trainer has no CUDA device"
         if str((config.get("device_config") or {}).get("device", "cuda")) == "cpu":
             return "the server runs on CPU"
+    if "weight_transfer_config" in config and not transfer:
+        return "the server was started without --weight-transfer-config"
     return nccl_api_problem()
 
 
