@@ -77,7 +77,8 @@ class Server:
     """A vLLM OpenAI server on `model_dir` (its own process group, killed whole by `stop`)."""
 
     def __init__(self, model_dir, log_path: Path, *, max_model_len: int = 256, lora: bool = False,
-                 threads: int | None = None, timeout_s: float = 600, keep_alive_s: int | None = None):
+                 threads: int | None = None, timeout_s: float = 600, keep_alive_s: int | None = None,
+                 extra: list[str] | None = None):
         import requests
 
         self.port = free_port()
@@ -87,6 +88,8 @@ class Server:
                "--max-model-len", str(max_model_len), "--enforce-eager"]
         if lora:
             cmd += ["--enable-lora", "--max-lora-rank", "8"]
+        cmd += ["--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 2048))]  # serve's
+        cmd += extra or []
         env = {**os.environ, **SERVER_ENV}
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
@@ -703,7 +706,13 @@ def speed(args: list[str]) -> None:
     out = Path(opt("--out", str(OUT / "vllm-speed.json")))
     OUT.mkdir(parents=True, exist_ok=True)
     started_load = wait_for_quiet() if "--no-wait" not in args else load()
-    result = {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "load_start": started_load, "machine": machine(),
+    if out.is_file() and "--merge" in args:  # add these shapes to an earlier invocation's file
+        result = json.loads(out.read_text())
+        result.setdefault("merged", []).append({"when": time.strftime("%Y-%m-%d %H:%M:%S"), "load_start": started_load,
+                                                "shapes": shapes, "args": args})
+    else:
+        result = {}
+    result = result or {"when": time.strftime("%Y-%m-%d %H:%M:%S"), "load_start": started_load, "machine": machine(),
               "threads": threads, "shapes": {}}
     print(f"speed: load at the start {started_load}", flush=True)
     for name in shapes:

@@ -88,6 +88,23 @@ def test_grpokit_serve_starts_vllm_with_what_the_trainer_needs(monkeypatch, mode
         assert 1 <= int(env["VLLM_CPU_KVCACHE_SPACE"]) <= serve.KV_CACHE_GIB
         assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
         assert "--enforce-eager" not in argv  # the CPU build starts without it
+        # a seeded prompt split across steps crashes the CPU build: never split, a step holds a whole sequence
+        assert "--no-enable-chunked-prefill" in argv
+        assert int(flag(argv, "--max-num-batched-tokens")) >= 2048
+
+
+def test_on_the_cpu_a_step_holds_the_longest_sequence_unless_the_user_says_otherwise(monkeypatch, model32):
+    """vLLM refuses a step budget below max_model_len with chunked prefill off: the budget follows it (given,
+    or the model's max_position_embeddings); flags the user passes through --vllm-args win."""
+    argv, _ = command(monkeypatch, "cpu", model32, "--max-model-len", 8192)
+    assert flag(argv, "--max-num-batched-tokens") == "8192"
+    config = json.loads((model32 / "config.json").read_text())
+    longest = max(config["max_position_embeddings"], 2048)
+    assert flag(command(monkeypatch, "cpu", model32)[0], "--max-num-batched-tokens") == str(longest)
+    argv, _ = command(monkeypatch, "cpu", model32, "--vllm-args=--max-num-batched-tokens 4096 --enable-chunked-prefill")
+    assert argv.count("--max-num-batched-tokens") == 1 and "--no-enable-chunked-prefill" not in argv
+    argv, _ = command(monkeypatch, "cuda", model32)
+    assert "--no-enable-chunked-prefill" not in argv and "--max-num-batched-tokens" not in argv
 
 
 def test_on_the_cpu_the_kv_cache_and_thread_binding_are_the_users_where_given(monkeypatch, model32):

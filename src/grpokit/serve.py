@@ -162,6 +162,15 @@ def serve_command(args) -> tuple[list[str], dict]:
             "--logprobs-mode", "processed_logprobs"]
     if platform != "cpu":
         argv += ["--gpu-memory-utilization", str(args.gpu_memory_utilization or 0.9)]
+    if platform == "cpu":  # prompts never split across steps (rollout/vllm.py cpu_scheduler says why)
+        from grpokit.rollout.vllm import cpu_scheduler
+
+        given = {flag.split("=", 1)[0].replace("_", "-") for flag in extra}
+        options = cpu_scheduler(folder, args.max_model_len)
+        if not given & {"--enable-chunked-prefill", "--no-enable-chunked-prefill"}:
+            argv += ["--no-enable-chunked-prefill"]
+        if "--max-num-batched-tokens" not in given:
+            argv += ["--max-num-batched-tokens", str(options["max_num_batched_tokens"])]
     if transfer == "nccl":
         argv += ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
     if args.max_model_len:

@@ -184,7 +184,8 @@ def start_server(model_dir, port: int | None = None, *, lora_rank: int | None = 
            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind", **(extra_env or {})}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--logprobs-mode", "processed_logprobs",
-           "--max-model-len", "256", "--enforce-eager"]
+           "--max-model-len", "256", "--enforce-eager", "--no-enable-chunked-prefill", "--max-num-batched-tokens",
+           "2048"]  # as grpokit serve starts the CPU build (rollout/vllm.py cpu_scheduler)
     if lora_rank:
         cmd += ["--enable-lora", "--max-lora-rank", str(lora_rank)]
     cmd += [str(a) for a in extra_args]

@@ -81,7 +81,13 @@ def test_grpokit_serve_starts_the_cpu_build_and_a_lora_run_trains_through_it(tmp
         body = {"model": name, "prompt": [1, 5, 6], "max_tokens": 4, "logprobs": 0, "return_token_ids": True}
         choice = post(f"{url}/v1/completions", body)["choices"][0]
         assert len(choice["token_ids"]) == 4 and len(choice["logprobs"]["token_logprobs"]) == 4, choice
+        # a seeded batch of more prompt tokens than one step takes (2048; 24 x 2 x 100 here) crashed the CPU
+        # build when a prompt was split across steps: grpokit serve keeps prompts whole on a CPU
+        big = {**body, "prompt": [[(i * 7 + j) % 60 + 3 for j in range(100)] for i in range(24)], "n": 2, "seed": 0,
+               "max_tokens": 2}
+        assert len(post(f"{url}/v1/completions", big)["choices"]) == 48
         config = get(f"{url}/server_info?config_format=json")["vllm_config"]
+        assert config["scheduler_config"]["enable_chunked_prefill"] is False, config["scheduler_config"]
         assert config["model_config"]["logprobs_mode"] == "processed_logprobs", config["model_config"]
         assert not config.get("weight_transfer_config"), config.get("weight_transfer_config")  # no NCCL on a CPU
         post(f"{url}/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(model)}})

@@ -196,6 +196,27 @@ def test_the_colocated_engine_trains_on_cpu(vllm_model_dir, tmp_path, arch, lora
     assert len(rows) == 3 and max(r["sampling/logprob_gap_max"] for r in rows) < GAP
 
 
+BIG_BATCH = """
+import sys, torch
+from grpokit.rollout.engines import SamplingParams
+from grpokit.rollout.vllm import VLLMEngine
+engine = VLLMEngine(sys.argv[1], dtype="float32", max_model_len=128, enforce_eager=True, kv_cache_gib=1)
+prompts = [[(i * 7 + j) % 90 + 3 for j in range(100)] for i in range(24)]  # 24 x 2 x 100: 4800 prompt tokens
+s = SamplingParams(max_new_tokens=2, eos_token_ids=(), pad_token_id=0, ignore_eos=True)
+r = engine.generate(prompts, group_size=2, sampling=s, generator=torch.Generator().manual_seed(0))
+print("sampled", tuple(r.completion_ids.shape))
+"""
+
+
+def test_a_colocated_batch_larger_than_one_scheduler_step_samples(vllm_model_dir):
+    """A batch whose prompts hold more tokens than one vLLM step takes (2048) crashed the CPU build: vLLM split a
+    seeded prompt across steps and rewound its CPU generator ("CPU Generator does not use offset"). The engine
+    now keeps prompts whole on a CPU."""
+    done = subprocess.run([sys.executable, "-c", BIG_BATCH, str(vllm_model_dir)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "sampled (48, 2)" in done.stdout, done.stdout[-1000:] + done.stderr[-3000:]
+
+
 def test_the_colocated_engine_refuses_an_architecture_vllm_runs_through_transformers(tmp_path):
     """GPT-NeoX has no vLLM implementation: vLLM's Transformers backend patches the transformers class in place, and
     the trainer's own model (same process) then failed in its first forward. One error before anything loads."""

@@ -87,6 +87,31 @@ def cpu_head_size_problem(folder) -> str | None:
             "tiny-model OUT --hidden-size 128: 4 heads of 32), or a GPU")
 
 
+def model_max_length(folder) -> int | None:
+    """The longest sequence the model in `folder` takes (config.json's max_position_embeddings, a vision-language
+    model's text model's), or None where the config does not say it."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config, dict) and isinstance(config.get("text_config"), dict) \
+        else config if isinstance(config, dict) else {}
+    length = text.get("max_position_embeddings")
+    return length if isinstance(length, int) and length > 0 else None
+
+
+def cpu_scheduler(folder, max_model_len: int | None) -> dict:
+    """vLLM options that keep its CPU build from crashing on a batch larger than one scheduler step.
+
+    vLLM splits a prompt's prefill across steps (chunked prefill) when the step's token budget
+    (max_num_batched_tokens, 2048 by default) runs out, then rewinds the seeded request's random generator by
+    `set_offset`, which a CPU generator lacks: "CPU Generator does not use offset" ends the engine (vLLM 0.32.0's
+    CPU build; seen with 16 prompts of 32 tokens x 8 answers). grpokit seeds every request, so on a CPU prompts are
+    never split: chunked prefill off, and a step's budget at least one whole sequence (vLLM requires it then)."""
+    length = max_model_len or model_max_length(folder) or 0
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(length, 2048)}
+
+
 def check_vllm_can_run(config, folder) -> None:
     """A colocated vLLM on a machine without CUDA is vLLM's CPU build, whose attention takes some head sizes only:
     said before the model loads, not at the first request after the engine started."""
@@ -150,6 +175,7 @@ class VLLMEngine:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(kv_cache_gib)))  # whole GiB: vLLM reads an int
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
             kwargs.pop("gpu_memory_utilization")
+            kwargs.update(cpu_scheduler(model_path, options.get("max_model_len")))
         if world_size() > 1:  # one engine per rank, inside torchrun's process group
             kwargs["distributed_executor_backend"] = "external_launcher"
         if lora:  # vLLM accepts only some ranks as its maximum: the smallest one that holds r
