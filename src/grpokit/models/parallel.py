@@ -46,6 +46,7 @@ import torch
 import torch.distributed as tdist
 
 from grpokit.errors import ConfigError, SetupError
+from grpokit.models.gloo_exit import drain_at_exit
 
 BUCKET_BYTES = 32 * 2**20
 
@@ -57,9 +58,9 @@ def _destroy() -> None:
 
 def exit_rank(code: int | None) -> None:
     """How `python -m grpokit.cli` ends in a torchrun process: the group left and the output flushed, then out
-    without the interpreter's teardown, where a native thread still running can abort a finished process
-    ("terminate called without an active exception", SIGABRT, rank 1 after its run: seen in CI). The loop has
-    closed its writers, workers and pools by then."""
+    without the interpreter's teardown, which has nothing left to do (the loop has closed its writers, workers
+    and pools) and is where gloo's worker threads could abort a finished process (models/gloo_exit.py says how;
+    processes that do finalize, a user's own script calling train(), are covered by its drain at exit)."""
     import sys
 
     _destroy()
@@ -111,6 +112,7 @@ class DistributedContext:
             # and re-creating a group under torchrun's store can hang).
             atexit.register(_destroy)
             owns = True
+        drain_at_exit()
         return cls(tdist.get_rank(), tdist.get_world_size(), local_rank, owns)
 
     def close(self) -> None:
