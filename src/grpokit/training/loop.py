@@ -110,6 +110,7 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
     `keeper` (safekeeping.py) decides what a failure leaves behind, when to save, and when to stop."""
     inputs, policy, local = run.inputs, run.policy, run.inputs.local  # local: this process's share
     run_dir = inputs.folder.path
+    resources.callback(dist.close)  # closed last: every process waits for the others
     log = _RunLog(config, run, dist, command, resources)
     keeper = resources.enter_context(Safekeeping(config, run, dist, hint, log.console, log.writer))
     held_out = HeldOut(inputs.held_out, config, inputs.tools, inputs.environments) \
@@ -163,7 +164,6 @@ class _RunLog:
             for log in ("metrics.jsonl", "completions.jsonl") if run.start_step else ():  # later steps are redone
                 drop_rows_after(self.run_dir / log, run.start_step)
             record_segment(self.run_dir, config, run.inputs.folder, run.start_step, command)
-        resources.callback(dist.close)  # last: every process waits for the others
         self.writer = resources.enter_context(closing(dist.main_only(lambda: MetricsWriter(
             self.run_dir, append=run.start_step > 0, tensorboard=config.output.tensorboard,
             wandb=config.output.wandb))))
