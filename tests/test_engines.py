@@ -14,7 +14,7 @@ import torch
 
 from conftest import make_config, parity
 from grpokit.algorithms.mismatch import truncated_importance_weights
-from grpokit.algorithms.objectives import policy_loss
+from grpokit.algorithms.objectives import LossSpec, policy_loss
 from grpokit.config.schema import AlgorithmConfig, RolloutConfig
 from grpokit.errors import ConfigError
 from grpokit.models.loading import load_model_and_tokenizer
@@ -115,8 +115,8 @@ def test_tis_weights_multiply_each_tokens_policy_term_not_the_kl():
     ref = torch.tensor([[-1.2, -1.9], [-0.4, -0.9]])
     adv, mask = torch.tensor([1.0, -2.0]), torch.ones(2, 2)
     w = torch.tensor([[1.5, 0.5], [2.0, 1.0]])
-    loss, _ = policy_loss(logp, None, adv, mask, ref_logp=ref, beta=0.1, loss_type="dapo", num_items_in_batch=4,
-                          token_weights=w)
+    loss, _ = policy_loss(logp, None, adv, mask, LossSpec(beta=0.1, loss_type="dapo"), ref_logp=ref,
+                          num_items_in_batch=4, token_weights=w)
     d = ref - logp.detach()
     kl = d.exp() - d - 1
     want = ((-adv[:, None] * w) + 0.1 * kl).sum() / 4  # on-policy: ratio 1, per-token -A·w + β·KL

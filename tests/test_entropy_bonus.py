@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from grpokit.algorithms import objectives
-from grpokit.algorithms.objectives import LOSS_TYPES, mean_token_entropy, policy_loss
+from grpokit.algorithms.objectives import LOSS_TYPES, LossSpec, mean_token_entropy, policy_loss
 from grpokit.config import algorithm as algorithm_config
 from grpokit.config.schema import AlgorithmConfig
 
@@ -30,9 +30,10 @@ CAP = {"cispo": {"epsilon_high": 5.0}}  # cispo's cap on the importance weight (
 
 def _loss(loss_type, adv, *, entropy=ENT, aggregation="token_mean", **kw):
     logp = torch.full((2, 3), -1.0, dtype=F64, requires_grad=True)
-    return policy_loss(logp, None, torch.tensor(adv, dtype=F64), MASK, loss_type=loss_type, entropy=entropy,
-                       entropy_coef=0.1, entropy_aggregation=aggregation, max_completion_length=4,
-                       **CAP.get(loss_type, {}), **kw)[0]
+    spec = {k: kw.pop(k) for k in ("top_entropy_quantile",) if k in kw}
+    return policy_loss(logp, None, torch.tensor(adv, dtype=F64), MASK,
+                       LossSpec(loss_type=loss_type, entropy_coef=0.1, entropy_aggregation=aggregation,
+                                max_completion_length=4, **CAP.get(loss_type, {}), **spec), entropy=entropy, **kw)[0]
 
 
 def test_the_names_are_the_configs():
@@ -164,11 +165,12 @@ def test_loss_and_gradients_match_trl_for_every_loss_type(loss_type, quantile, g
     # and passes their count as entropy_parts; the others are divided by the count, bonus included
     global_tokens = AlgorithmConfig(loss_type=loss_type).sums_over_global_tokens
     logp, ent = logp0.clone().requires_grad_(), ent0.clone().requires_grad_()
-    loss, _ = policy_loss(logp, old, adv, mask, ref_logp=ref if beta else None, beta=beta, epsilon=EPS,
-                          epsilon_high=fake.epsilon_high, loss_type=loss_type, max_completion_length=MAX_LEN,
-                          num_items_in_batch=num_items, entropy=ent, entropy_coef=0.05,
-                          entropy_aggregation="token_mean", entropy_parts=grad_accum if global_tokens else 1,
-                          top_entropy_quantile=quantile, sapo_temperature_neg=SAPO_NEG)
+    loss, _ = policy_loss(logp, old, adv, mask,
+                          LossSpec(beta=beta, epsilon=EPS, epsilon_high=fake.epsilon_high, loss_type=loss_type,
+                                   max_completion_length=MAX_LEN, entropy_coef=0.05, entropy_aggregation="token_mean",
+                                   top_entropy_quantile=quantile, sapo_temperature_neg=SAPO_NEG),
+                          ref_logp=ref if beta else None, num_items_in_batch=num_items, entropy=ent,
+                          entropy_parts=grad_accum if global_tokens else 1)
     loss = loss if global_tokens else loss / grad_accum
     loss.backward()
     assert abs(loss.item() - trl_loss.item()) < 1e-9 * max(1.0, abs(trl_loss.item()))

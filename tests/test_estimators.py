@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from grpokit.algorithms.advantages import ESTIMATORS, group_advantages
-from grpokit.algorithms.objectives import high_entropy_mask, policy_loss
+from grpokit.algorithms.objectives import LossSpec, high_entropy_mask, policy_loss
 
 F64 = torch.float64
 
@@ -129,11 +129,11 @@ def test_top_entropy_quantile_keeps_the_policy_term_on_those_tokens_only():
     # on-policy, bnpo: loss_t = -A_i on kept tokens; A = (2, 1); q = 0.4 keeps (0, 1) and (1, 1):
     # (-2 - 1) / 5 valid tokens (the normaliser is still the full mask) = -0.6
     logp = torch.full((2, 3), -1.0, dtype=F64, requires_grad=True)
-    loss, _ = policy_loss(logp, None, _t(2, 1), MASK, loss_type="bnpo", entropy=ENT, top_entropy_quantile=0.4)
+    loss, _ = policy_loss(logp, None, _t(2, 1), MASK, LossSpec(loss_type="bnpo", top_entropy_quantile=0.4), entropy=ENT)
     assert abs(loss.item() + 0.6) < 1e-12
     loss.backward()
     torch.testing.assert_close(logp.grad, _t(0, -0.4, 0, 0, -0.2, 0).view(2, 3))
-    full, _ = policy_loss(logp, None, _t(2, 1), MASK, loss_type="bnpo", entropy=ENT, top_entropy_quantile=1.0)
+    full, _ = policy_loss(logp, None, _t(2, 1), MASK, LossSpec(loss_type="bnpo", top_entropy_quantile=1.0), entropy=ENT)
     assert abs(full.item() + 8 / 5) < 1e-12  # (-2 * 3 - 1 * 2) / 5
 
 
@@ -146,8 +146,8 @@ def test_top_entropy_quantile_keeps_the_policy_term_on_those_tokens_only():
 def test_entropy_bonus_uses_the_loss_types_aggregation(loss_type, expected):
     ent = ENT.clone().requires_grad_()
     logp = torch.full((2, 3), -1.0, dtype=F64, requires_grad=True)
-    loss, _ = policy_loss(logp, None, _t(0, 0), MASK, loss_type=loss_type, entropy=ent, entropy_coef=0.1,
-                          max_completion_length=4)
+    loss, _ = policy_loss(logp, None, _t(0, 0), MASK,
+                          LossSpec(loss_type=loss_type, entropy_coef=0.1, max_completion_length=4), entropy=ent)
     assert abs(loss.item() - expected) < 1e-12
     loss.backward()
     assert ent.grad[1, 2] == 0 and (ent.grad[MASK.bool()] < 0).all()  # pushes entropy up, never at padding
@@ -157,8 +157,8 @@ def test_entropy_bonus_uses_the_loss_types_aggregation(loss_type, expected):
 
 def test_entropy_bonus_acts_on_the_top_entropy_tokens_when_both_are_set():
     # q = 0.4 keeps the tokens with entropy 0.9 and 0.6: bonus -0.1 * (0.9 + 0.6) / 5
-    loss, _ = policy_loss(torch.zeros(2, 3, dtype=F64), None, _t(0, 0), MASK, loss_type="bnpo", entropy=ENT,
-                          entropy_coef=0.1, top_entropy_quantile=0.4)
+    loss, _ = policy_loss(torch.zeros(2, 3, dtype=F64), None, _t(0, 0), MASK,
+                          LossSpec(loss_type="bnpo", entropy_coef=0.1, top_entropy_quantile=0.4), entropy=ENT)
     assert abs(loss.item() + 0.03) < 1e-12
 
 
@@ -171,36 +171,37 @@ def test_kl_bias_correction_multiplies_k3_by_the_ratio_and_its_gradient():
     k3 = 0.5 + math.log(2) - 1
     for correct, grad in ((False, 0.5), (True, math.log(2))):
         logp = torch.tensor([[math.log(0.5)]], dtype=F64, requires_grad=True)
-        loss, stats = policy_loss(logp, None, _t(0), mask, ref_logp=ref, beta=1.0, loss_type="bnpo",
-                                  kl_bias_correction=correct)
+        loss, stats = policy_loss(logp, None, _t(0), mask,
+                                  LossSpec(beta=1.0, loss_type="bnpo", kl_bias_correction=correct), ref_logp=ref)
         loss.backward()
         assert abs(loss.item() - k3) < 1e-12 and abs(stats["kl"].item() - k3) < 1e-12
         assert abs(logp.grad.item() - grad) < 1e-12
     # off-policy: old = log 0.25 makes rho = 2, so the corrected KL term is 2 * k3
     loss, stats = policy_loss(torch.tensor([[math.log(0.5)]], dtype=F64), torch.tensor([[math.log(0.25)]], dtype=F64),
-                              _t(0), mask, ref_logp=ref, beta=1.0, loss_type="bnpo", kl_bias_correction=True)
+                              _t(0), mask, LossSpec(beta=1.0, loss_type="bnpo", kl_bias_correction=True), ref_logp=ref)
     assert abs(loss.item() - 2 * k3) < 1e-12 and abs(stats["kl"].item() - 2 * k3) < 1e-12
 
 
 def test_entropy_options_validate_their_inputs():
     logp = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="needs entropy"):
-        policy_loss(logp, None, torch.zeros(2), MASK, entropy_coef=0.1)
+        policy_loss(logp, None, torch.zeros(2), MASK, LossSpec(entropy_coef=0.1))
     with pytest.raises(ValueError, match="needs entropy"):
-        policy_loss(logp, None, torch.zeros(2), MASK, top_entropy_quantile=0.5)
+        policy_loss(logp, None, torch.zeros(2), MASK, LossSpec(top_entropy_quantile=0.5))
     with pytest.raises(ValueError, match="entropy must have shape"):
-        policy_loss(logp, None, torch.zeros(2), MASK, entropy=torch.zeros(2, 2), entropy_coef=0.1)
+        policy_loss(logp, None, torch.zeros(2), MASK, LossSpec(entropy_coef=0.1), entropy=torch.zeros(2, 2))
     with pytest.raises(ValueError, match="entropy_coef must be >= 0"):
-        policy_loss(logp, None, torch.zeros(2), MASK, entropy=torch.zeros(2, 3), entropy_coef=-1.0)
+        policy_loss(logp, None, torch.zeros(2), MASK, LossSpec(entropy_coef=-1.0), entropy=torch.zeros(2, 3))
 
 
 def test_defaults_leave_the_loss_unchanged():
     gen = torch.Generator().manual_seed(1)
     logp, old, ref = (torch.randn(4, 5, generator=gen, dtype=F64) - 2 for _ in range(3))
     adv, mask = torch.randn(4, generator=gen, dtype=F64), (torch.rand(4, 5, generator=gen) > 0.2).long()
-    base, _ = policy_loss(logp, old, adv, mask, ref_logp=ref, beta=0.04)
-    same, _ = policy_loss(logp, old, adv, mask, ref_logp=ref, beta=0.04, entropy=torch.rand(4, 5, dtype=F64),
-                          entropy_coef=0.0, top_entropy_quantile=1.0, kl_bias_correction=False)
+    base, _ = policy_loss(logp, old, adv, mask, LossSpec(beta=0.04), ref_logp=ref)
+    same, _ = policy_loss(logp, old, adv, mask,
+                          LossSpec(beta=0.04, entropy_coef=0.0, top_entropy_quantile=1.0, kl_bias_correction=False),
+                          ref_logp=ref, entropy=torch.rand(4, 5, dtype=F64))
     assert torch.equal(base, same)
 
 
@@ -253,12 +254,13 @@ def _both(loss_type, level, beta, on_policy, *, seed=0, bias_kl=False, quantile=
     trl_loss.backward()
 
     logp, ent = logp0.clone().requires_grad_(), ent0.clone().requires_grad_()
-    loss, stats = policy_loss(logp, old, adv, mask, ref_logp=ref if beta else None, beta=beta, epsilon=EPS,
-                              epsilon_high=1.0 + EPS_HIGH if loss_type == "cispo" else EPS_HIGH,
-                              loss_type=loss_type, importance_sampling_level=level,
-                              max_completion_length=MAX_LEN, num_items_in_batch=num_items,
-                              kl_bias_correction=bias_kl, entropy=ent, entropy_coef=entropy_coef,
-                              top_entropy_quantile=quantile)
+    loss, stats = policy_loss(logp, old, adv, mask,
+                              LossSpec(beta=beta, epsilon=EPS,
+                                       epsilon_high=1.0 + EPS_HIGH if loss_type == "cispo" else EPS_HIGH,
+                                       loss_type=loss_type, importance_sampling_level=level,
+                                       max_completion_length=MAX_LEN, kl_bias_correction=bias_kl,
+                                       entropy_coef=entropy_coef, top_entropy_quantile=quantile),
+                              ref_logp=ref if beta else None, num_items_in_batch=num_items, entropy=ent)
     loss.backward()
     if not compare:
         return loss, trl_loss

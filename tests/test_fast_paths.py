@@ -22,7 +22,7 @@ from grpokit.models.loading import load_model, load_tokenizer
 from grpokit.rollout.decode import sample_groups
 from grpokit.training.generate import GenerationBatch
 from grpokit.training.setup import Policy
-from grpokit.training.update import _micro_step, optimize, score_old_and_ref
+from grpokit.training.update import _micro_step, loss_spec, optimize, score_old_and_ref
 
 G = 4
 
@@ -70,8 +70,8 @@ def _loss_and_grads(config, model, batch):
     model.zero_grad(set_to_none=True)
     N = len(batch.advantages)
     n_items = batch.loss_mask.sum().clamp(min=1)
-    loss, stats, _ = _micro_step(config, Policy(model, None, True, None, None), batch, batch.old_logp,
-                                 torch.arange(N), n_items, 1, config.algorithm.entropy_coef)
+    loss, stats, _ = _micro_step(config, loss_spec(config), Policy(model, None, True, None, None), batch,
+                                 batch.old_logp, torch.arange(N), n_items, 1)
     grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     return loss, stats, grads
 

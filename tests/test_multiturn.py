@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from grpokit.algorithms.objectives import policy_loss
+from grpokit.algorithms.objectives import LossSpec, policy_loss
 from grpokit.config.variants import LOSS_TYPES
 from grpokit.models.forward import completion_logprobs
 from grpokit.models.loading import load_model, load_tokenizer
@@ -215,8 +215,9 @@ def test_tool_tokens_carry_no_gradient_and_do_not_change_the_loss(loss_type, bet
         logp = (old + 0.1 * torch.randn(N, T, generator=torch.Generator().manual_seed(1))).clone()
         logp = logp + noise * tool  # anything at the tool positions
         logp.requires_grad_(True)
-        loss, _ = policy_loss(logp, old + noise * tool, adv, action, ref_logp=ref - noise * tool, beta=beta,
-                              loss_type=loss_type, max_completion_length=T, num_items_in_batch=action.sum())
+        loss, _ = policy_loss(logp, old + noise * tool, adv, action,
+                              LossSpec(beta=beta, loss_type=loss_type, max_completion_length=T),
+                              ref_logp=ref - noise * tool, num_items_in_batch=action.sum())
         loss.backward()
         return loss.item(), logp.grad
 

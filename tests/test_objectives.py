@@ -9,7 +9,7 @@ import torch
 
 from grpokit.algorithms.advantages import group_advantages
 from grpokit.algorithms.logprobs import token_logprobs, token_logprobs_from_hidden
-from grpokit.algorithms.objectives import importance_log_ratio, policy_loss, sequence_ratio
+from grpokit.algorithms.objectives import LossSpec, importance_log_ratio, policy_loss, sequence_ratio
 
 LN2 = math.log(2.0)
 F64 = torch.float64
@@ -49,10 +49,11 @@ def test_seed002_ratios_through_policy_loss():
     old = token_logprobs(_seed002_logits(OLD_PROBS), ABC)
     new = token_logprobs(_seed002_logits(NEW_PROBS), ABC)
     # A = 1, no clipping (epsilon 10), bnpo: loss = -(1.2 + 1.1667 + 1.5) / 3
-    loss, _ = policy_loss(new, old, torch.ones(1, dtype=F64), torch.ones(1, 3), epsilon=10.0, loss_type="bnpo")
+    loss, _ = policy_loss(new, old, torch.ones(1, dtype=F64), torch.ones(1, 3),
+                          LossSpec(epsilon=10.0, loss_type="bnpo"))
     assert abs(loss.item() + (1.2 + 0.7 / 0.6 + 1.5) / 3) < 1e-12
     # default epsilon 0.2: all three are clipped to 1.2 -> loss -1.2, stats: 2 of 3 above 1.2
-    loss, stats = policy_loss(new, old, torch.ones(1, dtype=F64), torch.ones(1, 3), loss_type="bnpo")
+    loss, stats = policy_loss(new, old, torch.ones(1, dtype=F64), torch.ones(1, 3), LossSpec(loss_type="bnpo"))
     assert abs(loss.item() + (1.2 + 0.7 / 0.6 + 1.2) / 3) < 1e-12
     assert abs(stats["clip_ratio/high_mean"].item() - 1 / 3) < 1e-12  # only 1.5 > 1.2 (1.2 is not > 1.2)
 
@@ -102,7 +103,8 @@ def _batch(padding_garbage: bool = True):
 )
 def test_hand_derived_loss_and_gradient(loss_type, kwargs, normaliser, expected):
     logp, old, adv, mask = _batch()
-    loss, _ = policy_loss(logp, old, adv, mask, loss_type=loss_type, **kwargs)
+    spec = LossSpec(loss_type=loss_type, max_completion_length=kwargs.get("max_completion_length"))
+    loss, _ = policy_loss(logp, old, adv, mask, spec, num_items_in_batch=kwargs.get("num_items_in_batch"))
     assert abs(loss.item() - expected) < 1e-12
     loss.backward()
     sum_grad = torch.tensor(SUM_GRAD, dtype=F64)
@@ -116,7 +118,7 @@ def test_hand_derived_loss_and_gradient(loss_type, kwargs, normaliser, expected)
 
 def test_clipping_zeroes_the_gradient_on_both_sides_only_where_it_binds():
     logp, old, adv, mask = _batch()
-    loss, _ = policy_loss(logp, old, adv, mask, loss_type="bnpo")
+    loss, _ = policy_loss(logp, old, adv, mask, LossSpec(loss_type="bnpo"))
     loss.backward()
     g = logp.grad
     assert g[0, 1] == 0.0  # A > 0, rho 1.5 > 1.2: clipped high
@@ -132,7 +134,7 @@ def test_asymmetric_clipping_epsilon_high():
     # answer 0's 1.5 is clipped at 1.3: -1.3 (was -1.2); answer 1's low side is unchanged (1.6, 3.0).
     # sum -0.2 - 0.025 - 0.1 = -0.325 over 9 tokens
     logp, old, adv, mask = _batch()
-    loss, stats = policy_loss(logp, old, adv, mask, epsilon_high=0.3, loss_type="bnpo")
+    loss, stats = policy_loss(logp, old, adv, mask, LossSpec(epsilon_high=0.3, loss_type="bnpo"))
     assert abs(loss.item() + 0.325 / 9) < 1e-12
     assert abs(stats["clip_ratio/high_mean"].item() - 1 / 9) < 1e-12  # only answer 0's 1.5
 
@@ -177,7 +179,7 @@ def test_kl_hand_derived():
     logp, old, adv, mask = _batch()
     delta = torch.tensor([[LN2, 0, -LN2, 99.0], [0, LN2, 99.0, 99.0], [0, 0, 0, -LN2]], dtype=F64)
     ref = logp.detach() + delta  # 99 under padding: exp(99 + 1e4) would be inf if it leaked
-    loss, stats = policy_loss(logp, old, adv, mask, ref_logp=ref, beta=0.04)
+    loss, stats = policy_loss(logp, old, adv, mask, LossSpec(beta=0.04), ref_logp=ref)
     assert abs(stats["kl"].item() - 1 / 9) < 1e-12
     assert abs(loss.item() - (-0.2 + 0.04) / 9) < 1e-12
     loss.backward()
@@ -187,7 +189,7 @@ def test_kl_hand_derived():
 
 def test_kl_is_absent_when_beta_is_zero_and_ref_is_ignored():
     logp, old, adv, mask = _batch()
-    loss, stats = policy_loss(logp, old, adv, mask, ref_logp=torch.zeros(3, 4, dtype=F64), beta=0.0)
+    loss, stats = policy_loss(logp, old, adv, mask, LossSpec(beta=0.0), ref_logp=torch.zeros(3, 4, dtype=F64))
     assert "kl" not in stats
     assert abs(loss.item() + 0.2 / 9) < 1e-12
 
@@ -199,7 +201,7 @@ def test_cispo_hand_derived():
     logp, old, adv, mask = _batch()
     w = [[1.0, 1.2, 0.5], [0.5, 1.2], [1.1, 0.9, 1.2, 1.0]]
     total = sum(-w[i][t] * ADV[i] * math.log(0.5 * RHO[i][t]) for i in range(3) for t in range(len(w[i])))
-    loss, _ = policy_loss(logp, old, adv, mask, loss_type="cispo", epsilon_high=1.2)  # the cap itself (TRL)
+    loss, _ = policy_loss(logp, old, adv, mask, LossSpec(loss_type="cispo", epsilon_high=1.2))  # the cap itself (TRL)
     assert abs(loss.item() - total / 9) < 1e-12
     loss.backward()
     # gradient -w * A / 9 everywhere, clipped tokens included (CISPO never drops a token's gradient)
@@ -219,7 +221,7 @@ def test_gspo_sequence_level_hand_derived():
     logp, old, adv, mask = _batch()
     s = [0.75 ** (1 / 3), 0.75 ** 0.5, (1.1 * 0.9 * 1.25 * 1.0) ** 0.25]
     lengths = [3, 2, 4]
-    loss, _ = policy_loss(logp, old, adv, mask, loss_type="grpo", importance_sampling_level="sequence")
+    loss, _ = policy_loss(logp, old, adv, mask, LossSpec(loss_type="grpo", importance_sampling_level="sequence"))
     assert abs(loss.item() - sum(-s[i] * ADV[i] for i in range(3)) / 3) < 1e-12
     loss.backward()
     expected = torch.zeros(3, 4, dtype=F64)
@@ -233,7 +235,7 @@ def test_gspo_clips_the_whole_sequence():
     old = torch.full((1, 2), math.log(0.5), dtype=F64)
     logp = torch.full((1, 2), math.log(0.75), dtype=F64, requires_grad=True)
     loss, stats = policy_loss(logp, old, torch.ones(1, dtype=F64), torch.ones(1, 2),
-                              importance_sampling_level="sequence")
+                              LossSpec(importance_sampling_level="sequence"))
     assert abs(loss.item() + 1.2) < 1e-12
     loss.backward()
     assert torch.all(logp.grad == 0.0)
@@ -248,7 +250,7 @@ def test_on_policy_gradient_is_reinforce_with_group_baseline():
     a_hand = torch.tensor([0.3, -0.2, 0.1, -0.2], dtype=F64) / (math.sqrt(0.045) + 1e-4)
     mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]])
     logp = torch.randn(4, 3, dtype=F64).requires_grad_()
-    loss, stats = policy_loss(logp, None, adv, mask, loss_type="dapo")
+    loss, stats = policy_loss(logp, None, adv, mask, LossSpec(loss_type="dapo"))
     loss.backward()
     expected = -a_hand[:, None] * mask / 9  # 9 completion tokens
     torch.testing.assert_close(logp.grad, expected, atol=1e-9, rtol=0)
@@ -258,14 +260,14 @@ def test_on_policy_gradient_is_reinforce_with_group_baseline():
     assert abs(loss.item() + (a_hand * lengths).sum().item() / 9) < 1e-9
     # grpo: -A_i / (N * L_i)
     logp.grad = None
-    policy_loss(logp, None, adv, mask, loss_type="grpo")[0].backward()
+    policy_loss(logp, None, adv, mask, LossSpec(loss_type="grpo"))[0].backward()
     torch.testing.assert_close(logp.grad, -a_hand[:, None] * mask / (4 * lengths[:, None]), atol=1e-9, rtol=0)
 
 
 def test_zero_length_answer_counts_in_grpo_mean_and_gives_no_nan():
     logp = torch.zeros(2, 2, dtype=F64, requires_grad=True)
     mask = torch.tensor([[1, 1], [0, 0]])
-    loss, stats = policy_loss(logp, None, torch.tensor([1.0, 5.0], dtype=F64), mask, loss_type="grpo")
+    loss, stats = policy_loss(logp, None, torch.tensor([1.0, 5.0], dtype=F64), mask, LossSpec(loss_type="grpo"))
     assert abs(loss.item() + 0.5) < 1e-12  # (-1 + 0) / 2
     loss.backward()
     assert not torch.isnan(logp.grad).any()
@@ -277,7 +279,8 @@ def test_inputs_not_modified():
     before = [x.detach().clone() for x in (logp, old, adv, mask, ref)]
     for lt in ("grpo", "bnpo", "dapo", "cispo"):
         for level in ("token", "sequence"):
-            policy_loss(logp, old, adv, mask, ref_logp=ref, beta=0.1, loss_type=lt, importance_sampling_level=level)
+            policy_loss(logp, old, adv, mask, LossSpec(beta=0.1, loss_type=lt, importance_sampling_level=level),
+                        ref_logp=ref)
     for b, a in zip(before, (logp, old, adv, mask, ref)):
         assert torch.equal(b, a.detach())
 
@@ -296,28 +299,28 @@ def test_errors_name_argument_and_expected_shape():
     with pytest.raises(ValueError, match=r"logp must have shape \[N, T\]"):
         policy_loss(logp[0], old[0], adv, mask[0])
     with pytest.raises(ValueError, match=r"ref_logp must have shape"):
-        policy_loss(logp, old, adv, mask, ref_logp=old[:1], beta=0.1)
+        policy_loss(logp, old, adv, mask, LossSpec(beta=0.1), ref_logp=old[:1])
 
 
 def test_error_unknown_loss_type_lists_choices():
     logp, old, adv, mask = _batch()
     with pytest.raises(ValueError, match=r"loss_type must be one of \['bnpo', 'cispo', 'dapo', 'dr_grpo', 'grpo', "
                                          r"'luspo', 'sapo', 'vespo'\]"):
-        policy_loss(logp, old, adv, mask, loss_type="ppo")
+        policy_loss(logp, old, adv, mask, LossSpec(loss_type="ppo"))
 
 
 def test_error_unknown_importance_sampling_level_lists_choices():
     logp, old, adv, mask = _batch()
     with pytest.raises(ValueError, match=r"importance_sampling_level must be one of \['sequence', 'token'\]"):
-        policy_loss(logp, old, adv, mask, importance_sampling_level="answer")
+        policy_loss(logp, old, adv, mask, LossSpec(importance_sampling_level="answer"))
 
 
 def test_error_beta_without_ref_and_dr_grpo_without_length():
     logp, old, adv, mask = _batch()
     with pytest.raises(ValueError, match="needs ref_logp"):
-        policy_loss(logp, old, adv, mask, beta=0.04)
+        policy_loss(logp, old, adv, mask, LossSpec(beta=0.04))
     with pytest.raises(ValueError, match="max_completion_length"):
-        policy_loss(logp, old, adv, mask, loss_type="dr_grpo")
+        policy_loss(logp, old, adv, mask, LossSpec(loss_type="dr_grpo"))
 
 
 # ---------------------------------------------------------------- chunked log-probabilities

@@ -16,7 +16,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from grpokit.algorithms.advantages import group_advantages
-from grpokit.algorithms.objectives import policy_loss
+from grpokit.algorithms.objectives import LossSpec, policy_loss
 from grpokit.config.loading import load_config, to_toml
 from grpokit.config.schema import SECTIONS
 from grpokit.errors import ConfigError
@@ -152,11 +152,12 @@ def test_on_policy_loss_is_the_aggregated_negative_advantage(inputs, loss_type):
     epsilon_high itself, as in TRL: unset it is epsilon, 0.2), aggregated as the loss type says."""
     logp, _, _, adv, mask = inputs
     T = logp.shape[1]
-    loss, _ = policy_loss(logp, None, adv, mask, loss_type=loss_type, max_completion_length=T)
+    loss, _ = policy_loss(logp, None, adv, mask, LossSpec(loss_type=loss_type, max_completion_length=T))
     m = mask.double()
     per_token = -adv[:, None] * m if loss_type != "cispo" else -0.2 * adv[:, None] * logp * m
     if loss_type == "cispo":  # with the usual cap (5.0) the weight at ratio 1 is 1
-        capped, _ = policy_loss(logp, None, adv, mask, loss_type=loss_type, epsilon_high=5.0, max_completion_length=T)
+        capped, _ = policy_loss(logp, None, adv, mask,
+                                LossSpec(loss_type=loss_type, epsilon_high=5.0, max_completion_length=T))
         torch.testing.assert_close(capped, (-adv[:, None] * logp * m).sum() / m.sum().clamp(min=1),
                                    atol=1e-10, rtol=1e-10)
     expected = {
@@ -175,9 +176,10 @@ def test_on_policy_loss_is_the_aggregated_negative_advantage(inputs, loss_type):
 def test_loss_is_finite_and_clip_stats_partition_the_region(inputs, loss_type, level, eps, eps_high, beta):
     logp, old, ref, adv, mask = inputs
     logp = logp.clone().requires_grad_(True)
-    loss, stats = policy_loss(logp, old, adv, mask, ref_logp=ref, beta=beta, epsilon=eps, epsilon_high=eps_high or None,
-                              loss_type=loss_type, importance_sampling_level=level,
-                              max_completion_length=logp.shape[1])
+    loss, stats = policy_loss(logp, old, adv, mask,
+                              LossSpec(beta=beta, epsilon=eps, epsilon_high=eps_high or None, loss_type=loss_type,
+                                       importance_sampling_level=level, max_completion_length=logp.shape[1]),
+                              ref_logp=ref)
     assert torch.isfinite(loss)
     loss.backward()
     assert torch.isfinite(logp.grad).all()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from safetensors.torch import load_file
 import grpokit.training.setup as setup_mod
 import grpokit.training.update as update_mod
 from conftest import comparable, make_config, parity
+from grpokit.algorithms.objectives import LossSpec
 from grpokit.config.schema import Config, DataConfig, ModelConfig, OutputConfig, RolloutConfig, TrainConfig
 from grpokit.observe.tracking import read_metrics
 from grpokit.training.loop import train
@@ -115,6 +117,22 @@ def test_resume_reproduces_the_uninterrupted_run(tiny_model_dir, tmp_path):
     assert comparable(read_metrics(straight)) == comparable(read_metrics(resumed))
     wa, wb = final_weights(straight), final_weights(resumed)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_the_loss_spec_carries_every_loss_option_of_the_config(tmp_path):
+    """Each field of `LossSpec` is read from the config (none left at its default by mistake): the options
+    below all differ from LossSpec's defaults."""
+    algorithm = dict(loss_type="bnpo", beta=0.04, epsilon=0.1, epsilon_high=0.3, importance_sampling_level="sequence",
+                     kl_bias_correction=True, entropy_coef=0.01, entropy_aggregation="token_mean",
+                     top_entropy_quantile=0.5, delta=4.0, sapo_temperature_pos=0.9, sapo_temperature_neg=1.2,
+                     vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.5, vespo_lambda_neg=1.5,
+                     off_policy_mask_threshold=0.3)
+    spec = update_mod.loss_spec(make_config("m", tmp_path, max_new_tokens=7, algorithm=algorithm))
+    assert spec == LossSpec(**algorithm, max_completion_length=7)
+    assert all(getattr(spec, f.name) != f.default for f in dataclasses.fields(LossSpec))
+    # cispo's cap is epsilon_high itself; 0 (off) for delta and the off-policy mask is None
+    cispo = update_mod.loss_spec(make_config("m", tmp_path, algorithm=dict(loss_type="cispo", epsilon_high=5.0)))
+    assert (cispo.epsilon_high, cispo.delta, cispo.off_policy_mask_threshold) == (5.0, None, None)
 
 
 def test_learning_rate_schedule():

@@ -14,7 +14,7 @@ import torch
 
 import grpokit.training.update as update
 from conftest import make_config
-from grpokit.algorithms.objectives import policy_loss
+from grpokit.algorithms.objectives import LossSpec, policy_loss
 from grpokit.config.algorithm import AlgorithmConfig
 from grpokit.errors import EnvironmentFault, SetupError
 from grpokit.models.loading import load_model, load_tokenizer
@@ -141,7 +141,7 @@ def test_per_token_advantages_apply_to_their_own_tokens_only():
     logp = torch.log(torch.tensor([[0.5, 0.25, 0.5, 0.5]], dtype=torch.float64)).requires_grad_()
     mask = torch.tensor([[1, 1, 0, 1]])
     adv = torch.tensor([[2.0, 2.0, 9.0, -1.0]], dtype=torch.float64)  # token 2 is a tool result: masked
-    loss, _ = policy_loss(logp, None, adv, mask, loss_type="dapo")
+    loss, _ = policy_loss(logp, None, adv, mask, LossSpec(loss_type="dapo"))
     loss.backward()
     # on-policy dapo: loss = -sum_t A_t / 3 tokens (ratio 1), d loss / d logp_t = -A_t / 3 on the mask
     assert loss.item() == pytest.approx(-(2 + 2 - 1) / 3)
@@ -155,9 +155,9 @@ def test_per_token_advantages_equal_per_answer_ones_where_each_answer_has_one(lo
     old = logp + 0.1 * torch.randn(3, 5, generator=gen, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
     adv = torch.tensor([0.7, -1.2, 0.3], dtype=torch.float64)
-    kwargs = dict(loss_type=loss_type, max_completion_length=5, epsilon_high=5.0 if loss_type == "cispo" else 0.2)
-    a, _ = policy_loss(logp, old, adv, mask, **kwargs)
-    b, _ = policy_loss(logp, old, adv[:, None].expand(3, 5), mask, **kwargs)
+    spec = LossSpec(loss_type=loss_type, max_completion_length=5, epsilon_high=5.0 if loss_type == "cispo" else 0.2)
+    a, _ = policy_loss(logp, old, adv, mask, spec)
+    b, _ = policy_loss(logp, old, adv[:, None].expand(3, 5), mask, spec)
     torch.testing.assert_close(a, b)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grpokit.algorithms.mismatch import importance_correction
-from grpokit.algorithms.objectives import adapt_entropy_coef, off_policy_mask, policy_loss, vespo_weights
+from grpokit.algorithms.objectives import LossSpec, adapt_entropy_coef, off_policy_mask, policy_loss, vespo_weights
 
 F64 = torch.float64
 
@@ -29,8 +29,8 @@ def test_sapo_soft_gate_by_hand():
     old = torch.zeros(2, 2, dtype=F64)
     adv = torch.tensor([1.0, -2.0], dtype=F64)
     mask = torch.tensor([[1, 1], [1, 0]])
-    loss, stats = policy_loss(logp, old, adv, mask, loss_type="sapo", sapo_temperature_pos=1.0,
-                              sapo_temperature_neg=1.05)
+    loss, stats = policy_loss(logp, old, adv, mask,
+                              LossSpec(loss_type="sapo", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05))
     r = [math.exp(0.5), math.exp(-0.4), math.exp(0.3)]
     a0 = -(4 * _sigmoid(r[0] - 1) + 4 * _sigmoid(r[1] - 1)) / 2  # answer 0: -sigmoid(r - 1) * 4 * A, mean
     a1 = -(_sigmoid(1.05 * (r[2] - 1)) * 4 / 1.05) * (-2.0)
@@ -47,8 +47,8 @@ def test_sapo_on_policy_gradient_is_the_plain_policy_gradient():
     logp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=F64, requires_grad=True)
     for tau in (1.0, 1.05, 3.0):
         logp.grad = None
-        loss, _ = policy_loss(logp, None, torch.tensor([-0.7], dtype=F64), torch.ones(1, 3), loss_type="sapo",
-                              sapo_temperature_pos=tau, sapo_temperature_neg=tau)
+        loss, _ = policy_loss(logp, None, torch.tensor([-0.7], dtype=F64), torch.ones(1, 3),
+                              LossSpec(loss_type="sapo", sapo_temperature_pos=tau, sapo_temperature_neg=tau))
         loss.backward()
         torch.testing.assert_close(logp.grad, torch.full((1, 3), 0.7 / 3, dtype=F64), atol=1e-12, rtol=0)
 
@@ -62,9 +62,9 @@ def test_luspo_sums_each_answers_tokens_then_averages_answers():
     logp = torch.zeros(2, 3, dtype=F64)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
     adv = torch.tensor([1.0, -0.5], dtype=F64)
-    loss, _ = policy_loss(logp, None, adv, mask, loss_type="luspo", importance_sampling_level="sequence")
+    loss, _ = policy_loss(logp, None, adv, mask, LossSpec(loss_type="luspo", importance_sampling_level="sequence"))
     assert loss.item() == pytest.approx(-1.0, abs=1e-12)
-    grpo, _ = policy_loss(logp, None, adv, mask, loss_type="grpo", importance_sampling_level="sequence")
+    grpo, _ = policy_loss(logp, None, adv, mask, LossSpec(loss_type="grpo", importance_sampling_level="sequence"))
     assert grpo.item() == pytest.approx(-0.25, abs=1e-12)
 
 
@@ -73,8 +73,8 @@ def test_luspo_clips_the_sequence_ratio_like_gspo():
     # clipped to 1.0004, summed over 2 tokens
     logp = torch.tensor([[0.3, 0.1]], dtype=F64)
     loss, stats = policy_loss(logp, torch.zeros(1, 2, dtype=F64), torch.ones(1, dtype=F64), torch.ones(1, 2),
-                              loss_type="luspo", importance_sampling_level="sequence", epsilon=3e-4,
-                              epsilon_high=4e-4)
+                              LossSpec(loss_type="luspo", importance_sampling_level="sequence", epsilon=3e-4,
+                                       epsilon_high=4e-4))
     assert loss.item() == pytest.approx(-2 * 1.0004, abs=1e-12)
     assert stats["clip_ratio/high_mean"].item() == 1.0
 
@@ -100,7 +100,7 @@ def test_vespo_loss_is_reinforce_weighted_by_phi_with_no_gradient_through_phi():
     old = logp.detach() - torch.tensor([[0.2, 0.3], [-0.4, 0.0]], dtype=F64)  # log-ratios as above
     adv = torch.tensor([1.0, -1.0], dtype=F64)
     mask = torch.tensor([[1, 1], [1, 0]])
-    loss, stats = policy_loss(logp, old, adv, mask, loss_type="vespo")
+    loss, stats = policy_loss(logp, old, adv, mask, LossSpec(loss_type="vespo"))
     w0, w1 = math.exp(0.5), math.exp(-0.4)
     phi0, phi1 = math.exp(3) * w0 ** 2 * math.exp(-3 * w0), math.exp(2) * w1 ** 3 * math.exp(-2 * w1)
     total = -phi0 * 1.0 * (-1.0 - 2.0) - phi1 * (-1.0) * (-0.5)  # -phi * A * logp over the 3 valid tokens
@@ -128,14 +128,14 @@ def test_delta_caps_the_loss_of_a_negative_advantage_token_whose_ratio_ran_away(
     # ratio 5, A = -1: standard clipped loss -min(5 * -1, 1.2 * -1) = 5; with delta = 3: -min(3 * -1, -1.2) = 3
     logp = torch.tensor([[math.log(5.0)]], dtype=F64, requires_grad=True)
     old, adv, mask = torch.zeros(1, 1, dtype=F64), torch.tensor([-1.0], dtype=F64), torch.ones(1, 1)
-    plain, _ = policy_loss(logp, old, adv, mask, loss_type="bnpo")
-    capped, _ = policy_loss(logp, old, adv, mask, loss_type="bnpo", delta=3.0)
+    plain, _ = policy_loss(logp, old, adv, mask, LossSpec(loss_type="bnpo"))
+    capped, _ = policy_loss(logp, old, adv, mask, LossSpec(loss_type="bnpo", delta=3.0))
     assert (plain.item(), capped.item()) == (pytest.approx(5.0), pytest.approx(3.0))
     capped.backward()
     assert logp.grad.item() == 0.0  # the cap is flat: no gradient pushes the ratio further
     # a positive advantage is bounded by the usual clip (1 + eps_high < delta): delta changes nothing
-    a, _ = policy_loss(logp.detach(), old, -adv, mask, loss_type="bnpo")
-    b, _ = policy_loss(logp.detach(), old, -adv, mask, loss_type="bnpo", delta=3.0)
+    a, _ = policy_loss(logp.detach(), old, -adv, mask, LossSpec(loss_type="bnpo"))
+    b, _ = policy_loss(logp.detach(), old, -adv, mask, LossSpec(loss_type="bnpo", delta=3.0))
     assert a.item() == b.item() == pytest.approx(-1.2)
 
 
@@ -160,8 +160,9 @@ def test_off_policy_mask_in_the_loss_removes_the_policy_term_not_the_kl():
     ref = torch.tensor([[-1.5], [-0.5]], dtype=F64)
     sampling = torch.tensor([[0.0], [-1.0]], dtype=F64)  # answer 0 drifted by KL 1.0, answer 1 not at all
     adv, mask = torch.tensor([-1.0, -1.0], dtype=F64), torch.ones(2, 1)
-    loss, stats = policy_loss(logp, None, adv, mask, ref_logp=ref, beta=0.1, loss_type="bnpo",
-                              off_policy_mask_threshold=0.5, sampling_logp=sampling)
+    loss, stats = policy_loss(logp, None, adv, mask,
+                              LossSpec(beta=0.1, loss_type="bnpo", off_policy_mask_threshold=0.5), ref_logp=ref,
+                              sampling_logp=sampling)
     kl = [math.exp(-0.5) + 0.5 - 1, math.exp(0.5) - 0.5 - 1]
     want = (0.0 + 0.1 * kl[0] + 1.0 + 0.1 * kl[1]) / 2  # answer 0: KL only; answer 1: -A * 1 + KL
     assert loss.item() == pytest.approx(want, abs=1e-12)
@@ -213,8 +214,8 @@ def test_correction_arguments_are_checked():
 def test_sequence_weights_broadcast_over_the_answers_tokens_in_the_loss():
     logp = torch.zeros(2, 2, dtype=F64, requires_grad=True)
     adv, mask = torch.tensor([1.0, 1.0], dtype=F64), torch.ones(2, 2)
-    loss, _ = policy_loss(logp, None, adv, mask, loss_type="bnpo", token_weights=torch.tensor([[0.0], [2.0]],
-                                                                                              dtype=F64))
+    loss, _ = policy_loss(logp, None, adv, mask, LossSpec(loss_type="bnpo"),
+                          token_weights=torch.tensor([[0.0], [2.0]], dtype=F64))
     assert loss.item() == pytest.approx((0 + 0 - 2 - 2) / 4)
 
 

@@ -21,7 +21,7 @@ pytest.importorskip("trl")
 grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
 
 from grpokit.algorithms.mismatch import importance_correction  # noqa: E402
-from grpokit.algorithms.objectives import adapt_entropy_coef, policy_loss  # noqa: E402
+from grpokit.algorithms.objectives import LossSpec, adapt_entropy_coef, policy_loss  # noqa: E402
 
 F64 = torch.float64
 EPS, EPS_HIGH, MAX_LEN = 0.2, 0.28, 7
@@ -93,12 +93,12 @@ def _compare(loss_type, level, beta, on_policy, *, seed=0, delta=None, threshold
     if is_mode is not None:
         weights, _ = importance_correction(old if old is not None else logp0, sampling, mask, is_mode, cap_max=2.0,
                                            cap_min=0.5)
-    loss, stats = policy_loss(logp, old, adv, mask, ref_logp=ref if beta else None, beta=beta, epsilon=EPS,
-                              epsilon_high=fake.epsilon_high, loss_type=loss_type, importance_sampling_level=level,
-                              max_completion_length=MAX_LEN, num_items_in_batch=num_items, delta=delta,
-                              off_policy_mask_threshold=threshold,
-                              sampling_logp=sampling if threshold is not None else None, token_weights=weights,
-                              **ours)
+    loss, stats = policy_loss(logp, old, adv, mask,
+                              LossSpec(beta=beta, epsilon=EPS, epsilon_high=fake.epsilon_high, loss_type=loss_type,
+                                       importance_sampling_level=level, max_completion_length=MAX_LEN, delta=delta,
+                                       off_policy_mask_threshold=threshold),
+                              ref_logp=ref if beta else None, num_items_in_batch=num_items,
+                              sampling_logp=sampling if threshold is not None else None, token_weights=weights, **ours)
     loss.backward()
     assert abs(loss.item() - trl.item()) < 1e-6 * max(1.0, abs(trl.item())), (loss.item(), trl.item())
     torch.testing.assert_close(logp.grad, trl_logp.grad, atol=1e-6, rtol=1e-6)
@@ -125,8 +125,8 @@ def test_new_loss_types_match_trl(loss_type, level, beta, on_policy):
 def test_the_sapo_gate_is_not_the_identity_in_the_parity_batch():
     # guard: ratios far from 1, so the soft gate differs from a plain policy gradient
     logp, old, _, _, adv, mask = _batch(4)
-    sapo, _ = policy_loss(logp, old, adv, mask, loss_type="sapo")
-    plain, _ = policy_loss(logp, old, adv, mask, loss_type="grpo", epsilon=0.99, epsilon_high=100.0)
+    sapo, _ = policy_loss(logp, old, adv, mask, LossSpec(loss_type="sapo"))
+    plain, _ = policy_loss(logp, old, adv, mask, LossSpec(loss_type="grpo", epsilon=0.99, epsilon_high=100.0))
     assert abs(sapo.item() - plain.item()) > 1e-3
 
 
@@ -152,8 +152,9 @@ def test_off_policy_mask_falls_back_to_the_old_logprobs_as_trl():
     trl_logp = logp0.clone().requires_grad_()
     fake = _fake("dapo", "token", 0.0, trl_logp, threshold=0.1)
     trl = _trl_loss(fake, adv, mask, old, None, torch.tensor(40))
-    loss, stats = policy_loss(logp0, old, adv, mask, epsilon=EPS, epsilon_high=EPS_HIGH, num_items_in_batch=40,
-                              off_policy_mask_threshold=0.1)
+    loss, stats = policy_loss(logp0, old, adv, mask,
+                              LossSpec(epsilon=EPS, epsilon_high=EPS_HIGH, off_policy_mask_threshold=0.1),
+                              num_items_in_batch=40)
     assert abs(loss.item() - trl.item()) < 1e-9 and stats["off_policy/masked_share"].item() > 0
 
 
@@ -231,7 +232,7 @@ def test_adaptive_entropy_controller_matches_trl_over_several_steps():
         fake._get_per_token_logps_and_entropies = lambda *a, _l=logp, _e=ent, **k: (_l, _e, None)
         applied = coef if last <= knobs["entropy_target"] else 0.0
         trl = _trl_loss(fake, adv, mask, None, None, torch.tensor(22))
-        ours, _ = policy_loss(logp0, None, adv, mask, loss_type="bnpo", entropy=ent, entropy_coef=applied)
+        ours, _ = policy_loss(logp0, None, adv, mask, LossSpec(loss_type="bnpo", entropy_coef=applied), entropy=ent)
         assert abs(ours.item() - trl.item()) < 1e-9, step  # the same coefficient was applied
         measured = float((ent * mask).sum() / mask.sum())
         coef, last = adapt_entropy_coef(coef, measured, target=0.9, delta=0.005, low=0.0, high=0.012), measured

@@ -28,7 +28,7 @@ from transformers import AutoModelForImageTextToText  # noqa: E402
 from trl.data_utils import apply_chat_template, prepare_multimodal_messages  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
-from grpokit.algorithms.objectives import policy_loss  # noqa: E402
+from grpokit.algorithms.objectives import LossSpec, policy_loss  # noqa: E402
 from grpokit.data.images import with_image_placeholders  # noqa: E402
 from grpokit.models.forward import completion_logprobs  # noqa: E402
 from grpokit.models.media import RowMedia  # noqa: E402
@@ -167,8 +167,9 @@ def test_loss_and_gradient_match_trl(vlm):
 
     model = load()
     *_, (logp, _) = _grpokit_side(arch, processor, model, rows, completion_ids, completion_mask)
-    loss, _ = policy_loss(logp, None, advantages, completion_mask, epsilon=EPS, epsilon_high=EPS_HIGH,
-                          loss_type="dapo", num_items_in_batch=completion_mask.sum())
+    loss, _ = policy_loss(logp, None, advantages, completion_mask,
+                          LossSpec(epsilon=EPS, epsilon_high=EPS_HIGH, loss_type="dapo"),
+                          num_items_in_batch=completion_mask.sum())
     loss.backward()
     assert abs(loss.item() - trl_loss.item()) < 1e-5
     head, trl_head = model.get_output_embeddings().weight, trl_model.get_output_embeddings().weight

@@ -2,7 +2,7 @@
 
     import grpokit
     A = grpokit.group_advantages(rewards, group_size=8)            # pure math
-    loss, stats = grpokit.policy_loss(logp, old_logp, A, mask)     # pure math
+    loss, stats = grpokit.policy_loss(logp, old_logp, A, mask)     # pure math (options: grpokit.LossSpec)
     grpokit.train(grpokit.load_config("examples/addition.toml"))   # the whole loop
 
 The folders follow the data flow, every import pointing down:
@@ -25,10 +25,11 @@ import warnings
 
 __version__ = "0.1.0"
 
-__all__ = ["group_advantages", "policy_loss", "token_logprobs", "token_logprobs_from_hidden", "train",
+__all__ = ["LossSpec", "group_advantages", "policy_loss", "token_logprobs", "token_logprobs_from_hidden", "train",
            "load_config", "Config"]
 
-_PUBLIC = {"group_advantages": "grpokit.algorithms", "policy_loss": "grpokit.algorithms",
+_PUBLIC = {"LossSpec": "grpokit.algorithms", "group_advantages": "grpokit.algorithms",
+           "policy_loss": "grpokit.algorithms",
            "token_logprobs": "grpokit.algorithms", "token_logprobs_from_hidden": "grpokit.algorithms",
            "train": "grpokit.training.loop", "load_config": "grpokit.config", "Config": "grpokit.config"}
 

@@ -7,6 +7,6 @@
 
 from grpokit.algorithms.advantages import group_advantages
 from grpokit.algorithms.logprobs import token_logprobs, token_logprobs_from_hidden
-from grpokit.algorithms.objectives import policy_loss
+from grpokit.algorithms.objectives import LossSpec, policy_loss
 
-__all__ = ["group_advantages", "policy_loss", "token_logprobs", "token_logprobs_from_hidden"]
+__all__ = ["LossSpec", "group_advantages", "policy_loss", "token_logprobs", "token_logprobs_from_hidden"]

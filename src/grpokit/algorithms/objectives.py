@@ -120,34 +120,52 @@ def sequence_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor) -> Tensor:
 
 
 @dataclass(frozen=True)
-class Gate:
-    """The knobs of the per-token surrogates: the clip range, two-sided clipping, SAPO's temperatures."""
+class LossSpec:
+    """Everything about the loss that a run fixes once (from its `[algorithm]` config: training/update.py's
+    `loss_spec`), apart from the tensors of each call; the defaults are plain DAPO with no options."""
 
-    eps_low: float = 0.2
-    eps_high: float = 0.2
-    delta: float | None = None
+    loss_type: str = "dapo"
+    beta: float = 0.0
+    epsilon: float = 0.2
+    epsilon_high: float | None = None  # None: epsilon; CISPO's cap itself
+    importance_sampling_level: str = "token"
+    max_completion_length: int | None = None  # dr_grpo's normaliser
+    kl_bias_correction: bool = False
+    entropy_coef: float = 0.0  # the adaptive controller's steps replace it (dataclasses.replace)
+    entropy_aggregation: str = "loss"
+    top_entropy_quantile: float = 1.0
+    delta: float | None = None  # two-sided clipping
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    off_policy_mask_threshold: float | None = None
+
+    @property
+    def eps_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
-def _clipped_surrogate(ratio: Tensor, adv: Tensor, logp: Tensor, gate: Gate) -> Tensor:
-    clipped = ratio.clamp(1.0 - gate.eps_low, 1.0 + gate.eps_high)  # [N, T] or [N, 1]
-    if gate.delta is not None:  # two-sided clipping: the unclipped term's ratio is capped too
-        ratio = ratio.clamp(max=gate.delta)
+def _clipped_surrogate(ratio: Tensor, adv: Tensor, logp: Tensor, spec: LossSpec) -> Tensor:
+    clipped = ratio.clamp(1.0 - spec.epsilon, 1.0 + spec.eps_high)  # [N, T] or [N, 1]
+    if spec.delta is not None:  # two-sided clipping: the unclipped term's ratio is capped too
+        ratio = ratio.clamp(max=spec.delta)
     return -torch.min(ratio * adv, clipped * adv)
 
 
-def _cispo_surrogate(ratio: Tensor, adv: Tensor, logp: Tensor, gate: Gate) -> Tensor:
-    weight = ratio.clamp(max=gate.eps_high).detach()  # [N, T] or [N, 1]
+def _cispo_surrogate(ratio: Tensor, adv: Tensor, logp: Tensor, spec: LossSpec) -> Tensor:
+    weight = ratio.clamp(max=spec.eps_high).detach()  # [N, T] or [N, 1]
     return -weight * adv * logp  # [N, T]
 
 
-def _sapo_surrogate(ratio: Tensor, adv: Tensor, logp: Tensor, gate: Gate) -> Tensor:
-    tau = torch.where(adv > 0, ratio.new_tensor(gate.sapo_temperature_pos), ratio.new_tensor(gate.sapo_temperature_neg))
+def _sapo_surrogate(ratio: Tensor, adv: Tensor, logp: Tensor, spec: LossSpec) -> Tensor:
+    tau = torch.where(adv > 0, ratio.new_tensor(spec.sapo_temperature_pos), ratio.new_tensor(spec.sapo_temperature_neg))
     return -torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * adv  # tau [N, 1]; [N, T] or [N, 1]
 
 
-def _vespo_surrogate(ratio: Tensor, adv: Tensor, logp: Tensor, gate: Gate) -> Tensor:
+def _vespo_surrogate(ratio: Tensor, adv: Tensor, logp: Tensor, spec: LossSpec) -> Tensor:
     return -adv * logp  # [N, T]; policy_loss multiplies by the sequence weight phi
 
 
@@ -219,7 +237,6 @@ def off_policy_mask(adv: Tensor, logp: Tensor, sampling_logp: Tensor, maskf: Ten
     return ((adv >= 0) | (mean_kl <= threshold)).to(maskf.dtype)  # [N, 1]
 
 
-
 def high_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> Tensor:
     """Boolean ``[N, T]``: valid tokens whose entropy is at least the ``(1 - quantile)`` quantile
     (linear interpolation, as ``torch.quantile``) of the valid tokens' entropies; ``quantile=0.2``
@@ -286,14 +303,14 @@ def _masked_mean(x: Tensor, maskf: Tensor) -> Tensor:
     return ((x * maskf).sum() / maskf.sum().clamp(min=1.0)).detach()
 
 
-def _clip_stats(ratio: Tensor, adv: Tensor, maskf: Tensor, loss_type: str, gate: Gate) -> dict[str, Tensor]:
+def _clip_stats(ratio: Tensor, adv: Tensor, maskf: Tensor, spec: LossSpec) -> dict[str, Tensor]:
     ratio = ratio.detach().expand_as(maskf)  # [N, T] (GSPO's [N, 1] broadcast)
-    if loss_type == "cispo":  # the share of tokens whose weight the cap lowered (TRL's cispo_clip_ratio)
-        return {"clip_ratio/high_mean": _masked_mean(((ratio > gate.eps_high) & (adv > 0)).to(maskf.dtype), maskf)}
-    if loss_type not in CLIPPED:
+    if spec.loss_type == "cispo":  # the share of tokens whose weight the cap lowered (TRL's cispo_clip_ratio)
+        return {"clip_ratio/high_mean": _masked_mean(((ratio > spec.eps_high) & (adv > 0)).to(maskf.dtype), maskf)}
+    if spec.loss_type not in CLIPPED:
         return {}
-    low = (ratio < 1.0 - gate.eps_low) & (adv < 0)  # [N, T]
-    high = (ratio > 1.0 + gate.eps_high) & (adv > 0)  # [N, T]
+    low = (ratio < 1.0 - spec.epsilon) & (adv < 0)  # [N, T]
+    high = (ratio > 1.0 + spec.eps_high) & (adv > 0)  # [N, T]
     return {
         "clip_ratio/low_mean": _masked_mean(low.to(maskf.dtype), maskf),
         "clip_ratio/high_mean": _masked_mean(high.to(maskf.dtype), maskf),
@@ -306,87 +323,73 @@ def policy_loss(
     old_logp: Tensor | None,
     advantages: Tensor,
     mask: Tensor,
+    spec: LossSpec = LossSpec(),
     *,
     ref_logp: Tensor | None = None,
-    beta: float = 0.0,
-    epsilon: float = 0.2,
-    epsilon_high: float | None = None,
-    loss_type: str = "dapo",
-    importance_sampling_level: str = "token",
-    max_completion_length: int | None = None,
-    num_items_in_batch: int | Tensor | None = None,
-    kl_bias_correction: bool = False,
     entropy: Tensor | None = None,
-    entropy_coef: float = 0.0,
-    entropy_aggregation: str = "loss",
-    entropy_parts: int = 1,
-    top_entropy_quantile: float = 1.0,
     token_weights: Tensor | None = None,
-    delta: float | None = None,
-    sapo_temperature_pos: float = 1.0,
-    sapo_temperature_neg: float = 1.05,
-    vespo: dict | None = None,
-    off_policy_mask_threshold: float | None = None,
     sampling_logp: Tensor | None = None,
+    num_items_in_batch: int | Tensor | None = None,
+    entropy_parts: int = 1,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Scalar policy loss and detached stats; see the module docstring for the math.
+    """Scalar policy loss and detached stats: the module docstring's math, with the options `spec` fixes.
 
     logp, old_logp, ref_logp, mask, entropy, sampling_logp: ``[N, T]``; advantages: ``[N]``, or ``[N, T]``
     when each turn of a multi-turn answer has its own (``algorithm.turn_advantage``): every per-answer rule
     that reads the advantage's sign (SAPO's and VESPO's gates, the off-policy mask) then reads it per token.
-    ``old_logp=None`` means on-policy (``logp.detach()``: ratio 1, gradient still flows). ``entropy``
-    (with its gradient, for the bonus) is needed only when ``entropy_coef > 0`` or
-    ``top_entropy_quantile < 1``. ``token_weights`` ``[N, T]`` or ``[N, 1]`` (no gradient) multiply
-    each token's policy term: the correction for a sampler other than the trainer
+    ``old_logp=None`` means on-policy (``logp.detach()``: ratio 1, gradient still flows). ``ref_logp`` is
+    needed when ``spec.beta > 0``; ``entropy`` (with its gradient, for the bonus) only when
+    ``spec.entropy_coef > 0`` or ``spec.top_entropy_quantile < 1``. ``token_weights`` ``[N, T]`` or ``[N, 1]``
+    (no gradient) multiply each token's policy term: the correction for a sampler other than the trainer
     (``algorithms/mismatch.py``); vespo folds them into its sequence weight instead, as TRL.
-    ``vespo``: its k_pos / lambda_pos / k_neg / lambda_neg (TRL's defaults when omitted).
     ``sampling_logp``: the sampler's log-probs for the off-policy mask (default: ``old_logp``).
-    ``entropy_aggregation`` / ``entropy_parts``: the entropy bonus's aggregation (module docstring).
+    ``num_items_in_batch``: dapo's token count of the whole minibatch (default: this call's);
+    ``entropy_parts``: the calls one optimizer step adds up unscaled (the token_mean entropy bonus's divisor).
     """
-    _check_policy_args(logp, old_logp, advantages, mask, ref_logp, beta, loss_type)
-    _check_entropy_args(logp, entropy, entropy_coef, top_entropy_quantile, entropy_aggregation, entropy_parts)
-    surrogate, aggregate = LOSS_TYPES[loss_type]
-    gate = Gate(epsilon, epsilon if epsilon_high is None else epsilon_high, delta, sapo_temperature_pos,
-                sapo_temperature_neg)
+    _check_policy_args(logp, old_logp, advantages, mask, ref_logp, spec.beta, spec.loss_type)
+    _check_entropy_args(logp, entropy, spec.entropy_coef, spec.top_entropy_quantile, spec.entropy_aggregation,
+                        entropy_parts)
+    surrogate, aggregate = LOSS_TYPES[spec.loss_type]
     old_logp = logp.detach() if old_logp is None else old_logp
     valid = mask != 0  # [N, T]
     maskf = valid.to(logp.dtype)  # [N, T]
     adv = advantages.to(logp.dtype)
     adv = adv.unsqueeze(-1) if adv.dim() == 1 else adv  # [N, 1], or [N, T] per token (per-turn credit)
 
-    ratio = importance_log_ratio(logp, old_logp, mask, level=importance_sampling_level).exp()  # [N, T] | [N, 1]
-    per_token = surrogate(ratio, adv, logp, gate).expand_as(logp)  # [N, T]
-    stats = _clip_stats(ratio, adv, maskf, loss_type, gate)
-    if loss_type == "vespo":  # the smooth sequence gate, with the sampler correction folded in
-        phi = vespo_weights(adv, torch.where(valid, logp - old_logp, 0.0), maskf, token_weights, **(vespo or {}))
+    ratio = importance_log_ratio(logp, old_logp, mask, level=spec.importance_sampling_level).exp()  # [N, T] | [N, 1]
+    per_token = surrogate(ratio, adv, logp, spec).expand_as(logp)  # [N, T]
+    stats = _clip_stats(ratio, adv, maskf, spec)
+    if spec.loss_type == "vespo":  # the smooth sequence gate, with the sampler correction folded in
+        phi = vespo_weights(adv, torch.where(valid, logp - old_logp, 0.0), maskf, token_weights, k_pos=spec.vespo_k_pos,
+                            lambda_pos=spec.vespo_lambda_pos, k_neg=spec.vespo_k_neg, lambda_neg=spec.vespo_lambda_neg)
         per_token = per_token * phi
         moving = adv.squeeze(-1) != 0  # answers the trainer may have skipped (zero advantage) hold no log-probs
         stats["vespo/phi_seq_mean"] = (phi[moving] if moving.any() else phi).mean().detach()
     elif token_weights is not None:  # constant per-answer or per-token weights of the policy term, before KL (TRL)
         per_token = per_token * token_weights.detach().to(logp.dtype)
-    if off_policy_mask_threshold is not None:
+    if spec.off_policy_mask_threshold is not None:
         sampled = old_logp if sampling_logp is None else sampling_logp
-        keep = off_policy_mask(adv, logp, sampled, maskf, off_policy_mask_threshold)  # [N, 1]
+        keep = off_policy_mask(adv, logp, sampled, maskf, spec.off_policy_mask_threshold)  # [N, 1]
         per_token = per_token * keep
         stats["off_policy/masked_share"] = _masked_mean((1.0 - keep).expand_as(maskf), maskf)
-    if top_entropy_quantile < 1.0:  # the policy term only on the high-entropy tokens
-        acting = high_entropy_mask(entropy, mask, top_entropy_quantile).to(logp.dtype)  # [N, T]
+    if spec.top_entropy_quantile < 1.0:  # the policy term only on the high-entropy tokens
+        acting = high_entropy_mask(entropy, mask, spec.top_entropy_quantile).to(logp.dtype)  # [N, T]
         per_token = per_token * acting
     else:
         acting = maskf
-    if entropy_coef > 0 and entropy_aggregation == "loss":
-        per_token = per_token - entropy_coef * torch.where(valid, entropy, 0.0).to(logp.dtype) * acting
-    if beta > 0:
+    if spec.entropy_coef > 0 and spec.entropy_aggregation == "loss":
+        per_token = per_token - spec.entropy_coef * torch.where(valid, entropy, 0.0).to(logp.dtype) * acting
+    if spec.beta > 0:
         log_ratio_ref = torch.where(valid, ref_logp - logp, 0.0)  # [N, T]
         kl = log_ratio_ref.exp() - log_ratio_ref - 1.0  # [N, T], k3 >= 0
-        if kl_bias_correction:  # DeepSeek-V3.2: KL_t * rho_t (rho not detached), as TRL
+        if spec.kl_bias_correction:  # DeepSeek-V3.2: KL_t * rho_t (rho not detached), as TRL
             kl = kl * ratio
-        per_token = per_token + beta * kl
+        per_token = per_token + spec.beta * kl
         stats["kl"] = _masked_mean(kl, maskf)
     per_token = torch.where(valid, per_token, 0.0)  # [N, T]
-    loss = aggregate(per_token, maskf, max_completion_length, num_items_in_batch)
-    if entropy_coef > 0 and entropy_aggregation == "token_mean":  # TRL's: outside the loss type's normaliser
-        loss = loss - entropy_coef * mean_token_entropy(entropy.to(logp.dtype), acting) / entropy_parts
+    loss = aggregate(per_token, maskf, spec.max_completion_length, num_items_in_batch)
+    if spec.entropy_coef > 0 and spec.entropy_aggregation == "token_mean":  # TRL's: outside the normaliser
+        loss = loss - spec.entropy_coef * mean_token_entropy(entropy.to(logp.dtype), acting) / entropy_parts
     return loss, stats
 
 

@@ -7,20 +7,21 @@
 
 `train(config)` is the whole product: everything that can be checked is checked
 before the model loads (setup.py), then each step is rollout -> grade ->
-advantages (generate.py) -> update (update.py) -> log -> save. The math lives in
-`algorithms/`; this module only says in which order things happen.
+advantages (generate.py) -> score -> optimize (update.py) -> publish -> log -> save.
+The math lives in `algorithms/`; what a failure leaves behind, when to save and when
+to stop, in safekeeping.py; this module only says in which order things happen, and
+one ExitStack owns what the run opens (the folder's lock, worker processes, servers,
+the metrics files), so every way out closes them in reverse order.
 """
 
 from __future__ import annotations
 
-import math
 import time
+from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from grpokit.config.loading import to_toml
 from grpokit.config.schema import Config
-from grpokit.errors import RewardError, RolloutWorkerError, TrainingDiverged
 from grpokit.models.lora import check_given_model
 from grpokit.models.onednn import onednn_linears
 from grpokit.models.parallel import DistributedContext
@@ -29,19 +30,13 @@ from grpokit.observe.diagnostics import Diagnostics
 from grpokit.observe.metrics import num_tokens, reduce_metrics
 from grpokit.observe.tracking import ConsoleProgress, MetricsWriter, drop_rows_after, write_completions
 from grpokit.rollout.agent_engine import agent_engine_from_config
-from grpokit.training.checkpoint import CheckpointWeights, list_checkpoints, save_checkpoint, trainer_state
-from grpokit.training.evaluation import BestCheckpoint, HeldOut
+from grpokit.training.evaluation import HeldOut
 from grpokit.training.reference import sync_reference
 from grpokit.training.rollout_source import build_rollouts, check_async, split_threads
-from grpokit.training.run_folder import RunFolderLock, record_segment, with_resolved_paths
+from grpokit.training.run_folder import RunFolderLock, record_segment
+from grpokit.training.safekeeping import Safekeeping
 from grpokit.training.setup import Run, build_run, check_inputs
-from grpokit.training.stopping import (
-    GracefulStop,
-    continue_command,
-    diverged_message,
-    stop_messages,
-    ungraded_message,
-)
+from grpokit.training.stopping import continue_command, stop_messages
 from grpokit.training.update import optimize, score_old_and_ref, with_is_weights
 
 
@@ -70,153 +65,124 @@ def train(
     if engine is None and config.tools.agent:  # a black-box agent: the endpoint on the run's own engine
         engine = agent_engine_from_config(config)
     dist = DistributedContext.from_env()  # alone: rank 0 of 1, and every collective is a no-op
-    lock = RunFolderLock(config.output.dir, command) if dist.is_main else None  # rank 0 holds the folder
     hint = continue_command(command)
-    inputs = None
-    try:
-        with stop_messages(Path(config.output.dir).absolute(), hint):  # Ctrl-C, a full disk: how to continue
-            inputs = check_inputs(config, dist, lock, rows=rows, reward_functions=reward_functions, resume=resume,
-                                  tools=tools, environment_factory=environment_factory, eval_rows=eval_rows)
-            if dist.is_main:
-                for note in inputs.folder.notes + inputs.notes:
-                    print(note, flush=True)
-            if inputs.complete:
-                if dist.is_main:
-                    print(f"{inputs.folder.path} is already complete at step {config.train.steps} (train.steps = "
-                          f"{config.train.steps}); raise train.steps to continue it", flush=True)
-                return inputs.folder.path
-            check_async(config, engine)
-            if model is not None:
-                check_given_model(model)
-            threads = split_threads(config)[0] if config.rollout.mode == "async" else config.train.num_threads
-            _, crowded = configure_threads(threads)
-            if crowded and dist.is_main:
-                print(crowded, flush=True)
-            run = build_run(config, inputs, dist, engine, model)
-            objects = dict(rows=rows, reward_functions=reward_functions, tools=tools,
-                           environment_factory=environment_factory)  # what async rollout workers rebuild
-            try:
-                return _loop(config, run, dist, hint, command, objects)
-            finally:  # an agent engine's endpoint (rollout/agent_endpoint.py) stops with the run
-                getattr(run.engine, "stop_serving", lambda: None)()
-    finally:
-        if inputs is not None and inputs.reward_pool is not None:
-            inputs.reward_pool.close()  # the isolated rewards' worker processes
-        for kind in inputs.environments.kinds.values() if inputs is not None and inputs.environments else ():
-            getattr(kind.cls, "grpokit_close", lambda: None)()  # servers grpokit started (rollout/adapters.py)
+    with ExitStack() as resources:  # everything the run opens, closed in reverse order however it ends
+        lock = RunFolderLock(config.output.dir, command) if dist.is_main else None  # rank 0 holds the folder
         if lock is not None:
-            lock.release()
+            resources.callback(lock.release)
+        resources.enter_context(stop_messages(Path(config.output.dir).absolute(), hint))  # Ctrl-C, a full disk
+        inputs = check_inputs(config, dist, lock, rows=rows, reward_functions=reward_functions, resume=resume,
+                              tools=tools, environment_factory=environment_factory, eval_rows=eval_rows)
+        resources.callback(_close_inputs, inputs)
+        if dist.is_main:
+            for note in inputs.folder.notes + inputs.notes:
+                print(note, flush=True)
+        if inputs.complete:
+            if dist.is_main:
+                print(f"{inputs.folder.path} is already complete at step {config.train.steps} (train.steps = "
+                      f"{config.train.steps}); raise train.steps to continue it", flush=True)
+            return inputs.folder.path
+        check_async(config, engine)
+        if model is not None:
+            check_given_model(model)
+        threads = split_threads(config)[0] if config.rollout.mode == "async" else config.train.num_threads
+        _, crowded = configure_threads(threads)
+        if crowded and dist.is_main:
+            print(crowded, flush=True)
+        run = build_run(config, inputs, dist, engine, model)
+        resources.callback(getattr(run.engine, "stop_serving", lambda: None))  # an agent engine's endpoint
+        objects = dict(rows=rows, reward_functions=reward_functions, tools=tools,
+                       environment_factory=environment_factory)  # what async rollout workers rebuild
+        return _loop(config, run, dist, hint, command, objects, resources)
 
 
-def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command: str | None,
-          objects: dict) -> Path:
-    local, inputs, policy = run.inputs.local, run.inputs, run.policy  # local: this process's share
+def _close_inputs(inputs) -> None:
+    """What `check_inputs` started: the isolated rewards' worker processes, servers of environments."""
+    if inputs.reward_pool is not None:
+        inputs.reward_pool.close()
+    for kind in inputs.environments.kinds.values() if inputs.environments else ():
+        getattr(kind.cls, "grpokit_close", lambda: None)()  # servers grpokit started (rollout/adapters.py)
+
+
+def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command: str | None, objects: dict,
+          resources: ExitStack) -> Path:
+    """One step: rollout (sample, grade, advantages) -> score -> optimize -> publish -> log -> save.
+    `keeper` (safekeeping.py) decides what a failure leaves behind, when to save, and when to stop."""
+    inputs, policy, local = run.inputs, run.policy, run.inputs.local  # local: this process's share
     run_dir = inputs.folder.path
-    if dist.is_main:
-        for log in ("metrics.jsonl", "completions.jsonl") if run.start_step else ():  # steps after it are redone
-            drop_rows_after(run_dir / log, run.start_step)
-        record_segment(run_dir, config, inputs.folder, run.start_step, command)
-    writer = dist.main_only(lambda: MetricsWriter(run_dir, append=run.start_step > 0,
-                                                  tensorboard=config.output.tensorboard, wandb=config.output.wandb))
-    console = dist.main_only(lambda: ConsoleProgress(config.train.steps, run.start_step, enabled=config.output.console))
-    diagnostics = Diagnostics.from_config(config)  # common mistakes, each said once
-    for message in diagnostics.check_config(config):
-        console.print(message)
-    config_text = to_toml(with_resolved_paths(config))  # what each checkpoint records; a resume is checked against it
+    resources.callback(dist.close)  # closed last: every process waits for the others
+    log = _RunLog(config, run, dist, command, resources)
+    keeper = resources.enter_context(Safekeeping(config, run, dist, hint, log.console, log.writer))
     held_out = HeldOut(inputs.held_out, config, inputs.tools, inputs.environments) \
         if inputs.held_out is not None else None
-    best = BestCheckpoint(run_dir, config.output.keep_best) if config.output.keep_best and dist.is_main else None
-
-    def save(step: int, keep_step: int | None = None) -> Path:
-        state = trainer_state(step, policy, run.sampler, run.stream)
-        weights = CheckpointWeights(policy.model)  # gathered under FSDP; with LoRA the merged model + adapter/
-        return dist.run_on_main(save_checkpoint, run_dir, step, weights, inputs.tokenizer, state,
-                                config.output.keep_last, config_text, hint, keep_step)
-
-    failed_steps = 0  # consecutive steps whose every update was skipped as non-finite
-    ungraded_steps = 0  # consecutive steps in which no reward function graded any answer
-    saved = run.start_step  # the newest step with a checkpoint
-    rollouts = None
-    try:
-        with GracefulStop() as stop:
-            rollouts = build_rollouts(config, run, run_dir, **objects)  # sync, or worker processes (async)
-            for step in range(run.start_step + 1, config.train.steps + 1):
-                t0 = time.perf_counter()
-                # rollout -> grade -> advantages (async: a batch the workers sampled meanwhile)
-                try:
-                    batch, gen_metrics = rollouts.next(step)
-                except RolloutWorkerError as e:  # the finished steps are kept, the folder resumable
-                    path = save(step - 1) if step - 1 > saved and dist.world_size == 1 else None
-                    kept = f"step {step - 1} is saved ({path})" if path else "the newest checkpoint stays"
-                    if path is None and not list_checkpoints(run_dir):  # nothing to --resume from
-                        raise RolloutWorkerError(f"{e}; no checkpoint was written yet: start again with the same "
-                                                 "command") from None
-                    raise RolloutWorkerError(f"{e}; {kept}. Continue with: {hint}") from None
-                t1 = time.perf_counter()
-                # update: old / reference log-probs, then μ passes of clipped-surrogate steps
-                # (oneDNN linears: the backward runs inside the block)
-                with onednn_linears(policy.model, policy.ref_model, enabled=local.train.onednn_linear):
-                    batch = score_old_and_ref(local, policy, batch)
-                    if local.algorithm.is_correction != "none":  # the sampler's log-probs are not the trainer's
-                        batch, is_metrics = with_is_weights(local, policy, batch)
-                        gen_metrics.update(is_metrics)
-                    train_metrics, _ = optimize(local, policy, batch)
-                train_metrics.update(sync_reference(local, policy, step))  # ref_sync_every: reference -> policy
-                train_metrics.update(rollouts.publish(policy.model, step))  # the samplers get the new weights
-                t2 = time.perf_counter()
-                # log
-                n_tokens = batch.rollout.completion_mask.sum().item()
-                metrics = {**gen_metrics, **train_metrics, "learning_rate": policy.scheduler.get_last_lr()[0],
-                           "time/rollout": gen_metrics.pop("time/rollout"), "time/train": t2 - t1,
-                           "time/step": t2 - t0, "tokens_per_sec": n_tokens / (t2 - t0)}
-                metrics = reduce_metrics(metrics, batch, inputs.specs, local)  # over all processes
-                metrics["num_tokens"] = num_tokens(run_dir / "metrics.jsonl", batch.rollout)  # TRL's: tokens seen
-                if held_out is not None and held_out.due(step):  # [eval]: every process scores its share
-                    t3 = time.perf_counter()
-                    try:
-                        metrics.update(held_out.run(policy.model, inputs.tokenizer, inputs.specs))
-                    except Exception:
-                        if dist.world_size == 1:  # the step itself finished: its row and a checkpoint stay
-                            writer.write(step, metrics)
-                            path = save(step, best.step if best else None)
-                            console.print(f"step {step} finished and is saved ({path}); its evaluation failed. "
-                                          f"Continue with: {hint}")
-                        raise
-                    metrics["time/eval"] = time.perf_counter() - t3
-                    console.print(f"step {step}: " + "  ".join(f"{k} {v:.3f}" for k, v in metrics.items()
-                                                                if k.startswith("eval/")))
-                writer.write(step, metrics)
-                for message in diagnostics.update(step, metrics):
-                    console.print(message)
-                if config.output.completions_every and step % config.output.completions_every == 0:
-                    draw, advantages = dist.gather_draw(batch.draw, batch.advantages)
-                    if dist.is_main:
-                        write_completions(run_dir, step, draw, advantages, inputs.specs)
-                console.update(step, metrics)
-                failed_steps = failed_steps + 1 if math.isnan(metrics["grad_norm"]) else 0
-                if config.train.max_consecutive_skips and failed_steps >= config.train.max_consecutive_skips:
-                    raise TrainingDiverged(diverged_message(run_dir, failed_steps))
-                # rewards.on_error = "skip" with a grader that is down: no answer graded, nothing learned
-                ungraded_steps = ungraded_steps + 1 if not dist.any(bool((~batch.draw.total.isnan()).any())) else 0
-                if config.train.max_consecutive_skips and ungraded_steps >= config.train.max_consecutive_skips:
-                    raise RewardError(ungraded_message(run_dir, ungraded_steps, metrics, hint))
-                # save
-                due = step == config.train.steps or (config.output.save_every and step % config.output.save_every == 0)
-                improved = dist.any(best is not None and best.improves(metrics))  # rank 0 decides
-                stopping = dist.any(bool(stop.requested))  # a signal to any process stops them all
-                if due or stopping or improved:
-                    path, saved = save(step, step if improved else (best.step if best else None)), step
-                if improved and best is not None:
-                    best.record(step, metrics[best.metric], path)
-                    console.print(f"step {step}: best {best.metric} so far ({best.value:.4f}): {path.name} is kept")
-                if stopping:
-                    console.print(f"{stop.requested or 'a stop on another process'}: stopped after step {step}; "
-                                  f"saved {path}. Continue with: {hint}")
-                    break
-    finally:
-        if rollouts is not None:
-            rollouts.close()  # async: the worker processes stop
-        console.close()
-        writer.close()
-        dist.close()
+    rollouts = build_rollouts(config, run, run_dir, **objects)  # sync, or worker processes (async)
+    resources.callback(rollouts.close)
+    for step in range(run.start_step + 1, config.train.steps + 1):
+        t0 = time.perf_counter()
+        with keeper.on_rollout_error(step):  # rollout -> grade -> advantages (async: sampled meanwhile)
+            batch, gen_metrics = rollouts.next(step)
+        t1 = time.perf_counter()
+        # score: old / reference log-probs; optimize: μ passes of clipped-surrogate steps
+        # (oneDNN linears: the backward runs inside the block)
+        with onednn_linears(policy.model, policy.ref_model, enabled=local.train.onednn_linear):
+            batch = score_old_and_ref(local, policy, batch)
+            if local.algorithm.is_correction != "none":  # the sampler's log-probs are not the trainer's
+                batch, is_metrics = with_is_weights(local, policy, batch)
+                gen_metrics.update(is_metrics)
+            train_metrics, _ = optimize(local, policy, batch)
+        train_metrics.update(sync_reference(local, policy, step))  # ref_sync_every: reference -> policy
+        train_metrics.update(rollouts.publish(policy.model, step))  # publish: the samplers get the new weights
+        t2 = time.perf_counter()
+        # log
+        n_tokens = batch.rollout.completion_mask.sum().item()
+        metrics = {**gen_metrics, **train_metrics, "learning_rate": policy.scheduler.get_last_lr()[0],
+                   "time/rollout": gen_metrics.pop("time/rollout"), "time/train": t2 - t1,
+                   "time/step": t2 - t0, "tokens_per_sec": n_tokens / (t2 - t0)}
+        metrics = reduce_metrics(metrics, batch, inputs.specs, local)  # over all processes
+        metrics["num_tokens"] = num_tokens(run_dir / "metrics.jsonl", batch.rollout)  # TRL's: tokens seen
+        if held_out is not None and held_out.due(step):  # [eval]: every process scores its share
+            t3 = time.perf_counter()
+            with keeper.on_eval_error(step, metrics):
+                metrics.update(held_out.run(policy.model, inputs.tokenizer, inputs.specs))
+            metrics["time/eval"] = time.perf_counter() - t3
+        log.step(step, metrics, batch)
+        # save (after the guards: NaN updates, nothing graded); a stop asked for ends the run here
+        keeper.guard(step, metrics, batch)
+        if keeper.save(step, metrics):
+            break
     return run_dir
+
+
+class _RunLog:
+    """Where each step's numbers go: metrics.jsonl (and TensorBoard / W&B), the console with the diagnostics'
+    advice (each said once), completions.jsonl every `output.completions_every` steps. Rank 0 writes."""
+
+    def __init__(self, config: Config, run: Run, dist: DistributedContext, command: str | None,
+                 resources: ExitStack):
+        self.config, self.dist, self.specs, self.run_dir = config, dist, run.inputs.specs, run.inputs.folder.path
+        if dist.is_main:
+            for log in ("metrics.jsonl", "completions.jsonl") if run.start_step else ():  # later steps are redone
+                drop_rows_after(self.run_dir / log, run.start_step)
+            record_segment(self.run_dir, config, run.inputs.folder, run.start_step, command)
+        self.writer = resources.enter_context(closing(dist.main_only(lambda: MetricsWriter(
+            self.run_dir, append=run.start_step > 0, tensorboard=config.output.tensorboard,
+            wandb=config.output.wandb))))
+        self.console = resources.enter_context(closing(dist.main_only(lambda: ConsoleProgress(
+            config.train.steps, run.start_step, enabled=config.output.console))))
+        self.diagnostics = Diagnostics.from_config(config)  # common mistakes, each said once
+        for message in self.diagnostics.check_config(config):
+            self.console.print(message)
+
+    def step(self, step: int, metrics: dict, batch) -> None:
+        if "time/eval" in metrics:
+            self.console.print(f"step {step}: " + "  ".join(f"{k} {v:.3f}" for k, v in metrics.items()
+                                                             if k.startswith("eval/")))
+        self.writer.write(step, metrics)
+        for message in self.diagnostics.update(step, metrics):
+            self.console.print(message)
+        every = self.config.output.completions_every
+        if every and step % every == 0:
+            draw, advantages = self.dist.gather_draw(batch.draw, batch.advantages)
+            if self.dist.is_main:
+                write_completions(self.run_dir, step, draw, advantages, self.specs)
+        self.console.update(step, metrics)

@@ -16,7 +16,7 @@ import math
 import torch
 
 from grpokit.algorithms.mismatch import importance_correction
-from grpokit.algorithms.objectives import adapt_entropy_coef, high_entropy_mask, policy_loss
+from grpokit.algorithms.objectives import LossSpec, adapt_entropy_coef, high_entropy_mask, policy_loss
 from grpokit.config.schema import Config
 from grpokit.models.forward import completion_logprobs
 from grpokit.models.parallel import global_sum, reduce_gradients, world_size
@@ -74,12 +74,28 @@ def with_is_weights(config: Config, policy: Policy, batch: GenerationBatch) -> t
     return dataclasses.replace(batch, is_weight=weights, old_logp=old), stats
 
 
+def loss_spec(config: Config) -> LossSpec:
+    """The loss's options as `config.algorithm` sets them, built once per update (the entropy
+    coefficient is the configured one; the adaptive controller's steps replace it)."""
+    algo = config.algorithm
+    return LossSpec(
+        loss_type=algo.loss_type, beta=algo.beta, epsilon=algo.epsilon,
+        epsilon_high=algo.cispo_cap if algo.loss_type == "cispo" else algo.clip_high,
+        importance_sampling_level=algo.importance_sampling_level, max_completion_length=config.rollout.max_new_tokens,
+        kl_bias_correction=algo.kl_bias_correction, entropy_coef=algo.entropy_coef,
+        entropy_aggregation=algo.entropy_aggregation, top_entropy_quantile=algo.top_entropy_quantile,
+        delta=algo.delta or None, sapo_temperature_pos=algo.sapo_temperature_pos,
+        sapo_temperature_neg=algo.sapo_temperature_neg, vespo_k_pos=algo.vespo_k_pos,
+        vespo_lambda_pos=algo.vespo_lambda_pos, vespo_k_neg=algo.vespo_k_neg, vespo_lambda_neg=algo.vespo_lambda_neg,
+        off_policy_mask_threshold=algo.off_policy_mask_threshold or None)
+
+
 def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[dict, torch.Tensor | None]:
     """μ passes over the batch; each pass is split into minibatches (one optimizer step
     each), each minibatch into micro-batches (gradient accumulation). Returns the metrics and the
     old log-probs [N, T] the passes after the first used (with `old_logprobs = "first_pass"`, the
     first pass's own; None when no update preceded another)."""
-    algo, model = config.algorithm, policy.model
+    algo, model, spec = config.algorithm, policy.model, loss_spec(config)
     N = len(batch.advantages)
     sums: dict[str, float] = {}
     grad_norms, losses, skipped = [], [], 0
@@ -95,10 +111,10 @@ def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[di
             micro_batches = minibatch.split(config.micro_batch_size)
             n_items = global_sum(batch.loss_mask[minibatch].sum()).clamp(min=1)  # dapo: minibatch tokens, all ranks
             loss, entropy_sum, entropy_tokens = 0.0, 0.0, 0.0
-            coef = _entropy_coef_now(algo, policy)
+            step_spec = dataclasses.replace(spec, entropy_coef=_entropy_coef_now(algo, policy))
             for rows in micro_batches:
-                micro_loss, stats, logp = _micro_step(config, policy, batch, old, rows, n_items, len(micro_batches),
-                                                      coef)
+                micro_loss, stats, logp = _micro_step(config, step_spec, policy, batch, old, rows, n_items,
+                                                      len(micro_batches))
                 entropy_sum += stats.pop("_acting_entropy", 0.0)  # the controller's: over the tokens the bonus acts on
                 entropy_tokens += stats.pop("_acting_tokens", 0.0)
                 if first_logp is not None and iteration == 0:
@@ -147,8 +163,8 @@ def _entropy_coef_now(algo, policy: Policy) -> float:
     return policy.entropy_coef if policy.last_entropy <= algo.entropy_target else 0.0
 
 
-def _micro_step(config: Config, policy: Policy, batch: GenerationBatch, old_logp, rows, n_items, n_micro,
-                entropy_coef: float):
+def _micro_step(config: Config, spec: LossSpec, policy: Policy, batch: GenerationBatch, old_logp, rows, n_items,
+                n_micro: int):
     """Forward + backward on one micro-batch; returns its share of the minibatch loss, token-weighted
     sums of its stats, and its log-probs [n, T] (detached).
 
@@ -163,21 +179,11 @@ def _micro_step(config: Config, policy: Policy, batch: GenerationBatch, old_logp
     weights = None if batch.is_weight is None else batch.is_weight[rows, :T]  # [n, T] or [n, 1]
     # the off-policy mask measures the drift from the sampler: its own log-probs (vLLM: not the trainer's)
     sampled = r.logprobs[rows, :T] if algo.off_policy_mask_threshold else None
+    entropy_parts = n_micro * world_size() if algo.sums_over_global_tokens else 1  # token_mean: one mean per call
 
     def loss_of(logp, entropy=None):  # [n, T] -> this micro-batch's share of the minibatch loss, stats
-        loss, stats = policy_loss(
-            logp, old, adv, mask, ref_logp=ref, beta=algo.beta, epsilon=algo.epsilon,
-            epsilon_high=algo.cispo_cap if algo.loss_type == "cispo" else algo.clip_high,
-            loss_type=algo.loss_type, importance_sampling_level=algo.importance_sampling_level,
-            max_completion_length=config.rollout.max_new_tokens, num_items_in_batch=n_items,
-            kl_bias_correction=algo.kl_bias_correction, entropy=entropy, entropy_coef=entropy_coef,
-            entropy_aggregation=algo.entropy_aggregation,  # token_mean: one mean per micro-batch and process
-            entropy_parts=n_micro * world_size() if algo.sums_over_global_tokens else 1,
-            top_entropy_quantile=algo.top_entropy_quantile, token_weights=weights, delta=algo.delta or None,
-            sapo_temperature_pos=algo.sapo_temperature_pos, sapo_temperature_neg=algo.sapo_temperature_neg,
-            vespo={"k_pos": algo.vespo_k_pos, "lambda_pos": algo.vespo_lambda_pos, "k_neg": algo.vespo_k_neg,
-                   "lambda_neg": algo.vespo_lambda_neg},
-            off_policy_mask_threshold=algo.off_policy_mask_threshold or None, sampling_logp=sampled)
+        loss, stats = policy_loss(logp, old, adv, mask, spec=spec, ref_logp=ref, entropy=entropy, token_weights=weights,
+                                  sampling_logp=sampled, num_items_in_batch=n_items, entropy_parts=entropy_parts)
         # a global-token normaliser already spans the minibatch; the others average the micro-batches
         return (loss if algo.sums_over_global_tokens else loss / n_micro), stats
 

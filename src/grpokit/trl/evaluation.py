@@ -157,6 +157,7 @@ def _batch_metrics(trainer, model, draw, answers: torch.Tensor, specs, G: int) -
     from grpokit.models.forward import completion_logprobs, head_is_linear
     from grpokit.observe.metrics import completion_metrics, reward_summary
     from grpokit.rewards.core import reward_metrics
+    from grpokit.training.update import loss_spec
 
     config, algo = trainer.config, trainer.config.algorithm
     r, total, per_fn = draw.rollout, draw.total[answers], draw.per_fn[answers]
@@ -178,18 +179,9 @@ def _batch_metrics(trainer, model, draw, answers: torch.Tensor, specs, G: int) -
     reference = _reference(trainer, model) if algo.beta > 0 else None
     ref = completion_logprobs(reference, *scored, temperature=config.rollout.temperature,
                               linear_head=linear)[0] if reference is not None else None
-    loss, stats = policy_loss(
-        logp, None, adv.to(logp.device), mask, ref_logp=ref, beta=algo.beta, epsilon=algo.epsilon,
-        epsilon_high=algo.cispo_cap if algo.loss_type == "cispo" else algo.clip_high, loss_type=algo.loss_type,
-        importance_sampling_level=algo.importance_sampling_level, max_completion_length=config.rollout.max_new_tokens,
-        num_items_in_batch=mask.sum().clamp(min=1), kl_bias_correction=algo.kl_bias_correction,
-        entropy=entropy if algo.uses_entropy else None, entropy_coef=algo.entropy_coef,
-        entropy_aggregation=algo.entropy_aggregation,  # one eval batch, no accumulation: entropy_parts 1, as TRL
-        top_entropy_quantile=algo.top_entropy_quantile, delta=algo.delta or None,
-        sapo_temperature_pos=algo.sapo_temperature_pos, sapo_temperature_neg=algo.sapo_temperature_neg,
-        vespo={"k_pos": algo.vespo_k_pos, "lambda_pos": algo.vespo_lambda_pos, "k_neg": algo.vespo_k_neg,
-               "lambda_neg": algo.vespo_lambda_neg},
-        off_policy_mask_threshold=algo.off_policy_mask_threshold or None,
+    loss, stats = policy_loss(  # one eval batch, no accumulation: entropy_parts 1, as TRL
+        logp, None, adv.to(logp.device), mask, spec=loss_spec(config), ref_logp=ref,
+        entropy=entropy if algo.uses_entropy else None, num_items_in_batch=mask.sum().clamp(min=1),
         sampling_logp=r.logprobs[answers, :T] if algo.off_policy_mask_threshold else None)
     maskf = mask.to(entropy.dtype)
     lengths = r.action_mask[answers].sum(-1).float()
