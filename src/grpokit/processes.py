@@ -139,13 +139,19 @@ class Launcher:
         self._pool.shutdown(wait=False)
 
 
-def _kill_group(pid: int) -> None:
-    """SIGKILL the process group `pid` leads, or the process alone if it leads none (yet)."""
+def _kill_group(child) -> None:
+    """SIGKILL the process group `child` leads (it, and what it started), or, while it leads none (a spawned
+    child before `own_session`), the child alone; never a pid already reaped, which may be another's now."""
     try:
-        os.killpg(pid, signal.SIGKILL)
+        os.killpg(child.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
+        if _code(child) is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(child.pid, signal.SIGKILL)
+
+
+def _code(child) -> int | None:
+    return child.poll() if isinstance(child, subprocess.Popen) else child.exitcode
 
 
 def stop(children: list, grace: float = 0.0) -> list[int | None]:
@@ -158,7 +164,7 @@ def stop(children: list, grace: float = 0.0) -> list[int | None]:
         if grace:  # none: nothing is reaped before the kill, so the leader's pid still names its group
             _wait(child, max(0.0, deadline - time.monotonic()))
         if child.pid is not None:
-            _kill_group(child.pid)
+            _kill_group(child)
         codes.append(_wait(child, 10.0))
     return codes
 

@@ -179,8 +179,6 @@ class AsyncRollouts:
         self.announced = ctx.Value("q", -1)
         self.beats = ctx.Array("d", [time.monotonic()] * self.W)
         self.results, self.orders = ctx.Queue(), [ctx.Queue() for _ in range(self.W)]
-        # batches are fetched on the inbox's thread: one whose tensors a frozen worker holds blocks it, not us
-        self.inbox = processes.Inbox(lambda timeout: self.results.get(timeout=timeout), "rollout-results")
         self.server_lock = ctx.Lock()  # a vLLM server: held by the worker while it samples, by the trainer to push
         self.channel = LockedPublisher(run.engine.weights, self.timeout_s, self.server_lock, self.announced) \
             if "server" in r.vllm else GlooPublisher(self.W, self.timeout_s, self.announced)
@@ -200,6 +198,9 @@ class AsyncRollouts:
         with _main_hidden(not any(from_main)), processes.stop_signals_held():
             for p in self.procs:
                 p.start()
+            # batches are fetched on the inbox's thread (signals held there for good): one whose tensors a
+            # frozen worker holds blocks that thread, never the trainer
+            self.inbox = processes.Inbox(lambda timeout: self.results.get(timeout=timeout), "rollout-results")
         try:
             ready: set[int] = set()
             while len(ready) < self.W:  # each builds its model, rewards and tools (imports may starve its beat)
