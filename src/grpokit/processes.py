@@ -10,12 +10,14 @@ The kinds, each a small use of this module:
 
 What each one gets from here:
 
-- **start** (`Launcher`): children start from one thread that lives as long as their pool, because the
-  kernel's parent-death signal fires when the *thread* that started a child ends, not the process; each
-  child gets a session of its own (`start_new_session`, or `own_session()` for a spawned one), so that one
-  `killpg` stops it together with whatever it started.
+- **start** (`popen`): a session of its own for each child (`start_new_session`, or `own_session()` in a
+  spawned one), so that one `killpg` stops it together with whatever it started. Children that must die
+  with the trainer start from a `Launcher`, one thread that lives as long as their pool: the kernel's
+  parent-death signal fires when the *thread* that started a child ends, not the process.
 - **death with the parent** (`die_with_parent`, called first thing in the child): SIGKILL (or the signal
-  given) when the trainer dies, however it dies; a child whose parent died before the call exits at once.
+  given) when the trainer dies, however it dies; a child whose parent died before the call gets it at once.
+  The sandbox's judge is the exception: bubblewrap's `--die-with-parent` covers it; without bubblewrap a
+  judge that waits on a sleeping answer outlives a SIGKILLed trainer (its uid switch would clear the signal).
 - **heartbeat** (`start_heartbeat` in the child, `beat_age` in the parent): a thread of the child writes
   `time.monotonic()` into a shared slot every `HEARTBEAT_S`; a frozen child (SIGSTOP, a debugger, a
   stuck interpreter) stops beating.
@@ -125,6 +127,11 @@ def is_hung(beats, index: int, timeout_s: float) -> bool:
     return beat_age(beats, index) > max(timeout_s, 4 * HEARTBEAT_S)
 
 
+def popen(argv: list[str], **kwargs) -> subprocess.Popen:
+    """Start `argv` in a session of its own: one `stop` takes it and whatever it starts."""
+    return subprocess.Popen(argv, start_new_session=True, **kwargs)
+
+
 class Launcher:
     """The thread children are started from, kept for as long as they may live (the parent-death signal
     fires when the starting thread ends). `popen` starts a fresh interpreter in a session of its own."""
@@ -133,7 +140,7 @@ class Launcher:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=name)
 
     def popen(self, argv: list[str], **kwargs) -> subprocess.Popen:
-        return self._pool.submit(subprocess.Popen, argv, start_new_session=True, **kwargs).result()
+        return self._pool.submit(popen, argv, **kwargs).result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)

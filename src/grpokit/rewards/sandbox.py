@@ -219,8 +219,8 @@ def _grade(mode: bwrap.Mode, code: str, tests: Sequence[str], time_limit: float,
         env.update(PATH=path, LANG="C.UTF-8", **_ONE_THREAD)
         first = json.dumps(job).encode("utf-8", "surrogatepass")
         message = b"%016x" % len(first) + first + json.dumps(list(tests)).encode("utf-8", "surrogatepass")
-        proc = subprocess.Popen(argv, cwd=work, env=env, stdin=subprocess.PIPE, stdout=result, stderr=err,
-                                start_new_session=True, close_fds=True, **popen)
+        proc = processes.popen(argv, cwd=work, env=env, stdin=subprocess.PIPE, stdout=result, stderr=err,
+                               close_fds=True, **popen)
         try:
             proc.communicate(message, timeout=time_limit + _STARTUP_GRACE)
         except subprocess.TimeoutExpired:
