@@ -192,7 +192,7 @@ class Inbox:
     the middle of a message, or holding the shared memory of one) blocks that thread, never the caller,
     who waits here with a deadline. `receive(timeout)` returns one message or raises queue.Empty; an error
     it raises is handed to the caller in the message's place (the sender of that message died), and the
-    thread goes on."""
+    thread goes on until `close()`."""
 
     def __init__(self, receive: Callable[[float], Any], name: str):
         self._receive, self._messages = receive, queue.SimpleQueue()
@@ -206,10 +206,8 @@ class Inbox:
                 self._messages.put((True, self._receive(0.2)))
             except queue.Empty:
                 continue
-            except (OSError, EOFError) as e:  # one message's sender is gone; the others may still come
-                self._messages.put((False, e))
-            except ValueError:  # the channel was closed under it
-                return
+            except Exception as e:  # noqa: BLE001 - e.g. this message's sender died before it was read: the
+                self._messages.put((False, e))  # caller hears it, in its place; the others may still come
 
     def get(self, timeout: float) -> Any:
         """The next message within `timeout` seconds (queue.Empty if none), or the error receiving it raised."""
