@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -171,6 +172,36 @@ def test_a_failing_worker_ends_the_run_with_one_error_and_a_resumable_folder(tin
     assert (out / "checkpoint-1").is_dir()
     run = train(config(tiny_model_dir, out, steps=2), reward_functions=[parity], resume=True)
     assert [r["step"] for r in rows(run / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_worker_frozen_with_batches_queued_is_hung_within_its_timeout(tiny_model_dir, tmp_path, monkeypatch):
+    """Issue 43: `kill -STOP` of a worker whose batches wait, unread, for the trainer (their tensors stay in
+    the worker's memory, fetched over a local socket the frozen worker no longer serves) ends the run within
+    rollout.worker_timeout_s with the heartbeat's error, not a trainer blocked on that socket."""
+    from grpokit.training import rollout_source
+
+    original, frozen = rollout_source.AsyncRollouts.next, {}
+
+    def next_batch(self, step):
+        if step == 2 and not frozen:
+            time.sleep(2.0)  # ordered 3 steps ahead, the worker has queued the batches of steps 2 to 4
+            frozen.update(pid=self.procs[0].pid, at=time.monotonic())
+            os.kill(frozen["pid"], signal.SIGSTOP)
+            frozen["rescue"] = threading.Timer(60, os.kill, (frozen["pid"], signal.SIGKILL))  # else a hang
+            frozen["rescue"].start()
+        return original(self, step)
+
+    monkeypatch.setattr(rollout_source.AsyncRollouts, "next", next_batch)
+    try:
+        with pytest.raises(RolloutWorkerError) as err:
+            train(config(tiny_model_dir, tmp_path / "run", steps=8,
+                         rollout={"max_staleness": 3, "weight_sync_every": 4, "worker_timeout_s": 5}),
+                  reward_functions=[parity])
+    finally:
+        if "rescue" in frozen:
+            frozen["rescue"].cancel()
+    assert "rollout worker 0 is hung: no heartbeat" in str(err.value)
+    assert time.monotonic() - frozen["at"] < 5 + 15
 
 
 def test_what_async_cannot_do_is_refused_before_the_model_loads(tiny_model_dir, tmp_path):

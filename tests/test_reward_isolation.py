@@ -399,8 +399,8 @@ def test_workers_die_with_a_sigkilled_trainer(tmp_path):
         spec.loader.exec_module(module)  # without grpokit.rewards' __init__: no torch, a quick start
         pool = module.RewardPool(workers=2).start()  # (a pool nothing refers to closes itself)
         job = {{"completions": ["a"], "pidfile": [{str(pidfile)!r}]}}
-        source = module._source("tree", tree.starts_child_and_hangs)
-        threading.Thread(target=pool._run, args=(source, [job], (), None), daemon=True).start()
+        source = module.sendable("tree", tree.starts_child_and_hangs)
+        threading.Thread(target=pool.run, args=(source, [job], (), None), daemon=True).start()
         while not Path({str(pidfile)!r}).is_file() or not Path({str(pidfile)!r}).read_text():
             time.sleep(0.02)
         print(*pool.pids, Path({str(pidfile)!r}).read_text(), flush=True)

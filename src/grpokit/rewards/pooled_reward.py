@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from grpokit.errors import RewardError, RewardTimeoutError
 from grpokit.rewards.core import RewardSpec
-from grpokit.rewards.worker_pool import BUILD_LIMIT_S, RewardPool, RewardWorkerError, _pickles, _Source, _source
+from grpokit.rewards.worker_pool import BUILD_LIMIT_S, RewardPool, RewardWorkerError, Sendable, pickled, sendable
 
 
 def _chunks(n: int, group_size: int | None, workers: int) -> list[tuple[int, int]]:
@@ -37,7 +37,7 @@ class _IsolatedReward:
     """The `fn` of an isolated RewardSpec. Its signature is the function's (so `compute_rewards` passes the
     same arguments) plus `log_metric`, which counts the answers a skip leaves ungraded."""
 
-    def __init__(self, name: str, pool: RewardPool, source: _Source, timeout: float | None, on_error: str,
+    def __init__(self, name: str, pool: RewardPool, source: Sendable, timeout: float | None, on_error: str,
                  group_size: int | None, fn: Callable):
         self.name, self.pool, self.source, self.timeout = name, pool, source, timeout
         self.on_error, self.group_size, self.ungraded = on_error, group_size, 0
@@ -56,11 +56,11 @@ class _IsolatedReward:
         collect = tuple(k for k in callbacks if {"*", k} & self._takes)
         n = next((len(v) for k, v in kwargs.items() if isinstance(v, (list, tuple)) and k != "trainer_state"), 0)
         sliced = {k: v for k, v in kwargs.items() if isinstance(v, (list, tuple)) and len(v) == n}
-        shared = {k: v if k != "environments" and _pickles(v) is not None else None  # environments: live objects
+        shared = {k: v if k != "environments" and pickled(v) is not None else None  # environments: live objects
                   for k, v in kwargs.items() if k not in sliced or k == "environments"}
         ranges = _chunks(n, self.group_size, self.pool.workers)
         jobs = [dict(shared, **{k: v[a:b] for k, v in sliced.items() if k not in shared}) for a, b in ranges]
-        replies = self.pool._run(self.source, jobs, collect, self.timeout)
+        replies = self.pool.run(self.source, jobs, collect, self.timeout)
         outs = []
         for (a, b), reply in zip(ranges, replies):
             if reply[0] == "raise":
@@ -113,6 +113,6 @@ def isolate(spec: RewardSpec, pool: RewardPool, *, source: Any = None, on_error:
         raise ValueError(f"isolate: on_error must be 'raise' or 'skip', got {on_error!r}")
     if group_size is not None and (type(group_size) is not int or group_size < 1):
         raise ValueError(f"isolate: group_size must be an integer >= 1 or None, got {group_size!r}")
-    fn = _IsolatedReward(spec.name, pool, _source(spec.name, spec.fn if source is None else source),
+    fn = _IsolatedReward(spec.name, pool, sendable(spec.name, spec.fn if source is None else source),
                          spec.timeout, on_error, group_size, spec.fn)
     return RewardSpec(spec.name, fn, spec.weight, None)

@@ -84,24 +84,25 @@ Deviations and limits, on purpose:
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from grpokit import processes
 from grpokit.errors import RewardLoadError
 from grpokit.rewards import bwrap
 from grpokit.rewards.graders import completion_text
 from grpokit.rewards.sandbox_checks import Grade, judge
-from grpokit.rewards.sandbox_harness import HARNESS
 
 __all__ = ["code_execution", "code_execution_reward", "extract_code", "run_tests", "sandbox_isolation"]
 
@@ -154,11 +155,27 @@ def _as_tests(tests: Any) -> list[str] | None:
                     f"got {type(tests).__name__}")
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)  # the answer and anything it forked (bubblewrap: its whole PID namespace)
-    except (ProcessLookupError, PermissionError):
-        pass
+# The judge's program is the modules sandbox_wire, _judge, _answer and _harness (each after what it imports),
+# sent as source text: the sandbox's interpreter may not have grpokit, nor see its files (bubblewrap).
+_HARNESS_MODULES = ("sandbox_wire", "sandbox_judge", "sandbox_answer", "sandbox_harness")
+_BOOT = ("import sys\n"
+         "for name, text in zip(sys.argv[1::2], sys.argv[2::2]):\n"
+         "    module = sys.modules[name] = type(sys)(name)\n"
+         "    exec(compile(text, '<' + name + '>', 'exec'), module.__dict__)\n"
+         "module.main()\n")
+
+
+@functools.cache
+def _harness_sources() -> tuple[str, ...]:
+    folder = Path(__file__).parent
+    return tuple(part for name in _HARNESS_MODULES
+                 for part in (f"grpokit.rewards.{name}", (folder / f"{name}.py").read_text(encoding="utf-8")))
+
+
+def harness_argv(python: str) -> list[str]:
+    """The judge's command line: `python` in isolated mode loads the harness's modules from their text
+    (argv: name, source, name, source, ...) and runs `sandbox_harness.main()`."""
+    return [python, "-I", "-B", "-c", _BOOT, *_harness_sources()]
 
 
 def _run(mode: bwrap.Mode, code: str, tests: Sequence[str], time_limit: float, memory_mb: int | None,
@@ -180,7 +197,7 @@ def _grade(mode: bwrap.Mode, code: str, tests: Sequence[str], time_limit: float,
     with contextlib.ExitStack() as stack:
         result = stack.enter_context(tempfile.TemporaryFile(prefix="grpokit-result-"))
         err = stack.enter_context(tempfile.TemporaryFile()) if errors is not None else subprocess.DEVNULL
-        argv = [mode.python, "-I", "-B", "-c", HARNESS]
+        argv = harness_argv(mode.python)
         if mode.level == "bubblewrap":  # the working folder is a tmpfs inside the sandbox
             argv = bwrap.bwrap_argv(mode.bwrap, mode.python, userns=mode.userns) + argv
             work, path = "/", "/usr/local/bin:/usr/bin:/bin"
@@ -202,17 +219,16 @@ def _grade(mode: bwrap.Mode, code: str, tests: Sequence[str], time_limit: float,
         env.update(PATH=path, LANG="C.UTF-8", **_ONE_THREAD)
         first = json.dumps(job).encode("utf-8", "surrogatepass")
         message = b"%016x" % len(first) + first + json.dumps(list(tests)).encode("utf-8", "surrogatepass")
-        proc = subprocess.Popen(argv, cwd=work, env=env, stdin=subprocess.PIPE, stdout=result, stderr=err,
-                                start_new_session=True, close_fds=True, **popen)
+        proc = processes.popen(argv, cwd=work, env=env, stdin=subprocess.PIPE, stdout=result, stderr=err,
+                               close_fds=True, **popen)
         try:
             proc.communicate(message, timeout=time_limit + _STARTUP_GRACE)
         except subprocess.TimeoutExpired:
             return Grade(0.0, f"over its time limit ({time_limit:g} s)")
         except (BrokenPipeError, OSError):
             pass  # the child died before reading its job: no result, 0.0 below
-        finally:
-            _kill_group(proc)
-            proc.wait()
+        finally:  # the judge, the answer and anything it forked (bubblewrap: its whole PID namespace)
+            processes.stop([proc])
             if errors is not None:
                 err.seek(0)
                 errors.extend(err.read(1 << 14).decode("utf-8", "replace").strip().splitlines())

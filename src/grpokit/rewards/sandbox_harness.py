@@ -1,4 +1,4 @@
-"""The program that grades one `code_execution` answer inside the sandbox (`python -I -B -c HARNESS`).
+"""The program that grades one `code_execution` answer inside the sandbox: `main()`, the judge's entry.
 
 Two processes, and the answer's code runs in only one of them:
 
@@ -16,13 +16,21 @@ Two processes, and the answer's code runs in only one of them:
   `math`, a lying `__eq__`, walking its frames or the garbage collector, threads, signal handlers,
   forks) can change only the values it answers with, which the judge compares as plain data.
 
-The trainer turns the verdict into a score (`sandbox_checks.judge`).
+The trainer starts it (`sandbox.harness_argv`) as `python -I -B -c BOOT` with the source text of this
+module, `sandbox_wire`, `sandbox_judge` and `sandbox_answer`, which the boot loads as those modules, since
+the sandbox's interpreter may not have grpokit installed, nor see its files; so these modules import only
+the standard library and each other. The trainer turns the verdict into a score (`sandbox_checks.judge`).
 """
 
-from grpokit.rewards.sandbox_judge import JUDGE
-from grpokit.rewards.sandbox_wire import WIRE
+import json
+import os
+import sys
 
-MAIN = r'''
+from grpokit.rewards.sandbox_answer import answer
+from grpokit.rewards.sandbox_judge import Remote, judge, serve_tests
+from grpokit.rewards.sandbox_wire import Gone, Peer, Refused
+
+
 def read_exact(fd, n):
     out = b""
     while len(out) < n:
@@ -34,7 +42,10 @@ def read_exact(fd, n):
 
 
 def main():
-    import ctypes, resource, signal, socket
+    import ctypes
+    import resource
+    import signal
+    import socket
     job = json.loads(read_exact(0, int(read_exact(0, 16), 16)))  # exactly the first part: not the tests
     result, job_in = os.dup(1), os.dup(0)
     if job["uid"] is not None:
@@ -115,121 +126,3 @@ def read_all(fd):
         if not chunk:
             return b"".join(out)
         out.append(chunk)
-'''
-
-ANSWER = r'''
-class Callback:
-    """In the answer's process: a handle on an object of the tests: calls, attributes and iteration only."""
-
-    __slots__ = ("_h", "_peer")
-
-    def __init__(self, h):
-        object.__setattr__(self, "_h", h)
-
-    def __call__(self, *args, **kwargs):
-        peer = object.__getattribute__(self, "_peer")
-        reply = peer.request(["call", self._h, [peer.encode(a) for a in args],
-                              [[str(k), peer.encode(v)] for k, v in kwargs.items()]])
-        return peer.decode(reply[1])
-
-    def __getattr__(self, name):
-        peer = object.__getattribute__(self, "_peer")
-        return peer.decode(peer.request(["getattr", self._h, str(name)])[1])
-
-    def __iter__(self):
-        return self._peer.decode(self._peer.request(["iter", self._h])[1])
-
-    def __next__(self):
-        return self._peer.decode(self._peer.request(["next", self._h])[1])
-
-
-class AnswerPeer(Peer):
-    def encode_other(self, x, depth):
-        to = getattr(type(x), "tolist", None)  # numpy arrays and scalars cross as plain data
-        if callable(to):
-            try:
-                return self.encode(to(x), depth + 1)
-            except Exception:
-                pass
-        return {"h": self.export(x)}
-
-
-def answer_ops():
-    import operator as o
-    ops = {"eq": o.eq, "ne": o.ne, "lt": o.lt, "le": o.le, "gt": o.gt, "ge": o.ge, "hash": hash, "bool": bool,
-           "len": len, "index": o.index, "int": int, "float": float, "repr": repr, "str": str, "format": format,
-           "iter": iter, "next": next, "contains": o.contains, "getitem": o.getitem, "setitem": o.setitem,
-           "delitem": o.delitem, "instancecheck": lambda c, x: isinstance(x, c),
-           "subclasscheck": lambda c, s: issubclass(s, c), "neg": o.neg, "pos": o.pos, "abs": abs,
-           "invert": o.invert, "divmod": divmod, "rdivmod": lambda a, b: divmod(b, a), "round": round}
-    for name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "lshift", "rshift", "and",
-                 "or", "xor"):
-        f = getattr(o, name + "_" if name in ("and", "or") else name)
-        ops[name] = f
-        ops["r" + name] = (lambda f: lambda a, b: f(b, a))(f)
-    return ops
-
-
-def serve_answer(peer, msg, ops=answer_ops()):
-    """A request of the judge on one of the answer's objects."""
-    kind = msg[0]
-    if kind == "op":
-        args = peer.decode(msg[2])
-        return ops[msg[1]](*args), []
-    obj = peer.mine[msg[1]]
-    if kind == "getattr":
-        return getattr(obj, msg[2]), []
-    if kind == "setattr":
-        return setattr(obj, msg[2], peer.decode(msg[3])), []
-    if kind == "delattr":
-        return delattr(obj, msg[2]), []
-    args = peer.decode(msg[2])
-    kwargs = {k: peer.decode(v) for k, v in msg[3]} if msg[3] else {}
-    value = obj(*args, **kwargs)
-    changed = []  # the lists, dicts and sets it was given and changed in place
-    for where, arg in [*enumerate(args), *kwargs.items()]:
-        if type(arg) in (list, dict, set):
-            now = peer.encode(arg)
-            if now != (msg[2][where] if type(where) is int else dict(msg[3])[where]):
-                changed.append([where, now])
-    return value, changed
-
-
-def describe_names(peer, ns):
-    import types
-    out = []
-    for name, value in list(ns.items()):
-        if isinstance(value, types.ModuleType):
-            out.append([name, "m", str(value.__name__)])
-        elif isinstance(value, type) and issubclass(value, BaseException):
-            base = next((c for c in value.__mro__ if c.__module__ == "builtins"), BaseException)
-            out.append([name, "e", [peer.export(value), base.__name__]])
-        else:
-            try:
-                enc = peer.encode(value)
-                if len(peer.dumps(enc)) > 1 << 20:
-                    raise ValueError
-            except Exception:
-                enc = {"h": peer.export(value)}
-            out.append([name, "v", enc])
-    return out
-
-
-def answer(code, fd):
-    from os import _exit
-    peer = AnswerPeer(fd, Callback, serve_answer)
-    ns = {"__name__": "__main__", "__builtins__": builtins}
-    try:
-        exec(compile(code, "<answer>", "exec"), ns)
-    except BaseException as e:
-        peer.send(["raised", type(e).__name__])
-        _exit(0)
-    try:
-        peer.send(["ready", describe_names(peer, ns)])
-        while True:
-            peer.answer(peer.recv())
-    except BaseException:
-        _exit(0)
-'''
-
-HARNESS = '__name__ = "grpokit_harness"\n' + WIRE + JUDGE + ANSWER + MAIN + "\nmain()\n"

@@ -1,6 +1,8 @@
-"""The judge: the process that runs a `code_execution` answer's tests and writes the verdict (source text).
+"""The judge: the process that runs a `code_execution` answer's tests and writes the verdict.
 
-    JUDGE: Python source, part of the sandbox's harness (`sandbox_harness.HARNESS`)
+    judge(peer, tests) -> (passed per test, why the first failed, how grading ended)
+
+Runs in the sandbox's judge process (`sandbox_harness`), loaded from its source text like `sandbox_wire`.
 
 The answer's code never runs here. The judge gets the answer's top-level names once the answer's own
 code has run, and binds them in the tests' namespace:
@@ -34,7 +36,8 @@ failed inside a callback the answer caught fails it too) and the answer's proces
 request; the answer's process ending early, or breaking the protocol, ends grading (0.0).
 """
 
-JUDGE = r'''
+import builtins
+import sys
 import types
 
 SAFE_BUILTINS = {"abs", "all", "any", "ascii", "bin", "callable", "chr", "divmod", "format", "hash", "hex",
@@ -232,7 +235,7 @@ def may_call(obj):
 
 
 def test_class(c):
-    """A class the tests defined (the harness's own are in module "grpokit_harness", the answer's
+    """A class the tests defined (the harness's own are in its modules, grpokit.rewards.sandbox_*, the answer's
     exception classes in "answer")."""
     return isinstance(c, type) and c.__module__ == "__main__"
 
@@ -319,4 +322,3 @@ def judge(peer, tests):
             ok, why = False, why or "test %d: an assert failed in a callback the answer caught" % i
         passed.append(ok)
     return passed, why, "ok"
-'''

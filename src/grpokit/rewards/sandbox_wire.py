@@ -1,6 +1,6 @@
-"""The channel between a `code_execution` answer's process and the judge that runs its tests (source text).
+"""The channel between a `code_execution` answer's process and the judge that runs its tests.
 
-    WIRE: Python source, part of the sandbox's harness (`sandbox_harness.HARNESS`)
+    Peer(fd, proxy_type, serve): one end; Refused, Gone: what ends grading
 
 The tests run in the judge, a process the answer's code never ran in; the answer's process only
 serves requests on its own objects ("call `add` with (2, 3)", "attribute `v` of object 7", "`==`
@@ -20,12 +20,15 @@ between objects 4 and 5"). Both ends speak the same protocol, over one socket:
   base name, text, class handle or None]`. While waiting for a reply either side serves the other's
   nested requests (a test's callback the answer calls, an answer's method the callback calls).
 
-This module only holds the text: the harness runs as `python -I -B -c HARNESS`, in an interpreter
-that may not have grpokit installed.
+Runs in the sandbox (the judge's and the answer's processes), which load it from its source text, in an
+interpreter that may not have grpokit installed (`sandbox.harness_argv`): it imports the standard library
+only, and keeps to what old interpreters have.
 """
 
-WIRE = r'''
-import builtins, json, os, sys
+import builtins
+import json
+import os
+import sys
 
 CAP = 64 << 20  # bytes in one frame, either way
 DEPTH = 100  # nesting of a value that crosses by value
@@ -323,10 +326,9 @@ class Peer:
             out = ["ok", self.encode(value), mutated]
         except (Refused, Gone):
             raise
-        except BaseException as e:  # noqa: the other side's error, sent back to it
+        except BaseException as e:  # noqa: BLE001 - the other side's error, sent back to it
             out = self.describe(e)
         try:
             self.send(out)
         except ValueError as e:  # over CAP: the error instead
             self.send(self.describe(e))
-'''

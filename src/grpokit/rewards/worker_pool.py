@@ -1,6 +1,7 @@
 """Reward functions in worker processes (`rewards.isolation = "process"`): a time limit that really stops them.
 
-`core._call` bounds a call with a thread, which cannot be killed. Here calls run in warm worker processes:
+`core._call` bounds a call with a thread, which cannot be killed. Here calls run in warm worker processes
+(started, watched and stopped by `grpokit.processes`, as every child of a run):
 past `spec.timeout` the worker's process group is killed and the worker replaced; a crash in native code
 (segfault, os._exit, the OOM killer) costs a worker, not the trainer; such answers raise, or score None with
 `on_error="skip"`. Workers are fresh interpreters (fork+exec: a forked trainer would inherit locks its torch
@@ -33,11 +34,11 @@ import time
 import traceback
 import types
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from grpokit import processes
 from grpokit.errors import RewardError, RewardLoadError, RewardTimeoutError
 
 if TYPE_CHECKING:
@@ -56,13 +57,13 @@ class RewardWorkerError(RewardTimeoutError):
     so that `compute_rewards` passes it on instead of re-running one sample at a time (crashing fresh workers)."""
 
 
-class _Source(NamedTuple):
+class Sendable(NamedTuple):
     kind: str  # "ref": the pickle of (reference, kwargs) for the registry; "pickle": of the callable
     blob: bytes  # also the key a worker caches the built function under
     label: str  # how messages name it
 
 
-def _pickles(value: Any) -> bytes | None:
+def pickled(value: Any) -> bytes | None:
     with contextlib.suppress(Exception):
         return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
     return None
@@ -75,8 +76,9 @@ def _importable(module: str) -> bool:
     return False
 
 
-def _source(name: str, source: Any) -> _Source:
-    """`source` checked and ready to send; RewardLoadError (one line, with the fix) if it cannot be."""
+def sendable(name: str, source: Any) -> Sendable:
+    """`source` (a reference, (reference, kwargs) or a callable) checked and ready to send to a worker, named
+    `name` in messages; RewardLoadError (one line, with the fix) if it cannot be."""
     source = (source, {}) if isinstance(source, str) else source
     where = f"reward function '{name}' cannot run in a worker process:"
     if isinstance(source, tuple):
@@ -88,9 +90,9 @@ def _source(name: str, source: Any) -> _Source:
             if not Path(module).is_file():
                 raise RewardLoadError(f"{where} file {module!r} not found from {Path.cwd()}; fix the path")
             ref = f"{Path(module).resolve()}:{attr}"  # the trainer may chdir
-        if (blob := _pickles((ref, kwargs))) is None:
+        if (blob := pickled((ref, kwargs))) is None:
             raise RewardLoadError(f"{where} its arguments {kwargs!r} do not pickle; give plain values")
-        return _Source("ref", blob, ref)
+        return Sendable("ref", blob, ref)
     if not callable(source):
         raise RewardLoadError(f"{where} source must be a reference or a function, not {type(source).__name__}")
     label = getattr(source, "__qualname__", None) or type(source).__qualname__
@@ -109,34 +111,33 @@ def _source(name: str, source: Any) -> _Source:
             raise RewardLoadError(f"{where} the script {path} has no `if __name__ == \"__main__\":` guard, and a "
                                   f"worker loads the script to find the function (running its code); put the "
                                   f"script's code under that guard or move the function into its own file")
-        return _source(name, (f"{path}:{label}", {}))
+        return sendable(name, (f"{path}:{label}", {}))
     if not _importable(module):
         raise RewardLoadError(f"{where} its module {module!r} is a file loaded by reference, which a worker "
                               f"cannot import by name; pass that reference 'path/to/file.py:fn' as the source")
-    return _Source("pickle", blob, label)
+    return Sendable("pickle", blob, label)
 
 
 def check_isolatable(spec: RewardSpec, source: Any = None) -> None:
     """At start-up, RewardLoadError (one line: the function, the fix) if `spec` cannot run in a worker from
     `source` (default `spec.fn`): lambdas, nested functions, functions of a file loaded by reference (pass the
     reference), code typed into a notebook or `python -c`, a script without `if __name__ == "__main__":`."""
-    _source(spec.name, spec.fn if source is None else source)
+    sendable(spec.name, spec.fn if source is None else source)
 
 
-def _stop(slots: list, grace: float = 0.0, launcher: ThreadPoolExecutor | None = None) -> list[int]:
-    """Empty `slots`: close pipes, let idle workers exit on EOF for `grace` s, kill process groups, reap."""
+def _stop(slots: list, grace: float = 0.0, launcher: processes.Launcher | None = None) -> list[int]:
+    """Empty `slots`: with `grace`, close the pipes (an idle worker exits on EOF) and wait that long; kill the
+    process groups, reap, and only then close what is still open: a receive that timed out may still be
+    reading a pipe, and ends when its worker dies (closed under it, its descriptor could be reused)."""
     live, slots[:] = [w for w in slots if w is not None], [None] * len(slots)
+    if grace:
+        for w in live:
+            w.conn.close()
+    codes = processes.stop([w.proc for w in live], grace)
     for w in live:
         w.conn.close()
-    deadline, codes = time.monotonic() + grace, []
-    for w in live:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            w.proc.wait(max(0.0, deadline - time.monotonic()))
-        with contextlib.suppress(OSError):
-            os.killpg(w.proc.pid, signal.SIGKILL)
-        codes.append(w.proc.wait())
     if launcher is not None:
-        launcher.shutdown(wait=False)
+        launcher.close()
     return codes
 
 
@@ -153,8 +154,7 @@ class RewardPool:
         if type(workers) is not int or workers < 1:
             raise ValueError(f"RewardPool: workers must be an integer >= 1, got {workers!r}")
         self.workers, self._slots, self._lock = workers, [None] * workers, threading.Lock()
-        # PR_SET_PDEATHSIG fires when the *thread* that started a child ends: start them from one the pool keeps.
-        self._launcher = ThreadPoolExecutor(1, thread_name_prefix="reward-pool")
+        self._launcher = processes.Launcher("reward-pool")
         self._close = weakref.finalize(self, _stop, self._slots, 1.0, self._launcher)
 
     def __enter__(self) -> RewardPool:
@@ -192,8 +192,8 @@ class RewardPool:
         ours, theirs = socket.socketpair()
         with theirs:
             cmd = [sys.executable, "-c", _BOOT, __file__, str(theirs.fileno()), str(os.getpid()), *sys.path]
-            proc = self._launcher.submit(subprocess.Popen, cmd, stdin=subprocess.DEVNULL, start_new_session=True,
-                                         env=dict(os.environ, **_ONE_THREAD), pass_fds=(theirs.fileno(),)).result()
+            proc = self._launcher.popen(cmd, stdin=subprocess.DEVNULL, env=dict(os.environ, **_ONE_THREAD),
+                                        pass_fds=(theirs.fileno(),))
         self._slots[i] = types.SimpleNamespace(proc=proc, conn=Connection(ours.detach()), known=set())
         return self._slots[i]
 
@@ -201,7 +201,7 @@ class RewardPool:
         (code,), self._slots[i] = _stop([self._slots[i]]), None
         return code
 
-    def _run(self, source: _Source, jobs: list[dict], collect: tuple, timeout: float | None) -> list[tuple]:
+    def run(self, source: Sendable, jobs: list[dict], collect: tuple, timeout: float | None) -> list[tuple]:
         """`jobs` (one per worker) in parallel; one reply each: ("ok", out, records), ("raise", pickle, type,
         message, traceback), ("unbuilt", type, message), ("timeout", pid, building), ("died", pid, how)."""
         limit, replies = math.inf if timeout is None else float(timeout), [None] * len(jobs)
@@ -221,8 +221,12 @@ class RewardPool:
                     soonest = min(entry[2] for entry in busy.values()) - time.monotonic()
                     for conn in wait(list(busy), None if soonest == math.inf else max(0.0, soonest)):
                         entry = busy[conn]
-                        try:
-                            msg = conn.recv()
+                        try:  # a worker frozen in the middle of its reply holds a thread, not the trainer;
+                            # a reply already there is read even at its deadline
+                            msg = processes.receive(conn.recv, max(entry[2] - time.monotonic(), 1.0))
+                        except TimeoutError:
+                            entry[2] = -math.inf  # past its deadline: stopped below
+                            continue
                         except (EOFError, OSError):
                             msg = ("died", entry[1].proc.pid, _how(self._discard(entry[0])))
                         if msg[0] == "ready":  # built: the call's own limit starts now
@@ -263,12 +267,6 @@ def _defer_package_init(name: str) -> None:
     setattr(sys.modules[name.rpartition(".")[0]], name.rpartition(".")[2], module)
 
 
-def _die_with_parent(signum: int) -> None:
-    """Ask Linux to send `signum` to this process when the thread that started it ends (PR_SET_PDEATHSIG)."""
-    import ctypes
-    ctypes.CDLL(None).prctl(1, signum)
-
-
 def _guard(fd: int) -> int | None:
     """Fork the worker's guard: a process in the worker's process group that kills the whole group (what the
     reward functions started) when the worker dies, however it dies (PR_SET_PDEATHSIG: a SIGKILLed trainer
@@ -285,9 +283,7 @@ def _guard(fd: int) -> int | None:
     try:
         os.close(fd)
         signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
-        _die_with_parent(signal.SIGTERM)
-        if os.getppid() != worker:  # the worker died before that
-            os.killpg(0, signal.SIGKILL)
+        processes.die_with_parent(worker, signal.SIGTERM)
         while True:
             signal.pause()
     finally:
@@ -296,10 +292,7 @@ def _guard(fd: int) -> int | None:
 
 def _serve(fd: int, parent: int) -> None:
     """A worker: die with the trainer, build each function once, answer calls until the pipe closes."""
-    if sys.platform.startswith("linux"):
-        _die_with_parent(signal.SIGKILL)
-    if os.getppid() != parent:  # the trainer died before that
-        os._exit(0)
+    processes.die_with_parent(parent)
     guard, me = _guard(fd), os.getpid()
     conn, functions = Connection(fd), {}
     _defer_package_init("grpokit.rewards")
@@ -337,7 +330,7 @@ def _serve(fd: int, parent: int) -> None:
             conn.send(("ok", out.tolist() if hasattr(out, "tolist") else out, records))  # numpy, tensors
         except BaseException as e:  # noqa: BLE001 - the function's raise (or an unpicklable answer) goes back
             _forked_child_leaves(me)
-            conn.send(("raise", _pickles(e), type(e).__name__, str(e), traceback.format_exc()))
+            conn.send(("raise", pickled(e), type(e).__name__, str(e), traceback.format_exc()))
 
 
 def _forked_child_leaves(worker: int) -> None:

@@ -1,7 +1,8 @@
 """Tools and environments in worker processes (`tools.isolation = "process"`).
 
-The workers are the isolated rewards' (`rewards.isolation.RewardPool`: fresh interpreters in their own
-session, dying with the trainer, killed and replaced past a deadline or when they die). What runs in
+The workers are the isolated rewards' (`rewards.worker_pool.RewardPool`, a use of `grpokit.processes`: fresh
+interpreters in their own session, dying with the trainer, killed and replaced past a deadline or when they
+die); this module sends them a `ToolHost` through the pool's public `sendable` / `run`. What runs in
 them is one `ToolHost`: the run's tools and, for each answer, its environment instance. Answer i lives
 in worker i % workers, so its calls, `reset` and `get_reward` always reach its own instance; the
 workers' answers run side by side, one worker's in turn. In a worker each call still has
@@ -109,9 +110,9 @@ class ToolWorkers:
     """The trainer's side: a pool of `workers` processes running one `ToolHost`; `close()` stops them."""
 
     def __init__(self, host: ToolHost, workers: int = 2):
-        from grpokit.rewards.worker_pool import RewardPool, _source
+        from grpokit.rewards.worker_pool import RewardPool, sendable
 
-        self.source = _source("tools", host)  # checked to pickle and import now, at start-up
+        self.source = sendable("tools", host)  # checked to pickle and import now, at start-up
         self.pool, self.workers, self.timeout_s = RewardPool(workers), workers, host.timeout_s
 
     def close(self) -> None:
@@ -122,7 +123,7 @@ class ToolWorkers:
         jobs = [[item for item in items if item[0] % self.workers == w] for w in range(self.workers)]
         used = max((w for w in range(self.workers) if jobs[w]), default=-1) + 1
         limit = (self.timeout_s or 600.0) * max(1, calls_each * max(map(len, jobs))) + SLACK_S
-        replies = self.pool._run(self.source, [{"op": op, "items": job} for job in jobs[:used]], (), limit)
+        replies = self.pool.run(self.source, [{"op": op, "items": job} for job in jobs[:used]], (), limit)
         out: dict[int, tuple] = {}
         for job, reply in zip(jobs, replies):
             for k, item in enumerate(job):
@@ -164,12 +165,12 @@ def attach_workers(box: ToolBox, environments, tools_config, functions: Sequence
     from pathlib import Path
 
     from grpokit.errors import RewardLoadError
-    from grpokit.rewards.worker_pool import _source
+    from grpokit.rewards.worker_pool import sendable
 
     def absolute(ref):
         """A reference resolved now; a callable as a worker finds it (a script's function: by its file)."""
         if not isinstance(ref, str):
-            sent = _source(getattr(ref, "__name__", "tool"), ref)  # RewardLoadError: what cannot be sent, and why
+            sent = sendable(getattr(ref, "__name__", "tool"), ref)  # RewardLoadError: what cannot be sent, and why
             return sent.label if sent.kind == "ref" else ref
         module, _, attr = ref.rpartition(":")
         return f"{Path(module).resolve()}:{attr}" if module.endswith(".py") or "/" in module else ref

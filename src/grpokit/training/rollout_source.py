@@ -30,7 +30,6 @@ import os
 import pickle
 import queue
 import re
-import signal
 import sys
 import time
 import types
@@ -38,13 +37,14 @@ from pathlib import Path
 
 import torch.multiprocessing as mp
 
+from grpokit import processes
 from grpokit.errors import RolloutWorkerError, SetupError
 from grpokit.models.loading import resolve_device
 from grpokit.models.parallel import world_size
 from grpokit.models.threads import usable_cores
 from grpokit.models.weight_sync import GlooPublisher, LockedPublisher
 from grpokit.training.generate import generate_and_grade
-from grpokit.training.rollout_workers import HEARTBEAT_S, WorkerSpec, parameter_shapes, worker_main
+from grpokit.training.rollout_workers import WorkerSpec, parameter_shapes, worker_main
 
 
 class SyncRollouts:
@@ -159,20 +159,6 @@ def _main_hidden(hide: bool):
                 del main.__spec__
 
 
-@contextlib.contextmanager
-def _stop_signals_held():
-    """A Ctrl-C while a worker starts must not kill it: it only ignores SIGINT / SIGTERM once it has imported
-    torch, seconds later. Held (blocked) here, the signals stay blocked in the spawned interpreter (the mask is
-    inherited through fork and exec) until worker_main ignores them; the trainer gets its own when released."""
-    held = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held) if hasattr(signal, "pthread_sigmask") else None
-    try:
-        yield
-    finally:
-        if previous is not None:
-            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
 class AsyncRollouts:
     """The trainer's side of asynchronous rollout: W worker processes, their orders, their batches."""
 
@@ -209,9 +195,12 @@ class AsyncRollouts:
         self.procs = [ctx.Process(target=worker_main, name=f"grpokit-rollout-{i}", daemon=True,
                                   args=(spec, i, self.devices[i], self.orders[i], self.results, self.beats,
                                         self.announced, os.getpid(), self.server_lock)) for i in range(self.W)]
-        with _main_hidden(not any(from_main)), _stop_signals_held():
+        with _main_hidden(not any(from_main)), processes.stop_signals_held():
             for p in self.procs:
                 p.start()
+            # batches are fetched on the inbox's thread (signals held there for good): one whose tensors a
+            # frozen worker holds blocks that thread, never the trainer
+            self.inbox = processes.Inbox(lambda timeout: self.results.get(timeout=timeout), "rollout-results")
         try:
             ready: set[int] = set()
             while len(ready) < self.W:  # each builds its model, rewards and tools (imports may starve its beat)
@@ -269,7 +258,7 @@ class AsyncRollouts:
         deadline = time.monotonic() + (within_s or self.timeout_s)
         while True:
             try:
-                message = self.results.get(timeout=0.2)
+                message = self.inbox.get(timeout=0.2)
             except queue.Empty:
                 self._check(waiting_for, what, deadline)
                 continue
@@ -286,7 +275,7 @@ class AsyncRollouts:
         deadline = time.monotonic() + within_s
         while True:
             try:
-                message = self.results.get(timeout=max(0.01, deadline - time.monotonic()))
+                message = self.inbox.get(timeout=max(0.01, deadline - time.monotonic()))
             except queue.Empty:
                 return None
             except (OSError, EOFError):  # a batch whose tensors' sender has exited: unreadable, and not needed
@@ -306,8 +295,9 @@ class AsyncRollouts:
                 raise RolloutWorkerError(f"rollout worker {i} {how}{oom} while the trainer waited for {what}")
         now = time.monotonic()
         for i in range(self.W if self.started else 0):
-            if now - self.beats[i] > max(self.timeout_s, 4 * HEARTBEAT_S):
-                raise RolloutWorkerError(f"rollout worker {i} is hung: no heartbeat for {now - self.beats[i]:.0f} s "
+            if processes.is_hung(self.beats, i, self.timeout_s):
+                raise RolloutWorkerError(f"rollout worker {i} is hung: no heartbeat for "
+                                         f"{processes.beat_age(self.beats, i):.0f} s "
                                          f"(rollout.worker_timeout_s = {self.timeout_s:g}); it is stopped")
         if now > deadline:
             within = f"rollout.worker_timeout_s = {self.timeout_s:g} s" if self.started else \
@@ -361,18 +351,14 @@ class AsyncRollouts:
                                     "end": end}) + "\n")
 
     def close(self) -> None:
-        """Stop every worker: a None order, then terminate, then kill."""
+        """Stop every worker: a None order, 5 s to finish, then its process group killed."""
         for q in self.orders:
             try:
                 q.put(None)
             except (ValueError, OSError):
                 pass
-        deadline = time.monotonic() + 5
-        for p in self.procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
-                p.join(2)
+        processes.stop(self.procs, grace=5.0)
+        self.inbox.close()  # its receive, if a frozen worker held it, ended with that worker
         for q in [self.results, *self.orders]:
             q.cancel_join_thread()
             q.close()

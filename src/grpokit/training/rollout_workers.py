@@ -12,18 +12,15 @@ environments and rewards live here, next to the sampler, so grading overlaps the
 Worker w takes every W-th prompt batch of the stream; the first worker starts from the trainer's own
 generator state, so one worker draws exactly the prompts and noise the sync loop would.
 
-A worker never outlives the trainer (the kernel's parent-death signal), ignores Ctrl-C and SIGTERM (the
-trainer stops it after saving), and beats a heartbeat every half second from a thread of its own.
+How it starts, beats, dies with the trainer and is stopped is `grpokit.processes`'s: it never outlives the
+trainer (the kernel's parent-death signal), leads a session of its own (a stop kills what it started),
+ignores Ctrl-C and SIGTERM (the trainer stops it after saving), and beats a heartbeat from a thread.
 """
 
 from __future__ import annotations
 
-import ctypes
-import os
 import queue
-import signal
 import sys
-import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -31,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from grpokit import processes
 from grpokit.config.schema import Config
 from grpokit.errors import UserError
 from grpokit.models.loading import load_model, load_tokenizer, max_positions_of
@@ -42,8 +40,6 @@ from grpokit.training.generate import generate_and_grade
 from grpokit.training.setup import PromptTable, isolate_rewards, prepare_data, resolve_reward_specs
 from grpokit.training.split_rows import with_policy_version
 from grpokit.training.tool_setup import resolve_tools
-
-HEARTBEAT_S = 0.5
 
 
 @dataclass
@@ -121,24 +117,6 @@ def check_same_parameters(trainer: list[tuple[str, tuple, str]], worker: list[tu
                     "train(model=...) must have model.path's parameters (resized embeddings or an adapter of its "
                     "own do not reach the workers); save it and point model.path at that folder, or use "
                     "rollout.mode = \"sync\"")
-
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL this process when the trainer dies, however it dies (Linux prctl PR_SET_PDEATHSIG)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: the heartbeat thread's parent check remains
-        pass
-    if os.getppid() != parent:  # the trainer died before the prctl took effect
-        os._exit(1)
-
-
-def _beat(beats, index: int, parent: int) -> None:
-    while True:
-        beats[index] = time.monotonic()
-        if os.getppid() != parent:
-            os._exit(1)
-        time.sleep(HEARTBEAT_S)
 
 
 def _describe(e: BaseException) -> str:
@@ -236,13 +214,11 @@ def _linger(orders, limit_s: float = 60.0) -> None:
 def worker_main(spec: WorkerSpec, index: int, device: str, orders, results, beats, announced, parent: int,
                 server_lock=None) -> None:
     """The worker process: build, say "ready", join the weight channel, then serve orders until None."""
-    _die_with_parent(parent)
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the trainer stops the workers, after saving
-        signal.signal(sig, signal.SIG_IGN)
-    if hasattr(signal, "pthread_sigmask"):  # held by the trainer while it started this process: now ignored
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+    processes.die_with_parent(parent)
+    processes.own_session()  # the trainer's stop kills the group: what its tools and rewards started too
+    processes.ignore_stop_signals()  # the trainer stops the workers, after saving
     torch.set_num_threads(spec.threads)
-    threading.Thread(target=_beat, args=(beats, index, parent), daemon=True, name="heartbeat").start()
+    processes.start_heartbeat(beats, index, parent)
     worker = None
     try:
         worker = _Worker(spec, index, announced, device)
