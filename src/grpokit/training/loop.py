@@ -113,7 +113,8 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
     local, inputs, policy = run.inputs.local, run.inputs, run.policy  # local: this process's share
     run_dir = inputs.folder.path
     if dist.is_main:
-        for log in ("metrics.jsonl", "completions.jsonl") if run.start_step else ():  # steps after it are redone
+        redone = ("metrics.jsonl", "completions.jsonl", "timeline.jsonl")  # the steps after the checkpoint run again
+        for log in redone if run.start_step else ():
             drop_rows_after(run_dir / log, run.start_step)
         record_segment(run_dir, config, inputs.folder, run.start_step, command)
     writer = dist.main_only(lambda: MetricsWriter(run_dir, append=run.start_step > 0,
