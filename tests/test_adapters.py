@@ -255,3 +255,39 @@ def test_an_openenv_step_that_never_returns_is_a_failed_call_within_tools_timeou
     finally:
         release.set()
     assert results[0][0].failed and "did not answer within 0.5 s" in results[0][0].content
+
+
+def test_a_verifiers_factory_not_named_load_environment_is_told_the_fix_or_its_kinds_refusal(tmp_path, monkeypatch):
+    """Issue 43 point 12: a function returning a verifiers environment under another name was told "it needs a
+    reset(**row) method", also for a MultiTurnEnv, whose documented refusal is another."""
+    (tmp_path / "vf_envs.py").write_text('''
+import verifiers as vf
+from datasets import Dataset
+
+
+class Custom(vf.MultiTurnEnv):
+    async def env_response(self, messages, state, **kwargs):
+        return []
+
+
+def data():
+    return Dataset.from_list([{"question": "1+2", "answer": "3"}])
+
+
+def make_tools():
+    return vf.ToolEnv(dataset=data(), tools=[], rubric=vf.Rubric())
+
+
+def make_custom():
+    return Custom(dataset=data(), rubric=vf.Rubric())
+''')
+    monkeypatch.chdir(tmp_path)
+    config = make_config(tmp_path, tmp_path / "run")
+    for factory, words in (("make_tools", "environment factory 'make_tools' returns a verifiers ToolEnv, which "
+                                          "grpokit adapts from a function named load_environment"),
+                           ("make_custom", "a Custom answers with its own env_response, which grpokit does not "
+                                           "run; ToolEnv, StatefulToolEnv and SingleTurnEnv are supported")):
+        tools = ToolsConfig(environment=f"vf_envs.py:{factory}")
+        with pytest.raises(SetupError) as err:
+            resolve_tools(dataclasses.replace(config, tools=tools))
+        assert words in str(err.value) and "reset(**row)" not in str(err.value), str(err.value)

@@ -292,3 +292,152 @@ def test_an_agent_with_tools_or_async_rollout_is_refused_naming_the_fields(tiny_
                                    rollout=dataclasses.replace(config.rollout, mode="async"))
     with pytest.raises(SetupError, match='tools.agent: .*set rollout.mode = "sync"'):
         train(in_async)
+
+
+def _endpoint_with_one_answer(tokenizer):
+    from grpokit.rollout.agent_endpoint import AgentEndpoint, AnswerRecord
+
+    endpoint = AgentEndpoint(tokenizer)
+    endpoint.answers, endpoint.budget = [AnswerRecord()], 200
+    return endpoint
+
+
+def _post(port: int, path: str, body: bytes, method: str = "POST") -> tuple[int, dict]:
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request(method, path, body=body, headers={"Content-Type": "application/json"})
+        reply = connection.getresponse()
+        return reply.status, json.loads(reply.read())
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("body, words", [
+    (b"[1, 2]", "the request body must be a JSON object, got a JSON list"),
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"messages": [{"role": "wizard", "content": "hi"}]}', "messages[0].role is 'wizard'; it must be one of"),
+    (b'{"messages": [{"content": "hi"}]}', "messages[0].role is None"),
+    (b'{"messages": [{"role": "user", "content": 7}]}', "messages[0].content must be a string or a list of content "
+                                                         "parts"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "n": 3}', "n = 3 is not served: one choice per call"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -2}', "max_tokens must be a positive integer"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "stream": true}', "stream = true is not served"),
+    (b'{"messages": "hi"}', "messages must be a non-empty list"),
+])
+def test_a_request_the_endpoint_cannot_serve_is_a_400_in_openais_error_shape(model_and_tokenizer, body, words):
+    _, tokenizer = model_and_tokenizer
+    endpoint = _endpoint_with_one_answer(tokenizer)
+    try:
+        status, reply = _post(endpoint.port, "/answers/0/v1/chat/completions", body)
+    finally:
+        endpoint.close()
+    assert status == 400 and words in reply["error"]["message"], reply
+    assert reply["error"]["type"] == "invalid_request_error" and set(reply["error"]) == {"message", "type", "param",
+                                                                                         "code"}
+    assert endpoint.requests.empty()  # nothing reached the sampler
+
+
+def test_get_models_lists_the_policy_as_openai_does(model_and_tokenizer):
+    _, tokenizer = model_and_tokenizer
+    endpoint = _endpoint_with_one_answer(tokenizer)
+    try:
+        models = openai.OpenAI(base_url=endpoint.base_url(0), api_key="x", max_retries=0).models.list()
+        status, unknown = _post(endpoint.port, "/answers/0/v1/engines", b"", method="GET")
+    finally:
+        endpoint.close()
+    assert [m.id for m in models.data] == ["grpokit"]
+    assert status == 400 and "unknown path '/answers/0/v1/engines'" in unknown["error"]["message"]
+
+
+def test_a_client_that_leaves_before_its_reply_prints_no_traceback(model_and_tokenizer, capfd):
+    import struct
+    import time
+
+    _, tokenizer = model_and_tokenizer
+    endpoint = _endpoint_with_one_answer(tokenizer)
+    try:
+        body = json.dumps({"model": "p", "messages": [{"role": "user", "content": "1+1"}]}).encode()
+        client = socket.create_connection(("127.0.0.1", endpoint.port))
+        client.sendall(b"POST /answers/0/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+                       % (len(body), body))
+        job = endpoint.requests.get(timeout=30)  # the call waits for the sampler ...
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.close()  # ... and its client goes away (a reset, as a killed agent's connection)
+        time.sleep(0.3)
+        job.tokens, job.logps, job.finished = tokenizer.encode("2") + [tokenizer.eos_token_id], [0.0, 0.0], True
+        job.done.set()
+        deadline = time.monotonic() + 30
+        while not endpoint.answers[0].messages and time.monotonic() < deadline:  # recorded, then the reply fails
+            time.sleep(0.05)
+        time.sleep(0.5)
+    finally:
+        endpoint.close()
+    assert endpoint.answers[0].messages, "the call was never answered"
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "BrokenPipeError" not in err and "ConnectionResetError" not in err, err
+
+
+def _long_prompt_agent(errors_file) -> str:
+    return f"""
+import openai
+
+def agent(base_url, row):
+    client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+    answer = int(base_url.rstrip("/").split("/")[-2])
+    long = "7" * 600  # more tokens than the tiny model's 512 positions
+    messages = [{{"role": "user", "content": long if answer % 2 == 0 else row["prompt"]}}]
+    try:
+        reply = client.chat.completions.create(model="policy", messages=messages, max_tokens=2)
+        messages += [{{"role": "assistant", "content": reply.choices[0].message.content}},
+                     {{"role": "user", "content": long}}]
+        client.chat.completions.create(model="policy", messages=messages)  # a later turn past the context
+    except openai.BadRequestError as e:
+        with open({str(errors_file)!r}, "a") as f:
+            f.write(f"{{answer}} {{e.status_code}} {{e.body['message']}}\\n")
+        raise
+    return "unreachable"
+"""
+
+
+def test_an_agent_prompt_past_the_context_is_a_400_and_a_failed_answer_not_the_runs_end(tool_model_dir, tmp_path):
+    """Issue 43 point 2: `prompt 0 has 618 tokens ... max_position_embeddings=512` from the sampler ended the run
+    (exit 1), on the first call or a later turn. Now the call is refused with HTTP 400, the answer fails."""
+    errors = tmp_path / "errors.txt"
+    (tmp_path / "agents.py").write_text(_long_prompt_agent(errors))
+    config = make_config(tool_model_dir, tmp_path / "run", steps=1, prompts_per_step=1, max_new_tokens=8)
+    config = dataclasses.replace(config, tools=ToolsConfig(agent=f"{tmp_path / 'agents.py'}:agent"))
+    run = train(config, reward_functions=[lambda completions, **_: [float(len(c[-1]["content"])) for c in completions]])
+    assert read_metrics(run)[0]["agent/failed"] == 1.0
+    lines = errors.read_text().splitlines()
+    assert {int(line.split()[0]) % 2 for line in lines} == {0, 1}  # the first call, and a later turn
+    for line in lines:
+        assert " 400 grpokit: the conversation is " in line and "the model's context (max_position_embeddings) is " \
+               "512 positions" in line and "shorten the messages" in line, line
+
+
+def test_calls_batched_together_are_each_sampled_within_the_context(model_and_tokenizer):
+    """A call near the context's end sampled beside one that may answer at length: the batch's longest answer
+    would pass the context for the first (a ValueError from the sampler, the run's end); each fits instead."""
+    model, tokenizer = model_and_tokenizer
+    render = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}],  # noqa: E731
+                                                        add_generation_prompt=True, tokenize=True, return_dict=False)
+    long = "1" * (500 - len(render("")))
+    assert 490 <= len(render(long)) <= 505
+
+    def agent(base_url, row):
+        client = openai.OpenAI(base_url=base_url, api_key="x", max_retries=0)
+        reply = client.chat.completions.create(model="p", messages=[{"role": "user", "content": row["prompt"]}])
+        return reply.choices[0].message.content
+
+    engine = AgentEngine(agent, HFEngine(model, tokenizer), tokenizer, time_limit_s=60, batch_wait_s=10.0)
+    try:
+        engine.rows = [{"prompt": long}, {"prompt": "1+1="}]
+        sampling = SamplingParams(100, (tokenizer.eos_token_id,), tokenizer.pad_token_id, ignore_eos=True)
+        rollout = engine.generate([[0]] * 2, group_size=1, sampling=sampling)
+    finally:
+        engine.close()
+    assert engine.failures == [None, None]
+    lengths = rollout.completion_mask.sum(1).tolist()
+    assert lengths[0] == 512 - len(render(long)) and lengths[1] == 100  # each up to its own bound

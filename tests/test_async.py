@@ -152,6 +152,22 @@ def test_two_workers_take_turns_and_resume(tiny_model_dir, tmp_path):
     assert {t["process"] for t in rows(out / "timeline.jsonl")} >= {"worker 0", "worker 1"}
 
 
+def test_a_resume_after_a_lost_step_keeps_one_timeline_row_per_span(tiny_model_dir, tmp_path):
+    """Issue 43 point 6: a kill after step 2's logs and before its checkpoint, then --resume: metrics.jsonl was
+    cut back to step 1, timeline.jsonl kept step 2's spans and the redone step 2 added them again."""
+    import shutil
+
+    out = tmp_path / "run"
+    cfg = config(tiny_model_dir, out, steps=2, rollout={"max_staleness": 0}, output={"save_every": 1})
+    train(cfg, reward_functions=[parity])
+    assert any(t["step"] == 2 for t in rows(out / "timeline.jsonl"))
+    shutil.rmtree(out / "checkpoint-2")  # what a SIGKILL between step 2's logs and its checkpoint leaves
+    train(cfg, reward_functions=[parity], resume=True)
+    assert [r["step"] for r in rows(out / "metrics.jsonl")] == [1, 2]
+    spans = [(t["process"], t["phase"], t["step"]) for t in rows(out / "timeline.jsonl") if t["step"] > 1]
+    assert spans and len(spans) == len(set(spans)), spans
+
+
 @pytest.mark.parametrize("reward, words", [
     (exits_on_second_batch, "rollout worker 0 exited with code 3"),
     (killed_on_second_batch, "rollout worker 0 is hung: no heartbeat"),

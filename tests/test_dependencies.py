@@ -50,3 +50,12 @@ def test_the_bootstrap_uses_the_tested_versions_when_asked():
     text = (ROOT / "scripts" / "bootstrap.sh").read_text()
     assert 'GRPOKIT_TESTED_VERSIONS:-0}" = 1' in text and "-c tested-versions.txt" in text
     assert "scripts/bootstrap.sh" in (ROOT / "scripts" / "test.sh").read_text()
+
+
+def test_the_agents_extra_installs_the_verifiers_whose_classic_environments_the_adapter_takes():
+    """Issue 43 point 12: `verifiers>=0.3,<1` installed 0.4.0, which has no vf.ToolEnv, vf.SingleTurnEnv or vf.Rubric
+    (its classic environments are gone), so the documented path failed on a fresh `pip install 'grpokit[agents]'`."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for extra in ("agents", "test"):
+        (verifiers,) = [Requirement(r) for r in project["optional-dependencies"][extra] if r.startswith("verifiers")]
+        assert verifiers.specifier.contains("0.3.1") and not verifiers.specifier.contains("0.4.0"), (extra, verifiers)

@@ -279,3 +279,16 @@ def test_environments_in_worker_processes(exits, calling_model, tmp_path, monkey
         assert_clean_exit(result)
         assert read_metrics(tmp_path / "env" / "run")[-1]["rewards/Env/mean"] == 1.0
         assert all(m == "ok" for m in tool_messages(tmp_path / "env" / "run"))
+
+
+def test_an_exit_in_a_tool_worker_names_what_it_would_end_not_the_isolation_already_set(calling_model, tmp_path,
+                                                                                          monkeypatch, capsys):
+    """Issue 43 point 11: with tools.isolation = "process" set, an environment's os._exit in its worker was told to
+    set tools.isolation = "process"."""
+    case = next(c for c in ENV_CASES if c.name == "reset_exits")
+    write_case(tmp_path / "worker", calling_model, case)
+    result, _ = train_in_process(tmp_path / "worker", "--set", "tools.isolation=process", monkeypatch=monkeypatch,
+                                 capsys=capsys)
+    line = assert_user_error(result, "environment Env: reset raised ToolExit: the tool called os._exit(3), which would "
+                                     "end its tool worker process (tools.isolation = \"process\")")
+    assert "runs tools where that ends a worker" not in line, line

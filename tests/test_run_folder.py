@@ -144,6 +144,18 @@ def test_a_config_toml_that_no_run_wrote_is_not_taken_for_a_run(tmp_path, model)
     assert (run / "config.toml").read_text() == "# my own config\n"
 
 
+def test_overwrite_removes_an_async_runs_timeline(tmp_path, model):
+    """Issue 43 point 6: timeline.jsonl was kept (a sync run over an async folder reported the old timeline) or
+    appended to (12 -> 24 rows)."""
+    run = tmp_path / "run"
+    fake_run(run, config(model, run))
+    span = {"step": 1, "process": "trainer", "phase": "train", "start": 0.0, "end": 1.0}
+    append_jsonl(run / "timeline.jsonl", [span])
+    folder = prepare_run_folder(config(model, run, overwrite=True), resume=False)
+    assert not (run / "timeline.jsonl").exists()
+    assert "timeline.jsonl" in folder.notes[0], folder.notes
+
+
 def test_overwrite_that_cannot_remove_a_file_is_one_error(tmp_path, model, monkeypatch):
     run = tmp_path / "run"
     fake_run(run, config(model, run))

@@ -339,6 +339,20 @@ def test_trainer_refusals_before_anything_loads(tmp_path):
         GRPOTrainer("no-such-folder", len, args={"max_steps": 1}, train_dataset=rows)
 
 
+def test_a_dataset_without_a_prompt_column_is_told_how_to_rename_it(tiny_model_dir, tmp_path):
+    """Issue 43 point 13: the advice was "pass prompt_column=<one of them>", and GRPOConfig(prompt_column=...) is a
+    TypeError."""
+    from datasets import Dataset
+
+    dataset = Dataset.from_list([{"question": "1+1=", "answer": "2"}] * 8)
+    args = GRPOConfig(output_dir=str(tmp_path / "o"), max_steps=1)
+    for given in ({"train_dataset": dataset}, {"train_dataset": [{"prompt": "1+1="}] * 8, "eval_dataset": dataset}):
+        words = r"_dataset: no 'prompt' column \(its columns: \['answer', 'question'\]\); .*rename_column\(\"question\""
+        with pytest.raises(ConfigError, match=words) as err:
+            GRPOTrainer(str(tiny_model_dir), len, args=args, **given).train()
+        assert "prompt_column" not in str(err.value)
+
+
 def test_trainer_takes_a_model_object_a_tokenizer_and_a_lora_config(tmp_path):
     from peft import LoraConfig
 

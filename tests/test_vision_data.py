@@ -52,6 +52,24 @@ def test_unreadable_images_name_row_and_column(tmp_path, bad, words):
     assert all(w in str(e.value) for w in words), str(e.value)
 
 
+def test_a_directory_and_an_image_over_pillows_pixel_limit_say_so(tmp_path, monkeypatch):
+    """Issue 43 point 10: a directory "does not exist"; a 20000 x 20000 PNG "cannot be read as an image
+    (DecompressionBombError); replace it with a PNG or JPEG". Pillow's limit is lowered here, not the image raised."""
+    from PIL import Image as PILImage
+
+    (tmp_path / "folder").mkdir()
+    rows = [{"prompt": [{"role": "user", "content": "a"}], "image": str(tmp_path / "folder")}]
+    with pytest.raises(DataError, match=r"row 1, column 'image': '.*folder' is a directory, not an image file"):
+        check_image_rows(rows, model_type="qwen2_vl", supported=True, has_vision=True, model_path="m")
+    path = _png(tmp_path, "big.png")  # 8 x 6 = 48 pixels
+    monkeypatch.setattr(PILImage, "MAX_IMAGE_PIXELS", 10)  # an error past twice the limit: 20
+    for value, what in ((str(path), r"image file '.*big.png'"), (path.read_bytes(), "the image bytes")):
+        rows = [{"prompt": [{"role": "user", "content": "a"}], "images": [value]}]
+        with pytest.raises(DataError, match=rf"row 1, column 'images': {what} is over Pillow's pixel limit \(.*\); "
+                                            "resize it to fewer pixels"):
+            check_image_rows(rows, model_type="qwen2_vl", supported=True, has_vision=True, model_path="m")
+
+
 def test_a_corrupt_file_is_named(tmp_path):
     (tmp_path / "bad.png").write_bytes(b"garbage")
     rows = [{"prompt": [{"role": "user", "content": "a"}], "images": [str(tmp_path / "bad.png")]}]

@@ -282,6 +282,30 @@ def test_more_image_tokens_than_the_context_holds_is_named(tmp_path, no_model_lo
               reward_functions=[distinct_letters])
 
 
+@pytest.mark.parametrize("arch", ["qwen2_vl", "idefics3"])
+def test_an_image_placeholder_without_an_image_is_refused_naming_the_row(vlm_dirs, tmp_path, arch, no_model_load):
+    """Issue 43 point 5: with no row holding an image, the placeholders were not counted, and `<|image_pad|>` was
+    trained on with no pixels behind it."""
+    question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "colour?"}]}]
+    rows = [{"prompt": [{"role": "user", "content": "colour?"}], "images": [], "answer": "red"},
+            {"prompt": question, "images": [], "answer": "red"}] * 2
+    with pytest.raises(DataError, match=r"^row 2: the prompt has 1 image placeholder\(s\) \(\{'type': 'image'\} "
+                                        r"parts\) but column 'images' holds no image; give the image"):
+        train(_config(vlm_dirs[arch], tmp_path / "run"), rows=rows,
+              reward_functions=[lambda completions, **kwargs: [0.0] * len(completions)])
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_image_the_processor_refuses_for_its_aspect_ratio_names_the_row_and_the_cause(vlm_dirs, tmp_path,
+                                                                                        no_model_load):
+    """Issue 43 point 10: a 1000 x 2 image was "the model's chat template and its processor disagree", no row."""
+    rows = _rows(3)
+    rows[2] = {**rows[2], "image": Image.new("RGB", (1000, 2), (1, 2, 3))}
+    with pytest.raises(DataError, match=r"^row 3: image 1 is 1000 x 2 pixels, an aspect ratio of 500, which the "
+                                        r"qwen2_vl processor refuses \(.*\); crop or pad it"):
+        train(_config(vlm_dirs["qwen2_vl"], tmp_path / "run"), rows=rows, reward_functions=[distinct_letters])
+
+
 def test_lora_adapts_the_language_model_only(vlm_dirs, tmp_path):
     from grpokit.models.lora import apply_lora
 

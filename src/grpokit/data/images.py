@@ -46,6 +46,8 @@ def load_image(value, *, row: int, column: str, base: Path | None = None):
     if isinstance(value, (bytes, bytearray)):
         try:
             return Image.open(io.BytesIO(value)).convert("RGB")
+        except Image.DecompressionBombError as e:
+            raise DataError(f"{where}: the image bytes {_over_pixel_limit(e)}") from None
         except Exception as e:  # noqa: BLE001 - PIL raises several kinds
             raise DataError(f"{where}: the image bytes cannot be decoded ({type(e).__name__}); give PNG/JPEG bytes, "
                             "a file path or a PIL image") from None
@@ -55,16 +57,27 @@ def load_image(value, *, row: int, column: str, base: Path | None = None):
             raise DataError(f"{where}: {text!r} is a URL; grpokit does not download images: save the file locally "
                             "and give its path")
         path = Path(text) if base is None or Path(text).is_absolute() else base / text
+        if path.is_dir():
+            raise DataError(f"{where}: {str(path)!r} is a directory, not an image file; give the path of the image "
+                            "file in it")
         if not path.is_file():
             raise DataError(f"{where}: image file {str(path)!r} does not exist; fix the path (relative paths are "
                             "read from the data file's folder)")
         try:
             with Image.open(path) as image:
                 return image.convert("RGB")
+        except Image.DecompressionBombError as e:
+            raise DataError(f"{where}: image file {str(path)!r} {_over_pixel_limit(e)}") from None
         except Exception as e:  # noqa: BLE001
             raise DataError(f"{where}: image file {str(path)!r} cannot be read as an image ({type(e).__name__}); "
                             "replace it with a PNG or JPEG") from None
     raise DataError(f"{where}: {type(value).__name__} is not an image; give a PIL image, a file path or bytes")
+
+
+def _over_pixel_limit(e: Exception) -> str:
+    """Pillow's refusal of a huge image (its decompression-bomb guard), said as what to do."""
+    return (f"is over Pillow's pixel limit ({e}); resize it to fewer pixels (the model's processor scales "
+            "it down to far fewer anyway)")
 
 
 def row_images(row: dict, *, index: int, base: Path | None = None) -> list:
@@ -117,9 +130,8 @@ def check_image_rows(rows: Sequence[dict], *, model_type: str | None, supported:
     """Whether the rows carry images; every row checked (images readable, placeholders equal in number)
     against a model that can read them. Raised before the model loads."""
     column = image_column(rows)
-    if column is None:
-        return False
-    if not any(row.get(column) not in (None, []) for row in rows):
+    if column is None or not any(row.get(column) not in (None, []) for row in rows):
+        _check_no_placeholders(rows, column)
         return False
     if not has_vision:
         raise DataError(f"the data has an {column!r} column but {model_path} is a text-only model (model_type "
@@ -132,6 +144,20 @@ def check_image_rows(rows: Sequence[dict], *, model_type: str | None, supported:
         images = row_images(row, index=i, base=base)
         with_image_placeholders(row["prompt"], len(images), index=i, column=column)
     return True
+
+
+def _check_no_placeholders(rows: Sequence[dict], column: str | None) -> None:
+    """Rows without images must not ask for any: a `{"type": "image"}` part with no image behind it would render
+    the model's image token with no pixels (and train on it). One error naming the first such row."""
+    for i, row in enumerate(rows):
+        prompt = row.get("prompt")
+        messages = [m for m in prompt if isinstance(m, dict)] if isinstance(prompt, list) else []
+        found = count_placeholders(messages)
+        if found:
+            held = f"column {column!r} holds no image" if column else "the row has no 'images' or 'image' column"
+            raise DataError(f"row {i + 1}: the prompt has {found} image placeholder(s) ({{'type': 'image'}} parts) "
+                            f"but {held}; give the image(s) in the row's 'images' column, or remove the "
+                            "placeholders")
 
 
 @dataclass(frozen=True, eq=False)

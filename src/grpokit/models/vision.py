@@ -159,8 +159,12 @@ def encode_image_prompt(processor, messages: list[dict], images: list, family: s
     try:
         encoded = processor(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
     except ValueError as e:  # a template that does not render the parts as the family's placeholders
-        from grpokit.errors import ModelLoadError
+        from grpokit.errors import DataError, ModelLoadError
 
+        if "aspect ratio" in str(e):  # Qwen2-VL's resize: an image too long and thin to cut into patches
+            k, (w, h) = max(enumerate(im.size for im in images), key=lambda s: max(s[1]) / max(1, min(s[1])))
+            raise DataError(f"image {k + 1} is {w} x {h} pixels, an aspect ratio of {max(w, h) / max(1, min(w, h)):g}, "
+                            f"which the {family} processor refuses ({e}); crop or pad it") from None
         raise ModelLoadError(f"the model's chat template and its processor disagree on a prompt with {len(images)} "
                              f"image(s) ({e}); the template must render each {{\"type\": \"image\"}} part as the "
                              "family's image placeholder: copy chat_template.jinja (or the template in "

@@ -85,6 +85,22 @@ def adapt_environment(factory):
     return factory
 
 
+def why_not_adapted(factory, made) -> str | None:
+    """Why `made`, what a factory that `adapt_environment` left as it is returned, is not a grpokit environment
+    though it is a verifiers one (None when it is not a verifiers environment): the documented refusal of its
+    kind, else how to have it adapted."""
+    if not _from_library(made, "verifiers", "Environment"):
+        return None
+    try:
+        verifiers_environment(made)
+    except SetupError as e:
+        return str(e)
+    name = getattr(factory, "__name__", repr(factory))
+    return (f"environment factory {name!r} returns a verifiers {type(made).__name__}, which grpokit adapts from a "
+            "function named load_environment (verifiers' convention) or from the environment itself "
+            f"(train(environment_factory=vf_env)); rename {name} to load_environment")
+
+
 def was_adapted(original, adapted) -> bool:
     """Whether `adapt_environment` changed anything (in a mapping: any of its environments)."""
     if isinstance(original, Mapping):

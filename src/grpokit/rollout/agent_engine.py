@@ -32,9 +32,11 @@ class AgentEngine:
     engine, without tools) through the endpoint. `rows` is set for each batch by the training step."""
 
     def __init__(self, agent: Agent, inner, tokenizer, *, max_calls: int = 8, time_limit_s: float = 300.0,
-                 port: int = 0, batch_wait_s: float = 0.02):
+                 port: int = 0, batch_wait_s: float = 0.02, max_positions: int | None = None):
+        """`max_positions`: the model's context (default: that of `inner.model`, where the engine has one)."""
         self.agent, self.inner, self.tokenizer = agent, inner, tokenizer
-        self.endpoint = AgentEndpoint(tokenizer, port)
+        max_positions = max_positions or context_length(getattr(inner, "model", None))
+        self.endpoint = AgentEndpoint(tokenizer, port, max_positions)
         self.endpoint.max_calls, self.time_limit_s, self.batch_wait_s = max_calls, time_limit_s, batch_wait_s
         self.rows: list[dict] | None = None
         self.tool_stats: ToolStats | None = None
@@ -102,7 +104,12 @@ class AgentEngine:
         return model_s
 
     def _sample(self, batch: list[PendingCall], sampling, generator) -> None:
-        longest = max(job.max_tokens for job in batch)
+        """Sample the calls together, up to the longest answer any of them may have; the calls whose prompts
+        would then pass the model's context are sampled after them, the same way (a call's own `max_tokens` fits
+        its prompt in the context, so each round takes at least the call that may answer longest)."""
+        longest, limit = max(job.max_tokens for job in batch), self.endpoint.max_positions
+        later = [job for job in batch if limit is not None and len(job.prompt) + longest > limit]
+        batch = [job for job in batch if not any(job is other for other in later)]
         rollout = self.inner.generate([job.prompt for job in batch], group_size=1, generator=generator,
                                       sampling=dataclasses.replace(sampling, max_new_tokens=longest))
         eos = set(sampling.eos_token_ids)
@@ -112,6 +119,8 @@ class AgentEngine:
             job.logps = rollout.logprobs[k, :n].tolist()
             job.finished = bool(job.tokens) and job.tokens[-1] in eos
             job.done.set()
+        if later:
+            self._sample(later, sampling, generator)
 
     def _drain(self) -> None:
         """Calls still waiting when the time ran out: answered with an error."""
@@ -154,6 +163,13 @@ def _with_final(conversation: list[dict], final) -> list[dict]:
     return messages or [{"role": "assistant", "content": ""}]
 
 
+def context_length(model) -> int | None:
+    """The model's context (max_position_embeddings; a vision-language config keeps it in its text config)."""
+    config = getattr(model, "config", None)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(config, "max_position_embeddings", None)
+
+
 def rollout_device(engine):
     model = getattr(engine, "model", None)
     return model.device if model is not None else "cpu"
@@ -171,7 +187,8 @@ def agent_engine(agent: Agent, *, time_limit_s: float = 300.0, port: int = 0) ->
         from grpokit.rollout.engines import build_engine
 
         return AgentEngine(agent, build_engine(config, model, tokenizer, tools=None), tokenizer,
-                           max_calls=config.tools.max_calls, time_limit_s=time_limit_s, port=port)
+                           max_calls=config.tools.max_calls, time_limit_s=time_limit_s, port=port,
+                           max_positions=context_length(model))
 
     return build
 

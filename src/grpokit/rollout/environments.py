@@ -44,6 +44,7 @@ import torch
 from grpokit.data.prompts import render_prompt
 from grpokit.errors import EnvironmentFault, RewardTimeoutError
 from grpokit.rewards.core import RewardSpec
+from grpokit.rollout.adapters import why_not_adapted
 from grpokit.rollout.batch import Turns
 from grpokit.rollout.tools import HOOKS, ResultTooLong, ToolBox, ToolResult, as_text, call_within, is_finite_number
 
@@ -66,8 +67,9 @@ class _Kind:
                              f"{type(e).__name__}: {e}") from None
         self.cls = type(probe)
         if not callable(getattr(probe, "reset", None)):
-            raise ValueError(f"environment {self.cls.__name__}: it needs a reset(**row) method (TRL's environment "
-                             "contract): it returns None or text appended to the last user message")
+            raise ValueError(why_not_adapted(factory, probe) or f"environment {self.cls.__name__}: it needs a "
+                             "reset(**row) method (TRL's environment contract): it returns None or text appended "
+                             "to the last user message")
         if inspect.iscoroutinefunction(getattr(self.cls, "reset", None)):
             raise ValueError(f"environment {self.cls.__name__}: reset is `async def`, and TRL calls reset without "
                              "awaiting it; make it a plain `def` (get_reward and tools may be async)")

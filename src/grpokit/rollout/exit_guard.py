@@ -24,7 +24,9 @@ How, and the limit that follows:
 
 Those, and the ways out that no guard sees (a crash in native code, `ctypes`, a signal from another
 process, the OOM killer), are what `tools.isolation = "process"` is for: tools run in a worker
-process, where they cost the worker instead (rollout/tool_workers.py).
+process, where they cost the worker instead (rollout/tool_workers.py). The guard is at work there too
+(an exit would end the worker and the environment instances it holds); `in_tool_worker()` makes its
+messages say so, instead of advising the isolation that is already set.
 """
 
 from __future__ import annotations
@@ -42,6 +44,16 @@ _real: dict[str, Callable] = {}
 _lock = threading.Lock()
 _pid = [0]  # the trainer's process: a child the tool forked may exit as it likes
 ISOLATE = 'tools.isolation = "process" runs tools where that ends a worker, not the trainer'
+_host = {"own": "the trainer's own process", "process": "the trainer's process", "group": "the trainer's process group",
+         "ends": "the trainer", "advice": f"; {ISOLATE}"}  # what an exit would end here, what to do about it
+
+
+def in_tool_worker() -> None:
+    """This process is a `tools.isolation = "process"` worker: an exit would end it, not the trainer."""
+    _host.update(own="its tool worker's own process", process="its tool worker's process",
+                 group="its tool worker's process group",
+                 ends="its tool worker process (tools.isolation = \"process\") and the environment instances in it",
+                 advice="")
 
 
 class ToolExit(SystemExit):
@@ -107,11 +119,11 @@ def _audit(event: str, args: tuple) -> None:
     if sig == 0:
         return
     if event == "os.kill" and _at_trainer(target):
-        _stop(f"the tool sent {_signal_name(sig)} to the trainer's own process; {ISOLATE}")
+        _stop(f"the tool sent {_signal_name(sig)} to {_host['own']}{_host['advice']}")
     elif event == "os.killpg" and target in (0, os.getpgrp()):
-        _stop(f"the tool sent {_signal_name(sig)} to the trainer's process group; {ISOLATE}")
-    elif event == "signal.pthread_kill":  # every thread it can reach is one of the trainer's
-        _stop(f"the tool sent {_signal_name(sig)} to a thread of the trainer's process; {ISOLATE}")
+        _stop(f"the tool sent {_signal_name(sig)} to {_host['group']}{_host['advice']}")
+    elif event == "signal.pthread_kill":  # every thread it can reach is one of this process's
+        _stop(f"the tool sent {_signal_name(sig)} to a thread of {_host['process']}{_host['advice']}")
 
 
 def _inheriting(start: Callable) -> Callable:
@@ -146,17 +158,17 @@ def install() -> None:
 
     @functools.wraps(_real["_exit"])
     def _exit(code):
-        _stop(f"the tool called os._exit({code}), which would end the trainer; {ISOLATE}")
+        _stop(f"the tool called os._exit({code}), which would end {_host['ends']}{_host['advice']}")
         _real["_exit"](code)
 
     @functools.wraps(_real["abort"])
     def abort():
-        _stop(f"the tool called os.abort(), which would end the trainer; {ISOLATE}")
+        _stop(f"the tool called os.abort(), which would end {_host['ends']}{_host['advice']}")
         _real["abort"]()
 
     @functools.wraps(_real["raise_signal"])
     def raise_signal(sig):
-        _stop(f"the tool raised {_signal_name(sig)} in the trainer's process; {ISOLATE}")
+        _stop(f"the tool raised {_signal_name(sig)} in {_host['process']}{_host['advice']}")
         _real["raise_signal"](sig)
 
     os._exit, os.abort, signal.raise_signal = _exit, abort, raise_signal

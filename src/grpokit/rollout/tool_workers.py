@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -52,7 +53,11 @@ class ToolHost:
     def __call__(self, op: str, items: list) -> list:
         if self._built is None:
             from grpokit.rewards.registry import load_reward
+            from grpokit.rewards.worker_pool import _WORKER_ENV
+            from grpokit.rollout.exit_guard import in_tool_worker
 
+            if os.environ.get(_WORKER_ENV):  # a worker process (not a host called in-process)
+                in_tool_worker()  # the exit guard's messages: an exit here ends this worker, not the trainer
             load = lambda ref, kind: load_reward(ref, kind=kind) if isinstance(ref, str) else ref  # noqa: E731
             box = ToolBox.__new__(ToolBox)
             box.functions = {fn.__name__: fn for fn in (load(t, "tool") for t in self.tools)}

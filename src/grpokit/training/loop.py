@@ -161,7 +161,7 @@ class _RunLog:
                  resources: ExitStack):
         self.config, self.dist, self.specs, self.run_dir = config, dist, run.inputs.specs, run.inputs.folder.path
         if dist.is_main:
-            for log in ("metrics.jsonl", "completions.jsonl") if run.start_step else ():  # later steps are redone
+            for log in ("metrics.jsonl", "completions.jsonl", "timeline.jsonl") if run.start_step else ():  # redone
                 drop_rows_after(self.run_dir / log, run.start_step)
             record_segment(self.run_dir, config, run.inputs.folder, run.start_step, command)
         self.writer = resources.enter_context(closing(dist.main_only(lambda: MetricsWriter(

@@ -4,6 +4,7 @@
       config.toml            the config of the newest segment (a segment: one start or one --resume)
       config_history.jsonl   a line per segment: the step it started from, when, the command, what changed
       metrics.jsonl          a line per step; completions.jsonl, tensorboard/ when asked for
+      timeline.jsonl         an asynchronous run's spans: what each process did when
       checkpoint-N/          Hugging Face model folder + trainer_state.pt + grpokit_config.toml
       .grpokit.lock          who holds the folder (pid, command, since) while a run is alive
 
@@ -75,8 +76,8 @@ RESUMABLE_FIELDS = frozenset({
 
 
 # What grpokit writes into a run folder; `output.overwrite` removes exactly these, nothing else.
-RUN_FILES = ("config.toml", "config_history.jsonl", "metrics.jsonl", "completions.jsonl", "tensorboard",
-             "best.json", "report.html", "wandb", "damaged-checkpoints")
+RUN_FILES = ("config.toml", "config_history.jsonl", "metrics.jsonl", "completions.jsonl", "timeline.jsonl",
+             "tensorboard", "best.json", "report.html", "wandb", "damaged-checkpoints")
 DAMAGED_DIR = "damaged-checkpoints"  # where --resume moves a checkpoint it cannot read
 
 

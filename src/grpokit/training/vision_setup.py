@@ -139,7 +139,10 @@ class PromptMedia:
         images = row_images(row, index=index, base=v.base)
         messages = with_image_placeholders(row["prompt"], len(images), index=index,
                                            column="images" if "images" in row else "image")
-        ids, encoded = encode_image_prompt(v.processor, messages, images, v.family, tools=self.schemas)
+        try:
+            ids, encoded = encode_image_prompt(v.processor, messages, images, v.family, tools=self.schemas)
+        except DataError as e:  # an image the processor refuses: which row
+            raise DataError(f"row {index + 1}: {e}") from None
         return ids, None if encoded is None else replace(encoded, sources=image_refs(row, images))
 
     def rows(self, indices: Sequence[int]) -> RowMedia:

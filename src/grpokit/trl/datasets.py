@@ -99,6 +99,11 @@ def _as_rows(dataset, prompt_only, field: str) -> list[dict]:
         if not isinstance(row, dict) and not hasattr(row, "keys"):
             raise ConfigError(f"{field}: row {i + 1} is a {type(row).__name__}, not a dict with a 'prompt' column")
         rows.append(dict(row))
+    if rows and all("prompt" not in row for row in rows):
+        columns = sorted({k for row in rows for k in row})
+        raise ConfigError(f"{field}: no 'prompt' column (its columns: {columns}); the trainer reads each prompt from "
+                          "'prompt', as TRL's does: rename yours, e.g. dataset = dataset.rename_column(\"question\", "
+                          "\"prompt\")")
     if prompt_only:  # TRL's remove_unused_columns=True: only the prompt reaches the reward functions
         rows = [{"prompt": row["prompt"]} if "prompt" in row else row for row in rows]
     return rows
