@@ -93,12 +93,10 @@ def train(
             if crowded and dist.is_main:
                 print(crowded, flush=True)
             run = build_run(config, inputs, dist, engine, model)
-            objects = dict(rows=rows, reward_functions=reward_functions, tools=tools,
-                           environment_factory=environment_factory)  # what async rollout workers rebuild
             try:
-                return _loop(config, run, dist, hint, command, objects)
+                return _loop(config, run, dist, hint, command)
             finally:  # an agent engine's endpoint (rollout/agent_endpoint.py) stops with the run
-                getattr(run.engine, "stop_serving", lambda: None)()
+                run.side.engine.stop_serving()
     finally:
         if inputs is not None and inputs.reward_pool is not None:
             inputs.reward_pool.close()  # the isolated rewards' worker processes
@@ -108,8 +106,7 @@ def train(
             lock.release()
 
 
-def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command: str | None,
-          objects: dict) -> Path:
+def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command: str | None) -> Path:
     local, inputs, policy = run.inputs.local, run.inputs, run.policy  # local: this process's share
     run_dir = inputs.folder.path
     if dist.is_main:
@@ -139,7 +136,7 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
     rollouts = None
     try:
         with GracefulStop() as stop:
-            rollouts = build_rollouts(config, run, run_dir, **objects)  # sync, or worker processes (async)
+            rollouts = build_rollouts(config, run, run_dir)  # sync, or worker processes (async)
             for step in range(run.start_step + 1, config.train.steps + 1):
                 t0 = time.perf_counter()
                 # rollout -> grade -> advantages (async: a batch the workers sampled meanwhile)
