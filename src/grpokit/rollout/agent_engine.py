@@ -24,17 +24,18 @@ import torch
 from grpokit.errors import SetupError
 from grpokit.rollout.agent_endpoint import Agent, AgentEndpoint, AnswerRecord, PendingCall
 from grpokit.rollout.batch import Rollout, rollout_from_tokens
-from grpokit.rollout.engine_protocol import EngineBase
+from grpokit.rollout.engine_protocol import EngineBase, given_engine
 from grpokit.rollout.multiturn import ToolStats
 
 
 class AgentEngine(EngineBase):
     """A rollout engine whose answers are the agent's conversations, sampled by `inner` (the run's own
-    engine, without tools) through the endpoint. `rows` is set for each batch by the rollout side (side.py)."""
+    engine, without tools; one with only `generate` and `sync_weights` is wrapped, engine_protocol.PlainEngine)
+    through the endpoint. `rows` is set for each batch by the rollout side (side.py)."""
 
     def __init__(self, agent: Agent, inner, tokenizer, *, max_calls: int = 8, time_limit_s: float = 300.0,
                  port: int = 0, batch_wait_s: float = 0.02):
-        self.agent, self.inner, self.tokenizer = agent, inner, tokenizer
+        self.agent, self.inner, self.tokenizer = agent, given_engine(inner, None), tokenizer
         self.endpoint = AgentEndpoint(tokenizer, port)
         self.endpoint.max_calls, self.time_limit_s, self.batch_wait_s = max_calls, time_limit_s, batch_wait_s
         self.rows: list[dict] | None = None
