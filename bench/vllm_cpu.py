@@ -520,7 +520,8 @@ def speed_shape(name: str, P: int, G: int, T: int, reps: int, threads: int, part
     from grpokit.models.allocator import keep_freed_memory
     from grpokit.models.loading import load_model_and_tokenizer
     from grpokit.models.weight_sync import GlooPublisher, transferred
-    from grpokit.rollout.engines import HFEngine, SamplingParams
+    from grpokit.rollout.engine_protocol import SamplingParams
+    from grpokit.rollout.engines import HFEngine
     from grpokit.rollout.vllm_weights import named_weights_for_sync
 
     torch.set_num_threads(threads)

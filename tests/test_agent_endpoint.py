@@ -18,7 +18,8 @@ from grpokit.config.schema import ToolsConfig
 from grpokit.errors import RewardLoadError, SetupError
 from grpokit.observe.tracking import read_metrics
 from grpokit.rollout.agent_engine import AgentEngine, agent_engine
-from grpokit.rollout.engines import HFEngine, SamplingParams
+from grpokit.rollout.engine_protocol import SamplingParams
+from grpokit.rollout.engines import HFEngine
 from grpokit.training.loop import train
 
 openai = pytest.importorskip("openai", reason="the agent endpoint's tests need the openai client: pip install "

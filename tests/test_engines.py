@@ -21,7 +21,8 @@ from grpokit.models.loading import load_model_and_tokenizer
 from grpokit.observe.tracking import read_metrics
 from grpokit.rollout.batch import concat_rollouts, rollout_from_tokens
 from grpokit.rollout.decode import sample_groups
-from grpokit.rollout.engines import HFEngine, SamplingParams
+from grpokit.rollout.engine_protocol import SamplingParams
+from grpokit.rollout.engines import HFEngine
 from grpokit.rollout.vllm import VLLMEngine
 from grpokit.training.loop import train
 
@@ -94,6 +95,43 @@ def test_the_trainer_samples_through_the_engine_and_syncs_after_every_update(tin
 
 
 # ---- truncated importance sampling -------------------------------------------------------------
+
+
+def test_every_engine_class_implements_the_whole_engine_protocol():
+    # the rollout side (rollout/side.py) and the loop reach an engine through RolloutEngine only, never by
+    # probing it with getattr: every field and method they use is named there, and every engine class has it
+    from grpokit.rollout.agent_engine import AgentEngine
+    from grpokit.rollout.engine_protocol import PlainEngine, RolloutEngine
+    from grpokit.rollout.vllm_server import VLLMServerEngine
+
+    members = {n for n in vars(RolloutEngine) if not n.startswith("_")} | set(RolloutEngine.__annotations__)
+    assert {"generate", "sync_weights", "stop_serving", "device", "tools", "history", "rows", "tool_stats",
+            "agent_metrics", "adapter_prefix"} <= members
+    for cls in (HFEngine, VLLMEngine, VLLMServerEngine, AgentEngine, PlainEngine):
+        assert [name for name in sorted(members) if not hasattr(cls, name)] == [], cls.__name__
+
+
+def test_an_engine_of_the_callers_with_the_two_documented_methods_is_wrapped_and_cannot_run_tools():
+    from grpokit.errors import SetupError
+    from grpokit.rollout.engine_protocol import PlainEngine, given_engine
+    from grpokit.rollout.tools import ToolBox
+
+    plain = SimpleNamespace(generate=lambda *a, **k: None, sync_weights=lambda model: None)
+    wrapped = given_engine(plain, None)
+    assert isinstance(wrapped, PlainEngine) and wrapped.tools is None and wrapped.agent_metrics == {}
+    wrapped.stop_serving()  # nothing it started: nothing to stop
+
+    def add(a: int, b: int) -> int:
+        """Add.
+
+        Args:
+            a: One.
+            b: Two.
+        """
+        return a + b
+
+    with pytest.raises(SetupError, match="not a grpokit engine, so it cannot run the run's tools"):
+        given_engine(plain, ToolBox([add]))
 
 
 def test_tis_weights_golden():

@@ -344,7 +344,7 @@ def test_the_vllm_engine_runs_tool_calls_turn_by_turn(tiny_model_dir, tiny, monk
     from pathlib import Path
 
     import grpokit.rollout.vllm as vllm_engine
-    from grpokit.rollout.engines import SamplingParams
+    from grpokit.rollout.engine_protocol import SamplingParams
     from grpokit.rollout.multiturn import converse
 
     path = Path(__file__).parent / "fake_vllm" / "vllm" / "__init__.py"

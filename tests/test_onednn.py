@@ -13,7 +13,8 @@ from grpokit.models import onednn
 from grpokit.models.cpu import isa_of
 from grpokit.models.loading import load_model_and_tokenizer
 from grpokit.models.onednn import kernel_available, kernel_note, onednn_linears, packed_linears
-from grpokit.rollout.engines import HFEngine, SamplingParams
+from grpokit.rollout.engine_protocol import SamplingParams
+from grpokit.rollout.engines import HFEngine
 
 
 @pytest.fixture(scope="module")

@@ -310,7 +310,7 @@ def test_chat_prompts_for_a_reward_model_without_a_chat_template_fail_at_start_u
 
     from conftest import make_config, parity
     from grpokit.config.schema import RewardConfig
-    from grpokit.training.setup import resolve_reward_specs
+    from grpokit.training.rollout_setup import resolve_reward_specs
 
     nochat = tmp_path / "nochat-rm"
     shutil.copytree(folders.bits, nochat)

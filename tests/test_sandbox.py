@@ -142,7 +142,7 @@ def test_your_own_reward_functions_have_a_default_timeout_and_built_ins_bound_th
     `timeout` overrides it, 0 meaning no limit; built-in rewards keep running in the calling thread
     (math-verify's own parse timeouts need the main thread)."""
     from grpokit.config.schema import Config, DataConfig, ModelConfig, RewardConfig
-    from grpokit.training.setup import resolve_reward_specs
+    from grpokit.training.rollout_setup import resolve_reward_specs
 
     ref = tmp_path / "r.py"
     ref.write_text("def mine(completions, **kw):\n    return [0.0] * len(completions)\n")

@@ -198,7 +198,7 @@ def test_with_process_isolation_forgery_scores_zero_and_the_correct_answer_keeps
     config = config_from_dict({"model": {"path": "m"}, "data": {"path": "d.jsonl"},
                                "rewards": {"functions": ["code_execution"], "isolation": "process"},
                                "rollout": {"group_size": 4}})
-    from grpokit.training.setup import isolate_rewards
+    from grpokit.training.rollout_setup import isolate_rewards
 
     specs, pool = isolate_rewards(config, reward_specs(["code_execution"], args={"code_execution": {
         "time_limit": 3.0, "memory_mb": 256}}))
@@ -229,7 +229,7 @@ def test_a_code_execution_run_without_a_tests_column_fails_at_start_up(tiny_mode
 @pytest.mark.parametrize("isolation", ["none", "process"])
 def test_reward_setup_names_the_missing_column(isolation, tmp_path):
     from grpokit.errors import RewardLoadError
-    from grpokit.training.setup import resolve_reward_specs
+    from grpokit.training.rollout_setup import resolve_reward_specs
 
     config = config_from_dict({"model": {"path": "m"}, "data": {"path": "d.jsonl"},
                                "rewards": {"functions": ["code_execution"], "isolation": isolation}})

@@ -182,8 +182,8 @@ def test_evaluate_with_tools_counts_calls_and_failures_of_the_sampled_answers(ca
         k = next(calls)
         return [ToolCall("calculator", {"expression": "6*7" if k % 2 else "6*"})]
 
-    import grpokit.training.evaluation
-    monkeypatch.setattr(grpokit.training.evaluation, "sample_conversations",
+    import grpokit.rollout.engines
+    monkeypatch.setattr(grpokit.rollout.engines, "sample_conversations",
                         lambda *args, **kwargs: sample_conversations(*args, parse_calls=scripted, **kwargs))
     result = evaluate(model, tokenizer, rows, ids, task.reward_functions(), samples_per_prompt=2, temperature=1.0,
                       max_new_tokens=40, tools=tools, max_tool_turns=1, greedy=False, seed=3)

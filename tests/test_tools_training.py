@@ -123,8 +123,8 @@ def test_a_tool_without_a_docstring_is_refused_naming_the_field(tool_model_dir, 
 def test_the_loss_mask_of_a_multi_turn_batch_leaves_out_the_tool_results(tool_model_dir, tmp_path):
     from grpokit.models.loading import load_model, load_tokenizer
     from grpokit.rewards.core import RewardSpec
+    from grpokit.rollout.side import PromptTable, RolloutSide
     from grpokit.training.generate import generate_and_grade
-    from grpokit.training.setup import PromptTable
 
     model, tok = load_model(tool_model_dir, device="cpu"), load_tokenizer(tool_model_dir)
     config = make_config(tool_model_dir, tmp_path / "run", max_new_tokens=64, prompts_per_step=2)
@@ -136,8 +136,8 @@ def test_the_loss_mask_of_a_multi_turn_batch_leaves_out_the_tool_results(tool_mo
             return [0, 1]
 
     engine = scripted_engine(ToolBox([add]))(config, model, tok)
-    batch, metrics = generate_and_grade(config, engine, tok, prompts, Stream(), [RewardSpec("p", final_parity)],
-                                        torch.Generator().manual_seed(0))
+    side = RolloutSide.for_training(config, prompts, [RewardSpec("p", final_parity)], engine, tok)
+    batch, metrics = generate_and_grade(config, side, Stream(), torch.Generator().manual_seed(0))
     r = batch.rollout
     assert r.tool_mask.sum() > 0 and metrics["tools/call_frequency"] > 0
     assert torch.equal(batch.loss_mask, r.completion_mask * (1 - r.tool_mask))

@@ -159,9 +159,10 @@ def test_evaluate_draws_the_answers_once_and_counts_them_as_grpokits_evaluation(
                                                                                   monkeypatch):
     from grpokit.data.files import load_prompts
     from grpokit.models.loading import max_positions_of
-    from grpokit.rollout import decode
+    from grpokit.rollout import decode, engines
     from grpokit.training import evaluation
-    from grpokit.training.setup import PreparedData, eval_max_new_tokens, resolve_reward_specs, tokenize_prompts
+    from grpokit.training.rollout_setup import resolve_reward_specs
+    from grpokit.training.setup import PreparedData, eval_max_new_tokens, tokenize_prompts
 
     draws, real = [], decode.sample_groups
 
@@ -170,7 +171,7 @@ def test_evaluate_draws_the_answers_once_and_counts_them_as_grpokits_evaluation(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(decode, "sample_groups", counted)
-    monkeypatch.setattr(evaluation, "sample_groups", counted)
+    monkeypatch.setattr(engines, "sample_groups", counted)
     args = GRPOConfig(output_dir=str(tmp_path / "o"), num_generations_eval=4, per_device_eval_batch_size=4, **RUN)
     trainer = GRPOTrainer(str(tiny_model_dir), parity, args=args, train_dataset=ROWS, eval_dataset=ROWS)
     metrics = trainer.evaluate()
@@ -188,3 +189,52 @@ def test_evaluate_draws_the_answers_once_and_counts_them_as_grpokits_evaluation(
     assert (metrics["eval_reward"], metrics["eval_accuracy"], metrics["eval_pass@4"]) == pytest.approx(
         (own["mean_reward"], own["accuracy"], own["pass@4"]), abs=1e-9)
     assert 0 < own["accuracy"] < 1  # answers of both kinds: the comparison can tell counts apart
+
+
+ENV_SOURCE = '''
+class Counter:
+    """A TRL-style environment: reset with the row, one tool method, its own reward."""
+
+    def reset(self, **row):
+        self.count = 0
+
+    def increment(self, step: int) -> int:
+        """Add to the counter.
+
+        Args:
+            step: How much to add.
+        """
+        self.count += step
+        return self.count
+
+    def get_reward(self) -> float:
+        return float(self.count)
+'''
+
+
+def test_evaluate_runs_environment_factorys_environments_as_training_does(tool_model_dir, tmp_path, monkeypatch):
+    # evaluate() draws through the rollout side training uses: each answer its own instance, reset with its row,
+    # calling its methods; the environment's get_reward among the rewards. The random model never writes a call:
+    # every turn "calls" increment, as in the training tests.
+    from grpokit.rollout import engines
+    from grpokit.rollout.multiturn import sample_conversations
+    from grpokit.rollout.tools import ToolCall
+
+    monkeypatch.setattr(engines, "sample_conversations", lambda *a, **k: sample_conversations(
+        *a, parse_calls=lambda text, **_: [ToolCall("increment", {"step": 1})], **k))
+    namespace: dict = {}
+    exec(ENV_SOURCE, namespace)
+    seen = []
+
+    def own_counts(completions, environments, **kwargs):
+        seen.append(environments)
+        return [float(env.count) for env in environments]
+
+    args = GRPOConfig(output_dir=str(tmp_path / "o"), num_generations_eval=2,
+                      **{**RUN, "max_completion_length": 48})
+    trainer = GRPOTrainer(str(tool_model_dir), own_counts, args=args, eval_dataset=ROWS[:2],
+                          environment_factory=namespace["Counter"])
+    metrics = trainer.evaluate()
+    assert metrics["eval_rewards/Counter/mean"] > 0  # the answers called their own environments' tool
+    assert metrics["eval_rewards/own_counts/mean"] == pytest.approx(metrics["eval_rewards/Counter/mean"])
+    assert len(seen[0]) == 2 * 2 and len({id(env) for env in seen[0]}) == 4  # one instance per answer

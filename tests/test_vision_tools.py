@@ -283,7 +283,7 @@ def test_a_template_without_images_in_tool_messages_runs_text_tools_and_fails_im
 def test_split_history_with_a_vlm_and_text_prompts_runs_and_fails_image_results(vlm):
     """tools.history = "split" on a VLM with text rows (it trained before tools could return images): it still
     samples; a result with images is a failed call saying split does not show them."""
-    from grpokit.training.split_rows import conversation_history
+    from grpokit.rollout.history import conversation_history
 
     arch, model, processor = vlm
     rows = [{"prompt": [{"role": "user", "content": "what?"}]}] * 2

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+import grpokit.training.rollout_setup as rollout_setup
 import grpokit.training.setup as setup_mod
 from conftest import make_config
 from grpokit import train
@@ -253,8 +254,8 @@ def test_evaluation_during_training_sees_the_held_out_images(vlm_dirs, tmp_path,
     encoded = encoded_rows(processor, model.config, held_out)
     media = RowMedia.concat([m for _, m in encoded], [1] * len(encoded))
     direct = evaluate(model, processor.tokenizer, held_out, [i for i, _ in encoded],
-                      [s for s in setup_mod.resolve_reward_specs(_config(vlm_dirs[arch], tmp_path / "x"), None,
-                                                                  [distinct_letters], rows=held_out)],
+                      [s for s in rollout_setup.resolve_reward_specs(_config(vlm_dirs[arch], tmp_path / "x"), None,
+                                                                      [distinct_letters], rows=held_out)],
                       samples_per_prompt=2, max_new_tokens=4, seed=0, media=media)
     last = logged[-1]
     for key in ("accuracy", "mean_reward", "pass@2", "greedy_accuracy"):
@@ -318,6 +319,28 @@ def test_lora_adapts_the_language_model_only(vlm_dirs, tmp_path):
     run = train(_config(vlm_dirs["idefics3"], tmp_path / "run", model={"lora": {"r": 4}}), rows=_rows(),
                 reward_functions=[distinct_letters])
     assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_the_trl_drop_ins_evaluate_samples_from_the_rows_images(vlm_dirs, tmp_path, monkeypatch):
+    """`GRPOTrainer.evaluate()` draws through the rollout side training uses: image rows are rendered by the
+    model folder's processor and their pixels reach the sampler, as in the evaluation during training."""
+    from grpokit.rollout.engines import HFEngine
+    from grpokit.trl import GRPOConfig, GRPOTrainer
+
+    given, real = [], HFEngine.generate
+
+    def spy(self, prompt_ids, *, media=None, **kwargs):
+        given.append(None if media is None else media.num_images)
+        return real(self, prompt_ids, media=media, **kwargs)
+
+    monkeypatch.setattr(HFEngine, "generate", spy)
+    args = GRPOConfig(output_dir=str(tmp_path / "o"), max_steps=1, per_device_train_batch_size=2, num_generations=2,
+                      max_completion_length=4, disable_tqdm=True)
+    trainer = GRPOTrainer(str(vlm_dirs["gemma3"]), distinct_letters, args=args, train_dataset=_rows(),
+                          eval_dataset=_rows(3))
+    metrics = trainer.evaluate()
+    assert given == [[1, 1, 1]]  # one batch of the 3 prompts, each with its image
+    assert metrics["eval_reward"] > 0  # graded, the reward functions given the images (distinct_letters checks)
 
 
 def test_grpokit_eval_renders_a_vision_tasks_images_for_a_vision_language_model(vlm_dirs, tiny_model_dir, capsys):

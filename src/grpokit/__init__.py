@@ -57,8 +57,8 @@ _MOVED = {
     "grpokit.allocator": ("grpokit.models.allocator",),
     "grpokit.distributed": ("grpokit.models.parallel", "grpokit.models.fsdp", "grpokit.observe.metrics",
                             "grpokit.training.checkpoint"),
-    "grpokit.engines": ("grpokit.rollout.engines", "grpokit.rollout.vllm", "grpokit.rollout.batch",
-                        "grpokit.algorithms.objectives", "grpokit.algorithms.mismatch"),
+    "grpokit.engines": ("grpokit.rollout.engines", "grpokit.rollout.engine_protocol", "grpokit.rollout.vllm",
+                        "grpokit.rollout.batch", "grpokit.algorithms.objectives", "grpokit.algorithms.mismatch"),
     "grpokit.grading": ("grpokit.rollout.grading", "grpokit.observe.tracking"),
     "grpokit.tracking": ("grpokit.observe.tracking", "grpokit.observe.metrics", "grpokit.errors"),
     "grpokit.diagnostics": ("grpokit.observe.diagnostics",),
@@ -66,10 +66,11 @@ _MOVED = {
     "grpokit.explain": ("grpokit.observe.explain", "grpokit.errors"),
     "grpokit.checkpoint": ("grpokit.training.checkpoint", "grpokit.errors"),
     "grpokit.run_folder": ("grpokit.training.run_folder", "grpokit.observe.tracking", "grpokit.errors"),
-    "grpokit.run_setup": ("grpokit.training.setup", "grpokit.models.loading", "grpokit.evaluate", "grpokit.sft",
-                          "grpokit.errors"),
-    "grpokit.trainer": ("grpokit.training.loop", "grpokit.training.setup", "grpokit.training.generate",
-                        "grpokit.training.update", "grpokit.training.stopping", "grpokit.errors"),
+    "grpokit.run_setup": ("grpokit.training.setup", "grpokit.training.rollout_setup", "grpokit.rollout.side",
+                          "grpokit.models.loading", "grpokit.evaluate", "grpokit.sft", "grpokit.errors"),
+    "grpokit.trainer": ("grpokit.training.loop", "grpokit.training.setup", "grpokit.training.rollout_setup",
+                        "grpokit.rollout.side", "grpokit.training.generate", "grpokit.training.update",
+                        "grpokit.training.stopping", "grpokit.errors"),
 }
 _RENAMED = {"positions_from_mask": "position_ids_from_mask"}  # two copies of one function became one
 

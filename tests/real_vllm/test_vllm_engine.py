@@ -54,7 +54,7 @@ def test_the_servers_samples_and_log_probs_are_the_trainers(vllm_model_dir, fres
     trainer's recompute on the same weights, and the same seed samples the same answers."""
     from grpokit.models.forward import completion_logprobs
     from grpokit.models.loading import load_model_and_tokenizer
-    from grpokit.rollout.engines import SamplingParams
+    from grpokit.rollout.engine_protocol import SamplingParams
     from grpokit.rollout.vllm_server import VLLMServerEngine
 
     model, tok = load_model_and_tokenizer(vllm_model_dir, device="cpu", dtype="float32")
@@ -198,7 +198,7 @@ def test_the_colocated_engine_trains_on_cpu(vllm_model_dir, tmp_path, arch, lora
 
 BIG_BATCH = """
 import sys, torch
-from grpokit.rollout.engines import SamplingParams
+from grpokit.rollout.engine_protocol import SamplingParams
 from grpokit.rollout.vllm import VLLMEngine
 engine = VLLMEngine(sys.argv[1], dtype="float32", max_model_len=128, enforce_eager=True, kv_cache_gib=1)
 prompts = [[(i * 7 + j) % 90 + 3 for j in range(100)] for i in range(24)]  # 24 x 2 x 100: 4800 prompt tokens

@@ -77,8 +77,10 @@ def load_device(config) -> str:
 @contextmanager
 def full_params_for_generation(model):
     """Under FSDP, gather every layer's parameters for the whole decode loop (ranks decode different
-    numbers of steps, so per-forward all-gathers would not pair up), then shard them again."""
-    if not is_fsdp(model):
+    numbers of steps, so per-forward all-gathers would not pair up), then shard them again. Inside a block of
+    its own (an evaluation gathers once for all its batches, each sampled by an engine that gathers too) it does
+    nothing: ranks evaluating different numbers of batches make the same collectives."""
+    if not is_fsdp(model) or id(model) in _GATHERED:
         yield
         return
     from torch.distributed.fsdp import FSDPModule
@@ -87,12 +89,17 @@ def full_params_for_generation(model):
     for m in modules:
         m.unshard()
         m.set_reshard_after_forward(False, recurse=False)
+    _GATHERED.add(id(model))
     try:
         yield
     finally:
+        _GATHERED.discard(id(model))
         for m in modules:
             m.reshard()
             m.set_reshard_after_forward(True, recurse=False)
+
+
+_GATHERED: set[int] = set()  # the models inside a full_params_for_generation block now
 
 
 def full_state_dict(model) -> dict | None:

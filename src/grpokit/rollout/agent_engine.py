@@ -24,17 +24,19 @@ import torch
 from grpokit.errors import SetupError
 from grpokit.rollout.agent_endpoint import Agent, AgentEndpoint, AnswerRecord, PendingCall
 from grpokit.rollout.batch import Rollout, rollout_from_tokens
+from grpokit.rollout.engine_protocol import EngineBase, given_engine
 from grpokit.rollout.multiturn import ToolStats
 
 
-class AgentEngine:
+class AgentEngine(EngineBase):
     """A rollout engine whose answers are the agent's conversations, sampled by `inner` (the run's own
-    engine, without tools) through the endpoint. `rows` is set for each batch by the training step."""
+    engine, without tools; one with only `generate` and `sync_weights` is wrapped, engine_protocol.PlainEngine)
+    through the endpoint. `rows` is set for each batch by the rollout side (side.py)."""
 
     def __init__(self, agent: Agent, inner, tokenizer, *, max_calls: int = 8, time_limit_s: float = 300.0,
                  port: int = 0, batch_wait_s: float = 0.02, max_positions: int | None = None):
         """`max_positions`: the model's context (default: that of `inner.model`, where the engine has one)."""
-        self.agent, self.inner, self.tokenizer = agent, inner, tokenizer
+        self.agent, self.inner, self.tokenizer = agent, given_engine(inner, None), tokenizer
         max_positions = max_positions or context_length(getattr(inner, "model", None))
         self.endpoint = AgentEndpoint(tokenizer, port, max_positions)
         self.endpoint.max_calls, self.time_limit_s, self.batch_wait_s = max_calls, time_limit_s, batch_wait_s
@@ -42,12 +44,16 @@ class AgentEngine:
         self.tool_stats: ToolStats | None = None
         self.agent_metrics: dict[str, float] = {}
 
+    @property
+    def device(self):
+        return self.inner.device
+
     def sync_weights(self, model) -> None:
         self.inner.sync_weights(model)
 
     def close(self) -> None:
         self.endpoint.close()
-        getattr(self.inner, "stop_serving", lambda: None)()  # a vLLM engine's weight folders
+        self.inner.stop_serving()  # a vLLM engine's weight folders
 
     stop_serving = close  # what train() calls when the run ends
 
@@ -55,7 +61,7 @@ class AgentEngine:
         """Run one agent per answer (row b's G answers: b*G ... b*G+G-1) until all end or the time limit;
         `prompt_ids` (the prompts as grpokit renders them) stand in for an answer that made no call."""
         if self.rows is None or len(self.rows) != len(prompt_ids):
-            raise SetupError("an agent engine needs each batch's rows (engine.rows, set by grpokit's training step); "
+            raise SetupError("an agent engine needs each batch's rows (engine.rows, set by grpokit's rollout side); "
                              "use it through train(engine=agent_engine(...)) or [tools] agent")
         N, endpoint = len(prompt_ids) * group_size, self.endpoint
         endpoint.budget = sampling.max_new_tokens
@@ -138,7 +144,7 @@ class AgentEngine:
         truncated = [a.truncated or a.failed is not None for a in answers]
         rollout = rollout_from_tokens(prompts, [a.tokens for a in answers], [a.logps for a in answers], truncated,
                                       group_size=1, pad_token_id=sampling.pad_token_id,
-                                      device=rollout_device(self.inner))
+                                      device=self.inner.device)
         tool_mask = torch.zeros_like(rollout.completion_mask)  # [N, T] 1 on what the template inserted
         for i, a in enumerate(answers):
             tool_mask[i, :len(a.is_context)] = torch.tensor(a.is_context, dtype=tool_mask.dtype)
@@ -168,11 +174,6 @@ def context_length(model) -> int | None:
     config = getattr(model, "config", None)
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return getattr(config, "max_position_embeddings", None)
-
-
-def rollout_device(engine):
-    model = getattr(engine, "model", None)
-    return model.device if model is not None else "cpu"
 
 
 def agent_engine(agent: Agent, *, time_limit_s: float = 300.0, port: int = 0) -> Callable:

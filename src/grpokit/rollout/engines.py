@@ -4,7 +4,8 @@
     engine.sync_weights(model)        # after every optimizer step: the sampler now holds the trainer's weights
 
 `generate` returns a `Rollout` (N = B*G rows, group by group, with the sampler's own log-probs of the
-tokens it drew); the trainer never looks behind it.
+tokens it drew); the trainer never looks behind it. The interface (`RolloutEngine`, `SamplingParams`, the
+defaults `EngineBase`) is engine_protocol.py; the engines are here and in vllm.py.
 
 - `HFEngine` [`rollout.engine = "hf"`]: the built-in sampler (`rollout.sample_groups`) on the training
   model itself. Nothing to sync, and its log-probs are the trainer's (ratio exactly 1 on-policy).
@@ -27,9 +28,6 @@ tokens it drew); the trainer never looks behind it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol, Sequence
-
 import torch
 
 from grpokit.models.fsdp import full_params_for_generation
@@ -37,37 +35,13 @@ from grpokit.models.onednn import packed_linears
 from grpokit.models.parallel import rank
 from grpokit.rollout.batch import Rollout
 from grpokit.rollout.decode import sample_groups
-from grpokit.rollout.multiturn import ToolStats, sample_conversations
+from grpokit.rollout.engine_protocol import EngineBase, RolloutEngine
+from grpokit.rollout.multiturn import sample_conversations
 from grpokit.rollout.tools import ToolBox
 from grpokit.rollout.vision import tool_images_for
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int
-    eos_token_ids: tuple = ()
-    pad_token_id: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_strings: tuple = ()
-    ignore_eos: bool = False
-
-    @classmethod
-    def from_config(cls, config, eos_token_ids: Sequence[int], pad_token_id: int) -> "SamplingParams":
-        r = config.rollout
-        return cls(r.max_new_tokens, tuple(eos_token_ids), pad_token_id, r.temperature, r.top_p, r.top_k,
-                   tuple(r.stop_strings), r.ignore_eos)
-
-
-class RolloutEngine(Protocol):
-    def generate(self, prompt_ids: list[list[int]], *, group_size: int, sampling: SamplingParams,
-                 generator: torch.Generator | None = None) -> Rollout: ...
-
-    def sync_weights(self, model) -> None: ...
-
-
-class HFEngine:
+class HFEngine(EngineBase):
     """The built-in sampler on the training model (shared prefill, KV cache, exact sampling).
 
     `speed` holds `sample_groups`' speed options (the sampler, the preallocated KV cache, the
@@ -79,8 +53,10 @@ class HFEngine:
         self.model, self.tokenizer, self.speed, self.packed_weights = model, tokenizer, speed, packed_weights
         self.tools, self.max_tool_turns = tools, max_tool_turns
         self.tool_images = tool_images  # a vision-language model: rollout.vision.ToolImages renders image results
-        self.tool_stats: ToolStats | None = None  # the last batch's, with tools
-        self.history = None  # tools.history = "split": this batch's ConversationHistory (rollout/history.py)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
 
     def generate(self, prompt_ids, *, group_size, sampling, generator=None, media=None) -> Rollout:
         """`media` (`models.media.RowMedia`, one row per prompt): the prompts' images (rollout/vision.py)."""
@@ -100,10 +76,6 @@ class HFEngine:
                 eos_token_ids=list(s.eos_token_ids), pad_token_id=s.pad_token_id, temperature=s.temperature,
                 top_p=s.top_p, top_k=s.top_k, stop_strings=s.stop_strings, tokenizer=self.tokenizer,
                 generator=generator, ignore_eos=s.ignore_eos, media=media, **self.speed)
-
-    def sync_weights(self, model) -> None:
-        """Nothing to do: the sampler is the training model."""
-
 
 def check_engine_can_run(config, folder) -> None:
     """What the engine `rollout.engine` names cannot do with this model here, said before the model loads."""

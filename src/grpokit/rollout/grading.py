@@ -1,19 +1,20 @@
 """Grading a batch of sampled answers, and keeping only the groups that carry signal.
 
-A `Draw` is one batch of rollouts with everything the rewards said about them;
+A `Draw` is one batch of rollouts with everything the rewards said about them (rollout/side.py draws it);
 dynamic sampling (DAPO) filters draws to the groups whose rewards are not all
 equal and joins several draws into one generation batch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from grpokit.data.prompts import columns_of
 from grpokit.rewards.core import as_trl_completions, compute_rewards
 from grpokit.rollout.batch import Rollout, concat_rollouts
+from grpokit.rollout.multiturn import ToolStats
 
 
 @dataclass
@@ -26,6 +27,11 @@ class Draw:
     prompts: list  # [N] the prompt of each answer (string or messages)
     texts: list[str]  # [N] decoded answers
     conversations: list | None = None  # [N] multi-turn: each answer as messages (assistant turns, tool results)
+    # how it was drawn (the step's metrics read them; `select` and `join` keep the answers, not these)
+    tool_stats: ToolStats | None = None  # multi-turn: what the tools did (an agent engine's: its agents)
+    agent_metrics: dict = field(default_factory=dict)  # an agent engine's: failed agents, model calls, rewrites
+    sample_s: float = 0.0  # seconds sampling
+    grade_s: float = 0.0  # seconds grading
 
     @property
     def size(self) -> int:

@@ -58,6 +58,16 @@ class ConversationHistory:
                           [s for s in self.schemas for _ in range(G)])
 
 
+def conversation_history(tokenizer, rows: list[dict], G: int, toolbox, environments) -> ConversationHistory:
+    """Each answer's prompt and tool schemas (N = len(rows) * G), as the batch about to be sampled has them."""
+    if environments is not None:  # reset's text is in each answer's prompt; each row shows its environment's tools
+        per_answer = [row for row in rows for _ in range(G)]
+        return ConversationHistory(tokenizer, environments.answer_prompts,
+                                   [environments.schemas_for(row) for row in per_answer])
+    schemas = None if toolbox is None else toolbox.schemas
+    return ConversationHistory(tokenizer, [row["prompt"] for row in rows], [schemas] * len(rows)).repeat(G)
+
+
 def assistant_message(tokenizer, turn: list[int], ended: bool) -> dict:
     """One sampled turn as the message the template renders: its text with special tokens kept, less the
     end-of-turn token that closed it (`ended`) when that is a special token (the template writes its own)."""

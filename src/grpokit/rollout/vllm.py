@@ -20,6 +20,7 @@ import torch
 from grpokit.errors import SetupError
 from grpokit.models.parallel import world_size
 from grpokit.rollout.batch import Rollout, rollout_from_tokens
+from grpokit.rollout.engine_protocol import EngineBase
 from grpokit.rollout.multiturn import ToolStats, converse
 from grpokit.rollout.tools import ToolBox
 from grpokit.rollout.vllm_weights import AdapterFolders, InProcessReload
@@ -140,7 +141,7 @@ def transformers_fallback(folder) -> str | None:
     return None if not architectures or native else architectures[0]
 
 
-class VLLMEngine:
+class VLLMEngine(EngineBase):
     """A colocated `vllm.LLM` behind the RolloutEngine interface (see the module docstring).
 
     `llm` and `vllm_module` may be given (tests pass fakes); otherwise vLLM is imported and the LLM built from

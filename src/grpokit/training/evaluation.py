@@ -13,6 +13,7 @@ every `eval.every` steps, each process its share, the counts summed over process
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -29,15 +30,14 @@ from grpokit.models.fsdp import full_params_for_generation
 from grpokit.models.media import RowMedia
 from grpokit.models.parallel import global_sum
 from grpokit.rewards.core import RewardSpec
-from grpokit.rollout.decode import sample_groups
+from grpokit.rollout.engine_protocol import SamplingParams
+from grpokit.rollout.engines import HFEngine
 from grpokit.rollout.environments import Environments
-from grpokit.rollout.grading import grade
-from grpokit.rollout.multiturn import sample_conversations
+from grpokit.rollout.side import PromptTable, RolloutSide
 from grpokit.rollout.tools import ToolBox
 from grpokit.rollout.vision import tool_images_for
 from grpokit.training.checkpoint import BEST_FILE
-from grpokit.training.setup import PromptTable, eval_max_new_tokens
-from grpokit.training.split_rows import conversation_history
+from grpokit.training.setup import eval_max_new_tokens
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -47,39 +47,38 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def _grade(model, tokenizer, prompt_ids, rows, specs, *, group_size, temperature, max_new_tokens, generator,
-           batch_prompts, stop_strings, prompt_column, tools, max_tool_turns, eos_token_ids, top_p, top_k,
-           environments=None, history="append", media=None, tool_images=None):
-    """Total rewards [num_prompts, group_size] of `group_size` sampled answers per prompt, and with
-    tools the calls and failed calls of every answer ([num_prompts * group_size] each). With
-    `environments`, each answer gets its own instance, reset with its row, as in training."""
-    totals, calls, failures = [torch.zeros(0, group_size)], [], []
-    common = dict(group_size=group_size, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                  temperature=temperature, top_p=top_p, top_k=top_k, tokenizer=tokenizer, generator=generator)
-    for start in range(0, len(prompt_ids), batch_prompts):
-        batch_ids, batch_rows = prompt_ids[start:start + batch_prompts], rows[start:start + batch_prompts]
-        conversations, boxes, G = None, tools, group_size
-        if environments is not None:
-            batch_ids, G, boxes = environments.prompts(tokenizer, batch_rows, batch_ids, group_size, max_new_tokens,
-                                                       "eval.max_new_tokens")
-        if tools:  # tools.history = "split": each turn sees the conversation as the template renders it
-            rendered = None if history != "split" else \
-                conversation_history(tokenizer, batch_rows, group_size, tools, environments)
-            rollout, stats = sample_conversations(model, batch_ids, eos_token_ids=eos_token_ids, tools=boxes,
-                                                  max_tool_turns=max_tool_turns, history=rendered,
-                                                  media=None if media is None else
-                                                  media.select(slice(start, start + batch_prompts)),
-                                                  render_results=tool_images, **{**common, "group_size": G})
-            conversations = stats.conversations
-            calls += stats.calls
-            failures += stats.failures
-        else:
-            rollout = sample_groups(model, batch_ids, eos_token_ids=eos_token_ids, stop_strings=stop_strings,
-                                    media=None if media is None else media.select(slice(start, start + batch_prompts)),
-                                    **common)
-        draw = grade(rollout, batch_rows, tokenizer, specs, group_size, prompt_column=prompt_column,
-                     conversations=conversations, environments=None if environments is None else environments.active)
-        totals.append(draw.total.view(-1, group_size).cpu())
+def eval_side(model, tokenizer, prompts: PromptTable, specs: Sequence[RewardSpec], *, samples_per_prompt: int,
+              temperature: float, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int,
+              prompt_column: str = "prompt", stop_strings: Sequence[str] = (), tools: ToolBox | None = None,
+              max_tool_turns: int = 8, environments: Environments | None = None, history: str = "append",
+              tool_images=None) -> RolloutSide:
+    """The rollout side (rollout/side.py) an evaluation draws with: the built-in sampler on `model` as it is
+    now, `samples_per_prompt` answers per prompt of `prompts`, as in training (tools, environments, the split
+    history, images) but with the evaluation's budget and temperature. Also the TRL drop-in's evaluate()'s."""
+    engine = HFEngine(model, tokenizer, tools=tools, max_tool_turns=max_tool_turns, packed_weights=False,
+                      tool_images=tool_images)
+    sampling = SamplingParams(max_new_tokens, tuple(prompts.eos_token_ids), tokenizer.pad_token_id, temperature,
+                              top_p, top_k, tuple(stop_strings))
+    return RolloutSide(prompts, specs, engine, tokenizer, sampling, samples_per_prompt, environments,
+                       history == "split", "eval.max_new_tokens", prompt_column)
+
+
+def greedy_side(side: RolloutSide) -> RolloutSide:
+    """`side` drawing one answer per prompt at temperature 0 (greedy accuracy)."""
+    return dataclasses.replace(side, group_size=1,
+                               sampling=dataclasses.replace(side.sampling, temperature=0.0, top_p=1.0))
+
+
+def _grade(side: RolloutSide, generator: torch.Generator, batch_prompts: int):
+    """Total rewards [num_prompts, group_size] of the side's answers to every prompt, and with tools the calls
+    and failed calls of every answer ([num_prompts * group_size] each)."""
+    G, totals, calls, failures = side.group_size, [torch.zeros(0, side.group_size)], [], []
+    for indices in side.batches(batch_prompts):
+        draw = side.draw(indices, generator=generator)
+        totals.append(draw.total.view(-1, G).cpu())
+        if draw.tool_stats is not None:
+            calls += draw.tool_stats.calls
+            failures += draw.tool_stats.failures
     return torch.cat(totals), calls, failures  # [num_prompts, group_size], [N], [N]
 
 
@@ -129,15 +128,14 @@ def evaluate(
     model.eval()
     generator = torch.Generator(device=model.device).manual_seed(seed)
     eos = list(eos_token_ids) if eos_token_ids is not None else [tokenizer.eos_token_id]
-    common = dict(max_new_tokens=max_new_tokens, generator=generator, batch_prompts=batch_prompts,
-                  stop_strings=stop_strings, prompt_column=prompt_column, tools=tools,
-                  max_tool_turns=max_tool_turns, eos_token_ids=eos, top_k=top_k, environments=environments,
-                  history=history, media=media, tool_images=tool_images)
+    side = eval_side(model, tokenizer, PromptTable(list(rows), [list(p) for p in prompt_ids], eos, media), specs,
+                     samples_per_prompt=samples_per_prompt, temperature=temperature, top_p=top_p, top_k=top_k,
+                     max_new_tokens=max_new_tokens, prompt_column=prompt_column, stop_strings=stop_strings,
+                     tools=tools, max_tool_turns=max_tool_turns, environments=environments, history=history,
+                     tool_images=tool_images)
     with full_params_for_generation(model):  # FSDP: gathered once, each process decodes its own share
-        sampled, calls, failures = _grade(model, tokenizer, prompt_ids, rows, specs, group_size=samples_per_prompt,
-                                          temperature=temperature, top_p=top_p, **common)  # [P, k]
-        best = _grade(model, tokenizer, prompt_ids, rows, specs, group_size=1, temperature=0.0, top_p=1.0,
-                      **common)[0] if greedy else torch.zeros(0, 1)  # [P, 1]
+        sampled, calls, failures = _grade(side, generator, batch_prompts)  # [P, k]
+        best = _grade(greedy_side(side), generator, batch_prompts)[0] if greedy else torch.zeros(0, 1)  # [P, 1]
     k = samples_per_prompt
     correct = torch.nan_to_num(sampled, nan=0.0) >= correct_threshold  # [P, k]
     graded = ~torch.isnan(sampled)

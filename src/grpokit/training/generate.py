@@ -1,4 +1,4 @@
-"""One step's data: rollout -> grade -> (dynamic sampling) -> group-relative advantages.
+"""One step's data: rollout -> grade (rollout/side.py) -> (dynamic sampling) -> group-relative advantages.
 
 The result is a `GenerationBatch`: the graded answers, their advantages and the loss mask;
 the update (update.py) adds the old / reference log-probs it needs as a new record. With
@@ -8,7 +8,6 @@ everything here is per answer, the rows are cut last.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -17,13 +16,11 @@ from grpokit.algorithms.advantages import decoupled_advantages, group_advantages
 from grpokit.config.schema import Config
 from grpokit.models.parallel import all_ranks
 from grpokit.observe.metrics import completion_metrics, reward_summary, tool_metrics
-from grpokit.rewards.core import RewardSpec, reward_metrics
+from grpokit.rewards.core import reward_metrics
 from grpokit.rollout.batch import Rollout
-from grpokit.rollout.engines import RolloutEngine, SamplingParams
-from grpokit.rollout.environments import Environments
-from grpokit.rollout.grading import Draw, grade
-from grpokit.training.setup import PromptTable
-from grpokit.training.split_rows import conversation_history, split_rows
+from grpokit.rollout.grading import Draw
+from grpokit.rollout.side import RolloutSide
+from grpokit.training.split_rows import split_rows
 from grpokit.training.turn_credit import turn_credit
 
 
@@ -70,45 +67,23 @@ class GenerationBatch:
         return (answers.cpu()[:, None] == self.conversation.cpu()[None, :]).nonzero()[:, 1]
 
 
-def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts: PromptTable, stream,
-                       specs: list[RewardSpec], sampler: torch.Generator,
-                       environments: Environments | None = None) -> tuple[GenerationBatch, dict]:
-    """Sample G answers for B prompts and grade them; with dynamic sampling, keep drawing
-    prompt batches (up to `max_resample_rounds` more) until B groups carry signal. With
-    environments, each answer gets its own instance, reset with its row first."""
-    sampling = SamplingParams.from_config(config, prompts.eos_token_ids, tokenizer.pad_token_id)
-    G, B, algo = config.rollout.group_size, config.train.prompts_per_step, config.algorithm
+def generate_and_grade(config: Config, side: RolloutSide, stream,
+                       sampler: torch.Generator) -> tuple[GenerationBatch, dict]:
+    """Draw G graded answers for B prompts (`side`, rollout/side.py); with dynamic sampling, keep drawing
+    prompt batches (up to `max_resample_rounds` more) until B groups carry signal."""
+    G, B, algo, specs = config.rollout.group_size, config.train.prompts_per_step, config.algorithm, side.specs
     draws: list[Draw] = []
-    tool_stats = []  # multi-turn rollouts: what the tools did in each draw
-    t_rollout = t_reward = 0.0
     logged: dict[str, list[float]] = {}  # what reward functions report (TRL's log_metric): averaged over draws
     for _ in range(1 + (algo.max_resample_rounds if algo.dynamic_sampling else 0)):
-        indices = stream.next_batch()  # B row indices
-        rows = [prompts.rows[i] for i in indices]
-        if hasattr(engine, "rows"):  # an agent engine (rollout/agent_endpoint.py) runs each answer's agent on its row
-            engine.rows = rows
-        ids, group = [prompts.ids[i] for i in indices], G
-        if environments is not None:
-            ids, group = _start_environments(environments, engine, tokenizer, rows, ids, G, sampling.max_new_tokens)
-        if config.tools.history == "split":  # each answer's conversation, as the chat template renders it
-            engine.history = conversation_history(tokenizer, rows, G, getattr(engine, "tools", None), environments)
-        t0 = time.perf_counter()
-        media = {} if prompts.media is None else {"media": prompts.media.rows(indices)}  # image rows: their pixels
-        rollout = engine.generate(ids, group_size=group, sampling=sampling, generator=sampler, **media)
-        t1 = time.perf_counter()
-        stats = getattr(engine, "tool_stats", None)  # an engine given to train() may not know of tools
-        tool_stats += [stats] if stats is not None else []
-        draws.append(grade(rollout, rows, tokenizer, specs, G,
-                           conversations=None if stats is None else stats.conversations,
-                           environments=None if environments is None else environments.active,
-                           log_metric=lambda name, value: logged.setdefault(name, []).append(float(value))))
-        t_rollout, t_reward = t_rollout + t1 - t0, t_reward + time.perf_counter() - t1
+        draws.append(side.draw(stream.next_batch(), generator=sampler,  # B row indices
+                               log_metric=lambda name, value: logged.setdefault(name, []).append(float(value))))
         # several processes: every one draws as often as the one that needs most (streams stay in step)
         if not algo.dynamic_sampling or all_ranks(sum(d.with_signal(G).size for d in draws) >= B * G):
             break
+    tool_stats = [d.tool_stats for d in draws if d.tool_stats is not None]  # multi-turn: what the tools did
     seen = reward_summary(torch.cat([d.total for d in draws]), G)  # before any filtering
     draw = draws[0] if not algo.dynamic_sampling else Draw.join([d.with_signal(G) for d in draws], B * G,
-                                                                 tokenizer.pad_token_id, fallback=draws[-1])
+                                                                 side.sampling.pad_token_id, fallback=draws[-1])
     rollout = draw.rollout
     if config.rewards.aggregation == "normalize_then_sum":  # GDPO: each function normalized in its group first
         advantages = decoupled_advantages(draw.per_fn, [s.weight for s in specs], G, std=algo.std)
@@ -120,9 +95,10 @@ def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts
         loss_mask[rollout.truncated] = 0
     metrics = {**reward_summary(draw.total, G), **reward_metrics(specs, draw.per_fn),
                **completion_metrics(rollout.action_mask, rollout.truncated),
-               "time/rollout": t_rollout, "time/reward": t_reward, **(tool_metrics(tool_stats) if tool_stats else {}),
+               "time/rollout": sum(d.sample_s for d in draws), "time/reward": sum(d.grade_s for d in draws),
+               **(tool_metrics(tool_stats) if tool_stats else {}),
                **{name: sum(values) / len(values) for name, values in logged.items()},
-               **getattr(engine, "agent_metrics", {})}  # an agent engine's: failed agents, model calls, rewrites
+               **draws[-1].agent_metrics}  # an agent engine's: failed agents, model calls, rewrites
     if algo.dynamic_sampling:  # what the filter saw before it dropped groups
         metrics["frac_reward_zero_std"] = seen["frac_reward_zero_std"]
         metrics["dynamic_sampling/groups_kept"] = draw.size / G
@@ -132,12 +108,5 @@ def generate_and_grade(config: Config, engine: RolloutEngine, tokenizer, prompts
         token_advantages, turn_metrics = turn_credit(algo, rollout, draw.total, advantages, G)
         metrics.update(turn_metrics)
     batch, split_metrics = split_rows(GenerationBatch(draw, advantages, loss_mask, token_advantages=token_advantages),
-                                      tokenizer.pad_token_id)  # answers that forked: their training rows, cut last
+                                      side.sampling.pad_token_id)  # answers that forked: their training rows, cut last
     return batch, {**metrics, **split_metrics}
-
-
-def _start_environments(environments: Environments, engine, tokenizer, rows: list[dict], ids: list[list[int]],
-                        G: int, max_new_tokens: int) -> tuple[list[list[int]], int]:
-    """Reset one instance per answer; the engine calls each answer's own methods (Environments.prompts)."""
-    ids, group, engine.tools = environments.prompts(tokenizer, rows, ids, G, max_new_tokens)
-    return ids, group

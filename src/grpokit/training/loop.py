@@ -90,10 +90,8 @@ def train(
         if crowded and dist.is_main:
             print(crowded, flush=True)
         run = build_run(config, inputs, dist, engine, model)
-        resources.callback(getattr(run.engine, "stop_serving", lambda: None))  # an agent engine's endpoint
-        objects = dict(rows=rows, reward_functions=reward_functions, tools=tools,
-                       environment_factory=environment_factory)  # what async rollout workers rebuild
-        return _loop(config, run, dist, hint, command, objects, resources)
+        resources.callback(run.side.engine.stop_serving)  # an agent engine's endpoint, a vLLM's weight folders
+        return _loop(config, run, dist, hint, command, resources)
 
 
 def _close_inputs(inputs) -> None:
@@ -104,7 +102,7 @@ def _close_inputs(inputs) -> None:
         getattr(kind.cls, "grpokit_close", lambda: None)()  # servers grpokit started (rollout/adapters.py)
 
 
-def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command: str | None, objects: dict,
+def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command: str | None,
           resources: ExitStack) -> Path:
     """One step: rollout (sample, grade, advantages) -> score -> optimize -> publish -> log -> save.
     `keeper` (safekeeping.py) decides what a failure leaves behind, when to save, and when to stop."""
@@ -115,7 +113,7 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
     keeper = resources.enter_context(Safekeeping(config, run, dist, hint, log.console, log.writer))
     held_out = HeldOut(inputs.held_out, config, inputs.tools, inputs.environments) \
         if inputs.held_out is not None else None
-    rollouts = build_rollouts(config, run, run_dir, **objects)  # sync, or worker processes (async)
+    rollouts = build_rollouts(config, run, run_dir)  # sync, or worker processes (async)
     resources.callback(rollouts.close)
     for step in range(run.start_step + 1, config.train.steps + 1):
         t0 = time.perf_counter()

@@ -57,13 +57,11 @@ class SyncRollouts:
     def next(self, step: int):
         if self.failed is not None:  # the loop saves the step whose weights did not travel, then says it
             raise self.failed
-        r, i = self.run, self.run.inputs
-        return generate_and_grade(i.local, r.engine, i.tokenizer, i.prompts, r.stream, i.specs, r.sampler,
-                                  i.environments)
+        return generate_and_grade(self.run.inputs.local, self.run.side, self.run.stream, self.run.sampler)
 
     def publish(self, model, step: int) -> dict:
         try:
-            self.run.engine.sync_weights(model)  # vLLM: push the new weights; HF: the sampler is the model
+            self.run.side.engine.sync_weights(model)  # vLLM: push the new weights; HF: the sampler is the model
         except RolloutWorkerError as e:  # a server that went away: this step's update is done, its row comes first
             self.failed = e
         return {}
@@ -162,9 +160,8 @@ def _main_hidden(hide: bool):
 class AsyncRollouts:
     """The trainer's side of asynchronous rollout: W worker processes, their orders, their batches."""
 
-    def __init__(self, config, run, run_dir: Path, *, rows=None, reward_functions=None, tools=None,
-                 environment_factory=None):
-        r, local = config.rollout, run.inputs.local
+    def __init__(self, config, run, run_dir: Path):
+        r, given = config.rollout, run.inputs.rollout
         self.config, self.run, self.K, self.W, self.timeout_s = config, run, r.max_staleness, r.workers, \
             r.worker_timeout_s
         self.start = self.published = run.start_step
@@ -180,17 +177,16 @@ class AsyncRollouts:
         self.beats = ctx.Array("d", [time.monotonic()] * self.W)
         self.results, self.orders = ctx.Queue(), [ctx.Queue() for _ in range(self.W)]
         self.server_lock = ctx.Lock()  # a vLLM server: held by the worker while it samples, by the trainer to push
-        self.channel = LockedPublisher(run.engine.weights, self.timeout_s, self.server_lock, self.announced) \
+        self.channel = LockedPublisher(run.side.engine.weights, self.timeout_s, self.server_lock, self.announced) \
             if "server" in r.vllm else GlooPublisher(self.W, self.timeout_s, self.announced)
-        spec = WorkerSpec(local, run.inputs.data.rows, run.inputs.prompts,
-                          [n for n, p in run.policy.model.named_parameters() if p.requires_grad], run.stream,
-                          run.sampler.get_state(), self.W, split_threads(config)[1], self.channel.port,
-                          self.timeout_s, reward_functions, tools, environment_factory,
-                          parameter_shapes(run.policy.model), run.start_step + 1,
-                          run.engine.adapter_prefix if "server" in r.vllm else "")
+        spec = WorkerSpec(given, [n for n, p in run.policy.model.named_parameters() if p.requires_grad],
+                          parameter_shapes(run.policy.model), run.stream, run.sampler.get_state(), run.start_step + 1,
+                          self.W, split_threads(config)[1], self.channel.port, self.timeout_s,
+                          run.side.engine.adapter_prefix)
         from_main = [_sendable(what, value) for what, value in (
-            ("train(reward_functions=...)", reward_functions), ("train(tools=...)", tools),
-            ("train(environment_factory=...)", environment_factory), ("the run's rows, prompts or config", spec))]
+            ("train(reward_functions=...)", given.reward_functions), ("train(tools=...)", given.tools),
+            ("train(environment_factory=...)", given.environment_factory),
+            ("the run's rows, prompts or config", spec))]
         self.devices = worker_devices(config, run.policy.model)
         self.procs = [ctx.Process(target=worker_main, name=f"grpokit-rollout-{i}", daemon=True,
                                   args=(spec, i, self.devices[i], self.orders[i], self.results, self.beats,
@@ -364,9 +360,9 @@ class AsyncRollouts:
             q.close()
 
 
-def build_rollouts(config, run, run_dir: Path, **objects):
+def build_rollouts(config, run, run_dir: Path):
     """The source the loop takes batches from (`rollout.mode`)."""
     if config.rollout.mode != "async":
         return SyncRollouts(config, run)
-    return AsyncRollouts(config, run, run_dir, **objects)
+    return AsyncRollouts(config, run, run_dir)
 

@@ -1,16 +1,18 @@
 """An asynchronous rollout worker: a process of its own that samples and grades while the trainer updates.
 
-    for step, min_version in orders:                     # from the trainer (training/async_rollout.py)
+    for step, min_version in orders:                     # from the trainer (training/rollout_source.py)
         wait for weights >= min_version; apply them      # models/weight_sync.py, between two batches
         batch, metrics = generate_and_grade(...)         # the sync loop's own step: rollout -> grade -> advantages
         results.put(batch tagged with its policy version, the stream's and the sampler's state after it)
 
-A worker rebuilds its half of the run from what the trainer hands it at spawn: the config, the prepared
-rows and tokenized prompts, the reward functions / tools / environment factory given to `train()` (sent by
-pickle: module-level functions, not lambdas), the prompt stream and sampling generator at the start. Tools,
-environments and rewards live here, next to the sampler, so grading overlaps the trainer's update too.
-Worker w takes every W-th prompt batch of the stream; the first worker starts from the trainer's own
-generator state, so one worker draws exactly the prompts and noise the sync loop would.
+A worker builds its rollout side (rollout/side.py) from the trainer's description of it (`RolloutSpec`,
+training/rollout_setup.py: the config, the prepared and tokenized prompts, the reward functions / tools /
+environment factory given to `train()`, sent by pickle: module-level functions, not lambdas), with the same
+functions the trainer resolved them with, on an engine of its own; the prompt stream and sampling generator
+start where the trainer's are. Tools, environments and rewards live here, next to the sampler, so grading
+overlaps the trainer's update too. Worker w takes every W-th prompt batch of the stream; the first worker
+starts from the trainer's own generator state, so one worker draws exactly the prompts and noise the sync
+loop would.
 
 How it starts, beats, dies with the trainer and is stopped is `grpokit.processes`'s: it never outlives the
 trainer (the kernel's parent-death signal), leads a session of its own (a stop kills what it started),
@@ -24,20 +26,20 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from grpokit import processes
-from grpokit.config.schema import Config
 from grpokit.errors import UserError
 from grpokit.models.loading import load_model, load_tokenizer, max_positions_of
 from grpokit.models.lora import apply_lora
 from grpokit.models.weight_sync import GlooSubscriber, ServerSubscriber
 from grpokit.rollout.engines import build_engine
+from grpokit.rollout.side import RolloutSide
 from grpokit.training import vision_setup
 from grpokit.training.generate import generate_and_grade
-from grpokit.training.setup import PromptTable, isolate_rewards, prepare_data, resolve_reward_specs
+from grpokit.training.rollout_setup import RolloutSpec, resolve_rewards
+from grpokit.training.setup import prepare_data
 from grpokit.training.split_rows import with_policy_version
 from grpokit.training.tool_setup import resolve_tools
 
@@ -46,21 +48,16 @@ from grpokit.training.tool_setup import resolve_tools
 class WorkerSpec:
     """What the trainer hands every worker at spawn (pickled once)."""
 
-    config: Config  # this trainer process's share of the run
-    rows: list[dict]  # the prepared training rows
-    prompts: PromptTable  # ... tokenized and checked
+    rollout: RolloutSpec  # what the worker's rollout side is built from: the config and what train() was given
     trainable: list[str]  # the parameters that train (the rest arrive once, with the first transfer)
+    shapes: list[tuple[str, tuple, str]]  # the trainer's parameters: name, shape, dtype
     stream: object  # the trainer's prompt stream at the start
     sampler_state: torch.Tensor  # the trainer's sampling generator at the start
+    first_step: int  # the step of this run's first batch (a resume's: the checkpoint's + 1)
     workers: int
     threads: int  # torch threads of each worker
     port: int  # the weight channel's store
     timeout_s: float  # rollout.worker_timeout_s
-    reward_functions: list | None = None  # what train() was given; None: the config's
-    tools: list | None = None
-    environment_factory: Callable | dict | None = None
-    shapes: list[tuple[str, tuple, str]] | None = None  # the trainer's parameters: name, shape, dtype
-    first_step: int = 1  # the step of this run's first batch (a resume's: the checkpoint's + 1)
     adapter_prefix: str = ""  # a vLLM server with LoRA: the names the trainer's engine loads adapters under
 
 
@@ -130,22 +127,20 @@ class _Worker:
     """The worker's half of the run, built in the worker process."""
 
     def __init__(self, spec: WorkerSpec, index: int, announced, device: str):
-        config = spec.config
-        data = prepare_data(config, spec.rows)
-        self.toolbox, self.environments = resolve_tools(config, spec.tools, spec.environment_factory, data.task)
-        own = self.environments.reward_specs() if self.environments is not None else []
-        specs, self.pool = isolate_rewards(config, resolve_reward_specs(
-            config, data.task, spec.reward_functions, optional=bool(own), rows=data.rows))
-        self.specs = specs + own
-        self.tokenizer = vision_setup.load_policy_tokenizer(config.model.path, load_tokenizer)  # a VLM: its processor's
+        given = spec.rollout
+        config = given.config
+        data = prepare_data(config, given.prompts.rows)
+        toolbox, self.environments = resolve_tools(config, given.tools, given.environment_factory, data.task)
+        specs, self.pool = resolve_rewards(config, data, given.reward_functions, self.environments)
+        tokenizer = vision_setup.load_policy_tokenizer(config.model.path, load_tokenizer)  # a VLM: its processor's
         if self.environments is not None:
             self.environments.max_positions = vision_setup.policy_context_length(config.model.path, max_positions_of)
         self.server = "server" in config.rollout.vllm  # a vLLM server samples: no model here, HTTP requests only
         self.model = None if self.server else self._load_policy(config, spec, device)
-        self.engine = build_engine(config, self.model, self.tokenizer, tools=self.toolbox)
-        if self.server:
-            self.engine.adapter_prefix = spec.adapter_prefix
-        self.config, self.prompts, self.spec, self.announced, self.index = config, spec.prompts, spec, announced, index
+        engine = build_engine(config, self.model, tokenizer, tools=toolbox)
+        engine.adapter_prefix = spec.adapter_prefix  # a vLLM server with LoRA: the trainer's adapters' names
+        self.side = RolloutSide.for_training(config, given.prompts, specs, engine, tokenizer, self.environments)
+        self.config, self.spec, self.announced, self.index = config, spec, announced, index
         # the stream is where the last batch taken left it; the first step's worker (index (first_step - 1) % W)
         # takes the next batch, the following one the batch after, ...
         self.stream = EveryNth(spec.stream, (index - (spec.first_step - 1)) % spec.workers, spec.workers)
@@ -166,8 +161,8 @@ class _Worker:
         trainable = set(spec.trainable)
         for name, p in model.named_parameters():
             p.requires_grad_(name in trainable)
-        if spec.shapes is not None:  # before any transfer: buckets are cut by these shapes on both ends
-            check_same_parameters(spec.shapes, parameter_shapes(model), config.model.path)
+        check_same_parameters(spec.shapes, parameter_shapes(model), config.model.path)  # before any transfer:
+        # buckets are cut by these shapes on both ends
         return model.eval()
 
     def connect(self, server_lock) -> None:
@@ -183,11 +178,10 @@ class _Worker:
         with self.receiver.holding():  # a server: no push lands inside the batch
             version = self.receiver.apply()
             if self.server and self.config.model.lora:  # the adapter the trainer pushed as that version
-                self.engine.use_adapter(version)
+                self.side.engine.use_adapter(version)
             waited_s += time.perf_counter() - t0
             started = time.time()
-            batch, metrics = generate_and_grade(self.config, self.engine, self.tokenizer, self.prompts, self.stream,
-                                                self.specs, self.sampler, self.environments)
+            batch, metrics = generate_and_grade(self.config, self.side, self.stream, self.sampler)
         batch = with_policy_version(batch, version)  # the answers and, where they forked, their training rows
         return WorkerBatch(batch, metrics, version, self.stream.state_dict(), self.sampler.get_state(),
                            waited_s, started, time.time(),

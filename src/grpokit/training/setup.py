@@ -11,7 +11,7 @@ functions, the output folder, and prompts too long for the model's context.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
@@ -31,20 +31,19 @@ from grpokit.models.lora import AdapterDisabled, LoraReference, adapter_of, appl
 from grpokit.models.onednn import kernel_note
 from grpokit.models.parallel import DistributedContext
 from grpokit.rewards.core import RewardSpec
-from grpokit.rewards.pooled_reward import isolate
-from grpokit.rewards.registry import reward_specs, unique_reward_names
-from grpokit.rewards.remote import RemoteGrader
-from grpokit.rewards.reward_model import RewardModel
 from grpokit.rewards.sandbox import sandbox_isolation
-from grpokit.rewards.worker_pool import RewardPool, check_isolatable
-from grpokit.rollout.engines import RolloutEngine, build_engine, check_engine_can_run
+from grpokit.rewards.worker_pool import RewardPool
+from grpokit.rollout.engine_protocol import given_engine
+from grpokit.rollout.engines import build_engine, check_engine_can_run
 from grpokit.rollout.environments import Environments
 from grpokit.rollout.multiturn import check_full_attention
+from grpokit.rollout.side import PromptTable, RolloutSide
 from grpokit.rollout.tools import ToolBox, check_tool_template
 from grpokit.tasks import get_task
 from grpokit.training import vision_setup as vision_setup  # vision-language models: processor, images
 from grpokit.training.checkpoint import list_checkpoints, restore_checkpoint
 from grpokit.training.optimizer import build_optimizer, lr_lambda
+from grpokit.training.rollout_setup import RolloutSpec, resolve_rewards
 from grpokit.training.run_folder import RunFolder, prepare_run_folder
 from grpokit.training.tool_setup import resolve_tools
 
@@ -59,14 +58,6 @@ class PreparedData:
         return PromptStream(list(range(len(self.rows))), batch_size, seed=seed, shuffle=shuffle)
 
 
-@dataclass
-class PromptTable:
-    rows: list[dict]
-    ids: list[list[int]]  # the tokenized prompt of each row
-    eos_token_ids: list[int]
-    media: object = None  # image rows: vision_setup.PromptMedia (each step's rows encoded as RowMedia)
-
-
 def prepare_data(config: Config, rows: Iterable[dict] | None = None) -> PreparedData:
     """Rows from Python, a built-in task (its train split) or a file, validated."""
     d = config.data
@@ -77,84 +68,6 @@ def prepare_data(config: Config, rows: Iterable[dict] | None = None) -> Prepared
         return PreparedData(task.generate(d.num_prompts, seed=d.seed, split="train"), task)
     return PreparedData(load_prompts(d.path, prompt_column=d.prompt_column, name=d.name or None,
                                      split=d.split or "train"), None)
-
-
-def resolve_reward_specs(config: Config, task, functions: Sequence[Callable | str] | Callable | str | None = None, *,
-                         optional: bool = False, rows: Sequence[dict] = ()) -> list[RewardSpec]:
-    """Python callables given to `train`, else `rewards.functions`, else the task's verifier (none, when
-    `optional`: an environment's own reward is there).
-
-    `functions` is what TRL's `reward_funcs` is: one entry or a list; an entry is a callable, a
-    `RewardSpec`, a string as `rewards.functions` takes (a built-in name, a reference, a reward-model
-    folder, a grader URL; resolved with its `rewards.args`) or a loaded reward model; anything else is one
-    error naming its position (`registry.reward_entries`). A callable is named by its `__name__`
-    (`reward_<i>` without one); callables sharing a name are told apart by their module (`mod_a.score`,
-    `mod_b.score`), else numbered (`score`, `score_2`): see `unique_reward_names`.
-
-    `rows`, the training rows: a reward model that cannot read their prompts (chat messages, a tokenizer
-    without a chat template) is refused here, before the policy loads, not at the first step."""
-    from grpokit.errors import RewardLoadError
-    from grpokit.rewards.core import check_columns, is_conversational
-    from grpokit.rewards.registry import reward_entries
-
-    r = config.rewards
-    timeout = r.timeout_s or None  # your own functions are bounded (rewards.timeout_s); built-ins bound themselves
-    context = dict(on_error=r.on_error, device=str(resolve_device(config.model.device)))
-    functions = reward_entries(functions, device=context["device"])
-    if functions:
-        if r.weights and len(r.weights) != len(functions):  # zip below would drop functions silently
-            raise RewardLoadError(f"rewards.weights has {len(r.weights)} weights for the {len(functions)} reward "
-                                  f"functions given to train(reward_functions=...); give one per function")
-        weights = list(r.weights) or [1.0] * len(functions)
-        named = [f for f in functions if isinstance(f, str)]  # resolved with their rewards.args, as in the config
-        resolved = iter(reward_specs(named, (), r.args, timeout, **context) if named else [])
-        built = [next(resolved) if isinstance(f, str) else f for f in functions]
-        names = unique_reward_names(
-            [f.name if isinstance(f, RewardSpec) else getattr(f, "__name__", None) or f"reward_{i}"
-             for i, f in enumerate(built)],
-            [None if isinstance(f, RewardSpec) else m if (m := getattr(f, "__module__", None)) != "__main__" else None
-             for f in built])
-        specs = [replace(f, name=n, weight=w) if isinstance(f, RewardSpec) else RewardSpec(n, f, w, timeout)
-                 for n, f, w in zip(names, built, weights)]
-    elif r.functions:
-        specs = reward_specs(list(r.functions), r.weights, r.args, default_timeout=timeout, **context)
-    elif task is not None:
-        specs = task.reward_functions()
-    elif optional:
-        specs = []
-    else:
-        raise SetupError("no reward functions: set rewards.functions (a built-in name such as 'numeric_match', "
-                         "'file.py:function', a reward-model folder or a grader URL), or use a built-in data.task")
-    check_columns(specs, rows, config.data.path or "the data")  # code_execution without `tests`: now, not at step 1
-    chat = next((i for i, row in enumerate(rows) if is_conversational(row.get("prompt"))), None)
-    for spec in specs if chat is not None else ():
-        if isinstance(spec.fn, RewardModel) and (why := spec.fn.unreadable(rows[chat]["prompt"])):
-            raise RewardLoadError(f"{why} (prompt row {chat + 1} of the data is a list of chat messages)")
-    return specs
-
-
-SELF_BOUNDED = ("code_execution",)  # run their answers in their own killable processes already
-
-
-def isolate_rewards(config: Config, specs: list[RewardSpec]) -> tuple[list[RewardSpec], RewardPool | None]:
-    """With `rewards.isolation = "process"`, the Python reward functions moved into a pool of worker
-    processes (rewards/worker_pool.py): `rewards.timeout_s` (or a function's own timeout) then kills a
-    call that hangs, and a crash costs a worker, not the run. Reward models, remote graders and the
-    self-bounded built-ins stay as they are. Whether each function can be rebuilt in a worker is checked
-    here, before the model loads; the workers start at the first batch."""
-    r = config.rewards
-    if r.isolation != "process":
-        return specs, None
-    pool, out = RewardPool(r.workers), []
-    for spec in specs:
-        if isinstance(spec.fn, (RemoteGrader, RewardModel)) or (spec.source and spec.source[0] in SELF_BOUNDED):
-            out.append(spec)
-            continue
-        limited = replace(spec, timeout=spec.timeout or r.timeout_s or None)
-        check_isolatable(limited, spec.source)
-        out.append(isolate(limited, pool, source=spec.source, on_error=r.on_error,
-                           group_size=config.rollout.group_size))
-    return out, pool
 
 
 def tokenize_prompts(config: Config, data: PreparedData, tokenizer, max_positions: int | None,
@@ -249,6 +162,7 @@ class Inputs:
     prompts: PromptTable
     folder: RunFolder  # the prepared output folder (resume point, notes)
     resume: bool
+    rollout: RolloutSpec  # what the rollout side is built from (an async worker builds its own from it)
     tools: ToolBox | None = None  # multi-turn rollouts with tool calls
     environments: Environments | None = None  # one instance per answer, their methods as tools
     held_out: PromptTable | None = None  # [eval]: this process's share of the held-out prompts
@@ -293,7 +207,7 @@ class Run:
 
     inputs: Inputs
     policy: Policy
-    engine: RolloutEngine
+    side: RolloutSide  # draws and grades each step's groups through the run's engine (`side.engine`)
     sampler: torch.Generator  # this process's sampling noise
     stream: object  # resumable prompt stream (this process's share of each batch)
     start_step: int  # 0, or the step of the checkpoint resumed from
@@ -320,10 +234,7 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
             check_full_attention(AutoConfig.from_pretrained(folder))
         except ValueError as e:
             raise SetupError(f"{config.model.path}: {e}") from None
-    own = environments.reward_specs() if environments is not None else []  # environments' get_reward
-    specs, reward_pool = isolate_rewards(config, resolve_reward_specs(config, data.task, reward_functions,
-                                                                      optional=bool(own), rows=data.rows))
-    specs += own  # an environment's reward reads its live instances: in this process
+    specs, reward_pool = resolve_rewards(config, data, reward_functions, environments)
     notes = [sandbox_isolation(s.source[1].get("sandbox", "auto"), s.source[1].get("python"))[1]
              for s in specs if s.source and s.source[0] == "code_execution"]  # which sandbox is in force
     notes += kernel_note(config.model.dtype, resolve_device(config.model.device),  # e.g. bf16 on an AVX2-only CPU
@@ -344,7 +255,8 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
     held_out = prepare_held_out(config, data.task, tokenizer, max_positions, toolbox, dist, eval_rows, data.rows,
                                 vision=vision, folder=folder, environments=environments is not None)
     folder = dist.run_on_main(prepare_run_folder, config, resume=resume, lock=lock)
-    return Inputs(local, data, specs, tokenizer, prompts, folder, resume, toolbox, environments, held_out,
+    given = RolloutSpec(local, prompts, reward_functions, tools, environment_factory)  # what async workers build from
+    return Inputs(local, data, specs, tokenizer, prompts, folder, resume, given, toolbox, environments, held_out,
                   reward_pool, notes)
 
 
@@ -385,16 +297,12 @@ def build_run(config: Config, inputs: Inputs, dist: DistributedContext, engine=N
     sampler = torch.Generator(device=policy.model.device).manual_seed(config.train.seed + dist.rank)
     stream = dist.shard_stream(inputs.data.stream(config.train.prompts_per_step, seed=config.data.seed,
                                                   shuffle=config.data.shuffle))
-    rollout_engine = engine(inputs.local, policy.model, inputs.tokenizer) if engine else \
-        build_engine(inputs.local, policy.model, inputs.tokenizer, tools=inputs.tools)
-    if engine and inputs.tools is not None:  # an engine of the caller's: it gets the tools as `engine.tools`
-        if not hasattr(rollout_engine, "tools"):
-            raise SetupError(f"train(engine=...): {type(rollout_engine).__name__} has no `tools` attribute, so it "
-                             "cannot run the run's tools (the prompts list them); give it one, or subclass HFEngine")
-        if rollout_engine.tools is None:
-            rollout_engine.tools = inputs.tools
+    rollout_engine = given_engine(engine(inputs.local, policy.model, inputs.tokenizer), inputs.tools) if engine \
+        else build_engine(inputs.local, policy.model, inputs.tokenizer, tools=inputs.tools)
     start_step = 0
     if inputs.resume and (checkpoints := list_checkpoints(inputs.folder.path)):
         start_step = restore_checkpoint(checkpoints[-1], policy, sampler, stream)
     rollout_engine.sync_weights(policy.model)  # vLLM starts from the trainer's (resumed) weights; HF: nothing to do
-    return Run(inputs, policy, rollout_engine, sampler, stream, start_step)
+    side = RolloutSide.for_training(inputs.local, inputs.prompts, inputs.specs, rollout_engine, inputs.tokenizer,
+                                    inputs.environments)
+    return Run(inputs, policy, side, sampler, stream, start_step)

@@ -1,7 +1,7 @@
 """Training rows of answers whose conversation forked (`tools.history = "split"`, rollout/history.py).
 
     check_history_setup(config, toolbox, environments)          # start-up: what "split" cannot run with
-    engine.history = conversation_history(tokenizer, rows, G, engine.tools, environments)   # before sampling
+    engine.history = conversation_history(...)                   # before sampling (rollout/history.py)
     batch, metrics = split_rows(batch, pad_token_id)             # after grading, advantages, per-turn credit
     batch = with_policy_version(batch, version)                  # async: a worker tags what it sends
 
@@ -44,7 +44,6 @@ from grpokit.config.schema import Config
 from grpokit.errors import SetupError
 from grpokit.models.parallel import world_size
 from grpokit.rollout.batch import Rollout, Turns, left_pad
-from grpokit.rollout.history import ConversationHistory
 
 
 def check_history_setup(config: Config, toolbox, environments) -> None:
@@ -59,16 +58,6 @@ def check_history_setup(config: Config, toolbox, environments) -> None:
         raise SetupError(f"{where} runs in one process for now: with {world_size()} processes each would train a "
                          "different number of rows per step, and their collectives would fall out of step; run one "
                          "process or set tools.history = \"append\"")
-
-
-def conversation_history(tokenizer, rows: list[dict], G: int, toolbox, environments) -> ConversationHistory:
-    """Each answer's prompt and tool schemas (N = len(rows) * G), as the batch about to be sampled has them."""
-    if environments is not None:  # reset's text is in each answer's prompt; each row shows its environment's tools
-        per_answer = [row for row in rows for _ in range(G)]
-        return ConversationHistory(tokenizer, environments.answer_prompts,
-                                   [environments.schemas_for(row) for row in per_answer])
-    schemas = None if toolbox is None else toolbox.schemas
-    return ConversationHistory(tokenizer, [row["prompt"] for row in rows], [schemas] * len(rows)).repeat(G)
 
 
 def split_rows(batch, pad_token_id: int):

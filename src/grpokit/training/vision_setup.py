@@ -148,14 +148,14 @@ class PromptMedia:
     def rows(self, indices: Sequence[int]) -> RowMedia:
         return RowMedia(self.vision.family, tuple(self.encode(i)[1] for i in indices), self.vision.image_token_id)
 
-    def select(self, index: slice) -> RowMedia:
-        """`RowMedia.select` of the rows' encodings, encoded now: an evaluation holds one batch's pixels at a time."""
-        return self.rows(range(len(self.data))[index])
+    def select(self, index: slice | Sequence[int]) -> RowMedia:
+        """`RowMedia.select` of the rows' encodings, encoded now: a batch's pixels only, at a time."""
+        return self.rows(range(len(self.data))[index] if isinstance(index, slice) else index)
 
 
 def tokenize_image_prompts(config: Config, data, vision: VisionInputs, tokenizer, tools: ToolBox | None = None, *,
                            budget_field: str = "rollout.max_new_tokens"):
-    """The prompt table of image rows (setup's `PromptTable` fields after the rows: ids, EOS ids, media): each
+    """The prompt table of image rows (`rollout.side.PromptTable`'s fields after the rows: ids, EOS ids, media): each
     prompt rendered by the processor with its images' tokens (and `tools`' schemas, the chat template checked
     for them first), checked against the context with `budget_field`'s answer length (an image's tokens count:
     a large image is named)."""

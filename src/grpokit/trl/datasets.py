@@ -66,7 +66,7 @@ def stream_rows(dataset, needed: int, prompt_only) -> list[dict]:
     return rows
 
 
-def eval_sets(dataset, args, environment_factory) -> list[dict] | dict[str, list[dict]] | None:
+def eval_sets(dataset, args) -> list[dict] | dict[str, list[dict]] | None:
     """eval_dataset's rows, or {name: rows} for a dict of datasets; None without one. eval_strategy='steps'
     needs them, as in transformers."""
     if dataset is None:
@@ -74,9 +74,6 @@ def eval_sets(dataset, args, environment_factory) -> list[dict] | dict[str, list
             raise ConfigError(f"eval_strategy={args.eval_strategy!r} needs an eval_dataset (the held-out prompts); "
                               "pass one, or set eval_strategy='no'")
         return None
-    if environment_factory is not None and args.eval_strategy != "no":
-        raise ConfigError("eval_dataset: grpokit does not evaluate with environment_factory's environments yet; set "
-                          "eval_strategy='no' and evaluate the saved model afterwards")
     if type(dataset).__name__ in _NAMED or isinstance(dataset, dict):
         if args.eval_strategy != "no":
             raise ConfigError(f"eval_dataset: a dict of {len(dataset)} datasets with eval_strategy="

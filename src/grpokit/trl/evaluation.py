@@ -25,15 +25,12 @@ generator, seed (`seed`) and prompt batches of grpokit's own `training.evaluatio
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
 from pathlib import Path
 
 import torch
-
-from grpokit.errors import ConfigError
 
 
 def best_checkpoint(run_dir: Path) -> tuple[Path, dict] | None:
@@ -52,36 +49,32 @@ def run_evaluation(trainer, model, rows: list[dict], prefix: str) -> dict[str, f
     """grpokit's evaluation of `model` on `rows`, with TRL's metric names (`<prefix>_loss`, `<prefix>_reward`...)."""
     from grpokit.data.files import load_prompts
     from grpokit.errors import DataError
-    from grpokit.models.loading import max_positions_of
-    from grpokit.training.setup import (
-        PreparedData,
-        eval_max_new_tokens,
-        resolve_reward_specs,
-        resolve_tools,
-        tokenize_prompts,
-    )
+    from grpokit.training.evaluation import eval_side
+    from grpokit.training.rollout_setup import resolve_rewards
+    from grpokit.training.setup import PreparedData, eval_max_new_tokens
+    from grpokit.training.tool_setup import resolve_tools
 
     config, args = trainer.config, trainer._grpo_args
-    if trainer.environment_factory is not None:
-        raise ConfigError("GRPOTrainer.evaluate: grpokit's evaluation does not run environment_factory's environments "
-                          "yet; evaluate without them")
     try:
         rows = load_prompts(rows, prompt_column="prompt")
     except DataError as e:
         raise DataError(f"eval_dataset: {e}") from None
-    tokenizer = trainer.processing_class
-    tools, _ = resolve_tools(config, trainer.tools) if trainer.tools is not None else (None, None)
-    budget = dataclasses.replace(config, rollout=dataclasses.replace(config.rollout,
-                                                                     max_new_tokens=eval_max_new_tokens(config)))
-    table = tokenize_prompts(budget, PreparedData(rows, None), tokenizer, max_positions_of(config.model.path), tools)
-    specs = resolve_reward_specs(config, None, trainer.reward_funcs)
+    data = PreparedData(rows, None)
+    tools, environments = resolve_tools(config, trainer.tools, trainer.environment_factory)
+    tokenizer, table, tool_images = _prompt_table(config, data, trainer.processing_class, model, tools, environments)
+    specs, pool = resolve_rewards(config, data, trainer.reward_funcs, environments)
     samples = args.num_generations_eval or args.num_generations
     started, was_training = time.perf_counter(), model.training
     model.eval()
-    batches, totals = _answer_metrics(trainer, model, tokenizer, table, specs, samples_per_prompt=samples,
-                                      temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                      max_new_tokens=eval_max_new_tokens(config), seed=args.seed, tools=tools,
-                                      max_tool_turns=config.tools.max_calls, eos_token_ids=table.eos_token_ids)
+    side = eval_side(model, tokenizer, table, specs, samples_per_prompt=samples, temperature=args.temperature,
+                     top_p=args.top_p, top_k=args.top_k, max_new_tokens=eval_max_new_tokens(config),
+                     stop_strings=config.rollout.stop_strings, tools=tools, max_tool_turns=config.tools.max_calls,
+                     environments=environments, history=config.tools.history, tool_images=tool_images)
+    try:
+        batches, totals = _answer_metrics(trainer, model, side, seed=args.seed)
+    finally:
+        if pool is not None:
+            pool.close()
     model.train(was_training)
     runtime = time.perf_counter() - started
     keys = dict.fromkeys(k for b in batches for k in b)  # TRL's log: each metric's mean over the eval batches
@@ -95,6 +88,39 @@ def run_evaluation(trainer, model, rows: list[dict], prefix: str) -> dict[str, f
                      steps_per_second=round(math.ceil(len(rows) / eval_batch) / runtime, 3))
     ordered = {"loss": metrics.pop("loss"), **speed, **metrics}  # TRL's order
     return {f"{prefix}_{k}": v for k, v in ordered.items()}
+
+
+def _prompt_table(config, data, tokenizer, model, tools, environments):
+    """The eval rows' prompt table as training renders them (the tools' schemas; with environments each row's
+    own), checked against the context with the evaluation's answer budget; rows with images are rendered by the
+    model folder's processor (its tokenizer then decodes), as the evaluation during training does. Also the
+    renderer of tool results with images (a vision-language model's, with tools)."""
+    from grpokit.errors import DataError
+    from grpokit.models.loading import check_model_folder, max_positions_of
+    from grpokit.rollout.side import PromptTable
+    from grpokit.rollout.vision import tool_images_for
+    from grpokit.training import vision_setup
+    from grpokit.training.setup import tokenize_prompts
+
+    field = "eval.max_new_tokens" if config.eval.max_new_tokens else "rollout.max_new_tokens"
+    vision = vision_setup.check_vision_inputs(config, data, check_model_folder(config.model.path),
+                                              environments=environments is not None, tools=tools is not None)
+    if environments is not None:
+        try:
+            environments.check_rows(data.rows)
+        except ValueError as e:
+            raise DataError(f"eval_dataset: {e}") from None
+    if vision is not None and vision.images:  # (no environments: refused with images)
+        tokenizer = vision_setup.vision_tokenizer(vision, config.model.path)
+        table = PromptTable(data.rows, *vision_setup.tokenize_image_prompts(config, data, vision, tokenizer, tools,
+                                                                            budget_field=field))
+    else:
+        max_positions = max_positions_of(config.model.path) if vision is None else \
+            vision_setup.context_length(vision.model_config)
+        if environments is not None:  # what reset returns is checked against it at each batch
+            environments.max_positions = max_positions
+        table = tokenize_prompts(config, data, tokenizer, max_positions, tools, environments, budget_field=field)
+    return tokenizer, table, tool_images_for(model, config.model.path) if tools else None
 
 
 def _scores(totals: torch.Tensor, correct_threshold: float) -> dict[str, float]:
@@ -116,37 +142,18 @@ def _mean(values: list[float]) -> float:
 
 
 @torch.no_grad()
-def _answer_metrics(trainer, model, tokenizer, table, specs, *, samples_per_prompt, temperature, top_p, top_k,
-                    max_new_tokens, seed, tools, max_tool_turns, eos_token_ids, batch_prompts: int = 64
-                    ) -> tuple[list[dict], torch.Tensor]:
-    """The answers, drawn as grpokit's `evaluate` draws them (its generator, seed and prompt batches), scored
-    per TRL eval batch; and their total rewards [P, K]."""
-    from grpokit.models.fsdp import full_params_for_generation
-    from grpokit.rollout.decode import sample_groups
-    from grpokit.rollout.grading import grade
-    from grpokit.rollout.multiturn import sample_conversations
-
-    config, G = trainer.config, samples_per_prompt
-    generator = torch.Generator(device=model.device).manual_seed(seed)
-    common = dict(group_size=G, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                  temperature=temperature, top_p=top_p, top_k=top_k, tokenizer=tokenizer, generator=generator,
-                  eos_token_ids=list(eos_token_ids))
+def _answer_metrics(trainer, model, side, *, seed: int, batch_prompts: int = 64) -> tuple[list[dict], torch.Tensor]:
+    """The answers, drawn as grpokit's `evaluate` draws them (the same rollout side, generator, seed and prompt
+    batches), scored per TRL eval batch; and their total rewards [P, K]."""
+    G, generator = side.group_size, torch.Generator(device=model.device).manual_seed(seed)
     per_batch = max(1, trainer._grpo_args.per_device_eval_batch_size // G)  # prompts in one TRL eval batch
     out, totals = [], [torch.zeros(0, G)]
-    for start in range(0, len(table.ids), batch_prompts):
-        ids, rows = table.ids[start:start + batch_prompts], table.rows[start:start + batch_prompts]
-        conversations = None
-        with full_params_for_generation(model):
-            if tools:
-                rollout, stats = sample_conversations(model, ids, tools=tools, max_tool_turns=max_tool_turns, **common)
-                conversations = stats.conversations
-            else:
-                rollout = sample_groups(model, ids, stop_strings=config.rollout.stop_strings, **common)
-        draw = grade(rollout, rows, tokenizer, specs, G, prompt_column="prompt", conversations=conversations)
+    for indices in side.batches(batch_prompts):
+        draw = side.draw(indices, generator=generator)
         totals.append(draw.total.view(-1, G).cpu())
-        for first in range(0, len(ids), per_batch):
-            answers = torch.arange(first * G, min(first + per_batch, len(ids)) * G)
-            out.append(_batch_metrics(trainer, model, draw, answers, specs, G))
+        for first in range(0, len(indices), per_batch):
+            answers = torch.arange(first * G, min(first + per_batch, len(indices)) * G)
+            out.append(_batch_metrics(trainer, model, draw, answers, side.specs, G))
     return out, torch.cat(totals)
 
 

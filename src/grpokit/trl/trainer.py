@@ -70,7 +70,7 @@ class GRPOTrainer:
         reward_classes = processing_classes(reward_processing_classes, len(funcs))
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.rows = datasets.train_rows(train_dataset, args, environment_factory)  # None: an IterableDataset
-        self.eval_rows = datasets.eval_sets(eval_dataset, args, environment_factory)
+        self.eval_rows = datasets.eval_sets(eval_dataset, args)
         self.tools, self.environment_factory = tools, environment_factory
         module, tokenizer, path, dtype, lora = models.load(model, processing_class, args, peft_config)
         self.config = self._config_for(args, model_path=path, dtype=dtype, lora=lora,
@@ -157,7 +157,7 @@ class GRPOTrainer:
             raise ConfigError("GRPOTrainer.evaluate(ignore_keys=...): not supported (grpokit returns no model "
                               "outputs); leave it unset")
         given = SimpleNamespace(eval_strategy="no", remove_unused_columns=self._grpo_args.remove_unused_columns)
-        sets = self.eval_rows if eval_dataset is None else datasets.eval_sets(eval_dataset, given, None)
+        sets = self.eval_rows if eval_dataset is None else datasets.eval_sets(eval_dataset, given)
         if sets is None:
             raise ConfigError("GRPOTrainer.evaluate: no eval_dataset; pass one here or to "
                               "GRPOTrainer(eval_dataset=...)")
