@@ -30,7 +30,9 @@ How, and the limit that follows:
 Those, and the ways out that no guard sees (a crash in native code, `ctypes`, a signal from another
 process, the OOM killer), are what `tools.isolation = "process"` and `rewards.isolation = "process"` are
 for: the code runs in a worker process, where it costs the worker instead (rollout/tool_workers.py,
-rewards/worker_pool.py).
+rewards/worker_pool.py). The guard is at work in a tool worker too (an exit would end the worker and the
+environment instances it holds); `in_tool_worker()` makes its messages say so, instead of advising the
+isolation that is already set.
 """
 
 from __future__ import annotations
@@ -48,6 +50,16 @@ _real: dict[str, Callable] = {}
 _lock = threading.Lock()
 _pid = [0]  # the trainer's process: a child the guarded code forked may exit as it likes
 TOOL = ("the tool", 'tools.isolation = "process" runs tools where that ends a worker, not the trainer')
+_host = {"own": "the trainer's own process", "process": "the trainer's process", "group": "the trainer's process group",
+         "ends": "the trainer", "advise": True}  # what an exit would end here; whether to name the isolation
+
+
+def in_tool_worker() -> None:
+    """This process is a `tools.isolation = "process"` worker: an exit would end it, not the trainer."""
+    _host.update(own="its tool worker's own process", process="its tool worker's process",
+                 group="its tool worker's process group",
+                 ends="its tool worker process (tools.isolation = \"process\") and the environment instances in it",
+                 advise=False)
 
 
 def reward_function(name: str) -> tuple[str, str]:
@@ -99,7 +111,7 @@ def _stop(attempt: str) -> None:
     ToolExit naming who made it and the fix; elsewhere nothing."""
     call = _current()
     if call is not None:
-        message = f"{call.who} {attempt}; {call.fix}"
+        message = f"{call.who} {attempt}" + (f"; {call.fix}" if _host["advise"] else "")
         call.exit = call.exit or message
         raise ToolExit(message)
 
@@ -124,11 +136,11 @@ def _audit(event: str, args: tuple) -> None:
     if sig == 0:
         return
     if event == "os.kill" and _at_trainer(target):
-        _stop(f"sent {_signal_name(sig)} to the trainer's own process")
+        _stop(f"sent {_signal_name(sig)} to {_host['own']}")
     elif event == "os.killpg" and target in (0, os.getpgrp()):
-        _stop(f"sent {_signal_name(sig)} to the trainer's process group")
-    elif event == "signal.pthread_kill":  # every thread it can reach is one of the trainer's
-        _stop(f"sent {_signal_name(sig)} to a thread of the trainer's process")
+        _stop(f"sent {_signal_name(sig)} to {_host['group']}")
+    elif event == "signal.pthread_kill":  # every thread it can reach is one of this process's
+        _stop(f"sent {_signal_name(sig)} to a thread of {_host['process']}")
 
 
 def _inheriting(start: Callable) -> Callable:
@@ -163,17 +175,17 @@ def install() -> None:
 
     @functools.wraps(_real["_exit"])
     def _exit(code):
-        _stop(f"called os._exit({code}), which would end the trainer")
+        _stop(f"called os._exit({code}), which would end {_host['ends']}")
         _real["_exit"](code)
 
     @functools.wraps(_real["abort"])
     def abort():
-        _stop("called os.abort(), which would end the trainer")
+        _stop(f"called os.abort(), which would end {_host['ends']}")
         _real["abort"]()
 
     @functools.wraps(_real["raise_signal"])
     def raise_signal(sig):
-        _stop(f"raised {_signal_name(sig)} in the trainer's process")
+        _stop(f"raised {_signal_name(sig)} in {_host['process']}")
         _real["raise_signal"](sig)
 
     os._exit, os.abort, signal.raise_signal = _exit, abort, raise_signal
