@@ -21,7 +21,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "grpokit"
 MAX_LINES = 400
 
 # The layers, lowest first. Each layer is everything below it plus its own packages.
-L0 = {"errors", "processes"}
+L0 = {"errors", "processes", "exit_guard"}
 L1 = L0 | {"config"}
 L2 = L1 | {"algorithms", "data", "rewards"}
 L3 = L2 | {"tasks", "models"}
@@ -34,6 +34,7 @@ LAYERS = [L0, L1, L2, L3, L4, L5, L5 | ENTRY_POINTS | {"grpokit"}]
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),                           # 0
     "processes": set(),                        # 0  every child process: start, heartbeat, deadline, stop
+    "exit_guard": set(),                       # 0  user code's exits in the trainer's process (tools, rewards)
     "config": L0,                              # 1  (and neither torch nor transformers)
     "algorithms": L1,                          # 2  pure torch (no transformers)
     "data": L1,                                # 2

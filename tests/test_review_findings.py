@@ -139,7 +139,7 @@ def _tool_exit(tmp_path, how, isolation="none"):
 
 @pytest.mark.parametrize("how", ["thread", "pthread_kill", "late", "early_kill"])
 def test_tool_exits_the_guard_does_not_see_do_not_end_the_trainer(tmp_path, how):
-    """Fixed (rollout/exit_guard.py): threads a tool starts inherit its guard, and an audit hook stops
+    """Fixed (exit_guard.py): threads a tool starts inherit its guard, and an audit hook stops
     os.kill / os.killpg / signal.pthread_kill however they were bound; `from os import _exit` in a module
     loaded after grpokit binds the guarded one. The exit used to end the trainer."""
     r = _tool_exit(tmp_path, how)
@@ -150,7 +150,7 @@ def test_tool_exits_the_guard_does_not_see_do_not_end_the_trainer(tmp_path, how)
 
 @pytest.mark.parametrize("isolation", ["none", "process"])
 def test_an_exit_bound_before_grpokit_was_imported_needs_process_isolation(tmp_path, isolation):
-    """The limit, documented in rollout/exit_guard.py and docs/TOOLS.md: `from os import _exit` taken before
+    """The limit, documented in exit_guard.py and docs/TOOLS.md: `from os import _exit` taken before
     grpokit was imported is the real C function, which raises no audit event, so nothing in-process can stop
     it; it ends the trainer. Under tools.isolation = "process" the tool runs in a worker: a failed call."""
     r = _tool_exit(tmp_path, "early", isolation)

@@ -9,6 +9,7 @@ The folders follow the data flow, every import pointing down:
 
     config/      what to run (torch-free)          errors.py   every user-facing error
                                                    processes.py  every child process: start, beat, stop
+                                                   exit_guard.py  user code cannot end the trainer's process
     algorithms/  the math: advantages, policy loss, log-probs (pure torch)
     data/        prompts in          rewards/  grading functions     tasks/  built-in tasks
     models/      loading, the training forward, LoRA, processes, FSDP2

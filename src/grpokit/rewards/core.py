@@ -30,6 +30,9 @@ Deviations from TRL, all in the user's favour:
   (it runs on in the background until the process exits) and the run stops with
   the error. With `rewards.isolation = "process"` (rewards/worker_pool.py) functions
   run in worker processes instead, which a timeout or a crash kills and replaces.
+- In the trainer's process a function's `os._exit`, `os.abort` or signal to that
+  process stops the run with `RewardError` naming the function and
+  `rewards.isolation = "process"`, not the trainer's silent end (exit_guard.py).
   For untrusted code use the sandboxed "code_execution" reward.
 - Reward *models* (`nn.Module`) are not handled here; wrap one in a function.
 """
@@ -43,11 +46,13 @@ import numbers
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from multiprocessing import parent_process
 from typing import Any, Callable, Sequence
 
 import torch
 
 from grpokit.errors import RewardError, RewardLoadError, RewardTimeoutError
+from grpokit.exit_guard import ToolExit, guarded, reward_function
 
 # Keys TRL passes to every reward function besides the dataset columns.
 EXTRA_KWARGS = ("trainer_state", "log_extra", "log_metric")
@@ -173,15 +178,28 @@ async def _await(awaitable):
     return await awaitable
 
 
-def _call(spec: RewardSpec, kwargs: dict, n: int):
-    """`_run(spec.fn, kwargs)`, within `spec.timeout` seconds when it has one."""
-    if spec.timeout is None:
+def _run_guarded(spec: RewardSpec, kwargs: dict):
+    """`_run(spec.fn, kwargs)`, in the trainer's process with its exits guarded (exit_guard.py): an `os._exit`
+    there is one `RewardError` naming the function and the fix, not the run's end without a word. A rollout
+    worker (a process multiprocessing started) runs it unguarded: the exit ends the worker, which the trainer
+    names."""
+    if parent_process() is not None:
         return _run(spec.fn, kwargs)
+    try:
+        return guarded(lambda: _run(spec.fn, kwargs), reward_function(spec.name))()
+    except ToolExit as e:
+        raise RewardError(str(e)) from None
+
+
+def _call(spec: RewardSpec, kwargs: dict, n: int):
+    """`_run_guarded(spec, kwargs)`, within `spec.timeout` seconds when it has one."""
+    if spec.timeout is None:
+        return _run_guarded(spec, kwargs)
     box: dict = {}
 
     def target():
         try:
-            box["out"] = _run(spec.fn, kwargs)
+            box["out"] = _run_guarded(spec, kwargs)
         except BaseException as e:  # handed to the caller's thread below
             box["error"] = e
 

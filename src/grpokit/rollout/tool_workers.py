@@ -52,9 +52,9 @@ class ToolHost:
 
     def __call__(self, op: str, items: list) -> list:
         if self._built is None:
+            from grpokit.exit_guard import in_tool_worker
             from grpokit.rewards.registry import load_reward
             from grpokit.rewards.worker_pool import _WORKER_ENV
-            from grpokit.rollout.exit_guard import in_tool_worker
 
             if os.environ.get(_WORKER_ENV):  # a worker process (not a host called in-process)
                 in_tool_worker()  # the exit guard's messages: an exit here ends this worker, not the trainer

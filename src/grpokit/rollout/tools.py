@@ -34,7 +34,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from grpokit.rollout.exit_guard import ToolExit, guarded
+from grpokit.exit_guard import TOOL, ToolExit, guarded
 from grpokit.rollout.tool_output import InvalidBlocks, ResultTooLong, as_text, content_parts, is_content_blocks
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
@@ -278,7 +278,7 @@ def call_within(fn: Callable[[], Any], timeout_s: float, name: str = "grpokit-to
         raise TimeoutError(f"not run: {len(_abandoned)} earlier calls are still running past tools.timeout_s; set "
                            "tools.isolation = \"process\" to have such calls killed")
     outcome: dict = {}
-    run = guarded(fn)  # os._exit & co. raise in its thread (and in threads it starts)
+    run = guarded(fn, TOOL)  # os._exit & co. raise in its thread (and in threads it starts)
 
     def target() -> None:
         try:

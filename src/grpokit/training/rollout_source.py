@@ -40,11 +40,12 @@ import torch.multiprocessing as mp
 from grpokit import processes
 from grpokit.errors import RolloutWorkerError, SetupError
 from grpokit.models.loading import resolve_device
-from grpokit.models.parallel import world_size
+from grpokit.models.parallel import rank, world_size
 from grpokit.models.threads import usable_cores
 from grpokit.models.weight_sync import GlooPublisher, LockedPublisher
 from grpokit.training.generate import generate_and_grade
 from grpokit.training.rollout_workers import WorkerSpec, parameter_shapes, worker_main
+from grpokit.training.worker_budget import available_memory, check_memory, crowded_cores
 
 
 class SyncRollouts:
@@ -79,7 +80,8 @@ def split_threads(config) -> tuple[int, int]:
 
 
 def check_async(config, engine) -> None:
-    """What asynchronous rollout (and a vLLM server) cannot do yet, refused before the model loads."""
+    """What asynchronous rollout (and a vLLM server) cannot do yet, and workers this machine cannot hold
+    (training/worker_budget.py), refused before the model loads; workers past the cores, said in one line."""
     server = "server" in config.rollout.vllm
     if server and world_size() > 1 and (config.rollout.mode == "async" or config.model.fsdp):
         what = "rollout.mode = \"async\"" if config.rollout.mode == "async" else "model.fsdp"
@@ -93,6 +95,10 @@ def check_async(config, engine) -> None:
                          "workers run the built-in sampler. Leave engine out, or use rollout.mode = \"sync\"")
     for device in config.rollout.worker_devices:  # a device this machine lacks: now, not after the model loads
         resolve_device(device, field="rollout.worker_devices")
+    check_memory(config, available_memory())  # workers the memory cannot hold: refused before any starts
+    warning = crowded_cores(config, split_threads(config)[1])
+    if warning and rank() == 0:
+        print(warning, flush=True)
 
 
 class _MainFinder(pickle.Pickler):
