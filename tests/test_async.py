@@ -183,11 +183,28 @@ def test_a_failing_worker_ends_the_run_with_one_error_and_a_resumable_folder(tin
               reward_functions=[reward])
     assert words in str(err.value)
     assert "\n" not in str(err.value)
-    assert "step 1 is saved" in str(err.value) and "Continue with: train(config, resume=True)" in str(err.value)
+    go_on = "Once that is fixed, continue with" if reward is raises_on_second_batch else "Continue with"  # 43.14
+    assert "step 1 is saved" in str(err.value) and f"{go_on}: train(config, resume=True)" in str(err.value)
     assert time.monotonic() - t0 < 60
     assert (out / "checkpoint-1").is_dir()
     run = train(config(tiny_model_dir, out, steps=2), reward_functions=[parity], resume=True)
     assert [r["step"] for r in rows(run / "metrics.jsonl")] == [1, 2]
+
+
+def always_raises(completions, **kwargs):
+    raise ValueError("the grader's database is gone")
+
+
+def test_a_reward_that_always_raises_names_it_and_the_fix_before_the_command_to_start_again(tiny_model_dir,
+                                                                                          tmp_path):
+    """Issue 43.14: the user's own code stops the worker before any checkpoint: the error names the function,
+    and the command to start again comes after the fix (it said only "start again with the same command",
+    which fails the same way)."""
+    with pytest.raises(RolloutWorkerError) as err:
+        train(config(tiny_model_dir, tmp_path / "run", steps=2), reward_functions=[always_raises])
+    said = str(err.value)
+    assert said.startswith("rollout worker 0: reward function 'always_raises'") and "database is gone" in said, said
+    assert said.endswith("no checkpoint was written yet: once that is fixed, start again with the same command")
 
 
 def test_a_worker_frozen_with_batches_queued_is_hung_within_its_timeout(tiny_model_dir, tmp_path, monkeypatch):

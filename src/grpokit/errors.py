@@ -124,4 +124,9 @@ class EnvironmentFault(UserError, RuntimeError):
 class RolloutWorkerError(UserError, RuntimeError):
     """A sampler outside the training loop (an asynchronous rollout worker, a vLLM server) crashed, hung, fell
     behind or failed its weight transfer; the message names it, what happened and how to continue (the loop
-    saves the finished steps first)."""
+    saves the finished steps first). `users_code`: the worker stopped on the user's own code or input (a reward
+    that raised, a bad row), which a restart meets again: the fix comes before the command to continue."""
+
+    def __init__(self, message: str, *, users_code: bool = False):
+        super().__init__(message)
+        self.users_code = users_code

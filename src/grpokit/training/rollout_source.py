@@ -268,7 +268,7 @@ class AsyncRollouts:
                 self._check(waiting_for, what, time.monotonic() + 2)
                 continue
             if message[0] == "error":
-                raise RolloutWorkerError(f"rollout worker {message[1]}: {message[3]}")
+                raise RolloutWorkerError(f"rollout worker {message[1]}: {message[3]}", users_code=message[4])
             return message
 
     def _reported_error(self, *, within_s: float) -> RolloutWorkerError | None:
@@ -283,7 +283,7 @@ class AsyncRollouts:
             except (OSError, EOFError):  # a batch whose tensors' sender has exited: unreadable, and not needed
                 continue
             if message[0] == "error":
-                return RolloutWorkerError(f"rollout worker {message[1]}: {message[3]}")
+                return RolloutWorkerError(f"rollout worker {message[1]}: {message[3]}", users_code=message[4])
             if message[0] == "batch":
                 self.arrived[message[2]] = (message[1], message[3])
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from grpokit import processes
-from grpokit.errors import UserError
+from grpokit.errors import RolloutWorkerError, UserError
 from grpokit.models.loading import load_model, load_tokenizer, max_positions_of
 from grpokit.models.lora import apply_lora
 from grpokit.models.weight_sync import GlooSubscriber, ServerSubscriber
@@ -224,7 +224,8 @@ def worker_main(spec: WorkerSpec, index: int, device: str, orders, results, beat
             results.put(("batch", index, step, worker.draw(step, min_version, time.perf_counter() - idle_since)))
             idle_since = time.perf_counter()
     except BaseException as e:  # noqa: BLE001 - the trainer says it, naming this worker
-        results.put(("error", index, -1, _describe(e)))
+        users = isinstance(e, UserError) and not isinstance(e, RolloutWorkerError)  # the user's code or input
+        results.put(("error", index, -1, _describe(e), users))
         _linger(orders)
     finally:
         if worker is not None:

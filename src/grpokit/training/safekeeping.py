@@ -62,10 +62,12 @@ class Safekeeping:
         except RolloutWorkerError as e:
             path = self._save(step - 1) if step - 1 > self.saved and self.dist.world_size == 1 else None
             kept = f"step {step - 1} is saved ({path})" if path else "the newest checkpoint stays"
+            then = "once that is fixed, " if e.users_code else ""  # a restart as it is meets the same error
             if path is None and not list_checkpoints(self.run_dir):  # nothing to --resume from
-                raise RolloutWorkerError(f"{e}; no checkpoint was written yet: start again with the same "
-                                         "command") from None
-            raise RolloutWorkerError(f"{e}; {kept}. Continue with: {self.hint}") from None
+                raise RolloutWorkerError(f"{e}; no checkpoint was written yet: {then}start again with the same "
+                                         "command", users_code=e.users_code) from None
+            go_on = f"Once that is fixed, continue with: {self.hint}" if e.users_code else f"Continue with: {self.hint}"
+            raise RolloutWorkerError(f"{e}; {kept}. {go_on}", users_code=e.users_code) from None
 
     @contextmanager
     def on_eval_error(self, step: int, metrics: dict) -> Iterator[None]:
