@@ -134,8 +134,8 @@ def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[di
     metrics["loss"] = sum(losses) / len(losses)
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     metrics["skipped_updates"] = skipped
-    if algo.adaptive_entropy:
-        metrics["entropy_coef"] = policy.entropy_coef  # for the next step, as TRL logs it
+    if algo.entropy_coef > 0 or algo.adaptive_entropy:  # with the bonus on, TRL logs it and policy_loss
+        metrics["entropy_coef"] = policy.entropy_coef  # (adaptive) the next step's, as TRL logs it
     return metrics, old
 
 
@@ -178,6 +178,8 @@ def _micro_step(config: Config, policy: Policy, batch: GenerationBatch, old_logp
             vespo={"k_pos": algo.vespo_k_pos, "lambda_pos": algo.vespo_lambda_pos, "k_neg": algo.vespo_k_neg,
                    "lambda_neg": algo.vespo_lambda_neg},
             off_policy_mask_threshold=algo.off_policy_mask_threshold or None, sampling_logp=sampled)
+        if algo.entropy_coef > 0 or algo.adaptive_entropy:  # TRL's policy_loss, also where the adaptive gate is shut
+            stats.setdefault("policy_loss", loss.detach())
         # a global-token normaliser already spans the minibatch; the others average the micro-batches
         return (loss if algo.sums_over_global_tokens else loss / n_micro), stats
 
