@@ -2,7 +2,8 @@
 runs those tests themselves, opt-in): the entropy bonus's `policy_loss` and `entropy_coef` in the logs and
 `trainer.entropy_coef`; the rewards an environment owns listed in `reward_func_names`; the last log_history row
 carrying the metrics gathered since the last logging step; `trainer.ref_model` as the reference the loop uses;
-TRL's refusals of an iterable dataset with `dispatch_batches=True`, of no train_dataset and of no reward source.
+TRL's refusals of an iterable dataset with `dispatch_batches=True`, of no train_dataset, of no reward source and of
+reward_processing_classes of another length, in TRL's words.
 """
 
 from __future__ import annotations
@@ -134,3 +135,10 @@ def test_trls_refusals_in_trls_words(tiny_model_dir, tmp_path):
         GRPOTrainer(str(tiny_model_dir), ordinal, args=args, environment_factory={"a": Scored, "b": Plain})
     with pytest.raises(ConfigError, match="No reward source provided"):
         GRPOTrainer(str(tiny_model_dir), args=args, train_dataset=ROWS)
+
+
+def test_reward_processing_classes_of_another_length_must_match(tiny_model_dir, tmp_path):
+    args = GRPOConfig(output_dir=str(tmp_path / "o"), **RUN)
+    with pytest.raises(ConfigError, match="must match"):  # TRL's test_mismatched_reward_processing_classes_length
+        GRPOTrainer(str(tiny_model_dir), [ordinal, ordinal], args=args, train_dataset=ROWS,
+                    reward_processing_classes=[None])

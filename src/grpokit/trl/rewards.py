@@ -73,8 +73,8 @@ def processing_classes(classes, n: int) -> list:
     if not isinstance(classes, list):
         classes = [classes]
     if len(classes) != n:
-        raise ConfigError(f"reward_processing_classes: {len(classes)} given for {n} reward functions; give one per "
-                          "entry of reward_funcs (None where it is a function), as TRL requires")
+        raise ConfigError(f"reward_processing_classes: {len(classes)} given for {n} reward functions (the numbers must "
+                          "match, TRL's rule); give one per entry of reward_funcs (None where it is a function)")
     return list(classes)
 
 
