@@ -233,7 +233,7 @@ def test_trainer_refusals_before_anything_loads(tiny_model_dir, tmp_path):
              (dict(rollout_worker=object(), weight_transfer=object()), "rollout_worker and weight_transfer"),
              (dict(model=object()), "model must be a local folder or a Hub id"),
              (dict(callbacks=[object()]), "^AsyncGRPOTrainer: grpokit does not support callbacks"),
-             (dict(train_dataset=None), "train_dataset is required")]
+             (dict(train_dataset=None), "`train_dataset` is required")]
     for kwargs, match in cases:
         given = {"model": "no-such-folder", "reward_funcs": reward_len, "args": args, "train_dataset": rows, **kwargs}
         with pytest.raises(ConfigError, match=match):

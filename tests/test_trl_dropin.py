@@ -324,7 +324,7 @@ def test_trainer_refusals_before_anything_loads(tmp_path):
              (dict(reward_funcs=None), "reward_funcs is required"),
              (dict(reward_processing_classes=[None, None]), "reward_processing_classes: 2 given for 1 reward "
                                                             "functions"),
-             (dict(train_dataset=None), "train_dataset is required"),
+             (dict(train_dataset=None), "`train_dataset` is required"),
              (dict(eval_dataset={"a": rows, "b": rows}, args=GRPOConfig(output_dir=str(tmp_path / "o"), max_steps=1,
                                                                         eval_strategy="steps")),
               "grpokit's evaluation during training scores one dataset"),

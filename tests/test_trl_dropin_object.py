@@ -256,7 +256,7 @@ def test_an_environment_owns_the_data(tiny_model_dir, tmp_path):
     with pytest.raises(ConfigError, match="max_steps must be set to a positive value to define the training length"):
         GRPOTrainer(str(folder), args=GRPOConfig(output_dir=str(tmp_path / "o"), **{**RUN, "max_steps": -1}),
                     environment_factory=namespace["Counter"])
-    with pytest.raises(ConfigError, match="train_dataset is required unless an environment_factory is provided"):
+    with pytest.raises(ConfigError, match="`train_dataset` is required unless an `environment_factory` is provided"):
         GRPOTrainer(str(folder), length, args=GRPOConfig(output_dir=str(tmp_path / "o"), **RUN))
     args = GRPOConfig(output_dir=str(tmp_path / "o"), **{**RUN, "max_steps": 1, "max_completion_length": 8})
     trainer = GRPOTrainer(str(folder), args=args, environment_factory=namespace["Counter"])

@@ -51,6 +51,7 @@ Options beside the loss type, each off by default:
   or as ``"token_mean"``, TRL 1.16's for every loss type: loss -= c * mean(H) over this call's
   acting tokens, divided by ``entropy_parts`` (the calls one optimizer step adds up unscaled),
   so that the bonus is the mean of the micro-batches' token means whatever the policy normaliser.
+  The loss without the bonus is then ``stats["policy_loss"]`` (TRL logs it as ``policy_loss``).
 
 ``importance_sampling_level="sequence"`` is GSPO: one ratio per answer,
 exp(mean_t(logp_t - old_logp_t)) (length-normalised), shape [N, 1], broadcast
@@ -105,9 +106,8 @@ IMPORTANCE_SAMPLING_LEVELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
 def importance_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, *, level: str = "token") -> Tensor:
     """log rho: ``[N, T]`` per token (level="token") or ``[N, 1]`` per answer (level="sequence", GSPO)."""
     if level not in IMPORTANCE_SAMPLING_LEVELS:
-        raise ValueError(
-            f"importance_sampling_level must be one of {sorted(IMPORTANCE_SAMPLING_LEVELS)}, got {level!r}"
-        )
+        levels = sorted(IMPORTANCE_SAMPLING_LEVELS)
+        raise ValueError(f"importance_sampling_level must be one of {levels}, got {level!r}")
     valid = mask != 0  # [N, T]
     log_ratio = torch.where(valid, logp - old_logp, 0.0)  # [N, T]
     return IMPORTANCE_SAMPLING_LEVELS[level](log_ratio, valid.to(log_ratio.dtype))
@@ -377,8 +377,9 @@ def policy_loss(
         per_token = per_token * acting
     else:
         acting = maskf
-    if spec.entropy_coef > 0 and spec.entropy_aggregation == "loss":
-        per_token = per_token - spec.entropy_coef * torch.where(valid, entropy, 0.0).to(logp.dtype) * acting
+    bonus = spec.entropy_coef * torch.where(valid, entropy, 0.0).to(logp.dtype) * acting \
+        if spec.entropy_coef > 0 and spec.entropy_aggregation == "loss" else None  # [N, T]
+    per_token = per_token if bonus is None else per_token - bonus
     if spec.beta > 0:
         log_ratio_ref = torch.where(valid, ref_logp - logp, 0.0)  # [N, T]
         kl = log_ratio_ref.exp() - log_ratio_ref - 1.0  # [N, T], k3 >= 0
@@ -388,7 +389,10 @@ def policy_loss(
         stats["kl"] = _masked_mean(kl, maskf)
     per_token = torch.where(valid, per_token, 0.0)  # [N, T]
     loss = aggregate(per_token, maskf, spec.max_completion_length, num_items_in_batch)
+    if bonus is not None:  # policy_loss: the loss without its entropy bonus (TRL's logged policy_loss)
+        stats["policy_loss"] = (loss + aggregate(bonus, maskf, spec.max_completion_length, num_items_in_batch)).detach()
     if spec.entropy_coef > 0 and spec.entropy_aggregation == "token_mean":  # TRL's: outside the normaliser
+        stats["policy_loss"] = loss.detach()
         loss = loss - spec.entropy_coef * mean_token_entropy(entropy.to(logp.dtype), acting) / entropy_parts
     return loss, stats
 

@@ -52,13 +52,15 @@ def train(
     environment_factory: Callable | dict | None = None,
     eval_rows: Iterable[dict] | None = None,
     model=None,
+    ref_model=None,
 ) -> Path:
     """Run GRPO as `config` says; returns the run folder. Python-side callables and
     rows may replace the config's `rewards.functions` and data source, `tools` and `environment_factory`
     its `tools.functions` and `tools.environment` (TRL's: multi-turn rollouts), and `engine(config,
     model, tokenizer)` the rollout engine (rollout/engines.py), and `eval_rows` the held-out prompts of
     `[eval]` (its `eval.path`), and `model` an already-loaded module of `config.model.path`'s weights to train
-    in place (the TRL drop-in's `trainer.model`) instead of loading the folder. Under torchrun every process runs
+    in place (the TRL drop-in's `trainer.model`) instead of loading the folder, and `ref_model` a loaded copy of
+    them as the KL reference (β > 0 without LoRA; the drop-in's `trainer.ref_model`). Under torchrun every process runs
     this together (models/parallel.py): each takes its share of every batch, rank 0 writes the
     files. `command` is how the run was started (the CLI's own words); stop messages build the
     exact command that continues the run from it."""
@@ -89,7 +91,7 @@ def train(
         _, crowded = configure_threads(threads)
         if crowded and dist.is_main:
             print(crowded, flush=True)
-        run = build_run(config, inputs, dist, engine, model)
+        run = build_run(config, inputs, dist, engine, model, ref_model)
         resources.callback(run.side.engine.stop_serving)  # an agent engine's endpoint, a vLLM's weight folders
         return _loop(config, run, dist, hint, command, resources)
 

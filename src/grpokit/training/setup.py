@@ -260,16 +260,16 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
                   reward_pool, notes)
 
 
-def build_policy(config: Config, model=None) -> Policy:
-    """The policy (LoRA adapters if asked), the KL reference only when β > 0, AdamW and the schedule;
-    sharded (FSDP2) or replicated across processes. A `model` given (on its device) is trained in place."""
+def build_policy(config: Config, model=None, ref_model=None) -> Policy:
+    """The policy (LoRA adapters if asked), the KL reference only when β > 0, AdamW and the schedule; sharded (FSDP2)
+    or replicated. A `model` given (on its device) is trained in place; a `ref_model` given is the reference."""
     if config.train.keep_freed_memory and resolve_device(config.model.device).type == "cpu":
         keep_freed_memory()  # glibc: freed buffers stay mapped for the next step (models/allocator.py)
     model = vision_setup.apply_vision_tower_option(config, model) if model is not None else \
         vision_setup.load_policy_model(config, load_model)  # a vision-language folder: its own class
-    ref_model = None
-    if config.algorithm.beta > 0 and not config.model.lora:  # with β = 0 no reference model is loaded at all
-        ref_model = vision_setup.load_policy_model(config, load_model)
+    ref_model = None if config.algorithm.beta <= 0 or config.model.lora else ref_model if ref_model is not None \
+        else vision_setup.load_policy_model(config, load_model)  # with β = 0 no reference model is loaded at all
+    if ref_model is not None:
         ref_model.eval().requires_grad_(False)
     model.eval()  # dropout stays off throughout: ratio is exactly 1 before the first update
     linear_head = head_is_linear(model)
@@ -289,11 +289,11 @@ def build_policy(config: Config, model=None) -> Policy:
     return Policy(model, ref_model, linear_head, optimizer, scheduler, entropy_coef=config.algorithm.entropy_coef)
 
 
-def build_run(config: Config, inputs: Inputs, dist: DistributedContext, engine=None, model=None) -> Run:
+def build_run(config: Config, inputs: Inputs, dist: DistributedContext, engine=None, model=None, ref_model=None) -> Run:
     """Load the model and build the optimizer, sampler, prompt stream and rollout engine; on --resume,
     restore all of them from the newest checkpoint."""
     torch.manual_seed(config.train.seed)
-    policy = build_policy(config, model)
+    policy = build_policy(config, model, ref_model)
     sampler = torch.Generator(device=policy.model.device).manual_seed(config.train.seed + dist.rank)
     stream = dist.shard_stream(inputs.data.stream(config.train.prompts_per_step, seed=config.data.seed,
                                                   shuffle=config.data.shuffle))

@@ -150,8 +150,8 @@ def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[di
     metrics["loss"] = sum(losses) / len(losses)
     metrics["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     metrics["skipped_updates"] = skipped
-    if algo.adaptive_entropy:
-        metrics["entropy_coef"] = policy.entropy_coef  # for the next step, as TRL logs it
+    if algo.entropy_coef > 0 or algo.adaptive_entropy:  # with the bonus on, TRL logs it and policy_loss
+        metrics["entropy_coef"] = policy.entropy_coef  # (adaptive) the next step's, as TRL logs it
     return metrics, old
 
 
@@ -184,6 +184,8 @@ def _micro_step(config: Config, spec: LossSpec, policy: Policy, batch: Generatio
     def loss_of(logp, entropy=None):  # [n, T] -> this micro-batch's share of the minibatch loss, stats
         loss, stats = policy_loss(logp, old, adv, mask, spec=spec, ref_logp=ref, entropy=entropy, token_weights=weights,
                                   sampling_logp=sampled, num_items_in_batch=n_items, entropy_parts=entropy_parts)
+        if spec.entropy_coef > 0 or config.algorithm.adaptive_entropy:  # TRL's policy_loss, also where the
+            stats.setdefault("policy_loss", loss.detach())  # adaptive gate is shut
         # a global-token normaliser already spans the minibatch; the others average the micro-batches
         return (loss if algo.sums_over_global_tokens else loss / n_micro), stats
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import itertools
 
 from grpokit.errors import ConfigError
+from grpokit.trl.accepted import accelerator_options
 
 _NAMED = ("DatasetDict", "IterableDatasetDict")
 
@@ -30,8 +31,9 @@ def is_iterable(dataset) -> bool:
 def environment_rows(args, environment_factory) -> list[dict]:
     """TRL's placeholder rows when the environment owns the data (one generation batch of empty prompts)."""
     if isinstance(environment_factory, dict):
-        raise ConfigError("train_dataset is required with a dict environment_factory (several environments): each "
-                          "row's 'environment' column routes it, as in TRL; pass a train_dataset")
+        raise ConfigError("a dict `environment_factory` (several environments) requires a `train_dataset` with an "
+                          "'environment' column routing each row to its environment (TRL's rule); pass one, or a "
+                          "single environment factory")
     if args.max_steps <= 0:
         raise ConfigError("max_steps: when training without a train_dataset (the environment owns the data and returns "
                           "the prompt from reset()), max_steps must be set to a positive value to define the training "
@@ -44,18 +46,27 @@ def train_rows(dataset, args, environment_factory) -> list[dict] | None:
     """The training rows; None for an IterableDataset (read once the run's length is known: `stream_rows`)."""
     if dataset is None:
         if environment_factory is None:
-            raise ConfigError("train_dataset is required unless an environment_factory is provided (rows with a "
-                              "'prompt' column)")
+            raise ConfigError("`train_dataset` is required unless an `environment_factory` is provided (TRL's "
+                              "words); pass rows with a 'prompt' column")
         return environment_rows(args, environment_factory)
     if type(dataset).__name__ in _NAMED or isinstance(dataset, dict):
         raise ConfigError(f"train_dataset: a {type(dataset).__name__} holds several splits; pick one "
                           "(dataset['train'])")
     if is_iterable(dataset):
+        _check_dispatch(args)
         if args.max_steps <= 0:
             raise ConfigError("max_steps must be set to a positive value if dataloader does not have a length "
                               f"(train_dataset is a {type(dataset).__name__}); set GRPOConfig(max_steps=...)")
         return None
     return _as_rows(dataset, args.remove_unused_columns, "train_dataset")
+
+
+def _check_dispatch(args) -> None:
+    """TRL's first check of an iterable dataset: Accelerate's `dispatch_batches=True` would collate the string
+    prompts on process 0, so TRL refuses it (and grpokit, which has no Accelerate loader, refuses it alike)."""
+    if accelerator_options(getattr(args, "accelerator_config", None)).get("dispatch_batches"):
+        raise ConfigError("accelerator_config: Iterable datasets require `dispatch_batches=False`, but it is set to "
+                          "`True` (TRL's rule); set it to False, or leave it out")
 
 
 def stream_rows(dataset, needed: int, prompt_only) -> list[dict]:
@@ -74,6 +85,8 @@ def eval_sets(dataset, args) -> list[dict] | dict[str, list[dict]] | None:
             raise ConfigError(f"eval_strategy={args.eval_strategy!r} needs an eval_dataset (the held-out prompts); "
                               "pass one, or set eval_strategy='no'")
         return None
+    if any(is_iterable(d) for d in (dataset.values() if isinstance(dataset, dict) else [dataset])):
+        _check_dispatch(args)
     if type(dataset).__name__ in _NAMED or isinstance(dataset, dict):
         if args.eval_strategy != "no":
             raise ConfigError(f"eval_dataset: a dict of {len(dataset)} datasets with eval_strategy="

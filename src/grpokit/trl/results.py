@@ -69,6 +69,33 @@ def tokens_seen(rows: list[dict]) -> int:
     return int(counts[-1]) if counts else 0
 
 
+# The keys TRL's trainer averages between two log calls (its `_metrics`): the last row gets those of the steps
+# after the last logging step, as TRL's final log merges what it has gathered since
+_GATHERED = ("reward", "reward_std", "frac_reward_zero_std", "entropy", "kl", "num_tokens", "policy_loss",
+             "entropy_coef", "aux_loss", "step_time", "cispo_clip_ratio")
+_GATHERED_PREFIXES = ("rewards/", "completions/", "clip_ratio/", "tools/", "sampling/", "vespo/")
+
+
+def since_last_log(rows: list[dict], args, total_steps: int) -> dict:
+    """TRL's metrics in the last log_history row: the mean of each gathered key over the training rows (`log_rows`'
+    shape, `step` in optimizer steps) after the last multiple of `logging_steps` (a ratio below 1 of the total, as
+    transformers reads it); none when the run ends on a logging step. NaNs are left out; None when all are."""
+    every = math.ceil(args.logging_steps * total_steps) if 0 < args.logging_steps < 1 else int(args.logging_steps)
+    last_logged = total_steps - total_steps % every if every > 0 else total_steps
+    columns: dict[str, list[float]] = {}
+    for row in rows:
+        if row["step"] <= last_logged or any(k.startswith("eval_") for k in row):
+            continue
+        for key, value in row.items():
+            if (key in _GATHERED or key.startswith(_GATHERED_PREFIXES)) and isinstance(value, (int, float)):
+                columns.setdefault(key, []).append(float(value))
+    means = {}
+    for key, values in columns.items():
+        finite = [v for v in values if not math.isnan(v)]
+        means[key] = sum(finite) / len(finite) if finite else None
+    return means
+
+
 def summary(rows: list[dict], args, config, num_rows: int, runtime: float, steps_run: int) -> dict:
     """TRL's end-of-training metrics (the TrainOutput's; the last log_history row adds total_flos)."""
     losses = [r["loss"] for r in rows if isinstance(r.get("loss"), (int, float)) and math.isfinite(r["loss"])]

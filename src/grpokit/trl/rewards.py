@@ -24,20 +24,36 @@ id all need the loaded object, and `trainer.evaluate()` reuses it.
 
 from __future__ import annotations
 
+import inspect
 import os
 from pathlib import Path
 
 from grpokit.errors import ConfigError
 
 
-def reward_list(reward_funcs, environment_factory) -> list:
+def environment_reward_names(environment_factory) -> list[str]:
+    """The reward sources an `environment_factory` owns, by name, in the order grpokit's loop adds them after
+    `reward_funcs` (rollout/environments.py `reward_specs`): each environment class with a `get_reward` method,
+    named after the class (TRL's `reward_func_names`), then an adapted library's rubric functions. A factory
+    that is not a class is called once to learn its class, as TRL and grpokit's loop probe it."""
+    if environment_factory is None:
+        return []
+    factories = environment_factory.values() if isinstance(environment_factory, dict) else [environment_factory]
+    classes = list(dict.fromkeys(f if inspect.isclass(f) else type(f()) for f in factories))
+    names = [cls.__name__ for cls in classes if callable(getattr(cls, "get_reward", None))]
+    return names + [spec.name for cls in classes for spec in getattr(cls, "grpokit_reward_specs", ())]
+
+
+def reward_list(reward_funcs, environment_rewards: list[str]) -> list:
     """`reward_funcs` as a list, each entry checked for its kind (a folder's config.json read, a Hub id
-    spelled as one); nothing is loaded or downloaded yet."""
+    spelled as one); nothing is loaded or downloaded yet. It may be empty when an environment owns a reward
+    (`environment_rewards`, its names), as in TRL."""
     funcs = [] if reward_funcs is None else list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) \
         else [reward_funcs]
-    if not funcs and environment_factory is None:
-        raise ConfigError("GRPOTrainer: reward_funcs is required (a callable, a reward model's folder or Hub id, or "
-                          "a list of them)")
+    if not funcs and not environment_rewards:
+        raise ConfigError("GRPOTrainer: No reward source provided (TRL's words): reward_funcs is required (a callable, "
+                          "a reward model's folder or Hub id, or a list of them), unless an environment_factory's "
+                          "environment defines get_reward()")
     from grpokit.rewards.reward_model import is_model_object
 
     for f in funcs:
@@ -57,8 +73,8 @@ def processing_classes(classes, n: int) -> list:
     if not isinstance(classes, list):
         classes = [classes]
     if len(classes) != n:
-        raise ConfigError(f"reward_processing_classes: {len(classes)} given for {n} reward functions; give one per "
-                          "entry of reward_funcs (None where it is a function), as TRL requires")
+        raise ConfigError(f"reward_processing_classes: {len(classes)} given for {n} reward functions (the numbers must "
+                          "match, TRL's rule); give one per entry of reward_funcs (None where it is a function)")
     return list(classes)
 
 

@@ -42,7 +42,13 @@ from grpokit.trl.accepted import notes
 from grpokit.trl.config import GRPOConfig
 from grpokit.trl.evaluation import best_checkpoint, run_evaluation
 from grpokit.trl.mapping import grpokit_config, optimizer_steps_per_generation
-from grpokit.trl.rewards import processing_classes, reward_callables, reward_list, training_device
+from grpokit.trl.rewards import (
+    environment_reward_names,
+    processing_classes,
+    reward_callables,
+    reward_list,
+    training_device,
+)
 
 MODEL_FOLDER = models.MODEL_FOLDER
 
@@ -66,7 +72,8 @@ class GRPOTrainer:
             raise TypeError(f"args must be a grpokit.trl.GRPOConfig (same arguments as TRL's), got "
                             f"{type(args).__module__}.{type(args).__name__}")
         self.args = self._grpo_args = args  # AsyncGRPOTrainer: args is its own config, _grpo_args the translation
-        funcs = reward_list(reward_funcs, environment_factory)
+        environment_rewards = environment_reward_names(environment_factory)
+        funcs = reward_list(reward_funcs, environment_rewards)
         reward_classes = processing_classes(reward_processing_classes, len(funcs))
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.rows = datasets.train_rows(train_dataset, args, environment_factory)  # None: an IterableDataset
@@ -89,10 +96,15 @@ class GRPOTrainer:
 
             module = load_model(path, dtype=dtype, device=device, field="model")
         self.model = models.with_lora(module, lora, args.seed)  # with peft_config: the PeftModel, as TRL's
+        self.ref_model = self._reference() if self.config.algorithm.beta > 0 and not lora else None  # TRL's
+        self.entropy_coef = args.entropy_coef  # TRL's; with use_adaptive_entropy, the controller's after train()
         self.processing_class = tokenizer
-        self.reward_func_names = [getattr(f, "__name__", type(f).__name__) for f in self.reward_funcs or []]
+        # TRL's names and classes: reward_funcs', then the rewards the environments own (no processing class)
+        self.reward_func_names = [getattr(f, "__name__", type(f).__name__) for f in self.reward_funcs or []] + \
+            environment_rewards
         self.reward_processing_classes = [getattr(f, "tokenizer", None) if isinstance(g, str) or is_model_object(g)
-                                          else None for f, g in zip(self.reward_funcs or [], funcs)]  # TRL's
+                                          else None for f, g in zip(self.reward_funcs or [], funcs)] + \
+            [None] * len(environment_rewards)
         self.accelerator = results.Accelerator(device)
         self.run_dir: Path | None = None
         self.state = results.new_state(args)
@@ -124,9 +136,12 @@ class GRPOTrainer:
         policy = models.policy_module(self.model)
         policy.to(self.accelerator.device if not self.config.model.fsdp else "cpu")
         started = time.time()
+        if self.ref_model is not None:
+            self.ref_model.to(self.accelerator.device if not self.config.model.fsdp else "cpu")
         self.run_dir = train(self.config, reward_functions=self.reward_funcs, rows=self.rows, resume=resume,
                              tools=self.tools, environment_factory=self.environment_factory,
-                             eval_rows=self.eval_rows if self.config.eval.every else None, model=policy)
+                             eval_rows=self.eval_rows if self.config.eval.every else None, model=policy,
+                             ref_model=self.ref_model)
         runtime = time.time() - started
         rows = read_metrics(self.run_dir)
         per_step = optimizer_steps_per_generation(self._grpo_args)
@@ -136,10 +151,13 @@ class GRPOTrainer:
         self.state.epoch = results.epoch_at(self.config, self.config.train.steps, len(self.rows))
         self.state.log_history = results.log_rows(rows, self._grpo_args, self.config, len(self.rows))
         self.state.num_input_tokens_seen = results.tokens_seen(rows)
+        self.entropy_coef = next((r["entropy_coef"] for r in reversed(rows) if "entropy_coef" in r), self.entropy_coef)
         metrics = results.summary([r for r in rows if r.get("step", 0) > start], self._grpo_args, self.config,
                                   len(self.rows), runtime, self.config.train.steps - start)
+        gathered = results.since_last_log([r for r in self.state.log_history if r["step"] > start * per_step],
+                                          self._grpo_args, self.state.global_step)
         self.state.log_history.append({**{k: v for k, v in metrics.items() if k != "epoch"}, "total_flos": 0.0,
-                                       "epoch": metrics["epoch"], "step": self.state.global_step})
+                                       "epoch": metrics["epoch"], **gathered, "step": self.state.global_step})
         if best is not None:
             checkpoint, record = best
             self.state.best_metric, self.state.best_model_checkpoint = record.get("value"), str(checkpoint)
@@ -199,6 +217,14 @@ class GRPOTrainer:
     def _config_for(self, args, **given):
         """grpokit's Config for `args` (AsyncGRPOTrainer adds its asynchronous rollout here, before any load)."""
         return grpokit_config(args, **given)
+
+    def _reference(self):
+        """TRL's `trainer.ref_model` (beta > 0, no LoRA): a second copy of the initial weights, loaded as grpokit's
+        loop would load its reference, which the loop then uses (moved by `sync_ref_model`, as TRL's is)."""
+        from grpokit.models.loading import load_model
+        from grpokit.training import vision_setup
+
+        return vision_setup.load_policy_model(self.config, load_model)
 
     def _resume(self, resume_from_checkpoint) -> bool:
         if not isinstance(resume_from_checkpoint, str):
