@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grpokit.algorithms.objectives import mean_token_entropy, policy_loss
+from grpokit.algorithms.objectives import LossSpec, mean_token_entropy, policy_loss
 from grpokit.errors import ConfigError
 from grpokit.trl import GRPOConfig, GRPOTrainer
 
@@ -44,13 +44,13 @@ def test_the_loss_without_the_entropy_bonus_is_policy_loss():
     torch.manual_seed(0)
     logp, entropy = -torch.rand(3, 5), torch.rand(3, 5) * 2
     mask, adv = torch.ones(3, 5), torch.tensor([1.0, -0.5, 0.2])
-    plain, _ = policy_loss(logp, None, adv, mask, loss_type="bnpo")
+    plain, _ = policy_loss(logp, None, adv, mask, LossSpec(loss_type="bnpo"))
     for aggregation in ("token_mean", "loss"):
-        loss, stats = policy_loss(logp, None, adv, mask, loss_type="bnpo", entropy=entropy, entropy_coef=0.5,
-                                  entropy_aggregation=aggregation)
+        spec = LossSpec(loss_type="bnpo", entropy_coef=0.5, entropy_aggregation=aggregation)
+        loss, stats = policy_loss(logp, None, adv, mask, spec, entropy=entropy)
         assert float(stats["policy_loss"]) == pytest.approx(float(plain))
         assert float(stats["policy_loss"] - loss) == pytest.approx(0.5 * float(mean_token_entropy(entropy, mask)))
-    assert "policy_loss" not in policy_loss(logp, None, adv, mask, loss_type="bnpo")[1]
+    assert "policy_loss" not in policy_loss(logp, None, adv, mask, LossSpec(loss_type="bnpo"))[1]
 
 
 def test_the_entropy_bonus_is_logged_as_trl_logs_it(tiny_model_dir, tmp_path):
