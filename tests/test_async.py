@@ -310,23 +310,36 @@ def test_no_worker_outlives_the_trainer(tiny_model_dir, tmp_path, sig):
         proc.kill()
 
 
-def test_a_script_without_guard_whose_reward_lives_in_it_is_refused(tiny_model_dir, tmp_path):
-    script = tmp_path / "run.py"
-    script.write_text(textwrap.dedent(f"""
-        from grpokit.config import schema
-        from grpokit.training.loop import train
-        def my_reward(completions, **kwargs):
-            return [0.0] * len(completions)
+@pytest.mark.parametrize("layout", ["no guard", "an empty guard", "guarded"])
+def test_a_script_without_guard_whose_reward_lives_in_it_is_refused(tiny_model_dir, tmp_path, layout):
+    """Issue 43.7: a guard line with the training code outside it (`if __name__ == "__main__": pass`) was taken
+    for a guarded script, and each worker re-ran the script (a second run in the same folder), the trainer
+    saying only "exited with code 1 while the trainer waited for start-up". The line that starts the run must
+    be inside the guard."""
+    body = textwrap.dedent(f"""
         cfg = schema.Config(model=schema.ModelConfig(path={str(tiny_model_dir)!r}),
                             data=schema.DataConfig(task="addition", num_prompts=8),
                             rollout=schema.RolloutConfig(group_size=2, max_new_tokens=3, mode="async"),
                             train=schema.TrainConfig(steps=1, prompts_per_step=2),
                             output=schema.OutputConfig(dir={str(tmp_path / 'out')!r}, console=False))
         train(cfg, reward_functions=[my_reward])
-    """))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    """)
+    head = textwrap.dedent("""
+        from grpokit.config import schema
+        from grpokit.training.loop import train
+        def my_reward(completions, **kwargs):
+            return [0.0] * len(completions)
+    """)
+    script = tmp_path / "run.py"
+    script.write_text(head + {"no guard": body, "an empty guard": body + 'if __name__ == "__main__":\n    pass\n',
+                              "guarded": 'if __name__ == "__main__":\n' + textwrap.indent(body, "    ")}[layout])
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    if layout == "guarded":
+        assert done.returncode == 0, done.stderr[-2000:]
+        return
     assert done.returncode != 0
     assert "uses my_reward, defined in" in done.stderr and "__main__" in done.stderr
+    assert "whose line 12 starts the run outside" in done.stderr, done.stderr[-1500:]
 
 
 class Counter:

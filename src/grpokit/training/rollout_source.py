@@ -23,13 +23,13 @@ run with one error naming it; the loop saves the finished steps first.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import json
 import os
 import pickle
 import queue
-import re
 import sys
 import time
 import types
@@ -137,12 +137,33 @@ def _sendable(what: str, value) -> str | None:
     if finder.from_main is None:
         return None
     path = getattr(sys.modules["__main__"], "__file__", None)  # a worker imports the script to find it
-    if not path or not re.search(r"^if\s+__name__\s*==\s*['\"]__main__['\"]\s*:", Path(path).read_text(), re.M):
-        raise SetupError(f"rollout.mode = \"async\": {what} uses {finder.from_main}, defined in "
-                         f"{path or 'the interactive session'}, which a rollout worker process can only find by "
-                         "running the script again; put the script's code under `if __name__ == \"__main__\":` "
-                         "or move the function into its own .py file")
+    line = _unguarded_line(path) if path else 0
+    if line is not None:
+        where = f"{path}, whose line {line} starts the run outside" if line else "the interactive session, outside"
+        raise SetupError(f"rollout.mode = \"async\": {what} uses {finder.from_main}, defined in {where} `if "
+                         "__name__ == \"__main__\":`; a rollout worker process imports the script to find it, "
+                         "and would start the run again. Put the code that starts the run under `if __name__ == "
+                         "\"__main__\":`, or move the function into its own .py file")
     return finder.from_main
+
+
+def _unguarded_line(path: str) -> int | None:
+    """The line of the script `path` (run as `__main__`) whose module-level code is starting this run, when it
+    is not inside a top-level `if __name__ == "__main__":` block; None when it is. The guard's mere presence is
+    not enough: `if __name__ == "__main__": pass` with the training code above it re-runs in every worker."""
+    main = sys.modules["__main__"].__dict__
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_code.co_name == "<module>" and frame.f_globals is main):
+        frame = frame.f_back
+    if frame is None:  # not started from the script's top level (a function the user's tooling calls)
+        return None
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    guarded = [(node.lineno, node.end_lineno) for node in tree.body if isinstance(node, ast.If)
+               and ast.unparse(node.test).replace("'", '"') in ('__name__ == "__main__"', '"__main__" == __name__')]
+    return None if any(a <= frame.f_lineno <= b for a, b in guarded) else frame.f_lineno
 
 
 @contextlib.contextmanager
