@@ -86,7 +86,7 @@ def check_lora(lora) -> None:
 
 
 def check_async(rollout) -> None:
-    """`rollout.mode` and the asynchronous rollout's knobs (training/async_rollout.py)."""
+    """`rollout.mode` and the asynchronous rollout's knobs (training/rollout_source.py)."""
     _one_of(rollout.mode, ROLLOUT_MODES, "rollout.mode")
     for name in ("max_staleness", "weight_sync_every", "workers", "worker_threads"):
         value = getattr(rollout, name)

@@ -11,7 +11,7 @@ the process isolation adds is what a thread cannot survive: a crash in native co
 the OOM killer, a call that holds the interpreter. Then the worker is replaced, the calls of its
 answers in that step fail (`{"error": "the tool's worker process died (...)"}`), and its environment
 instances are gone: their later calls fail, and their `reset` / `get_reward` stop the run with one
-line. Reward functions receive `environments` as `Remote` stand-ins (the class and the answer), not
+line. Reward functions receive `environments` as `RemoteEnvironment` stand-ins (the class and the answer), not
 the instances, which live in the workers.
 """
 
@@ -30,7 +30,7 @@ LOST = "the environment's worker process died earlier in this answer, and its st
 
 
 @dataclass(frozen=True)
-class Remote:
+class RemoteEnvironment:
     """An answer's environment instance, living in a worker: what reward functions receive as `environments`."""
 
     cls: type

@@ -78,7 +78,7 @@ def split_threads(config) -> tuple[int, int]:
     return config.train.num_threads or max(1, cores - workers * each), each
 
 
-def check_async(config, engine) -> None:
+def check_async_can_run(config, engine) -> None:
     """What asynchronous rollout (and a vLLM server) cannot do yet, refused before the model loads."""
     server = "server" in config.rollout.vllm
     if server and world_size() > 1 and (config.rollout.mode == "async" or config.model.fsdp):
