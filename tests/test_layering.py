@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import ast
 import functools
+import warnings
 from pathlib import Path
 from typing import NamedTuple
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "grpokit"
-MAX_LINES = 400
+LONG_LINES = 400  # over this a module gets a warning: is it still one job? split it by meaning, not by size
+MAX_LINES = 600   # over this the test fails
 
 # The layers, lowest first. Each layer is everything below it plus its own packages.
 L0 = {"errors", "processes", "exit_guard"}
@@ -178,9 +180,10 @@ def layer_violations(files, imports) -> list[str]:
     return sorted(set(bad))  # `from x import a, b` gives one line
 
 
-def long_modules(files) -> list[str]:
+def long_modules(files, limit: int) -> list[str]:
+    """The modules over `limit` lines, with their lengths."""
     lengths = {module: len(path.read_text(encoding="utf-8").splitlines()) for module, path in files.items()}
-    return sorted(f"{module}: {n} lines" for module, n in lengths.items() if n > MAX_LINES)
+    return sorted(f"{module}: {n} lines" for module, n in lengths.items() if n > limit)
 
 
 @functools.cache
@@ -208,8 +211,13 @@ def test_package_graph_is_acyclic():
 
 
 def test_modules_are_short():
-    long = long_modules(_grpokit()[0])
-    assert not long, _fail(f"modules over {MAX_LINES} lines", long)
+    """Over LONG_LINES a warning naming the modules (a long module may be one job); over MAX_LINES a failure."""
+    files = _grpokit()[0]
+    too_long = long_modules(files, MAX_LINES)
+    assert not too_long, _fail(f"modules over {MAX_LINES} lines", too_long)
+    long = long_modules(files, LONG_LINES)
+    if long:
+        warnings.warn(_fail(f"modules over {LONG_LINES} lines: still one job each?", long), stacklevel=1)
 
 
 def test_allowed_table_covers_every_package_and_points_down():
@@ -224,6 +232,7 @@ def test_checker_catches_synthetic_violations(tmp_path):
         "__init__.py": "from grpokit.cli import main\n",                       # eager import in root
         "cli.py": "",
         "errors.py": "x = 1\n" * (MAX_LINES + 1),                              # too long
+        "processes.py": "x = 1\n" * (LONG_LINES + 1),                         # long: a warning
         "config/__init__.py": "import torch\nfrom grpokit.training import loop\n",  # torch; upward
         "algorithms/__init__.py": "import typing\nif typing.TYPE_CHECKING:\n"
                                   "    import transformers\n    from grpokit import training\n",
@@ -258,4 +267,6 @@ def test_checker_catches_synthetic_violations(tmp_path):
         "grpokit.training.loop:1 imports grpokit.models: no such module under src/grpokit",
         "grpokit:1 imports grpokit.cli: the package root imports only lazily, inside functions",
     ]
-    assert long_modules(files) == [f"grpokit.errors: {MAX_LINES + 1} lines"]
+    assert long_modules(files, MAX_LINES) == [f"grpokit.errors: {MAX_LINES + 1} lines"]
+    assert long_modules(files, LONG_LINES) == [f"grpokit.errors: {MAX_LINES + 1} lines",
+                                               f"grpokit.processes: {LONG_LINES + 1} lines"]

@@ -287,12 +287,12 @@ def test_compacting_the_cache_changes_neither_tokens_nor_log_probs(tiny, monkeyp
     import functools
 
     import grpokit.rollout.multiturn as multiturn
-    from grpokit.rollout.decode import _Decoder
+    from grpokit.rollout.decode import Decoder
 
     loose, _ = _sample(tiny, PROMPTS, temperature=temperature)
     calls = []
-    real_keep = _Decoder.keep_columns
-    monkeypatch.setattr(_Decoder, "keep_columns", lambda self, c: calls.append(c.shape) or real_keep(self, c))
+    real_keep = Decoder.keep_columns
+    monkeypatch.setattr(Decoder, "keep_columns", lambda self, c: calls.append(c.shape) or real_keep(self, c))
     monkeypatch.setattr(multiturn, "_compact", functools.partial(multiturn._compact, slack=0.5))
     tight, _ = _sample(tiny, PROMPTS, temperature=temperature)
     assert calls  # the cache was compacted

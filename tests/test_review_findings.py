@@ -81,7 +81,7 @@ def test_an_answer_cannot_rebind_the_tests_loop_variable():
     pytest.param(['{"step": 1, "reward": 1' + "0" * 400 + '}'], id="an-integer-too-large-for-a-float"),
 ])
 def test_report_on_extreme_metrics_is_no_traceback(tmp_path, rows):
-    """Fixed (charts._value leaves out numbers past 1e300 in size): a range of +-1e308 or an int past
+    """Fixed (charts.finite_value leaves out numbers past 1e300 in size): a range of +-1e308 or an int past
     float's range used to raise OverflowError in `grpokit report`."""
     import subprocess
     import sys

@@ -240,9 +240,9 @@ def _add_choice(p, flag: str, choices: tuple[str, ...], **kwargs) -> None:
 
     def parse(text: str) -> str:
         if text not in choices:
-            from grpokit.config.checks import _did_you_mean
+            from grpokit.config.checks import did_you_mean
 
-            raise argparse.ArgumentTypeError(f"{text!r}{_did_you_mean(text, choices)} is not supported; choose "
+            raise argparse.ArgumentTypeError(f"{text!r}{did_you_mean(text, choices)} is not supported; choose "
                                              f"one of {', '.join(choices)}")
         return text
 

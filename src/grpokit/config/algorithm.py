@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from grpokit.config.checks import _check, _check_fields, _did_you_mean, _one_of
+from grpokit.config.checks import check, check_fields, did_you_mean, one_of
 from grpokit.config.variants import (
     ADVANTAGE_ESTIMATORS,
     CLIPPED_LOSSES,
@@ -108,64 +108,64 @@ class AlgorithmConfig:
     turn_discount: float = 0.95  # GiGPO's gamma for the step returns (the paper's 0.95)
 
     def __post_init__(self):
-        _check_fields(self, "algorithm")
-        _check_preset(self.preset)
-        _one_of(self.advantage_estimator, ADVANTAGE_ESTIMATORS, "algorithm.advantage_estimator")
-        _check(self.advantage_estimator == "grpo" or self.scale_rewards == "group", "algorithm.scale_rewards",
+        check_fields(self, "algorithm")
+        check_preset(self.preset)
+        one_of(self.advantage_estimator, ADVANTAGE_ESTIMATORS, "algorithm.advantage_estimator")
+        check(self.advantage_estimator == "grpo" or self.scale_rewards == "group", "algorithm.scale_rewards",
                f"{self.scale_rewards!r} applies to advantage_estimator = 'grpo' only; "
                f"{self.advantage_estimator!r} sets its own scale (leave scale_rewards at 'group')")
-        _check(self.entropy_coef >= 0, "algorithm.entropy_coef", "must be >= 0 (0 = no entropy bonus)")
-        _one_of(self.entropy_aggregation, ENTROPY_AGGREGATIONS, "algorithm.entropy_aggregation")
-        _check(0 <= self.top_entropy_quantile <= 1, "algorithm.top_entropy_quantile",
+        check(self.entropy_coef >= 0, "algorithm.entropy_coef", "must be >= 0 (0 = no entropy bonus)")
+        one_of(self.entropy_aggregation, ENTROPY_AGGREGATIONS, "algorithm.entropy_aggregation")
+        check(0 <= self.top_entropy_quantile <= 1, "algorithm.top_entropy_quantile",
                "must be in [0, 1] (1 = every token; 0.2 = the 20% highest-entropy tokens)")
-        _one_of(self.loss_type, LOSS_TYPES, "algorithm.loss_type")
-        _one_of(self.scale_rewards, SCALE_REWARDS, "algorithm.scale_rewards")
-        _one_of(self.std, STD_KINDS, "algorithm.std")
-        _one_of(self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS, "algorithm.importance_sampling_level")
-        _check(self.beta >= 0, "algorithm.beta", "must be >= 0 (0 disables the KL term)")
-        _check(0 < self.epsilon < 1, "algorithm.epsilon", "must be in (0, 1); 0.2 is usual")
-        _check(self.epsilon_high >= 0, "algorithm.epsilon_high", "must be >= 0 (0 = same as epsilon)")
-        _check(self.num_iterations >= 1, "algorithm.num_iterations", "must be >= 1")
-        _check(self.max_resample_rounds >= 0, "algorithm.max_resample_rounds", "must be >= 0")
-        _one_of(self.old_logprobs, OLD_LOGPROBS, "algorithm.old_logprobs")
+        one_of(self.loss_type, LOSS_TYPES, "algorithm.loss_type")
+        one_of(self.scale_rewards, SCALE_REWARDS, "algorithm.scale_rewards")
+        one_of(self.std, STD_KINDS, "algorithm.std")
+        one_of(self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS, "algorithm.importance_sampling_level")
+        check(self.beta >= 0, "algorithm.beta", "must be >= 0 (0 disables the KL term)")
+        check(0 < self.epsilon < 1, "algorithm.epsilon", "must be in (0, 1); 0.2 is usual")
+        check(self.epsilon_high >= 0, "algorithm.epsilon_high", "must be >= 0 (0 = same as epsilon)")
+        check(self.num_iterations >= 1, "algorithm.num_iterations", "must be >= 1")
+        check(self.max_resample_rounds >= 0, "algorithm.max_resample_rounds", "must be >= 0")
+        one_of(self.old_logprobs, OLD_LOGPROBS, "algorithm.old_logprobs")
         self._check_objective()
         self._check_corrections()
         self._check_turns()
 
     def _check_turns(self) -> None:
-        _one_of(self.turn_advantage, TURN_ADVANTAGES, "algorithm.turn_advantage")
-        _check(self.turn_advantage_weight >= 0, "algorithm.turn_advantage_weight",
+        one_of(self.turn_advantage, TURN_ADVANTAGES, "algorithm.turn_advantage")
+        check(self.turn_advantage_weight >= 0, "algorithm.turn_advantage_weight",
                "must be >= 0 (0 = the turn term off; 1.0 is both papers')")
-        _check(0 <= self.turn_discount <= 1, "algorithm.turn_discount", "must be in [0, 1] (0.95 is GiGPO's)")
+        check(0 <= self.turn_discount <= 1, "algorithm.turn_discount", "must be in [0, 1] (0.95 is GiGPO's)")
 
     def _check_objective(self) -> None:
-        _check(self.delta == 0 or self.loss_type in CLIPPED_LOSSES, "algorithm.delta",
+        check(self.delta == 0 or self.loss_type in CLIPPED_LOSSES, "algorithm.delta",
                f"two-sided clipping applies to the clipped losses ({', '.join(CLIPPED_LOSSES)}), not "
                f"loss_type = {self.loss_type!r}; set it to 0")
-        _check(self.delta == 0 or self.delta > 1 + self.clip_high, "algorithm.delta",
+        check(self.delta == 0 or self.delta > 1 + self.clip_high, "algorithm.delta",
                f"must exceed 1 + epsilon_high ({1 + self.clip_high:g}) to cap only runaway ratios, or be 0 (off); "
                f"4.0 is usual")
         for name in ("sapo_temperature_pos", "sapo_temperature_neg", "vespo_lambda_pos", "vespo_lambda_neg"):
-            _check(getattr(self, name) > 0, f"algorithm.{name}", "must be > 0")
+            check(getattr(self, name) > 0, f"algorithm.{name}", "must be > 0")
         for name in ("vespo_k_pos", "vespo_k_neg"):
-            _check(getattr(self, name) >= 0, f"algorithm.{name}", "must be >= 0")
-        _check(self.off_policy_mask_threshold >= 0, "algorithm.off_policy_mask_threshold",
+            check(getattr(self, name) >= 0, f"algorithm.{name}", "must be >= 0")
+        check(self.off_policy_mask_threshold >= 0, "algorithm.off_policy_mask_threshold",
                "must be >= 0 (0 = off; 0.5 is an example)")
-        _check(self.entropy_target >= 0, "algorithm.entropy_target", "must be >= 0 (nats per token)")
-        _check(self.entropy_coef_max >= 0, "algorithm.entropy_coef_max", "must be >= 0 (1.0 is TRL's)")
-        _check(0 <= self.entropy_coef_min <= self.entropy_coef_max, "algorithm.entropy_coef_min",
+        check(self.entropy_target >= 0, "algorithm.entropy_target", "must be >= 0 (nats per token)")
+        check(self.entropy_coef_max >= 0, "algorithm.entropy_coef_max", "must be >= 0 (1.0 is TRL's)")
+        check(0 <= self.entropy_coef_min <= self.entropy_coef_max, "algorithm.entropy_coef_min",
                f"must be in [0, entropy_coef_max = {self.entropy_coef_max:g}]")
-        _check(self.entropy_coef_delta > 0, "algorithm.entropy_coef_delta", "must be > 0 (0.005 is usual)")
-        _check(not self.adaptive_entropy or self.entropy_coef_min <= self.entropy_coef <= self.entropy_coef_max,
+        check(self.entropy_coef_delta > 0, "algorithm.entropy_coef_delta", "must be > 0 (0.005 is usual)")
+        check(not self.adaptive_entropy or self.entropy_coef_min <= self.entropy_coef <= self.entropy_coef_max,
                "algorithm.entropy_coef", f"the adaptive coefficient starts at entropy_coef, which must lie in "
                f"[entropy_coef_min, entropy_coef_max] = [{self.entropy_coef_min:g}, {self.entropy_coef_max:g}]")
 
     def _check_corrections(self) -> None:
-        _one_of(self.is_correction, IS_CORRECTIONS, "algorithm.is_correction")
-        _check(self.tis_cap >= 0, "algorithm.tis_cap", "must be >= 0 (0 = unset; prefer is_correction = "
+        one_of(self.is_correction, IS_CORRECTIONS, "algorithm.is_correction")
+        check(self.tis_cap >= 0, "algorithm.tis_cap", "must be >= 0 (0 = unset; prefer is_correction = "
                "\"token_truncate\" with is_cap_max)")
         if self.tis_cap:  # the earlier spelling: one value for the token-level truncation
-            _check(self.is_correction in ("auto", "none", "token_truncate") and self.is_cap_max in (3.0, self.tis_cap),
+            check(self.is_correction in ("auto", "none", "token_truncate") and self.is_cap_max in (3.0, self.tis_cap),
                    "algorithm.tis_cap", f"is the old spelling of is_correction = \"token_truncate\" with is_cap_max, "
                    f"and is_correction = {self.is_correction!r} / is_cap_max = {self.is_cap_max:g} are set too: "
                    f"keep one spelling")
@@ -173,24 +173,24 @@ class AlgorithmConfig:
             object.__setattr__(self, "is_cap_max", self.tis_cap)
             object.__setattr__(self, "tis_cap", 0.0)  # recorded (config.toml) in the current spelling
         # a matched sampler's ratio is 1: a range without 1 would mask (or scale down) every token
-        _check(self.is_cap_max == 0 or self.is_cap_max >= 1, "algorithm.is_cap_max",
+        check(self.is_cap_max == 0 or self.is_cap_max >= 1, "algorithm.is_cap_max",
                "must be >= 1 (0 = no upper bound; 3.0 is TRL's): a bound below 1 masks or scales down every token, "
                "even where sampler and trainer agree")
-        _check(0 <= self.is_cap_min <= 1, "algorithm.is_cap_min",
+        check(0 <= self.is_cap_min <= 1, "algorithm.is_cap_min",
                "must be in [0, 1] (0 = no lower bound): a bound above 1 masks or scales up every token, even where "
                "sampler and trainer agree")
-        _check(not (self.is_cap_max and self.is_cap_min >= self.is_cap_max), "algorithm.is_cap_min",
+        check(not (self.is_cap_max and self.is_cap_min >= self.is_cap_max), "algorithm.is_cap_min",
                f"must be below is_cap_max ({self.is_cap_max:g})")
-        _check(self.is_correction in ("auto", "none") or self.is_cap_max or self.is_cap_min, "algorithm.is_cap_max",
+        check(self.is_correction in ("auto", "none") or self.is_cap_max or self.is_cap_min, "algorithm.is_cap_max",
                f"is_correction = {self.is_correction!r} needs a bound: set is_cap_max (e.g. 3.0) or is_cap_min")
-        _check(self.loss_type != "vespo" or self.is_correction in ("auto", "none", "token_truncate", "token_mask"),
+        check(self.loss_type != "vespo" or self.is_correction in ("auto", "none", "token_truncate", "token_mask"),
                "algorithm.is_correction", f"loss_type = 'vespo' folds the token-level correction into its sequence "
                f"weight: use 'token_truncate' or 'token_mask', not {self.is_correction!r}")
-        _check(self.ref_sync_every >= 0, "algorithm.ref_sync_every", "must be >= 0 (0 = never; TR-DPO syncs every "
+        check(self.ref_sync_every >= 0, "algorithm.ref_sync_every", "must be >= 0 (0 = never; TR-DPO syncs every "
                                                                    "few hundred steps)")
-        _check(0 < self.ref_mixup_alpha <= 1, "algorithm.ref_mixup_alpha",
+        check(0 < self.ref_mixup_alpha <= 1, "algorithm.ref_mixup_alpha",
                "must be in (0, 1] (1 = copy the policy; 0.6 is TRL's)")
-        _check(not self.ref_sync_every or self.beta > 0, "algorithm.ref_sync_every",
+        check(not self.ref_sync_every or self.beta > 0, "algorithm.ref_sync_every",
                "syncs the reference model, which exists only with beta > 0: set beta, or ref_sync_every = 0")
 
     @property
@@ -280,7 +280,7 @@ _INERT = [
 TURN_ADVANTAGES = ("none", "gigpo", "mt_grpo")  # algorithms/turn_advantages.py names the same; a test keeps them equal
 
 
-def _check_preset(name) -> None:
-    _check(name == "" or (isinstance(name, str) and name in PRESET_NAMES), "algorithm.preset",
-           f"unknown preset {name!r}{_did_you_mean(str(name), PRESET_NAMES)}; choose one of {', '.join(PRESET_NAMES)} "
+def check_preset(name) -> None:
+    check(name == "" or (isinstance(name, str) and name in PRESET_NAMES), "algorithm.preset",
+           f"unknown preset {name!r}{did_you_mean(str(name), PRESET_NAMES)}; choose one of {', '.join(PRESET_NAMES)} "
            "(or leave it empty)")

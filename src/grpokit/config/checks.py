@@ -1,6 +1,6 @@
 """Field checks shared by every config section: types from the annotations, ranges, suggestions.
 
-Each check raises `ConfigError` naming the field (`section.key`) and the fix; `_check_fields`
+Each check raises `ConfigError` naming the field (`section.key`) and the fix; `check_fields`
 checks a section's values against its dataclass annotations, so a new field is checked the
 moment it is declared.
 """
@@ -20,13 +20,13 @@ from typing import Any
 from grpokit.errors import ConfigError
 
 
-def _check(ok: bool, field_name: str, message: str) -> None:
+def check(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{field_name}: {message}")
 
 
-def _one_of(value: Any, allowed: tuple, field_name: str) -> None:
-    _check(value in allowed, field_name, f"got {value!r}; choose one of {', '.join(map(repr, allowed))}")
+def one_of(value: Any, allowed: tuple, field_name: str) -> None:
+    check(value in allowed, field_name, f"got {value!r}; choose one of {', '.join(map(repr, allowed))}")
 
 
 # The fix shown for a field whose default is empty; other fields show their default.
@@ -55,7 +55,7 @@ _PLURALS = {int: "integers", float: "finite numbers", str: "strings", dict: "tab
 
 
 @functools.cache
-def _hints(cls) -> dict[str, Any]:
+def field_types(cls) -> dict[str, Any]:
     """A section's field name -> annotated type (resolved: this module postpones annotations)."""
     return typing.get_type_hints(cls)
 
@@ -67,7 +67,7 @@ def _finite(value) -> bool:
         return False
 
 
-def _show(value) -> str:
+def show_value(value) -> str:
     """A value as an error message shows it: `2.5 (float)`, `'false' (a string)`."""
     text = repr(value) if not isinstance(value, bool) else str(value).lower()
     text = text if len(text) <= 60 else text[:57] + "..."
@@ -84,7 +84,7 @@ def _problem(kind, value) -> str | None:
         ok = isinstance(value, int) and not isinstance(value, bool)
     else:
         ok = isinstance(value, kind)
-    return None if ok else f"must be {_KINDS[kind]}, got {_show(value)}"
+    return None if ok else f"must be {_KINDS[kind]}, got {show_value(value)}"
 
 
 def _fix(name: str, kind, value, example: str) -> str:
@@ -97,13 +97,13 @@ def _fix(name: str, kind, value, example: str) -> str:
         if unquoted is not None and _problem(kind, unquoted) is None:
             return f"write it without quotes: {name} = {text}"
     if kind is str and isinstance(value, (int, float)):
-        return f"quote it: {name} = {_toml_value(_toml_value(value))}"
+        return f"quote it: {name} = {toml_value(toml_value(value))}"
     if kind is bool:
         return f"write true or false without quotes, e.g. {name} = {example}"
     return f"e.g. {name} = {example}"
 
 
-def _checked(name: str, kind, value, example: str):
+def checked_value(name: str, kind, value, example: str):
     """`value` checked against the annotation `kind` (bool, int, float, str, dict, dict[str, dict],
     tuple[X, ...], tuple[X, X]) and normalised: an int given for a float becomes a float, a list a
     tuple. A wrong type is a ConfigError naming the field and the fix."""
@@ -111,56 +111,57 @@ def _checked(name: str, kind, value, example: str):
     if origin is tuple:
         item, fixed = args[0], args[-1] is not Ellipsis
         if isinstance(value, str):
-            example = _toml_value([value])
+            example = toml_value([value])
         if not isinstance(value, (list, tuple)) or (fixed and len(value) != len(args)):
             size = f"{len(args)} " if fixed else ""
-            raise ConfigError(f"{name}: must be a list of {size}{_PLURALS[item]}, got {_show(value)}; "
+            raise ConfigError(f"{name}: must be a list of {size}{_PLURALS[item]}, got {show_value(value)}; "
                               f"e.g. {name} = {example}")
         for i, v in enumerate(value, 1):
             problem = _problem(item, v) or ("must not be empty" if v == "" else None)
-            _check(problem is None, name, f"item {i} {problem}; e.g. {name} = {example}")
+            check(problem is None, name, f"item {i} {problem}; e.g. {name} = {example}")
         return tuple(float(v) if item is float else v for v in value)
     problem = _problem(origin, value)
-    _check(problem is None, name, f"{problem}; {_fix(name, origin, value, example)}")
+    check(problem is None, name, f"{problem}; {_fix(name, origin, value, example)}")
     if args:  # dict[str, dict]: a table of tables
         for key, v in value.items():
-            _check(isinstance(v, args[1]), f"{name}.{key}", f"must be a table, got {_show(v)}; e.g. {name} = {example}")
+            check(isinstance(v, args[1]), f"{name}.{key}",
+                  f"must be a table, got {show_value(v)}; e.g. {name} = {example}")
     return float(value) if origin is float else value
 
 
-def _example(cls, name: str, key: str) -> str:
-    return _EXAMPLES.get(key) or _toml_value(cls.__dataclass_fields__[name].default)
+def field_example(cls, name: str, key: str) -> str:
+    return _EXAMPLES.get(key) or toml_value(cls.__dataclass_fields__[name].default)
 
 
-def _check_fields(section, name: str) -> None:
+def check_fields(section, name: str) -> None:
     """Check (and normalise, in place) every field of a section object against its annotation;
     a string field with a non-empty default must not be empty."""
     for f in dataclasses.fields(section):
         key = f"{name}.{f.name}"
-        kind = _hints(type(section))[f.name]
-        example = _example(type(section), f.name, key)
-        value = _checked(key, kind, getattr(section, f.name), example)
-        _check(value != "" or f.default in ("", dataclasses.MISSING), key, f"must not be empty; e.g. {key} = {example}")
+        kind = field_types(type(section))[f.name]
+        example = field_example(type(section), f.name, key)
+        value = checked_value(key, kind, getattr(section, f.name), example)
+        check(value != "" or f.default in ("", dataclasses.MISSING), key, f"must not be empty; e.g. {key} = {example}")
         object.__setattr__(section, f.name, value)
 
 
-def _installed(module: str) -> bool:
+def installed(module: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(module) is not None
 
 
-def _did_you_mean(name: str, options) -> str:
+def did_you_mean(name: str, options) -> str:
     close = difflib.get_close_matches(name, list(options), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _toml_key(key: str) -> str:
     """A table key as TOML reads it back: bare when it can be, else quoted ("a.py:score", URLs)."""
-    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_value(key)
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else toml_value(key)
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
@@ -168,7 +169,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, str):  # JSON escapes \\, " and C0 controls as TOML does; DEL is TOML's extra one
         return json.dumps(value, ensure_ascii=False).replace("\x7f", "\\u007f")
     if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {value!r} as TOML")

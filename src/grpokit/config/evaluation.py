@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from grpokit.config.checks import _check, _check_fields
+from grpokit.config.checks import check, check_fields
 
 EVAL_METRICS = ("eval/accuracy", "eval/mean_reward", "eval/pass@K", "eval/greedy_accuracy")
 
@@ -34,16 +34,16 @@ class EvalConfig:
     seed: int = 0  # the evaluation's own sampling seed (the training sampler is left untouched)
 
     def __post_init__(self):
-        _check_fields(self, "eval")
-        _check(self.every >= 0, "eval.every", "must be >= 0 (0 = no evaluation during training)")
-        _check(self.num_prompts >= 1, "eval.num_prompts", "must be >= 1")
-        _check(self.samples_per_prompt >= 1, "eval.samples_per_prompt", "must be >= 1")
-        _check(self.temperature > 0, "eval.temperature",
+        check_fields(self, "eval")
+        check(self.every >= 0, "eval.every", "must be >= 0 (0 = no evaluation during training)")
+        check(self.num_prompts >= 1, "eval.num_prompts", "must be >= 1")
+        check(self.samples_per_prompt >= 1, "eval.samples_per_prompt", "must be >= 1")
+        check(self.temperature > 0, "eval.temperature",
                "must be > 0 (set eval.greedy = true for one greedy answer per prompt)")
-        _check(self.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0 (0 = rollout.max_new_tokens)")
-        _check(0 <= self.seed < 2**63, "eval.seed", "must be in [0, 2**63)")
+        check(self.max_new_tokens >= 0, "eval.max_new_tokens", "must be >= 0 (0 = rollout.max_new_tokens)")
+        check(0 <= self.seed < 2**63, "eval.seed", "must be in [0, 2**63)")
         for key in ("name", "split"):
-            _check(not getattr(self, key) or bool(self.path), f"eval.{key}",
+            check(not getattr(self, key) or bool(self.path), f"eval.{key}",
                    f"{getattr(self, key)!r} applies to eval.path (a Hub dataset); drop it or set eval.path")
 
     def metric_names(self) -> tuple[str, ...]:
@@ -56,7 +56,7 @@ def check_eval(config) -> None:
     """The checks across sections: where held-out prompts come from, and what `output.keep_best` names."""
     e, keep = config.eval, config.output.keep_best
     if keep:
-        _check(bool(e.every), "output.keep_best", f"{keep!r} needs evaluation during training: set eval.every > 0")
+        check(bool(e.every), "output.keep_best", f"{keep!r} needs evaluation during training: set eval.every > 0")
         greedy = "; eval/greedy_accuracy needs eval.greedy = true" if keep == "eval/greedy_accuracy" else ""
-        _check(keep in e.metric_names(), "output.keep_best",
+        check(keep in e.metric_names(), "output.keep_best",
                f"got {keep!r}; with this [eval] section choose one of {', '.join(e.metric_names())}{greedy}")

@@ -6,8 +6,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from grpokit.config.algorithm import _check_preset
-from grpokit.config.checks import _checked, _did_you_mean, _example, _hints, _toml_value
+from grpokit.config.algorithm import check_preset
+from grpokit.config.checks import checked_value, did_you_mean, field_example, field_types, toml_value
 from grpokit.config.presets import apply_preset
 from grpokit.config.schema import SECTIONS, Config
 from grpokit.errors import ConfigError, PresetError
@@ -18,16 +18,16 @@ def config_from_dict(raw: dict) -> Config:
     fields (presets.py) are filled in under the values given."""
     for name, values in raw.items():  # names and types first: a preset merges into these values
         if name not in SECTIONS:
-            raise ConfigError(f"unknown section [{name}]{_did_you_mean(name, SECTIONS)}; known: {', '.join(SECTIONS)}")
+            raise ConfigError(f"unknown section [{name}]{did_you_mean(name, SECTIONS)}; known: {', '.join(SECTIONS)}")
         if not isinstance(values, dict):
             raise ConfigError(f"[{name}] must be a table of key = value pairs")
-        known = _hints(SECTIONS[name])
+        known = field_types(SECTIONS[name])
         for key, value in values.items():
             if key not in known:
-                raise ConfigError(f"unknown key {name}.{key}{_did_you_mean(key, known)}")
-            _checked(f"{name}.{key}", known[key], value, _example(SECTIONS[name], key, f"{name}.{key}"))
+                raise ConfigError(f"unknown key {name}.{key}{did_you_mean(key, known)}")
+            checked_value(f"{name}.{key}", known[key], value, field_example(SECTIONS[name], key, f"{name}.{key}"))
     if isinstance(raw.get("algorithm"), dict):
-        _check_preset(raw["algorithm"].get("preset", ""))
+        check_preset(raw["algorithm"].get("preset", ""))
         try:
             raw = apply_preset(raw)
         except PresetError as e:
@@ -74,7 +74,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
     for text in overrides:
         (section, key), value = parse_override(text)
-        if section in SECTIONS and _hints(SECTIONS[section]).get(key) is str and not isinstance(value, str):
+        if section in SECTIONS and field_types(SECTIONS[section]).get(key) is str and not isinstance(value, str):
             value = text.split("=", 1)[1]  # `--set output.dir=2024`: the shell user means the text "2024"
         if not isinstance(raw.setdefault(section, {}), dict):
             raise ConfigError(f"[{section}] must be a table of key = value pairs")
@@ -88,6 +88,6 @@ def to_toml(config: Config) -> str:
     for name, values in config.to_dict().items():
         lines.append(f"[{name}]")
         for key, value in values.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+            lines.append(f"{key} = {toml_value(value)}")
         lines.append("")
     return "\n".join(lines)

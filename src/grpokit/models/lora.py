@@ -37,7 +37,7 @@ from grpokit.models.vision import outside_language_model
 
 LORA_KEYS = ("r", "alpha", "target_modules")
 
-_ATTR = "_grpokit_adapter"  # the PeftModel wrapping a model, kept in its __dict__ (not a submodule)
+ADAPTER_ATTR = "_grpokit_adapter"  # the PeftModel wrapping a model, kept in its __dict__ (not a submodule)
 
 
 def import_peft():
@@ -61,13 +61,13 @@ def apply_lora(model, options: dict):
     wrapper = peft.get_peft_model(model, config)
     inner = wrapper.get_base_model()  # the very model passed in, now with LoRA layers
     inner.train(was_training)
-    inner.__dict__[_ATTR] = wrapper  # not registered as a submodule: no cycle in modules() / state_dict()
+    inner.__dict__[ADAPTER_ATTR] = wrapper  # not registered as a submodule: no cycle in modules() / state_dict()
     return inner
 
 
 def adapter_of(model):
     """The peft wrapper of a model given LoRA adapters by `apply_lora`, else None."""
-    return getattr(model, "__dict__", {}).get(_ATTR)
+    return getattr(model, "__dict__", {}).get(ADAPTER_ATTR)
 
 
 def check_given_model(model) -> None:

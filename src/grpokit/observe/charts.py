@@ -124,14 +124,14 @@ def _polylines(data, sx, sy, color: str, opacity: float) -> list[str]:
     return out
 
 
-def _match(pattern: str, keys: list[str]) -> list[str]:
+def matching_keys(pattern: str, keys: list[str]) -> list[str]:
     if "*" not in pattern:
         return [pattern] if pattern in keys else []
     head, tail = pattern.split("*")
     return [k for k in keys if k.startswith(head) and k.endswith(tail) and "/" not in k[len(head):-len(tail)]]
 
 
-def _value(v) -> float | None:
+def finite_value(v) -> float | None:
     """A plottable number: finite, and with room for the chart's arithmetic (a range of +-1e308 overflows)."""
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None

@@ -30,9 +30,9 @@ import math
 from pathlib import Path
 
 from grpokit.errors import ReportError
-from grpokit.observe.charts import _match, _value, data_uri, svg_chart
+from grpokit.observe.charts import data_uri, finite_value, matching_keys, svg_chart
 from grpokit.observe.diagnostics import replay
-from grpokit.observe.run_logs import _read, load_run
+from grpokit.observe.run_logs import load_run, read_log
 from grpokit.observe.timeline import timeline_svg
 from grpokit.observe.tracking import THUMBNAILS
 
@@ -81,18 +81,18 @@ def chart_images(metrics: list[dict], markers: list[float] = ()) -> list[tuple[s
     out = []
 
     def series_of(names):
-        return {n: [(s, _value(row.get(n))) for s, row in zip(steps, metrics)
+        return {n: [(s, finite_value(row.get(n))) for s, row in zip(steps, metrics)
                     if not n.startswith(SPARSE) or n in row] for n in names}
 
     for title, patterns in CHARTS:
-        names = [k for p in patterns for k in _match(p, keys)]
+        names = [k for p in patterns for k in matching_keys(p, keys)]
         used.update(names)
         if names:
             out.append((title, svg_chart(title, series_of(names), markers=markers), ""))
         else:
             out.append((title, None, WHY_MISSING.get(patterns[0], "not logged by this run")))
     for name in keys:
-        if name not in used and any(_value(row.get(name)) is not None for row in metrics):
+        if name not in used and any(finite_value(row.get(name)) is not None for row in metrics):
             out.append((name, svg_chart(name, series_of([name]), markers=markers), ""))
     return out
 
@@ -132,7 +132,7 @@ def group_table(group: list[dict], *, std_kind: str = "population", scale: str =
     """One group as the group-relative advantage worked example lays it out: answers as columns;
     score, − mean, ÷ std = advantage as rows; the prompt's images (their thumbnails in `images_dir`) beside."""
     e = html.escape
-    scores = [_value(r.get("reward")) for r in group]
+    scores = [finite_value(r.get("reward")) for r in group]
     valid = [s for s in scores if s is not None]
     mean = sum(valid) / len(valid) if valid else None
     dof = 1 if std_kind == "sample" else 0
@@ -157,7 +157,7 @@ def group_table(group: list[dict], *, std_kind: str = "population", scale: str =
         + f"<td class=\"note\">mean = {_num(mean)}</td></tr>")
     cells = []
     for r in group:
-        a = _value(r.get("advantage"))
+        a = finite_value(r.get("advantage"))
         cls = "" if a is None or abs(a) < 1e-9 else (' class="pos"' if a > 0 else ' class="neg"')
         cells.append(f"<td{cls}>{_signed(a)}</td>")
     note = f"std ≈ {_num(std)}" + (" (sample)" if dof else "") if scale != "none" else ""
@@ -221,7 +221,7 @@ def _rewards(row: dict) -> dict:
 
 
 def _num(v) -> str:
-    v = _value(v)
+    v = finite_value(v)
     return "—" if v is None else f"{v:.3g}" if abs(v) < 1000 else f"{v:.4g}"
 
 
@@ -304,7 +304,7 @@ def build_report(run_dir: str | Path, out: str | Path | None = None, *, groups_p
             parts.append(f'<figure><img alt="{e(title)}" src="{data_uri(svg)}"></figure>')
     parts.append("</div>")
 
-    timeline = timeline_svg(_read(run["dir"] / "timeline.jsonl", run["notes"]))  # asynchronous rollout only
+    timeline = timeline_svg(read_log(run["dir"] / "timeline.jsonl", run["notes"]))  # asynchronous rollout only
     if timeline is not None:
         parts += ["<h2>Timeline</h2>", "<p>Asynchronous rollout: what the trainer and each rollout worker did "
                   "when (hover a bar for its step and length).</p>", f'<figure><img alt="timeline" '

@@ -26,7 +26,7 @@ def load_run(run_dir: str | Path) -> dict:
     if not (run_dir / "metrics.jsonl").is_file():
         raise ReportError(f"{run_dir} has no metrics.jsonl; give the run folder (output.dir) of a grpokit run")
     notes: list[str] = []
-    metrics = _step_rows(run_dir / "metrics.jsonl", _read(run_dir / "metrics.jsonl", notes, required=True), notes)
+    metrics = _step_rows(run_dir / "metrics.jsonl", read_log(run_dir / "metrics.jsonl", notes, required=True), notes)
     if not metrics:
         raise ReportError(f"{run_dir / 'metrics.jsonl'} holds no step rows: the run has not finished a step yet"
                           " (or the file is not a grpokit metrics log)")
@@ -38,13 +38,13 @@ def load_run(run_dir: str | Path) -> dict:
             config = config_from_dict(raw)
         except Exception:  # an older or hand-edited config: the page still shows what it can
             config = None
-    completions = _step_rows(run_dir / "completions.jsonl", _read(run_dir / "completions.jsonl", notes), notes)
-    history = [h for h in _read(run_dir / HISTORY, notes) if isinstance(h, dict)]
+    completions = _step_rows(run_dir / "completions.jsonl", read_log(run_dir / "completions.jsonl", notes), notes)
+    history = [h for h in read_log(run_dir / HISTORY, notes) if isinstance(h, dict)]
     return {"dir": run_dir, "metrics": metrics, "raw_config": raw, "config": config, "completions": completions,
             "history": history, "notes": notes}
 
 
-def _read(path: Path, notes: list[str], *, required: bool = False) -> list:
+def read_log(path: Path, notes: list[str], *, required: bool = False) -> list:
     if not path.is_file():
         return []
     try:

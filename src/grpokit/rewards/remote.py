@@ -57,7 +57,7 @@ from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 from grpokit.errors import RewardError, RewardLoadError
-from grpokit.rewards.remote_io import _Failed, _preview, _signals_end_backoff, fetch
+from grpokit.rewards.remote_io import AttemptFailed, fetch, preview_body, signals_end_backoff
 
 _CONNECT_TIMEOUT_S = 5.0  # check_reachable's limit: a start-up check must not hang the launch
 _DROPPED = ("trainer_state", "log_extra")  # TRL's extras that mean nothing to a remote service
@@ -121,7 +121,7 @@ def _is_loopback(host: str) -> bool:
 
 
 class _GaveUp(Exception):
-    def __init__(self, failure: _Failed, attempts: int):
+    def __init__(self, failure: AttemptFailed, attempts: int):
         super().__init__(failure.what)
         self.failure, self.attempts = failure, attempts
 
@@ -271,7 +271,7 @@ class RemoteGrader:
         heard: list[str] = []  # the stop signals that arrived during the call
         pool = ThreadPoolExecutor(max(1, min(self.concurrency, len(bounds))), thread_name_prefix="grader")
         try:
-            with _signals_end_backoff(stop, heard):
+            with signals_end_backoff(stop, heard):
                 futures = {pool.submit(self._request, body, b - a, stop): (a, b)
                            for body, (a, b) in zip(bodies, bounds)}
                 for future in as_completed(futures):
@@ -322,7 +322,7 @@ class RemoteGrader:
         while True:
             try:
                 return self._post(body, k)
-            except _Failed as failure:
+            except AttemptFailed as failure:
                 if not failure.retry or attempt >= self.retries:
                     raise _GaveUp(failure, attempt + 1) from None
                 if stop.wait(self.backoff_s * 2 ** attempt):  # another request gave up: so does this one
@@ -335,12 +335,12 @@ class RemoteGrader:
             raw = fetch(request, self.timeout_s, self._proxies)  # the whole answer within timeout_s; no redirect
         except urllib.error.URLError as e:
             if isinstance(e.reason, TimeoutError):
-                raise _Failed(f"no answer within {self.timeout_s:g} s (timeout_s)") from None
-            raise _Failed(f"a connection error ({e.reason})") from None
+                raise AttemptFailed(f"no answer within {self.timeout_s:g} s (timeout_s)") from None
+            raise AttemptFailed(f"a connection error ({e.reason})") from None
         except TimeoutError:
-            raise _Failed(f"no answer within {self.timeout_s:g} s (timeout_s)") from None
+            raise AttemptFailed(f"no answer within {self.timeout_s:g} s (timeout_s)") from None
         except (OSError, http.client.HTTPException) as e:
-            raise _Failed(f"a connection error ({type(e).__name__}: {e})") from None
+            raise AttemptFailed(f"a connection error ({type(e).__name__}: {e})") from None
         return self._parse(raw, k)
 
     @staticmethod
@@ -348,13 +348,13 @@ class RemoteGrader:
         try:
             data = json.loads(raw)
         except ValueError:
-            raise _Failed(f"malformed JSON {_preview(raw)}") from None
+            raise AttemptFailed(f"malformed JSON {preview_body(raw)}") from None
         if isinstance(data, dict) and "scores" in data:
             data = data["scores"]
         if not isinstance(data, list):
-            raise _Failed(f"JSON {_preview(raw)}, not a list of scores or {{\"scores\": [...]}}")
+            raise AttemptFailed(f"JSON {preview_body(raw)}, not a list of scores or {{\"scores\": [...]}}")
         if len(data) != k:
-            raise _Failed(f"{len(data)} scores for {k} completions {_preview(raw)}")
+            raise AttemptFailed(f"{len(data)} scores for {k} completions {preview_body(raw)}")
         scores: list[float | None] = []
         for i, v in enumerate(data):
             try:
@@ -363,6 +363,6 @@ class RemoteGrader:
             except OverflowError:  # an integer beyond float's range
                 x = math.inf
             if x is not None and not math.isfinite(x):
-                raise _Failed(f"score {json.dumps(v)[:40]} at index {i}, not a finite number or null")
+                raise AttemptFailed(f"score {json.dumps(v)[:40]} at index {i}, not a finite number or null")
             scores.append(x)
         return scores

@@ -23,13 +23,13 @@ MAX_RESPONSE_BYTES = 64 * 2**20  # a grader's answer is a list of numbers: anyth
 _PREVIEW_CHARS = 120
 
 
-def _preview(raw: bytes | str) -> str:
+def preview_body(raw: bytes | str) -> str:
     """A short one-line repr of what a grader sent back."""
     text = " ".join((raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw).split())
     return repr(text if len(text) <= _PREVIEW_CHARS else text[: _PREVIEW_CHARS - 3] + "...")
 
 
-class _Failed(Exception):
+class AttemptFailed(Exception):
     """One attempt failed: `what` came back; `retry` says whether another attempt may help."""
 
     def __init__(self, what: str, retry: bool = True):
@@ -38,7 +38,7 @@ class _Failed(Exception):
 
 
 @contextlib.contextmanager
-def _signals_end_backoff(stop: threading.Event, heard: list[str]) -> Iterator[None]:
+def signals_end_backoff(stop: threading.Event, heard: list[str]) -> Iterator[None]:
     """While a call runs, SIGINT and SIGTERM also set `stop` (appending the signal's name to `heard`), so a
     request waiting out its retry back-off gives up at once instead of sleeping through it: a stop asked
     for (the trainer's "stopping after the current step", a scheduler's SIGTERM before its SIGKILL) must not
@@ -69,16 +69,16 @@ def _signals_end_backoff(stop: threading.Event, heard: list[str]) -> Iterator[No
 
 def _read_until(response, deadline: float, timeout_s: float) -> bytes:
     """The response body, read in chunks until `deadline` (a grader trickling bytes cannot hold the run:
-    urllib's own timeout applies to each read) and at most MAX_RESPONSE_BYTES; `_Failed` otherwise."""
+    urllib's own timeout applies to each read) and at most MAX_RESPONSE_BYTES; `AttemptFailed` otherwise."""
     parts, size = [], 0
     while True:
         if time.monotonic() > deadline:
-            raise _Failed(f"no complete answer within {timeout_s:g} s (timeout_s)")
+            raise AttemptFailed(f"no complete answer within {timeout_s:g} s (timeout_s)")
         chunk = response.read1(65536) if hasattr(response, "read1") else response.read(65536)
         if not chunk:
             return b"".join(parts)
         if (size := size + len(chunk)) > MAX_RESPONSE_BYTES:
-            raise _Failed(f"an answer larger than {MAX_RESPONSE_BYTES >> 20} MiB")
+            raise AttemptFailed(f"an answer larger than {MAX_RESPONSE_BYTES >> 20} MiB")
         parts.append(chunk)
 
 
@@ -161,17 +161,17 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         fp.close()
-        raise _Failed(f"HTTP {code}, a redirect to {newurl} (not followed: the POST would arrive there as a GET "
+        raise AttemptFailed(f"HTTP {code}, a redirect to {newurl} (not followed: the POST would arrive there as a GET "
                       f"without the batch); put that URL in rewards.functions", retry=False)
 
 
 def fetch(request: urllib.request.Request, timeout_s: float, proxies: dict[str, str]) -> bytes:
-    """The body of the answer to `request`, all of it within `timeout_s`; `_Failed` for a timeout, an HTTP
+    """The body of the answer to `request`, all of it within `timeout_s`; `AttemptFailed` for a timeout, an HTTP
     error status or a redirect; connection errors are raised as urllib raises them."""
     deadline = _Deadline(timeout_s)
     opener = urllib.request.build_opener(urllib.request.ProxyHandler(proxies), _NoRedirect(), _HTTP(deadline),
                                          _HTTPS(deadline))
-    late = _Failed(f"no complete answer within {timeout_s:g} s (timeout_s)")
+    late = AttemptFailed(f"no complete answer within {timeout_s:g} s (timeout_s)")
     with deadline:
         try:
             with opener.open(request, timeout=timeout_s) as response:
@@ -182,8 +182,8 @@ def fetch(request: urllib.request.Request, timeout_s: float, proxies: dict[str, 
             detail = b""
             with contextlib.suppress(Exception):  # the error body is only for the message
                 detail = _read_until(e, time.monotonic() + timeout_s, timeout_s)
-            raise _Failed(f"HTTP {e.code} {_preview(detail)}", retry=e.code >= 500 or e.code == 429) from None
-        except _Failed:
+            raise AttemptFailed(f"HTTP {e.code} {preview_body(detail)}", retry=e.code >= 500 or e.code == 429) from None
+        except AttemptFailed:
             raise
         except Exception as e:
             timed_out = isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)

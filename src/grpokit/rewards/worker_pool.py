@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from grpokit.rewards.core import RewardSpec
 
 BUILD_LIMIT_S = 300.0  # for a fresh worker to import the function; not part of the call's timeout
-_WORKER_ENV = "GRPOKIT_REWARD_WORKER"
-_ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", _WORKER_ENV: "1"}
+WORKER_ENV = "GRPOKIT_REWARD_WORKER"
+_ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", WORKER_ENV: "1"}
 _BOOT = ("import importlib.util as u, sys; sys.path[:] = sys.argv[4:]; "
          "s = u.spec_from_file_location('grpokit_reward_worker', sys.argv[1]); m = u.module_from_spec(s); "
          "sys.modules[s.name] = m; s.loader.exec_module(m); m._serve(int(sys.argv[2]), int(sys.argv[3]))")
@@ -186,7 +186,7 @@ class RewardPool:
             self._discard(i)
         if not self._close.alive:
             raise RuntimeError("this RewardPool is closed; make a new one")
-        if os.environ.get(_WORKER_ENV):  # a script without a guard, loaded by a worker, would start one
+        if os.environ.get(WORKER_ENV):  # a script without a guard, loaded by a worker, would start one
             raise RewardError("a reward worker started a RewardPool: the script it loaded to find a function "
                               "trains at import; put the script's code under `if __name__ == \"__main__\":`")
         ours, theirs = socket.socketpair()

@@ -94,7 +94,7 @@ def _preallocated_layer(capacity: int):
     return PreallocatedLayer()
 
 
-class _Decoder:
+class Decoder:
     """Calls the model with a DynamicCache, under the keyword names this transformers uses.
 
     transformers 5.x renamed ``past_key_values`` to ``cache``; the cache object is
@@ -180,7 +180,7 @@ def _decode_loop(model, ids: Tensor, mask: Tensor, *, group_size: int, max_new_t
 
     Returns tokens and logprobs [N, max_new_tokens], lengths [N] and finished [N].
     """
-    step = _Decoder(model, capacity=ids.shape[1] + max_new_tokens if preallocate else None, media=media)
+    step = Decoder(model, capacity=ids.shape[1] + max_new_tokens if preallocate else None, media=media)
     positions = position_ids_from_mask(mask)  # [B, P]
     logits = step(ids, mask, positions)  # [B, V]: the prefill runs on B rows, not N
     step.repeat_rows(group_size)

@@ -141,7 +141,7 @@ class Environments:
 
     def _start_remote(self, rows: Sequence[dict]) -> tuple[list[ToolBox], list[str | None]]:
         """`start` with the instances in the workers (answer i in worker i % workers)."""
-        from grpokit.rollout.tool_workers import Remote
+        from grpokit.rollout.tool_workers import RemoteEnvironment
 
         items = [(i, self.name_of(row), {k: v for k, v in row.items() if k != "environment"} if self.named else row)
                  for i, row in enumerate(rows)]
@@ -162,7 +162,7 @@ class Environments:
             box = kind.toolbox.rebound([])
             box.workers, box.answer = self.workers, i
             boxes.append(box)
-            self.active.append(Remote(kind.cls, i))
+            self.active.append(RemoteEnvironment(kind.cls, i))
         return boxes, observations
 
     def prompts(self, tokenizer, rows: Sequence[dict], ids: list[list[int]], G: int, max_new_tokens: int,

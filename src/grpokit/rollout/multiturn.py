@@ -47,7 +47,7 @@ from torch import Tensor
 from grpokit.models.forward import position_ids_from_mask
 from grpokit.models.media import PromptImages, RowMedia
 from grpokit.rollout.batch import Forks, Rollout, left_pad, rollout_from_tokens
-from grpokit.rollout.decode import _Decoder
+from grpokit.rollout.decode import Decoder
 from grpokit.rollout.environments import TurnLog
 from grpokit.rollout.history import ConversationHistory, assistant_message, continues
 from grpokit.rollout.sampling import sample_tokens
@@ -266,7 +266,7 @@ def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_
           render, history=None, media=None):
     """The decode loop; returns the `_Answers` it wrote."""
     ids, mask = left_pad(prompt_ids, pad_id, model.device)  # [B, P]
-    step = _Decoder(model, capacity=ids.shape[1] + budget, media=media)  # grows if holes need more room
+    step = Decoder(model, capacity=ids.shape[1] + budget, media=media)  # grows if holes need more room
     positions = position_ids_from_mask(mask)  # [B, P]
     logits = step(ids, mask, positions).repeat_interleave(G, 0)  # [N, V]: B prompts prefilled once
     step.repeat_rows(G)
@@ -312,7 +312,7 @@ def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_
     return answers
 
 
-def _compact(step: _Decoder, mask: Tensor, slack: float = 2.0) -> Tensor:
+def _compact(step: Decoder, mask: Tensor, slack: float = 2.0) -> Tensor:
     """Drop masked positions from the cache once they outnumber the real ones (`slack` x the longest
     row): holes from tool steps would otherwise make every later step attend over them. Each row
     keeps its real positions in order, left-padded to the longest; the mask follows."""
@@ -355,7 +355,7 @@ def converse(prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: in
     return answers.rollout(prompt_ids, group_size, pad_token_id, device), answers.stats
 
 
-def _feed(step: _Decoder, feed: list[list[int]], mask: Tensor, next_pos: Tensor, pad_id: int, images=None):
+def _feed(step: Decoder, feed: list[list[int]], mask: Tensor, next_pos: Tensor, pad_id: int, images=None):
     """Run each row's next tokens (one sampled token, or a tool result, with `images` its images) in one forward
     [n, R]; rows shorter than R are padded with masked holes. Returns each row's logits after its last real
     token [n, V], the grown mask and the next positions."""

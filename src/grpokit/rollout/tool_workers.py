@@ -11,7 +11,7 @@ the process isolation adds is what a thread cannot survive: a crash in native co
 the OOM killer, a call that holds the interpreter. Then the worker is replaced, the calls of its
 answers in that step fail (`{"error": "the tool's worker process died (...)"}`), and its environment
 instances are gone: their later calls fail, and their `reset` / `get_reward` stop the run with one
-line. Reward functions receive `environments` as `Remote` stand-ins (the class and the answer), not
+line. Reward functions receive `environments` as `RemoteEnvironment` stand-ins (the class and the answer), not
 the instances, which live in the workers.
 """
 
@@ -23,14 +23,14 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from grpokit.rollout.tools import HOOKS, ToolBox, ToolCall, ToolResult, _error, _run_one, call_within
+from grpokit.rollout.tools import HOOKS, ToolBox, ToolCall, ToolResult, call_within, run_one_call, tool_error
 
 SLACK_S = 30.0  # beyond the calls' own deadlines, before a worker that does not answer is killed
 LOST = "the environment's worker process died earlier in this answer, and its state with it"
 
 
 @dataclass(frozen=True)
-class Remote:
+class RemoteEnvironment:
     """An answer's environment instance, living in a worker: what reward functions receive as `environments`."""
 
     cls: type
@@ -54,9 +54,9 @@ class ToolHost:
         if self._built is None:
             from grpokit.exit_guard import in_tool_worker
             from grpokit.rewards.registry import load_reward
-            from grpokit.rewards.worker_pool import _WORKER_ENV
+            from grpokit.rewards.worker_pool import WORKER_ENV
 
-            if os.environ.get(_WORKER_ENV):  # a worker process (not a host called in-process)
+            if os.environ.get(WORKER_ENV):  # a worker process (not a host called in-process)
                 in_tool_worker()  # the exit guard's messages: an exit here ends this worker, not the trainer
             load = lambda ref, kind: load_reward(ref, kind=kind) if isinstance(ref, str) else ref  # noqa: E731
             box = ToolBox.__new__(ToolBox)
@@ -88,10 +88,10 @@ class ToolHost:
         box, env = self._built["box"], self._built["instances"].get(answer)
         if self._built["factories"]:
             if env is None:
-                return [(name or "unknown", _error(LOST), True) for name, _, _ in calls]
+                return [(name or "unknown", tool_error(LOST), True) for name, _, _ in calls]
             box = box.rebound([getattr(env, m) for m in dir(type(env)) if not m.startswith("_")
                                and m not in HOOKS and inspect.isfunction(getattr(type(env), m))])
-        results = [_run_one(box, ToolCall(*call)) for call in calls]
+        results = [run_one_call(box, ToolCall(*call)) for call in calls]
         return [(r.name, r.content, r.failed, r.reward, r.parts) for r in results]  # a step reward, images too
 
     def _reward(self, answer: int) -> tuple:
@@ -149,8 +149,8 @@ class ToolWorkers:
         results = []
         for (_, calls), reply in zip(answers, self._run("call", items, most)):
             if isinstance(reply, tuple) and reply and reply[0] == "died":
-                results.append([ToolResult(c.name or "unknown", _error(f"the tool's worker process died ({reply[1]})"),
-                                           True) for c in calls])
+                died = tool_error(f"the tool's worker process died ({reply[1]})")
+                results.append([ToolResult(c.name or "unknown", died, True) for c in calls])
             else:
                 results.append([ToolResult(*r) for r in reply])
         return results

@@ -78,7 +78,7 @@ class ToolResult:
         holds images, itself otherwise."""
         if not self.images:
             return self
-        return ToolResult(self.name, _error(f"the tool returned {len(self.images)} image(s), and {reason}"), True)
+        return ToolResult(self.name, tool_error(f"the tool returned {len(self.images)} image(s), and {reason}"), True)
 
 
 @dataclass(frozen=True)
@@ -211,7 +211,7 @@ def run_calls(answers: Sequence[Sequence[tuple[ToolBox, ToolCall]]]) -> list[lis
     results: list[list[ToolResult]] = [[] for _ in answers]
 
     def run_in_order(i: int, calls) -> None:
-        results[i] = [_run_one(box, call) for box, call in calls]
+        results[i] = [run_one_call(box, call) for box, call in calls]
 
     workers = [threading.Thread(target=run_in_order, args=(i, calls), daemon=True) for i, calls in enumerate(answers)]
     for worker in workers:
@@ -221,12 +221,13 @@ def run_calls(answers: Sequence[Sequence[tuple[ToolBox, ToolCall]]]) -> list[lis
     return results
 
 
-def _run_one(box: ToolBox, call: ToolCall) -> ToolResult:
+def run_one_call(box: ToolBox, call: ToolCall) -> ToolResult:
     name = as_text(call.name or "unknown")  # the model's JSON may spell a lone surrogate
     if call.error:
-        return ToolResult(name, _error(call.error), True)
+        return ToolResult(name, tool_error(call.error), True)
     if call.name not in box.functions:
-        return ToolResult(name, _error(f"unknown tool {call.name!r}; the tools are: {', '.join(box.functions)}"), True)
+        known = ", ".join(box.functions)
+        return ToolResult(name, tool_error(f"unknown tool {call.name!r}; the tools are: {known}"), True)
     fn, limit = box.functions[call.name], box.max_result_chars
 
     def work() -> tuple[bool, str | tuple, float | None]:  # shown as text (or blocks) here, within the timeout
@@ -253,13 +254,13 @@ def _run_one(box: ToolBox, call: ToolCall) -> ToolResult:
     try:
         ok, content, reward = call_within(work, box.timeout_s, f"grpokit-tool-{call.name}")
     except TimeoutError as e:
-        return ToolResult(name, _error(str(e)), True)
+        return ToolResult(name, tool_error(str(e)), True)
     except ToolExit as e:  # a thread the tool started tried to end the trainer, after the tool itself returned
-        return ToolResult(name, _error(_describe(e)), True)
+        return ToolResult(name, tool_error(_describe(e)), True)
     if ok and isinstance(content, tuple):  # content blocks
         text = "\n".join(value for kind, value in content if kind == "text")
         return ToolResult(name, text, False, reward, content if any(k == "image" for k, _ in content) else ())
-    return ToolResult(name, content if ok else _error(content), not ok, reward)
+    return ToolResult(name, content if ok else tool_error(content), not ok, reward)
 
 
 def is_finite_number(value: Any) -> bool:
@@ -308,7 +309,7 @@ def _describe(e: BaseException) -> str:
         return type(e).__name__
 
 
-def _error(message: str) -> str:
+def tool_error(message: str) -> str:
     return json.dumps({"error": message})
 
 

@@ -223,12 +223,12 @@ def _intact(weights: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Ten
     return weights
 
 
-def trainer_state(step: int, policy, sampler: torch.Generator, stream) -> dict:
+def trainer_state(step: int, policy, sampling_generator: torch.Generator, stream) -> dict:
     """What a checkpoint holds beside the weights: optimizer (gathered under FSDP), schedule, every RNG,
     every process's sampling generator, the prompt stream's position. A collective under torchrun."""
     state = {"step": step, "optimizer": optimizer_state(policy.model, policy.optimizer),
              "scheduler": policy.scheduler.state_dict(), "rng": rng_state(),
-             "sampler": gather_states(sampler.get_state()), "stream": stream.state_dict(),
+             "sampler": gather_states(sampling_generator.get_state()), "stream": stream.state_dict(),
              "entropy": policy.entropy_state()}
     if policy.ref_moved:  # `save_checkpoint` writes it to reference/; before the first sync it is the initial model
         state["reference"] = _reference_weights(policy.ref_model)
@@ -266,8 +266,8 @@ def _load_reference(checkpoint: Path, policy) -> None:
     policy.ref_moved = True
 
 
-def restore_checkpoint(checkpoint: Path, policy, sampler: torch.Generator, stream) -> int:
-    """Put a checkpoint back into the policy, optimizer, schedule, RNGs, sampler and stream; its step."""
+def restore_checkpoint(checkpoint: Path, policy, sampling_generator: torch.Generator, stream) -> int:
+    """Put a checkpoint back into the policy, optimizer, schedule, RNGs, sampling generator and stream; its step."""
     from safetensors import SafetensorError
 
     try:
@@ -289,7 +289,7 @@ def restore_checkpoint(checkpoint: Path, policy, sampler: torch.Generator, strea
     set_rng_state(state["rng"])
     policy.load_entropy_state(state.get("entropy"))
     _load_reference(checkpoint, policy)  # algorithm.ref_sync_every: the reference as it had moved
-    sampler.set_state(local_state(state["sampler"]))  # this process's generator
+    sampling_generator.set_state(local_state(state["sampler"]))  # this process's generator (the key keeps its name)
     try:
         stream.load_state_dict(state["stream"])
     except ValueError as e:  # a different dataset or seed than the run being resumed

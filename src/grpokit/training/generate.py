@@ -68,14 +68,14 @@ class GenerationBatch:
 
 
 def generate_and_grade(config: Config, side: RolloutSide, stream,
-                       sampler: torch.Generator) -> tuple[GenerationBatch, dict]:
+                       sampling_generator: torch.Generator) -> tuple[GenerationBatch, dict]:
     """Draw G graded answers for B prompts (`side`, rollout/side.py); with dynamic sampling, keep drawing
     prompt batches (up to `max_resample_rounds` more) until B groups carry signal."""
     G, B, algo, specs = config.rollout.group_size, config.train.prompts_per_step, config.algorithm, side.specs
     draws: list[Draw] = []
     logged: dict[str, list[float]] = {}  # what reward functions report (TRL's log_metric): averaged over draws
     for _ in range(1 + (algo.max_resample_rounds if algo.dynamic_sampling else 0)):
-        draws.append(side.draw(stream.next_batch(), generator=sampler,  # B row indices
+        draws.append(side.draw(stream.next_batch(), generator=sampling_generator,  # B row indices
                                log_metric=lambda name, value: logged.setdefault(name, []).append(float(value))))
         # several processes: every one draws as often as the one that needs most (streams stay in step)
         if not algo.dynamic_sampling or all_ranks(sum(d.with_signal(G).size for d in draws) >= B * G):

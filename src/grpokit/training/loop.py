@@ -32,7 +32,7 @@ from grpokit.observe.tracking import ConsoleProgress, MetricsWriter, drop_rows_a
 from grpokit.rollout.agent_engine import agent_engine_from_config
 from grpokit.training.evaluation import HeldOut
 from grpokit.training.reference import sync_reference
-from grpokit.training.rollout_source import build_rollouts, check_async, split_threads
+from grpokit.training.rollout_source import build_rollouts, check_async_can_run, split_threads
 from grpokit.training.run_folder import RunFolderLock, record_segment
 from grpokit.training.safekeeping import Safekeeping
 from grpokit.training.setup import Run, build_run, check_inputs
@@ -84,7 +84,7 @@ def train(
                 print(f"{inputs.folder.path} is already complete at step {config.train.steps} (train.steps = "
                       f"{config.train.steps}); raise train.steps to continue it", flush=True)
             return inputs.folder.path
-        check_async(config, engine)
+        check_async_can_run(config, engine)
         if model is not None:
             check_given_model(model)
         threads = split_threads(config)[0] if config.rollout.mode == "async" else config.train.num_threads

@@ -58,7 +58,7 @@ class SyncRollouts:
     def next(self, step: int):
         if self.failed is not None:  # the loop saves the step whose weights did not travel, then says it
             raise self.failed
-        return generate_and_grade(self.run.inputs.local, self.run.side, self.run.stream, self.run.sampler)
+        return generate_and_grade(self.run.inputs.local, self.run.side, self.run.stream, self.run.sampling_generator)
 
     def publish(self, model, step: int) -> dict:
         try:
@@ -79,7 +79,7 @@ def split_threads(config) -> tuple[int, int]:
     return config.train.num_threads or max(1, cores - workers * each), each
 
 
-def check_async(config, engine) -> None:
+def check_async_can_run(config, engine) -> None:
     """What asynchronous rollout (and a vLLM server) cannot do yet, and workers this machine cannot hold
     (training/worker_budget.py), refused before the model loads; workers past the cores, said in one line."""
     server = "server" in config.rollout.vllm
@@ -207,8 +207,8 @@ class AsyncRollouts:
         self.channel = LockedPublisher(run.side.engine.weights, self.timeout_s, self.server_lock, self.announced) \
             if "server" in r.vllm else GlooPublisher(self.W, self.timeout_s, self.announced)
         spec = WorkerSpec(given, [n for n, p in run.policy.model.named_parameters() if p.requires_grad],
-                          parameter_shapes(run.policy.model), run.stream, run.sampler.get_state(), run.start_step + 1,
-                          self.W, split_threads(config)[1], self.channel.port, self.timeout_s,
+                          parameter_shapes(run.policy.model), run.stream, run.sampling_generator.get_state(),
+                          run.start_step + 1, self.W, split_threads(config)[1], self.channel.port, self.timeout_s,
                           run.side.engine.adapter_prefix)
         from_main = [_sendable(what, value) for what, value in (
             ("train(reward_functions=...)", given.reward_functions), ("train(tools=...)", given.tools),
@@ -259,8 +259,9 @@ class AsyncRollouts:
         idle = time.perf_counter() - t0
         self.run.stream.load_state_dict(got.stream_state)  # the checkpoint's: after the last batch taken
         if index == 0:  # ... and worker 0's noise, where it continues from (the batches in flight are redone)
-            if got.sampler_state.numel() == self.run.sampler.get_state().numel():  # a generator of its kind
-                self.run.sampler.set_state(got.sampler_state)
+            generator = self.run.sampling_generator
+            if got.generator_state.numel() == generator.get_state().numel():  # a generator of its kind
+                generator.set_state(got.generator_state)
         lag = step - 1 - got.batch.rollout.policy_version.double()  # [R]: per training row (forked answers: several)
         metrics = {**got.metrics, "async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max()),
                    "async/dropped": self.dropped, "time/trainer_idle": idle, "time/sampler_idle": got.waited_s,

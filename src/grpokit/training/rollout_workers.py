@@ -3,7 +3,7 @@
     for step, min_version in orders:                     # from the trainer (training/rollout_source.py)
         wait for weights >= min_version; apply them      # models/weight_sync.py, between two batches
         batch, metrics = generate_and_grade(...)         # the sync loop's own step: rollout -> grade -> advantages
-        results.put(batch tagged with its policy version, the stream's and the sampler's state after it)
+        results.put(batch tagged with its policy version, the stream's and the sampling generator's state after it)
 
 A worker builds its rollout side (rollout/side.py) from the trainer's description of it (`RolloutSpec`,
 training/rollout_setup.py: the config, the prepared and tokenized prompts, the reward functions / tools /
@@ -52,7 +52,7 @@ class WorkerSpec:
     trainable: list[str]  # the parameters that train (the rest arrive once, with the first transfer)
     shapes: list[tuple[str, tuple, str]]  # the trainer's parameters: name, shape, dtype
     stream: object  # the trainer's prompt stream at the start
-    sampler_state: torch.Tensor  # the trainer's sampling generator at the start
+    generator_state: torch.Tensor  # the trainer's sampling generator at the start
     first_step: int  # the step of this run's first batch (a resume's: the checkpoint's + 1)
     workers: int
     threads: int  # torch threads of each worker
@@ -69,7 +69,7 @@ class WorkerBatch:
     metrics: dict
     version: int  # the optimizer step of the weights that sampled it
     stream_state: dict  # the worker's prompt stream after it
-    sampler_state: torch.Tensor  # ... and its generator
+    generator_state: torch.Tensor  # ... and its generator
     waited_s: float  # idle: waiting for an order or for fresh weights since the previous batch
     started: float  # wall-clock time.time() of the sampling's start and end (the timeline)
     ended: float
@@ -144,13 +144,13 @@ class _Worker:
         # the stream is where the last batch taken left it; the first step's worker (index (first_step - 1) % W)
         # takes the next batch, the following one the batch after, ...
         self.stream = EveryNth(spec.stream, (index - (spec.first_step - 1)) % spec.workers, spec.workers)
-        self.sampler = torch.Generator(device=device)
+        self.sampling_generator = generator = torch.Generator(device=device)
         try:  # the trainer's generator state: the same noise as the sync loop
-            self.sampler.set_state(spec.sampler_state)
+            generator.set_state(spec.generator_state)
         except RuntimeError:  # a generator of another device kind (a CUDA trainer, a CPU worker)
-            self.sampler.manual_seed(config.train.seed)
+            generator.manual_seed(config.train.seed)
         if index:  # the others: noise of their own, from the trainer's generator
-            self.sampler.manual_seed(int(torch.randint(2 ** 62, (1,), generator=self.sampler, device=device)) + index)
+            generator.manual_seed(int(torch.randint(2 ** 62, (1,), generator=generator, device=device)) + index)
         self.receiver: GlooSubscriber | ServerSubscriber | None = None
 
     @staticmethod
@@ -181,9 +181,9 @@ class _Worker:
                 self.side.engine.use_adapter(version)
             waited_s += time.perf_counter() - t0
             started = time.time()
-            batch, metrics = generate_and_grade(self.config, self.side, self.stream, self.sampler)
+            batch, metrics = generate_and_grade(self.config, self.side, self.stream, self.sampling_generator)
         batch = with_policy_version(batch, version)  # the answers and, where they forked, their training rows
-        return WorkerBatch(batch, metrics, version, self.stream.state_dict(), self.sampler.get_state(),
+        return WorkerBatch(batch, metrics, version, self.stream.state_dict(), self.sampling_generator.get_state(),
                            waited_s, started, time.time(),
                            int(batch.draw.rollout.action_mask.sum()))  # the answers' sampled tokens
 

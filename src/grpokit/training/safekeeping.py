@@ -116,7 +116,7 @@ class Safekeeping:
     def _save(self, step: int, keep_step: int | None = None) -> Path:
         """The checkpoint of `step` (every process takes part; rank 0 writes it); `keep_step`'s is never pruned."""
         policy = self.run.policy
-        state = trainer_state(step, policy, self.run.sampler, self.run.stream)
+        state = trainer_state(step, policy, self.run.sampling_generator, self.run.stream)
         weights = CheckpointWeights(policy.model)  # gathered under FSDP; with LoRA the merged model + adapter/
         path = self.dist.run_on_main(save_checkpoint, self.run_dir, step, weights, self.run.inputs.tokenizer, state,
                                      self.config.output.keep_last, self.config_text, self.hint, keep_step)

@@ -208,7 +208,7 @@ class Run:
     inputs: Inputs
     policy: Policy
     side: RolloutSide  # draws and grades each step's groups through the run's engine (`side.engine`)
-    sampler: torch.Generator  # this process's sampling noise
+    sampling_generator: torch.Generator  # this process's sampling noise (not a sampler: that is the engine)
     stream: object  # resumable prompt stream (this process's share of each batch)
     start_step: int  # 0, or the step of the checkpoint resumed from
 
@@ -290,19 +290,19 @@ def build_policy(config: Config, model=None, ref_model=None) -> Policy:
 
 
 def build_run(config: Config, inputs: Inputs, dist: DistributedContext, engine=None, model=None, ref_model=None) -> Run:
-    """Load the model and build the optimizer, sampler, prompt stream and rollout engine; on --resume,
+    """Load the model and build the optimizer, sampling generator, prompt stream and rollout engine; on --resume,
     restore all of them from the newest checkpoint."""
     torch.manual_seed(config.train.seed)
     policy = build_policy(config, model, ref_model)
-    sampler = torch.Generator(device=policy.model.device).manual_seed(config.train.seed + dist.rank)
+    sampling_generator = torch.Generator(device=policy.model.device).manual_seed(config.train.seed + dist.rank)
     stream = dist.shard_stream(inputs.data.stream(config.train.prompts_per_step, seed=config.data.seed,
                                                   shuffle=config.data.shuffle))
     rollout_engine = given_engine(engine(inputs.local, policy.model, inputs.tokenizer), inputs.tools) if engine \
         else build_engine(inputs.local, policy.model, inputs.tokenizer, tools=inputs.tools)
     start_step = 0
     if inputs.resume and (checkpoints := list_checkpoints(inputs.folder.path)):
-        start_step = restore_checkpoint(checkpoints[-1], policy, sampler, stream)
+        start_step = restore_checkpoint(checkpoints[-1], policy, sampling_generator, stream)
     rollout_engine.sync_weights(policy.model)  # vLLM starts from the trainer's (resumed) weights; HF: nothing to do
     side = RolloutSide.for_training(inputs.local, inputs.prompts, inputs.specs, rollout_engine, inputs.tokenizer,
                                     inputs.environments)
-    return Run(inputs, policy, side, sampler, stream, start_step)
+    return Run(inputs, policy, side, sampling_generator, stream, start_step)

@@ -30,7 +30,7 @@ import os
 from typing import Any
 
 from grpokit.errors import ConfigError
-from grpokit.trl.config import GRPOConfig, _refused_field
+from grpokit.trl.config import GRPOConfig, refused_field
 
 LABEL = "grpokit.trl.AsyncGRPOConfig"
 # GRPOConfig's fields that TRL 1.16's AsyncGRPOConfig does not have
@@ -234,7 +234,7 @@ def _without_forced(value):
 
 
 def _own_field(name: str, default):
-    return name, Any, _refused_field(default)
+    return name, Any, refused_field(default)
 
 
 def _fields() -> list:
@@ -246,7 +246,7 @@ def _fields() -> list:
             default = ASYNC_DEFAULTS[f.name]
         else:
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        out.append((f.name, Any, _refused_field(default)))
+        out.append((f.name, Any, refused_field(default)))
     return out + [_own_field(name, default) for name, default in OWN.items()]
 
 

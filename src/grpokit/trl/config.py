@@ -283,7 +283,7 @@ def _value_problems(c) -> list[str]:
          "grpokit's AdamW decays every parameter"),
         ("fp16", not (c.bf16 and c.fp16), "bf16=True as well: choose one"),
         ("save_strategy", c.save_strategy in ("steps", "no"), "use 'steps' or 'no'"),
-        ("report_to", all(r in REPORT_TO for r in _report_to(c.report_to)),
+        ("report_to", all(r in REPORT_TO for r in report_to_list(c.report_to)),
          f"grpokit reports to {', '.join(REPORT_TO)}"),
         ("max_completion_length", isinstance(c.max_completion_length, int) and c.max_completion_length >= 1,
          "give the answer budget in tokens"),
@@ -339,7 +339,7 @@ def _not_multiple(save_steps: float, eval_steps: float) -> bool:
     return True
 
 
-def _report_to(value) -> list[str]:
+def report_to_list(value) -> list[str]:
     if value is None:
         return []
     return [value] if isinstance(value, str) else list(value)
@@ -389,12 +389,12 @@ REFUSED_WHY = {
 SUPPORTED = tuple(f.name for f in dataclasses.fields(_Supported))
 
 
-def _refused_field(default):
+def refused_field(default):
     return field(default_factory=list) if isinstance(default, list) else field(default=default)
 
 
 GRPOConfig = dataclasses.make_dataclass(
-    "GRPOConfig", [(name, Any, _refused_field(default)) for name, default in REFUSED.items()], bases=(_Supported,),
+    "GRPOConfig", [(name, Any, refused_field(default)) for name, default in REFUSED.items()], bases=(_Supported,),
     namespace={"__module__": __name__, "__doc__": "TRL 1.16's GRPOConfig arguments, for grpokit.trl.GRPOTrainer: "
                "the fields in SUPPORTED map onto grpokit's Config; those in REFUSED are accepted at TRL's default "
                "only. See the module docstring and docs/TRL.md."})

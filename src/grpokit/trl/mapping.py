@@ -45,7 +45,7 @@ from grpokit.config.schema import (
     TrainConfig,
 )
 from grpokit.errors import ConfigError
-from grpokit.trl.config import _report_to, best_metric
+from grpokit.trl.config import best_metric, report_to_list
 
 DATA_PATH = "train_dataset"  # what the run's config.toml names as the data source (the rows come from Python)
 KEEP_ALL = 1_000_000  # save_total_limit = None: keep every checkpoint
@@ -103,7 +103,7 @@ def grpokit_config(args, *, model_path: str, dtype: str, lora: dict | None = Non
     schedule = "cosine" if args.lr_scheduler_type == "cosine" else "constant"  # both count optimizer steps
     warmup = 0 if args.lr_scheduler_type == "constant" else _absolute(args.warmup_steps, total)  # TRL: none
     save = 0 if args.save_strategy == "no" else _in_steps("save_steps", _absolute(args.save_steps, total), per_step)
-    report = _report_to(args.report_to)
+    report = report_to_list(args.report_to)
     return Config(
         model=ModelConfig(path=model_path, dtype=dtype, device="cpu" if args.use_cpu else "auto", lora=lora or {}),
         data=DataConfig(path=DATA_PATH, seed=args.seed, shuffle=args.shuffle_dataset),

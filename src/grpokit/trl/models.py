@@ -146,11 +146,11 @@ def policy_module(model):
     layers (grpokit's own LoRA convention, models/lora.py), the adapter's weights trainable."""
     if not is_peft_model(model):
         return model
-    from grpokit.models.lora import _ATTR, adapter_of  # the convention apply_lora writes, for a wrapper made by peft
+    from grpokit.models.lora import ADAPTER_ATTR, adapter_of  # apply_lora's convention, for a peft-made wrapper
 
     inner = model.get_base_model()
     if adapter_of(inner) is None:
-        inner.__dict__[_ATTR] = model
+        inner.__dict__[ADAPTER_ATTR] = model
         for name, p in inner.named_parameters():
             p.requires_grad_("lora_" in name)  # a PeftModel loaded for inference has its adapter frozen
     return inner
