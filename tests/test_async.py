@@ -310,7 +310,7 @@ def test_no_worker_outlives_the_trainer(tiny_model_dir, tmp_path, sig):
         proc.kill()
 
 
-@pytest.mark.parametrize("layout", ["no guard", "an empty guard", "guarded"])
+@pytest.mark.parametrize("layout", ["no guard", "an empty guard", "guarded", "reward inside the guard"])
 def test_a_script_without_guard_whose_reward_lives_in_it_is_refused(tiny_model_dir, tmp_path, layout):
     """Issue 43.7: a guard line with the training code outside it (`if __name__ == "__main__": pass`) was taken
     for a guarded script, and each worker re-ran the script (a second run in the same folder), the trainer
@@ -331,15 +331,19 @@ def test_a_script_without_guard_whose_reward_lives_in_it_is_refused(tiny_model_d
             return [0.0] * len(completions)
     """)
     script = tmp_path / "run.py"
-    script.write_text(head + {"no guard": body, "an empty guard": body + 'if __name__ == "__main__":\n    pass\n',
-                              "guarded": 'if __name__ == "__main__":\n' + textwrap.indent(body, "    ")}[layout])
+    script.write_text({"no guard": head + body,
+                       "an empty guard": head + body + 'if __name__ == "__main__":\n    pass\n',
+                       "guarded": head + 'if __name__ == "__main__":\n' + textwrap.indent(body, "    "),
+                       "reward inside the guard": 'if __name__ == "__main__":\n' + textwrap.indent(head + body, "    ")
+                       }[layout])
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     if layout == "guarded":
         assert done.returncode == 0, done.stderr[-2000:]
         return
     assert done.returncode != 0
     assert "uses my_reward, defined in" in done.stderr and "__main__" in done.stderr
-    assert "whose line 12 starts the run outside" in done.stderr, done.stderr[-1500:]
+    where = "inside `if __name__" if layout == "reward inside the guard" else "whose line 12 starts the run outside"
+    assert where in done.stderr, done.stderr[-1500:]
 
 
 class Counter:

@@ -111,14 +111,20 @@ def test_skip_with_a_grader_that_always_fails_stops_after_max_consecutive_skips(
     assert [r["step"] for r in _rows(tmp_path / "mixed")] == [1, 2, 3, 4]
 
 
-def test_a_reward_that_calls_os_exit_in_the_trainer_is_one_error_naming_it(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("exit_call, said", [
+    ("os._exit(3)", "reward function 'exits' called os._exit(3), which would end the trainer"),
+    ("sys.exit(0)", "reward function 'exits' called sys.exit(0), which would end the run as if it had finished"),
+])
+def test_a_reward_that_calls_os_exit_in_the_trainer_is_one_error_naming_it(tiny_model_dir, tmp_path, exit_call,
+                                                                           said):
     """Issue 43.9, fixed (exit_guard.py guards reward functions run in the trainer's process): a reward function
     calling os._exit(3) with rewards.isolation = "none" (sync mode) ended `grpokit train` with exit 3 and no word.
     Now the run stops with one error naming the function and rewards.isolation = "process"."""
     import subprocess
     import sys
 
-    (tmp_path / "exits.py").write_text("import os\n\n\ndef exits(completions, **kwargs):\n    os._exit(3)\n")
+    (tmp_path / "exits.py").write_text(f"import os\nimport sys\n\n\ndef exits(completions, **kwargs):\n"
+                                       f"    {exit_call}\n")
     (tmp_path / "run.toml").write_text(
         f'[model]\npath = "{tiny_model_dir}"\n[data]\ntask = "addition"\nnum_prompts = 8\n'
         f'[rollout]\ngroup_size = 2\nmax_new_tokens = 3\n[rewards]\nfunctions = ["{tmp_path / "exits.py"}:exits"]\n'
@@ -128,5 +134,5 @@ def test_a_reward_that_calls_os_exit_in_the_trainer_is_one_error_naming_it(tiny_
     assert r.returncode not in (0, 3), (r.returncode, r.stderr[-500:])
     errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "Traceback" not in r.stderr, r.stderr[-500:]
-    assert "reward function 'exits' called os._exit(3), which would end the trainer" in errors[0], errors
-    assert 'rewards.isolation = "process"' in errors[0], errors
+    assert said in errors[0], errors
+    assert 'rewards.isolation = "process"' in errors[0] or exit_call.startswith("sys"), errors

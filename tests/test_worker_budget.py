@@ -69,3 +69,17 @@ def test_workers_past_the_cores_are_said_in_one_line(tiny_model_dir, tmp_path):
                         f"{cores} usable cores: they take turns, so the extra ones add memory and start-up time, not "
                         f"speed; keep rollout.workers x rollout.worker_threads <= {cores}"], out[-800:]
     assert (tmp_path / "run" / "checkpoint-1").is_dir()
+
+
+def test_the_weights_are_counted_once_beside_a_consolidated_copy(tiny_model_dir, tmp_path):
+    """A folder with the shards transformers loads and a consolidated copy beside them (some repositories ship
+    both) holds one model's parameters, not two (the review of issue 43.8)."""
+    import shutil
+
+    from grpokit.training.worker_budget import parameter_count
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    once = parameter_count(folder)
+    shutil.copy(folder / "model.safetensors", folder / "consolidated.safetensors")
+    assert once and parameter_count(folder) == once

@@ -183,12 +183,15 @@ def _run_guarded(spec: RewardSpec, kwargs: dict):
     there is one `RewardError` naming the function and the fix, not the run's end without a word. A rollout
     worker (a process multiprocessing started) runs it unguarded: the exit ends the worker, which the trainer
     names."""
-    if parent_process() is not None:
-        return _run(spec.fn, kwargs)
     try:
+        if parent_process() is not None:
+            return _run(spec.fn, kwargs)
         return guarded(lambda: _run(spec.fn, kwargs), reward_function(spec.name))()
     except ToolExit as e:
         raise RewardError(str(e)) from None
+    except SystemExit as e:  # sys.exit is an exception: uncaught, it ended the run as if it had finished
+        raise RewardError(f"reward function '{spec.name}' called sys.exit({e.code!r}), which would end the run "
+                          "as if it had finished; return a reward (or None: not graded) instead") from None
 
 
 def _call(spec: RewardSpec, kwargs: dict, n: int):

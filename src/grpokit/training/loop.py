@@ -110,7 +110,7 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
     `keeper` (safekeeping.py) decides what a failure leaves behind, when to save, and when to stop."""
     inputs, policy, local = run.inputs, run.policy, run.inputs.local  # local: this process's share
     run_dir = inputs.folder.path
-    resources.callback(dist.close)  # closed last: every process waits for the others
+    resources.callback(dist.close)  # after the loop's own resources: every process waits for the others
     log = _RunLog(config, run, dist, command, resources)
     keeper = resources.enter_context(Safekeeping(config, run, dist, hint, log.console, log.writer))
     held_out = HeldOut(inputs.held_out, config, inputs.tools, inputs.environments) \

@@ -138,6 +138,10 @@ def _sendable(what: str, value) -> str | None:
         return None
     path = getattr(sys.modules["__main__"], "__file__", None)  # a worker imports the script to find it
     line = _unguarded_line(path) if path else 0
+    if line is None and not _defined_outside_the_guard(path, finder.from_main.split(".")[0]):
+        raise SetupError(f"rollout.mode = \"async\": {what} uses {finder.from_main}, defined in {path} inside `if "
+                         "__name__ == \"__main__\":`, which a rollout worker process does not run when it imports "
+                         "the script; define it above that block, or in its own .py file")
     if line is not None:
         where = f"{path}, whose line {line} starts the run outside" if line else "the interactive session, outside"
         raise SetupError(f"rollout.mode = \"async\": {what} uses {finder.from_main}, defined in {where} `if "
@@ -145,6 +149,25 @@ def _sendable(what: str, value) -> str | None:
                          "and would start the run again. Put the code that starts the run under `if __name__ == "
                          "\"__main__\":`, or move the function into its own .py file")
     return finder.from_main
+
+
+def _defined_outside_the_guard(path: str, name: str) -> bool:
+    """Whether the script binds `name` at its top level (a def, class, assignment or import), where a worker
+    importing it finds it; True when the script cannot be read (its own error comes later)."""
+    try:
+        tree = ast.parse(Path(path).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return True
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and name in {(a.asname or a.name).split(".")[0]
+                                                                         for a in node.names}:
+            return True
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and name in {n.id for n in ast.walk(node)
+                                                                       if isinstance(n, ast.Name)}:
+            return True
+    return False
 
 
 def _unguarded_line(path: str) -> int | None:
@@ -218,13 +241,14 @@ class AsyncRollouts:
         self.procs = [ctx.Process(target=worker_main, name=f"grpokit-rollout-{i}", daemon=True,
                                   args=(spec, i, self.devices[i], self.orders[i], self.results, self.beats,
                                         self.announced, os.getpid(), self.server_lock)) for i in range(self.W)]
-        with _main_hidden(not any(from_main)), processes.stop_signals_held():
-            for p in self.procs:
-                p.start()
-            # batches are fetched on the inbox's thread (signals held there for good): one whose tensors a
-            # frozen worker holds blocks that thread, never the trainer
-            self.inbox = processes.Inbox(lambda timeout: self.results.get(timeout=timeout), "rollout-results")
-        try:
+        self.inbox = None
+        try:  # a start that fails half-way stops the workers already started
+            with _main_hidden(not any(from_main)), processes.stop_signals_held():
+                for p in self.procs:
+                    p.start()
+                # batches are fetched on the inbox's thread (signals held there for good): one whose tensors a
+                # frozen worker holds blocks that thread, never the trainer
+                self.inbox = processes.Inbox(lambda timeout: self.results.get(timeout=timeout), "rollout-results")
             ready: set[int] = set()
             while len(ready) < self.W:  # each builds its model, rewards and tools (imports may starve its beat)
                 kind, index, _, _ = self._get(waiting_for=min(set(range(self.W)) - ready), what="start-up (loading "
@@ -382,7 +406,8 @@ class AsyncRollouts:
             except (ValueError, OSError):
                 pass
         processes.stop(self.procs, grace=5.0)
-        self.inbox.close()  # its receive, if a frozen worker held it, ended with that worker
+        if self.inbox is not None:
+            self.inbox.close()  # its receive, if a frozen worker held it, ended with that worker
         for q in [self.results, *self.orders]:
             q.cancel_join_thread()
             q.close()

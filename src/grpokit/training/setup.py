@@ -300,9 +300,13 @@ def build_run(config: Config, inputs: Inputs, dist: DistributedContext, engine=N
     rollout_engine = given_engine(engine(inputs.local, policy.model, inputs.tokenizer), inputs.tools) if engine \
         else build_engine(inputs.local, policy.model, inputs.tokenizer, tools=inputs.tools)
     start_step = 0
-    if inputs.resume and (checkpoints := list_checkpoints(inputs.folder.path)):
-        start_step = restore_checkpoint(checkpoints[-1], policy, sampling_generator, stream)
-    rollout_engine.sync_weights(policy.model)  # vLLM starts from the trainer's (resumed) weights; HF: nothing to do
+    try:
+        if inputs.resume and (checkpoints := list_checkpoints(inputs.folder.path)):
+            start_step = restore_checkpoint(checkpoints[-1], policy, sampling_generator, stream)
+        rollout_engine.sync_weights(policy.model)  # vLLM starts from the trainer's (resumed) weights; HF: no-op
+    except BaseException:  # the loop stops it once the run is built; until then, here (an agent's endpoint)
+        rollout_engine.stop_serving()
+        raise
     side = RolloutSide.for_training(inputs.local, inputs.prompts, inputs.specs, rollout_engine, inputs.tokenizer,
                                     inputs.environments)
     return Run(inputs, policy, side, sampling_generator, stream, start_step)

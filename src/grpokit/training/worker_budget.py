@@ -71,7 +71,12 @@ def parameter_count(folder: Path) -> int | None:
     """Parameters in a model folder's weight files (safetensors headers; a .bin file's size / 4); None when
     the folder has none that can be read (a Hub id, a damaged file: the loader says so later)."""
     try:
-        files = sorted(folder.glob("*.safetensors"))
+        index = folder / "model.safetensors.index.json"  # the shards transformers loads (a consolidated copy
+        if index.is_file():                                # beside them, as some repositories ship, is not)
+            files = sorted({folder / name for name in json.loads(index.read_text())["weight_map"].values()})
+        else:
+            files = [folder / "model.safetensors"] if (folder / "model.safetensors").is_file() \
+                else sorted(folder.glob("*.safetensors"))
         if files:
             return sum(_safetensors_parameters(p) for p in files)
         size = sum(p.stat().st_size for p in folder.glob("*.bin"))
