@@ -183,6 +183,7 @@ class TrainConfig:
     prompts_per_step: int = 8  # B; one generation batch has B * G answers
     minibatch_size: int = 0  # answers per optimizer step; 0 = the whole generation batch
     micro_batch_size: int = 0  # answers per forward/backward; 0 = the minibatch
+    micro_batch_grouping: str = "length"  # length (similar-length answers where exact: update.py) | rows (row order)
     learning_rate: float = 1e-6
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.99)
@@ -226,6 +227,7 @@ class TrainConfig:
         check(self.warmup_steps >= 0, "train.warmup_steps", "must be >= 0")
         check(self.num_threads >= 0, "train.num_threads", "must be >= 0 (0 = automatic)")
         one_of(self.lr_schedule, ("constant", "cosine"), "train.lr_schedule")
+        one_of(self.micro_batch_grouping, ("length", "rows"), "train.micro_batch_grouping")
         one_of(self.optimizer_state_dtype, ("float32", "bfloat16"), "train.optimizer_state_dtype")
         check(self.max_grad_norm >= 0, "train.max_grad_norm", "must be >= 0 (0 = off)")
         check(all(0 <= b < 1 for b in self.adam_betas), "train.adam_betas",

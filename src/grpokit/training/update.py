@@ -108,7 +108,7 @@ def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[di
         for minibatch in order.split(config.minibatch_size):
             minibatch = batch.rows_of(minibatch)  # answers -> their training rows (tools.history = "split")
             policy.optimizer.zero_grad(set_to_none=True)
-            micro_batches = minibatch.split(config.micro_batch_size)
+            micro_batches = micro_batches_of(config, batch, minibatch)
             n_items = global_sum(batch.loss_mask[minibatch].sum()).clamp(min=1)  # dapo: minibatch tokens, all ranks
             loss, entropy_sum, entropy_tokens = 0.0, 0.0, 0.0
             step_spec = dataclasses.replace(spec, entropy_coef=_entropy_coef_now(algo, policy))
@@ -153,6 +153,26 @@ def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[di
     if algo.entropy_coef > 0 or algo.adaptive_entropy:  # with the bonus on, TRL logs it and policy_loss
         metrics["entropy_coef"] = policy.entropy_coef  # (adaptive) the next step's, as TRL logs it
     return metrics, old
+
+
+def micro_batches_of(config: Config, batch: GenerationBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+    """The minibatch's rows split into micro-batches of `micro_batch_size`: in row order, or (grouping
+    "length") sorted by answer length so each micro-batch trims its padding to similar answers.
+
+    Only where the loss and its gradient are unchanged by the grouping: dapo, cispo and vespo divide every
+    token by the minibatch's token count (any grouping); grpo, sapo, luspo and dr_grpo weigh each row by
+    1/(rows of its micro-batch) (any grouping that keeps the row counts: the rows of a short last
+    micro-batch stay in it). bnpo's per-micro-batch token count, the token_mean entropy bonus and the
+    top-entropy quantile read the micro-batch's tokens: row order."""
+    size, algo = config.micro_batch_size, config.algorithm
+    token_mean_bonus = (algo.entropy_coef > 0 or algo.adaptive_entropy) and algo.entropy_aggregation == "token_mean"
+    if config.train.micro_batch_grouping == "rows" or len(rows) <= size or algo.loss_type == "bnpo" \
+            or token_mean_bonus or algo.top_entropy_quantile < 1:
+        return list(rows.split(size))
+    movable = len(rows) if algo.sums_over_global_tokens else len(rows) - len(rows) % size
+    lengths = batch.rollout.completion_mask[rows[:movable]].sum(-1)  # [movable]
+    order = lengths.argsort(descending=True, stable=True).to(rows.device)
+    return list(torch.cat([rows[:movable][order], rows[movable:]]).split(size))
 
 
 def _entropy_coef_now(algo, policy: Policy) -> float:

@@ -1,0 +1,170 @@
+"""Length-grouped micro-batches (train.micro_batch_grouping = "length", training/update.py micro_batches_of):
+answers of similar length share a micro-batch, so each trims less padding, and the loss and its gradient
+are those of the row-order micro-batches, to float64 rounding, for every loss type (or the grouping keeps
+row order where it would change them).
+
+The float64 parity runs each answer's whole sequence (shared_prompt_forward = false): the shared prompt
+forward, which runs where a micro-batch holds answers to the same prompt (row order: a group; by length:
+fewer), is itself equal to the whole-sequence forward only to ~5e-9 in float64 (the same gap in row
+order), so with it the parity holds to that level (the last test)."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, RolloutConfig, TrainConfig
+from grpokit.models.loading import load_model, load_tokenizer
+from grpokit.rollout.decode import sample_groups
+from grpokit.training.generate import GenerationBatch
+from grpokit.training.setup import Policy
+from grpokit.training.update import _micro_step, loss_spec, micro_batches_of, optimize
+
+G, T_MAX, MICRO = 4, 24, 4
+# heavy-tailed answer lengths in an order that mixes long and short answers in every row-order micro-batch
+LENGTHS = [24, 1, 2, 3, 17, 2, 1, 5, 3, 24, 2, 9]
+
+
+@pytest.fixture(scope="module")
+def tiny64(tiny_model_dir):
+    return load_model(tiny_model_dir, device="cpu").double().eval(), load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def rollout(tiny64):
+    """12 answers (3 prompts x G) whose completion masks end at LENGTHS."""
+    model, tok = tiny64
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("12+7=", "3+45=", "100+1=")]
+    r = sample_groups(model, prompts, group_size=G, max_new_tokens=T_MAX, eos_token_ids=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, temperature=1.0, ignore_eos=True,
+                      generator=torch.Generator().manual_seed(0))
+    mask = (torch.arange(T_MAX)[None, :] < torch.tensor(LENGTHS)[:, None]).to(r.completion_mask.dtype)  # [N, T]
+    return dataclasses.replace(r, completion_mask=mask, completion_ids=torch.where(mask.bool(), r.completion_ids,
+                               tok.pad_token_id), logprobs=r.logprobs.double() * mask)
+
+
+def _config(tiny_model_dir, grouping: str, shared_prompts: bool = False, **algo) -> Config:
+    return Config(model=ModelConfig(path=str(tiny_model_dir), device="cpu"), data=DataConfig(path="unused.jsonl"),
+                  rollout=RolloutConfig(group_size=G, max_new_tokens=T_MAX, temperature=0.8),
+                  algorithm=AlgorithmConfig(**algo),
+                  train=TrainConfig(prompts_per_step=3, micro_batch_size=MICRO, micro_batch_grouping=grouping,
+                                    max_grad_norm=0.0, logprob_chunk_size=7, shared_prompt_forward=shared_prompts))
+
+
+def _batch(rollout, *, off_policy: bool, beta: float) -> GenerationBatch:
+    gen = torch.Generator().manual_seed(1)
+    N = rollout.num_sequences
+    adv = torch.randn(N, generator=gen, dtype=torch.float64)
+    adv[:2] = 0.0  # zero-advantage answers (skipped by the forward) in a micro-batch
+    noise = lambda: 0.3 * torch.randn(rollout.logprobs.shape, generator=gen, dtype=torch.float64)  # noqa: E731
+    old = (rollout.logprobs + noise()) * rollout.completion_mask if off_policy else None
+    ref = (rollout.logprobs + noise()) * rollout.completion_mask if beta > 0 else None
+    return GenerationBatch(SimpleNamespace(rollout=rollout), adv, rollout.completion_mask.clone(), old, ref)
+
+
+def _loss_and_grads(config, model, batch, rows):
+    """optimize()'s accumulation over one minibatch `rows`: the summed micro-batch losses and the gradient."""
+    model.zero_grad(set_to_none=True)
+    micro = micro_batches_of(config, batch, rows)
+    n_items = batch.loss_mask[rows].sum().clamp(min=1)
+    spec, policy = loss_spec(config), Policy(model, None, True, None, None)
+    loss = sum(_micro_step(config, spec, policy, batch, batch.old_logp, m, n_items, len(micro))[0] for m in micro)
+    return loss, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}, micro
+
+
+def _padded_tokens(batch, micro) -> int:
+    """What the forward computes on: each micro-batch's rows times its longest answer."""
+    return sum(len(m) * int(batch.rollout.completion_mask[m].sum(-1).max()) for m in micro)
+
+
+CASES = [
+    dict(loss_type="dapo"),
+    dict(loss_type="grpo"),
+    dict(loss_type="bnpo"),
+    dict(loss_type="dr_grpo"),
+    dict(loss_type="cispo", epsilon_high=0.28),
+    dict(loss_type="sapo"),
+    dict(loss_type="luspo", importance_sampling_level="sequence"),
+    dict(loss_type="vespo"),
+    dict(loss_type="dapo", importance_sampling_level="sequence"),  # GSPO
+    dict(loss_type="grpo", off_policy_mask_threshold=0.1),
+    dict(loss_type="dr_grpo", entropy_coef=0.01),  # the bonus inside the loss type's aggregation
+    dict(loss_type="dapo", entropy_coef=0.01, entropy_aggregation="token_mean"),  # per micro-batch: row order
+    dict(loss_type="grpo", top_entropy_quantile=0.5),  # the quantile of each micro-batch's tokens: row order
+]
+ROW_ORDER_ONLY = ("bnpo", "token_mean", "top_entropy_quantile")
+
+
+@pytest.mark.parametrize("algo", CASES, ids=lambda a: "-".join(f"{v}" for v in a.values()))
+@pytest.mark.parametrize("regime", ["off_policy_kl"])  # on-policy is its special case (ratio 1)
+@pytest.mark.parametrize("minibatch", [12, 10], ids=["full", "short_last_micro_batch"])
+def test_length_grouping_gives_the_row_order_loss_and_gradient(tiny64, tiny_model_dir, rollout, algo, regime,
+                                                                minibatch):
+    model, _ = tiny64
+    beta = 0.04 if regime == "off_policy_kl" else 0.0
+    batch = _batch(rollout, off_policy=regime != "on_policy", beta=beta)
+    rows = torch.arange(minibatch)
+    loss_rows, grads_rows, micro_rows = _loss_and_grads(_config(tiny_model_dir, "rows", beta=beta, **algo), model,
+                                                        batch, rows)
+    loss_len, grads_len, micro_len = _loss_and_grads(_config(tiny_model_dir, "length", beta=beta, **algo), model,
+                                                     batch, rows)
+    assert sorted(torch.cat(micro_len).tolist()) == rows.tolist()
+    grouped = not any(k in ROW_ORDER_ONLY or v in ROW_ORDER_ONLY for k, v in algo.items())
+    if grouped:  # the grouping computes on fewer padded tokens
+        assert _padded_tokens(batch, micro_len) < _padded_tokens(batch, micro_rows)
+    else:
+        assert [m.tolist() for m in micro_len] == [m.tolist() for m in micro_rows]
+    assert [len(m) for m in micro_len] == [len(m) for m in micro_rows]
+    assert loss_len == pytest.approx(loss_rows, rel=1e-12, abs=1e-14)
+    assert grads_len.keys() == grads_rows.keys()
+    for k in grads_rows:
+        torch.testing.assert_close(grads_len[k], grads_rows[k], rtol=1e-10, atol=1e-13)
+
+
+def test_length_grouping_with_the_shared_prompt_forward(tiny64, tiny_model_dir, rollout):
+    model, _ = tiny64
+    batch = _batch(rollout, off_policy=True, beta=0.04)
+    rows = torch.arange(12)
+    loss_rows, grads_rows, _ = _loss_and_grads(_config(tiny_model_dir, "rows", True, beta=0.04), model, batch, rows)
+    loss_len, grads_len, _ = _loss_and_grads(_config(tiny_model_dir, "length", True, beta=0.04), model, batch, rows)
+    assert loss_len == pytest.approx(loss_rows, rel=1e-12, abs=1e-14)
+    for k in grads_rows:
+        torch.testing.assert_close(grads_len[k], grads_rows[k], rtol=1e-5, atol=1e-7)
+
+
+def test_row_weighted_losses_keep_the_short_last_micro_batch(tiny_model_dir, rollout):
+    """grpo weighs a row by 1/(rows of its micro-batch): the 2 rows of a short last micro-batch stay there;
+    dapo divides by the minibatch's tokens: every row may move."""
+    batch = _batch(rollout, off_policy=False, beta=0.0)
+    rows = torch.arange(10)
+    grpo = micro_batches_of(_config(tiny_model_dir, "length", loss_type="grpo"), batch, rows)
+    assert grpo[-1].tolist() == [8, 9]
+    assert [LENGTHS[i] for i in torch.cat(grpo[:-1])] == sorted(LENGTHS[:8], reverse=True)
+    dapo = micro_batches_of(_config(tiny_model_dir, "length", loss_type="dapo"), batch, rows)
+    assert [LENGTHS[i] for i in torch.cat(dapo)] == sorted(LENGTHS[:10], reverse=True)
+
+
+def test_optimize_groups_by_length_by_default(tiny64, tiny_model_dir, rollout, monkeypatch):
+    """optimize() takes its micro-batches from micro_batches_of; the default config groups by length."""
+    model, _ = tiny64
+    assert TrainConfig().micro_batch_grouping == "length"
+    seen = []
+    real = _micro_step
+
+    def recording(config, spec, policy, batch, old, rows, *args):
+        seen.append(rows.tolist())
+        return real(config, spec, policy, batch, old, rows, *args)
+
+    monkeypatch.setattr("grpokit.training.update._micro_step", recording)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    policy = Policy(model, None, True, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
+    optimize(_config(tiny_model_dir, "length"), policy, _batch(rollout, off_policy=False, beta=0.0))
+    assert [[LENGTHS[i] for i in m] for m in seen] == [[24, 24, 17, 9], [5, 3, 3, 2], [2, 2, 1, 1]]
+
+
+def test_micro_batch_grouping_is_checked():
+    with pytest.raises(ValueError, match="train.micro_batch_grouping"):
+        TrainConfig(micro_batch_grouping="sorted")
