@@ -8,7 +8,8 @@ at once, with no message and no checkpoint of the finished steps. While a thread
 (`guarded`), and in every thread that call starts, those raise `ToolExit` instead, with a message naming what
 was running (the tool, the reward function) and the isolation setting that moves it out; the call then fails
 (also when the attempt was in a thread the call started and the call itself returned), and the run goes on (a
-tool's failed call) or stops with that one message (a reward function's). Everywhere else (other threads, a
+tool's failed call) or stops with that one message (a reward function's; its signals are let through: SIGINT
+and SIGTERM are the trainer's graceful stop, SIGKILL is reported as a kill). Everywhere else (other threads, a
 process the call forked) they do what they always do.
 
 Why here, beside `errors.py` in the lowest layer: reward functions run in `rewards` (layer 2), tools in
@@ -62,10 +63,14 @@ def in_tool_worker() -> None:
                  advise=False)
 
 
-def reward_function(name: str) -> tuple[str, str]:
-    """(who, fix) for `guarded`: the reward function `name`, and the setting that runs it in a worker."""
+def reward_function(name: str) -> tuple[str, str, bool]:
+    """(who, fix, signals) for `guarded`: the reward function `name`, the setting that runs it in a worker, and
+    no guard on signals: a reward's SIGINT or SIGTERM to the trainer is the trainer's graceful stop (it finishes
+    the step and saves), and a SIGKILL is as if the OOM killer came, which the run reports; only the exits that
+    end the run without a word (os._exit, os.abort) are stopped."""
     return (f"reward function '{name}'",
-            'rewards.isolation = "process" runs it in a worker process, where that ends the worker, not the trainer')
+            'rewards.isolation = "process" runs it in a worker process, where that ends the worker, not the trainer',
+            False)
 
 
 class ToolExit(SystemExit):
@@ -77,8 +82,9 @@ class _Call:
     """One guarded call: who runs (the tool, a reward function), the fix to name, the first exit any of its
     threads tried."""
 
-    def __init__(self, who: str, fix: str):
+    def __init__(self, who: str, fix: str, signals: bool = True):
         self.who, self.fix = who, fix
+        self.signals = signals  # signals to this process stopped too (tools), or only the exits (rewards)
         self.exit: str | None = None
 
 
@@ -130,7 +136,8 @@ def _at_trainer(pid: int) -> bool:
 
 def _audit(event: str, args: tuple) -> None:
     """The audit hook: signals to the trainer from a guarded call, however the function was reached."""
-    if event not in ("os.kill", "os.killpg", "signal.pthread_kill") or _current() is None:
+    if event not in ("os.kill", "os.killpg", "signal.pthread_kill") or _current() is None \
+            or not _current().signals:
         return
     target, sig = args
     if sig == 0:
@@ -185,7 +192,8 @@ def install() -> None:
 
     @functools.wraps(_real["raise_signal"])
     def raise_signal(sig):
-        _stop(f"raised {_signal_name(sig)} in {_host['process']}")
+        if (call := _current()) is not None and call.signals:
+            _stop(f"raised {_signal_name(sig)} in {_host['process']}")
         _real["raise_signal"](sig)
 
     os._exit, os.abort, signal.raise_signal = _exit, abort, raise_signal
