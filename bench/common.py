@@ -41,12 +41,19 @@ def digit_mean(completions, **kwargs) -> list[float]:
 REWARDS = {"letter_fraction": letter_fraction, "half_unsolvable": half_unsolvable, "digit_mean": digit_mean}
 
 
-def load_rows(n: int, model: str = "") -> list[dict]:
+def load_rows(n: int, model: str = "", prompt_tokens: int | None = None) -> list[dict]:
     """The first `n` prompts: the model folder's own prompts.json where it has one (the demo model's
-    addition prompts), else the shared ones cut to the BPE models' prompt length."""
+    addition prompts), else the shared ones cut to the BPE models' prompt length (32 tokens), or to their
+    first `prompt_tokens` tokens (a short-prompt configuration)."""
     own = MODELS / model / "prompts.json"
     rows = json.loads((own if model and own.is_file() else MODELS / "prompts.json").read_text())[:n]
-    return [{"prompt": r["prompt"], "solvable": i % 2 == 1} for i, r in enumerate(rows)]
+    prompts = [r["prompt"] for r in rows]
+    if prompt_tokens:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(MODELS / model))
+        prompts = [tok.decode(tok(p).input_ids[:prompt_tokens]) for p in prompts]
+    return [{"prompt": p, "solvable": i % 2 == 1} for i, p in enumerate(prompts)]
 
 
 def peak_rss_mb() -> float:

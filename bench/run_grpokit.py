@@ -33,12 +33,19 @@ def main(spec: dict) -> None:
     from grpokit.training.loop import train
 
     steps = spec["warmup"] + spec["steps"]
+    dist = spec.get("lengths")  # realistic lengths (bench/lengths.py): answers end at EOS, forced
+    if dist:
+        from lengths import force_grpokit
+        from transformers import AutoTokenizer
+
+        eos = AutoTokenizer.from_pretrained(str(MODELS / spec["model"])).eos_token_id
+        force_grpokit(dist, spec["B"] * spec["G"], eos)
     with tempfile.TemporaryDirectory() as tmp:
         config = Config(
             model=ModelConfig(path=str(MODELS / spec["model"]), device="cpu", **spec.get("grpokit_model", {})),
             data=DataConfig(path="rows.jsonl"),  # replaced by rows= below
             rollout=RolloutConfig(group_size=spec["G"], max_new_tokens=spec["L"], temperature=spec["temperature"],
-                                  ignore_eos=True, **spec.get("grpokit_rollout", {})),  # ablations: speed options
+                                  ignore_eos=not dist, **spec.get("grpokit_rollout", {})),  # ablations: speed options
             algorithm=AlgorithmConfig(loss_type=spec["loss_type"], beta=spec["beta"], num_iterations=spec["mu"],
                                       epsilon=0.2, std="sample", scale_rewards="group",
                                       **spec.get("grpokit_algorithm", {})),
@@ -49,7 +56,7 @@ def main(spec: dict) -> None:
         )
         t0 = time.perf_counter()
         run_dir = train(config, reward_functions=[REWARDS[spec["reward"]]],
-                        rows=load_rows(spec["num_prompts"], spec["model"]))
+                        rows=load_rows(spec["num_prompts"], spec["model"], spec.get("prompt_tokens")))
         wall = time.perf_counter() - t0
         lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     measured = lines[spec["warmup"]:]
@@ -66,6 +73,7 @@ def main(spec: dict) -> None:
                               * spec["B"] * spec["G"]),
         "frac_reward_zero_std": per("frac_reward_zero_std"),
         "loss": measured[-1].get("loss"),
+        "mean_lengths": [m["completions/mean_length"] for m in lines],  # per step: the forced lengths' check
         "peak_rss_mb": peak_rss_mb(), "wall_s": wall, "per_step": [m["time/step"] for m in measured],
         # asynchronous rollout (rollout.mode = "async"): the trainer's wait for batches, the sampler's for orders
         # and weights, per step (bench/async_rollout.py)

@@ -39,6 +39,7 @@ def main(spec: dict) -> None:
         def on_step_end(self, args, state, control, **kw):
             stamps.append((self.t0, time.perf_counter()))
 
+    dist = spec.get("lengths")  # realistic lengths (bench/lengths.py): answers end at EOS, forced
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(
             output_dir=tmp, use_cpu=True, bf16=False, fp16=False, report_to="none", logging_steps=1,
@@ -46,12 +47,18 @@ def main(spec: dict) -> None:
             per_device_train_batch_size=per_device, gradient_accumulation_steps=N // per_device,
             num_generations=spec["G"], max_completion_length=spec["L"], temperature=spec["temperature"],
             beta=spec["beta"], num_iterations=mu, loss_type=spec["loss_type"], epsilon=0.2, scale_rewards="group",
-            gradient_checkpointing=spec["gc"], generation_kwargs={"min_new_tokens": spec["L"]},
+            gradient_checkpointing=spec["gc"],
+            generation_kwargs={} if dist else {"min_new_tokens": spec["L"]},
             dataloader_num_workers=0, disable_tqdm=True, max_grad_norm=1.0,
         )
         trainer = GRPOTrainer(model=str(MODELS / spec["model"]), reward_funcs=[REWARDS[spec["reward"]]], args=args,
                               processing_class=tok, callbacks=[StepTimer()],
-                              train_dataset=Dataset.from_list(load_rows(spec["num_prompts"], spec["model"])))
+                              train_dataset=Dataset.from_list(load_rows(spec["num_prompts"], spec["model"],
+                                                                         spec.get("prompt_tokens"))))
+        if dist:
+            from lengths import force_trl
+
+            force_trl(trainer.model, dist, N, tok.eos_token_id)
         generate = trainer._generate_single_turn
 
         def timed_generate(*a, **k):  # sampling only, as grpokit's time/rollout
@@ -68,12 +75,14 @@ def main(spec: dict) -> None:
     step_s = sum(b - a for a, b in measured) / len(measured)
     gen_s = sum(gen_time[spec["warmup"]:]) / len(measured)
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     emit({
         "system": "trl", "name": spec["name"], "gc": spec["gc"],
         "s_per_opt_step": step_s, "s_per_generation": step_s * mu,
         "rollout_s": gen_s, "train_s": step_s - gen_s,
-        "completion_tokens": N * spec["L"],
+        "completion_tokens": N * spec["L"],  # fixed lengths; the driver counts forced ones (bench/lengths.py)
         "loss": losses[-1] if losses else None,
+        "mean_lengths": lengths,  # per logged step: the forced lengths' check
         "peak_rss_mb": peak_rss_mb(), "wall_s": wall,
         "per_step": [b - a for a, b in measured],
     })

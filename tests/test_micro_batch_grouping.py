@@ -17,11 +17,12 @@ import pytest
 import torch
 
 from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, RolloutConfig, TrainConfig
+from grpokit.config.variants import GLOBAL_TOKEN_LOSSES
 from grpokit.models.loading import load_model, load_tokenizer
 from grpokit.rollout.decode import sample_groups
 from grpokit.training.generate import GenerationBatch
 from grpokit.training.setup import Policy
-from grpokit.training.update import _micro_step, loss_spec, micro_batches_of, optimize
+from grpokit.training.update import _micro_step, loss_spec, micro_batches_of, optimize, token_budget_split
 
 G, T_MAX, MICRO = 4, 24, 4
 # heavy-tailed answer lengths in an order that mixes long and short answers in every row-order micro-batch
@@ -82,6 +83,7 @@ def _padded_tokens(batch, micro) -> int:
 
 CASES = [
     dict(loss_type="dapo"),
+    dict(loss_type="dapo", entropy_coef=0.01),  # with an entropy term: fixed-size micro-batches
     dict(loss_type="grpo"),
     dict(loss_type="bnpo"),
     dict(loss_type="dr_grpo"),
@@ -117,7 +119,11 @@ def test_length_grouping_gives_the_row_order_loss_and_gradient(tiny64, tiny_mode
         assert _padded_tokens(batch, micro_len) < _padded_tokens(batch, micro_rows)
     else:
         assert [m.tolist() for m in micro_len] == [m.tolist() for m in micro_rows]
-    assert [len(m) for m in micro_len] == [len(m) for m in micro_rows]
+    if algo["loss_type"] in GLOBAL_TOKEN_LOSSES and "entropy_coef" not in algo:  # any sizes, under the budget
+        longest = int(batch.rollout.completion_mask[rows].sum(-1).max())
+        assert max(_padded_tokens(batch, [m]) for m in micro_len) <= MICRO * longest
+    else:
+        assert [len(m) for m in micro_len] == [len(m) for m in micro_rows]
     assert loss_len == pytest.approx(loss_rows, rel=1e-12, abs=1e-14)
     assert grads_len.keys() == grads_rows.keys()
     for k in grads_rows:
@@ -162,9 +168,40 @@ def test_optimize_groups_by_length_by_default(tiny64, tiny_model_dir, rollout, m
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     policy = Policy(model, None, True, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
     optimize(_config(tiny_model_dir, "length"), policy, _batch(rollout, off_policy=False, beta=0.0))
-    assert [[LENGTHS[i] for i in m] for m in seen] == [[24, 24, 17, 9], [5, 3, 3, 2], [2, 2, 1, 1]]
+    # dapo (the default): a token budget of 4 x 24, the short answers in one micro-batch of 8
+    assert [[LENGTHS[i] for i in m] for m in seen] == [[24, 24, 17, 9], [5, 3, 3, 2, 2, 2, 1, 1]]
 
 
 def test_micro_batch_grouping_is_checked():
     with pytest.raises(ValueError, match="train.micro_batch_grouping"):
         TrainConfig(micro_batch_grouping="sorted")
+
+
+def _compositions(n: int):
+    """Every way to cut n ordered items into consecutive non-empty groups (their sizes)."""
+    if n == 0:
+        yield []
+        return
+    for first in range(1, n + 1):
+        for rest in _compositions(n - first):
+            yield [first, *rest]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_token_budget_split_is_the_cheapest_split_under_the_budget(seed):
+    """The dynamic programme against every split of up to 9 sorted answers: the least padded tokens plus
+    the per-micro-batch overhead, and no micro-batch over the budget."""
+    gen = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 10, (1,), generator=gen))
+    lengths = sorted(torch.randint(1, 60, (n,), generator=gen).tolist(), reverse=True)
+    budget, overhead = int(torch.randint(lengths[0], 4 * lengths[0] + 1, (1,), generator=gen)), seed % 3 * 16
+
+    def cost(sizes):
+        starts = [sum(sizes[:k]) for k in range(len(sizes))]
+        if any(s * lengths[a] > budget for s, a in zip(sizes, starts)):
+            return None
+        return sum(s * lengths[a] + overhead for s, a in zip(sizes, starts))
+
+    got = token_budget_split(lengths, budget, overhead)
+    assert sum(got) == n and cost(got) is not None
+    assert cost(got) == min(c for c in map(cost, _compositions(n)) if c is not None)

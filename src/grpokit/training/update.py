@@ -156,23 +156,56 @@ def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[di
 
 
 def micro_batches_of(config: Config, batch: GenerationBatch, rows: torch.Tensor) -> list[torch.Tensor]:
-    """The minibatch's rows split into micro-batches of `micro_batch_size`: in row order, or (grouping
+    """The minibatch's rows split into micro-batches: in row order (`micro_batch_size` each), or (grouping
     "length") sorted by answer length so each micro-batch trims its padding to similar answers.
 
-    Only where the loss and its gradient are unchanged by the grouping: dapo, cispo and vespo divide every
-    token by the minibatch's token count (any grouping); grpo, sapo, luspo and dr_grpo weigh each row by
-    1/(rows of its micro-batch) (any grouping that keeps the row counts: the rows of a short last
-    micro-batch stay in it). bnpo's per-micro-batch token count, the token_mean entropy bonus and the
-    top-entropy quantile read the micro-batch's tokens: row order."""
+    Only where the loss and its gradient are unchanged by the grouping. dapo, cispo and vespo divide every
+    token by the minibatch's token count, so any split is exact: their rows go into micro-batches of any
+    size under a token budget (`token_budget_split`), many short answers together, a few long ones
+    together. grpo, sapo, luspo and dr_grpo weigh each row by 1/(rows of its micro-batch): sorted, in
+    micro-batches of the configured size (the rows of a short last micro-batch stay in it). bnpo's
+    per-micro-batch token count, the token_mean entropy bonus and the top-entropy quantile read the
+    micro-batch's tokens: row order."""
     size, algo = config.micro_batch_size, config.algorithm
     token_mean_bonus = (algo.entropy_coef > 0 or algo.adaptive_entropy) and algo.entropy_aggregation == "token_mean"
-    if config.train.micro_batch_grouping == "rows" or len(rows) <= size or algo.loss_type == "bnpo" \
+    if config.train.micro_batch_grouping == "rows" or len(rows) <= 1 or algo.loss_type == "bnpo" \
             or token_mean_bonus or algo.top_entropy_quantile < 1:
         return list(rows.split(size))
-    movable = len(rows) if algo.sums_over_global_tokens else len(rows) - len(rows) % size
-    lengths = batch.rollout.completion_mask[rows[:movable]].sum(-1)  # [movable]
-    order = lengths.argsort(descending=True, stable=True).to(rows.device)
+    lengths = batch.rollout.completion_mask[rows].sum(-1).clamp(min=1)  # [n]
+    if algo.sums_over_global_tokens and not algo.uses_entropy and not config.train.optimizer_in_backward:
+        order = lengths.argsort(descending=True, stable=True).to(rows.device)
+        budget = size * int(lengths.max())  # never more tokens than the row-order split's largest micro-batch
+        return list(rows[order].split(token_budget_split(lengths[order].tolist(), budget)))
+    if len(rows) <= size:
+        return [rows]
+    movable = len(rows) - len(rows) % size
+    order = lengths[:movable].argsort(descending=True, stable=True).to(rows.device)
     return list(torch.cat([rows[:movable][order], rows[movable:]]).split(size))
+
+
+MICRO_STEP_OVERHEAD_TOKENS = 32  # what one more forward/backward costs beyond its tokens, in token rows
+
+
+def token_budget_split(lengths: list[int], budget: int, overhead: int = MICRO_STEP_OVERHEAD_TOKENS) -> list[int]:
+    """Sizes of consecutive micro-batches over answers sorted longest first (`lengths`), each computing
+    rows x its longest answer <= `budget` padded tokens, that minimise the tokens computed (real and
+    padding) plus `overhead` per micro-batch (a micro-step's fixed cost: dispatch, reading the weights).
+
+    An exact dynamic programme over the split points (O(n x largest micro-batch)): best[j] is the least
+    cost of the first j answers, a micro-batch [i, j) costs (j - i) * lengths[i] + overhead."""
+    n = len(lengths)
+    best, cut = [0.0] + [math.inf] * n, [0] * (n + 1)
+    for i in range(n):  # a micro-batch starting at answer i (its longest) ...
+        longest = max(lengths[i], 1)
+        for j in range(i + 1, min(n, i + max(budget // longest, 1)) + 1):  # ... and ending before j
+            cost = best[i] + (j - i) * longest + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    sizes, j = [], n
+    while j:
+        sizes.append(j - cut[j])
+        j = cut[j]
+    return sizes[::-1]
 
 
 def _entropy_coef_now(algo, policy: Policy) -> float:
