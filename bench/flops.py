@@ -30,7 +30,8 @@ def model_shape(path: str) -> dict:
     head_dim = getattr(c, "head_dim", None) or H // c.num_attention_heads
     q_dim, kv_dim = c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
     attn = H * q_dim + 2 * H * kv_dim + q_dim * H
-    return {"L": L, "H": H, "V": V, "H_attn": q_dim, "P_body": L * (attn + 3 * H * inter), "P_head": V * H}
+    return {"L": L, "H": H, "V": V, "H_attn": q_dim, "KV": kv_dim, "P_body": L * (attn + 3 * H * inter),
+            "P_head": V * H}
 
 
 def _forward(shape: dict, seqs: int, prompt: int, completion: int, logits_on: int) -> float:
@@ -41,16 +42,46 @@ def _forward(shape: dict, seqs: int, prompt: int, completion: int, logits_on: in
                    + 4 * shape["L"] * shape["H_attn"] * ctx_sum)
 
 
-def step_flops(shape: dict, *, B: int, G: int, P: int, T: int, beta: float, mu: int) -> dict:
+def step_flops(shape: dict, *, B: int, G: int, P: int, T: int, beta: float, mu: int,
+               lengths: list[int] | None = None) -> dict:
+    """Model FLOPs of one generation batch (and per optimizer step); `lengths`: each answer's length (N of
+    them) where answers end at EOS, else all N have T tokens."""
     N = B * G
+    lengths = lengths or [T] * N
     prefill = _forward(shape, B, P, 0, 1)
-    decode = _forward(shape, N, P, T, T) - _forward(shape, N, P, 0, 0)  # the T new tokens with their context
+    decode = sum(_forward(shape, 1, P, t, t) - _forward(shape, 1, P, 0, 0) for t in lengths)  # new tokens, context
     generation = prefill + decode
-    train = 3 * _forward(shape, N, P, T, T)
-    ref = _forward(shape, N, P, T, T) if beta > 0 else 0.0
+    train = 3 * sum(_forward(shape, 1, P, t, t) for t in lengths)
+    ref = train / 3 if beta > 0 else 0.0
     per_generation = generation + ref + mu * train
-    return {"generation": generation, "train_pass": train, "reference": ref,
+    return {"generation": generation, "prefill": prefill, "decode": decode, "train_pass": train, "reference": ref,
             "per_generation": per_generation, "per_opt_step": per_generation / mu}
+
+
+def phase_bounds(shape: dict, *, B: int, G: int, P: int, lengths: list[int], beta: float, mu: int,
+                 peak_gflops: float, read_gb_s: float) -> dict:
+    """Each phase's least possible time on this machine, per optimizer step (seconds).
+
+    rollout: the prefill's FLOPs at the fp32 matmul peak, then per decode step the larger (roofline) of its
+             FLOPs at the peak and its bytes at the read bandwidth: every weight once (fp32) plus the KV
+             cache of the rows still decoding (2 x layers x KV width x context, fp32); a row of length t
+             runs t - 1 decode steps (its last token is never fed back).
+    train:   forward + backward FLOPs over every answer's prompt + answer (logits on the answer), mu
+             passes, and the reference forward when beta > 0, at the peak.
+    """
+    peak, bw = peak_gflops * 1e9, read_gb_s * 1e9
+    weight_bytes = 4 * (shape["P_body"] + shape["P_head"])
+    kv_per_position = 2 * shape["L"] * shape["KV"] * 4
+    per_token = 2 * shape["P_body"] + 2 * shape["P_head"]
+    decode = 0.0
+    for step in range(1, max(lengths)):
+        contexts = [P + step for t in lengths if t > step]  # the rows still decoding and their context
+        flops = len(contexts) * per_token + 4 * shape["L"] * shape["H_attn"] * sum(contexts)
+        decode += max(flops / peak, (weight_bytes + kv_per_position * sum(contexts)) / bw)
+    fl = step_flops(shape, B=B, G=G, P=P, T=max(lengths), beta=beta, mu=mu, lengths=lengths)
+    rollout = (fl["prefill"] / peak + decode) / mu
+    train = (fl["train_pass"] * mu + fl["reference"]) / peak / mu
+    return {"rollout": rollout, "train": train, "step": rollout + train, "decode": decode / mu}
 
 
 def matmul_peak(threads: int, n: int = 2048, repeats: int = 12) -> float:

@@ -31,7 +31,8 @@ ROOT = HERE.parent
 PY = sys.executable
 sys.path.insert(0, str(HERE))
 
-from flops import matmul_peak, model_shape, step_flops  # noqa: E402
+from flops import matmul_peak, model_shape, phase_bounds, step_flops  # noqa: E402
+from lengths import target_lengths  # noqa: E402
 
 COMMON = dict(G=8, temperature=1.0, lr=1e-6, loss_type="dapo", reward="letter_fraction", num_prompts=256,
               threads=2, seed=0)
@@ -45,8 +46,16 @@ CONFIGS = {
     # runs every (checkpointing, allocator) setting once and its fastest is "TRL at its best"
     "L": dict(model="L", G=4, B=4, L=128, beta=0.0, mu=1, runs=2, steps=2, trl_steps=1, micro=0, trl_runs=1,
               trl_per_device=16, trl_allocators="both"),
+    # realistic lengths (bench/lengths.py): answers end at EOS after 16-512 tokens (log-normal, median 64), the
+    # same lengths on both systems, batch by batch (both measure the same batches: steps = trl_steps); TRL
+    # also searches its micro-batch (answers per micro-step: it pads each to its longest answer)
+    "MV": dict(model="M", B=8, L=512, beta=0.0, mu=1, runs=3, steps=2, trl_steps=2, micro=8, lengths="realistic",
+               trl_micro=(4, 8, 64)),
+    "LV": dict(model="L", G=4, B=4, L=512, beta=0.0, mu=1, runs=2, steps=1, trl_steps=1, micro=0, trl_runs=1,
+               lengths="realistic", trl_micro=(4, 16)),
 }
-LARGE_MODELS = ("L",)  # built only when a configuration asks for them (2 GB each)
+REALISTIC = dict(lo=16, hi=512, median=64, sigma=0.9, seed=0)  # answer lengths of a reasoning task (tokens)
+LARGE_MODELS = ("L",)  # (and LV)  # built only when a configuration asks for them (2 GB each)
 PROMPT_TOKENS = 32
 # Ablations (grpokit only): (label, config, spec changes); each fast path is a config option (train.*, rollout.*)
 ABLATIONS = [
@@ -93,6 +102,8 @@ def spec_for(name: str, **changes) -> dict:
             "mu": c["mu"], "warmup": 1, "G": c.get("G", COMMON["G"])}
     if "trl_per_device" in c:
         spec["trl_per_device"] = c["trl_per_device"]
+    if c.get("lengths"):
+        spec["lengths"] = REALISTIC
     train = {"micro_batch_size": c["micro"]} if c["micro"] else {}
     spec["grpokit_train"] = train
     spec["grpokit_algorithm"] = {"old_logprobs": "first_pass"} if c["mu"] > 1 else {}
@@ -196,16 +207,19 @@ TRL_ENV: dict = {}  # --trl-malloc-tuned: MALLOC_TUNED for every TRL run of the 
 TRL_ONLY: list = []  # --trl-fastest-known: the one (gc, allocator) setting TRL runs in
 
 
-def trl_label(gc: bool, tuned: bool) -> str:
-    return f"TRL (gc={'on' if gc else 'off'}{', allocator setting' if tuned else ''})"
+def trl_label(gc: bool, tuned: bool, micro: int | None = None) -> str:
+    per = f", {micro} per micro-step" if micro else ""
+    return f"TRL (gc={'on' if gc else 'off'}{', allocator setting' if tuned else ''}{per})"
 
 
-def trl_settings(c: dict) -> list[tuple[bool, bool]]:
-    """(gradient checkpointing, allocator setting) pairs TRL runs in the first round."""
+def trl_settings(c: dict) -> list[tuple[bool, bool, int | None]]:
+    """(gradient checkpointing, allocator setting, answers per micro-step) that TRL runs in the first round;
+    None: the configuration's own micro-batch."""
+    micros = c.get("trl_micro", (None,))
     if TRL_ONLY:
-        return list(TRL_ONLY)
+        return [(gc, tuned, m) for gc, tuned in TRL_ONLY for m in micros]
     allocators = (False, True) if c.get("trl_allocators") == "both" else (bool(TRL_ENV),)
-    return [(gc, tuned) for tuned in allocators for gc in (True, False)]
+    return [(gc, tuned, m) for tuned in allocators for gc in (True, False) for m in micros]
 
 
 def bench_config(name: str, log_runs: list) -> dict:
@@ -222,47 +236,64 @@ def bench_config(name: str, log_runs: list) -> dict:
         if i >= c.get("trl_runs", c["runs"]):
             continue
         # TRL: every setting in the first round, then the fastest one only
-        for gc, tuned in (list(trl) if best is None else [best]):
-            r = run_worker("trl", {**t_spec, "gc": gc}, extra_env=MALLOC_TUNED if tuned else {})
+        for gc, tuned, micro in (list(trl) if best is None else [best]):
+            per_device = {"trl_per_device": micro} if micro else {}
+            r = run_worker("trl", {**t_spec, "gc": gc, **per_device}, extra_env=MALLOC_TUNED if tuned else {})
             r["allocator_setting"] = tuned
-            trl[(gc, tuned)].append(r)
-            log(f"{name} {trl_label(gc, tuned)} run {len(trl[(gc, tuned)])}: {r['s_per_opt_step']:.3f} s/step, "
-                f"rss {r['peak_rss_mb']:.0f} MB, others {r['others_cores']:.2f} cores")
+            trl[(gc, tuned, micro)].append(r)
+            log(f"{name} {trl_label(gc, tuned, micro)} run {len(trl[(gc, tuned, micro)])}: "
+                f"{r['s_per_opt_step']:.3f} s/step, rss {r['peak_rss_mb']:.0f} MB, "
+                f"others {r['others_cores']:.2f} cores")
         if best is None:
             best = min(trl, key=lambda s: trl[s][0]["s_per_opt_step"])
     log_runs.extend(grp + [r for runs in trl.values() for r in runs])
-    return {"grpokit": grp, "trl": trl[best], "trl_gc": best[0], "trl_tuned": best[1],
+    return {"grpokit": grp, "trl": trl[best], "trl_gc": best[0], "trl_tuned": best[1], "trl_micro": best[2],
             "trl_other": {trl_label(*s): runs for s, runs in trl.items() if s != best and runs}}
 
 
+def answer_lengths(name: str) -> list[list[int]]:
+    """Each measured generation batch's answer lengths: the forced ones (bench/lengths.py; batch 0 is the
+    warm-up) or all the configured length."""
+    c = CONFIGS[name]
+    N = c["B"] * c.get("G", COMMON["G"])
+    if not c.get("lengths"):
+        return [[c["L"]] * N]
+    return [target_lengths(N, b, **REALISTIC) for b in range(1, 1 + c["steps"])]
+
+
 def summarize(name: str, res: dict, peak: float, bandwidth: float, read_bw: float) -> dict:
-    """Medians per system; `bandwidth` (GB/s, bytes read + written by a large copy) bounds the decode:
-    each decode step reads every weight once, so T steps cannot take less than T * weight bytes / bandwidth."""
+    """Medians per system, with each phase's bound on this machine (flops.phase_bounds, averaged over the
+    measured batches); `bandwidth` is the copy bandwidth (reported), `read_bw` the read bandwidth the decode
+    bound uses."""
     c = CONFIGS[name]
     G = c.get("G", COMMON["G"])
     shape = model_shape(str(HERE / "out" / "models" / c["model"]))
-    fl = step_flops(shape, B=c["B"], G=G, P=PROMPT_TOKENS, T=c["L"], beta=c["beta"], mu=c["mu"])
+    batches = answer_lengths(name)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    fl = mean([step_flops(shape, B=c["B"], G=G, P=PROMPT_TOKENS, T=c["L"], beta=c["beta"], mu=c["mu"],
+                          lengths=lengths)["per_opt_step"] for lengths in batches])
+    bounds = [phase_bounds(shape, B=c["B"], G=G, P=PROMPT_TOKENS, lengths=lengths, beta=c["beta"], mu=c["mu"],
+                           peak_gflops=peak, read_gb_s=read_bw) for lengths in batches]
+    bound = {k: mean([b[k] for b in bounds]) for k in bounds[0]}
+    answer_tokens = mean([sum(lengths) for lengths in batches])
     weight_bytes = 4 * (shape["P_body"] + shape["P_head"])  # fp32, read once per decode step (tied head: once)
-    out = {"config": name, "flops_per_opt_step": fl["per_opt_step"], "trl_gc": res["trl_gc"],
+    out = {"config": name, "flops_per_opt_step": fl, "trl_gc": res["trl_gc"], "trl_micro": res.get("trl_micro"),
            "trl_tuned": res.get("trl_tuned", bool(TRL_ENV)), "params": shape["P_body"] + shape["P_head"],
-           "tokens_per_step": c["B"] * G * (PROMPT_TOKENS + c["L"]), "weight_bytes": weight_bytes}
+           "tokens_per_step": round(c["B"] * G * PROMPT_TOKENS + answer_tokens), "weight_bytes": weight_bytes,
+           "answer_tokens": answer_tokens, "bound": bound}
     for system in ("grpokit", "trl"):
         runs = res[system]
         s = median_of(runs, "s_per_opt_step")
         out[system] = {
             "runs": len(runs), "s_per_opt_step": s, "rollout_s": median_of(runs, "rollout_s"),
             "train_s": median_of(runs, "train_s"),
-            "tokens_per_s": c["B"] * G * c["L"] / median_of(runs, "s_per_generation"),
-            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "mfu": fl["per_opt_step"] / s / (peak * 1e9),
+            "tokens_per_s": answer_tokens / median_of(runs, "s_per_generation"),  # answer tokens, no padding
+            "peak_rss_mb": max(r["peak_rss_mb"] for r in runs), "mfu": fl / s / (peak * 1e9),
             "all_s": [round(r["s_per_opt_step"], 3) for r in runs],
             "others_cores_max": max(r["others_cores"] for r in runs),
             "first_step": runs[0].get("first_step", {}),
+            "mean_lengths": runs[0].get("mean_lengths"),  # the forced lengths' check: equal on both systems
         }
-        # the decode's share of the memory-bandwidth bound (prefill time, a small part, is included)
-        decode_s = out[system]["rollout_s"] * c["mu"] / c["L"]  # seconds per decode step
-        out[system]["decode_gb_s"] = weight_bytes / decode_s / 1e9
-        out[system]["decode_of_bandwidth"] = out[system]["decode_gb_s"] / bandwidth
-        out[system]["decode_of_read"] = out[system]["decode_gb_s"] / read_bw
     out["trl_other"] = {label: {"s_per_opt_step": median_of(runs, "s_per_opt_step"),
                                 "peak_rss_mb": max(r["peak_rss_mb"] for r in runs)}
                         for label, runs in res["trl_other"].items()}
@@ -273,13 +304,13 @@ def summarize(name: str, res: dict, peak: float, bandwidth: float, read_bw: floa
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| config | system | s / opt. step (runs) | rollout s | train s | compl. tok/s | MFU | peak RSS MB "
+    head = ("| config | system | s / opt. step (runs) | rollout s | train s | answer tok/s | MFU | peak RSS MB "
             "| others' load |\n|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         for system in ("grpokit", "trl"):
             x = r[system]
-            label = "grpokit" if system == "grpokit" else trl_label(r["trl_gc"], r["trl_tuned"])
+            label = "grpokit" if system == "grpokit" else trl_label(r["trl_gc"], r["trl_tuned"], r["trl_micro"])
             lines.append(f"| {r['config']} | {label} | {x['s_per_opt_step']:.3f} ({', '.join(map(str, x['all_s']))}) "
                          f"| {x['rollout_s']:.3f} | {x['train_s']:.3f} | {x['tokens_per_s']:.0f} | {x['mfu']:.0%} "
                          f"| {x['peak_rss_mb']:.0f} | {x['others_cores_max']:.2f} |")
@@ -306,7 +337,8 @@ def run_ablations(peak: float, runs: int) -> list[dict]:
     for i, (label, name, _) in enumerate(ABLATIONS):
         c, runs_i = CONFIGS[name], done[i]
         shape = model_shape(str(HERE / "out" / "models" / c["model"]))
-        fl = step_flops(shape, B=c["B"], G=COMMON["G"], P=PROMPT_TOKENS, T=c["L"], beta=c["beta"], mu=c["mu"])
+        fl = step_flops(shape, B=c["B"], G=COMMON["G"], P=PROMPT_TOKENS, T=c["L"], beta=c["beta"], mu=c["mu"],
+                        lengths=answer_lengths(name)[0])
         s = median_of(runs_i, "s_per_opt_step")
         rows.append({"label": label, "config": name, "s_per_opt_step": s, "rollout_s": median_of(runs_i, "rollout_s"),
                      "train_s": median_of(runs_i, "train_s"), "peak_rss_mb": max(r["peak_rss_mb"] for r in runs_i),
@@ -316,18 +348,19 @@ def run_ablations(peak: float, runs: int) -> list[dict]:
     return rows
 
 
-def decode_table(rows: list[dict], bandwidth: float, read_bw: float) -> str:
-    lines = [f"| config | weights read per decode step | system | s per decode step | weights GB/s | share of the "
-             f"copy bandwidth ({bandwidth:.1f} GB/s) | share of the read bandwidth ({read_bw:.1f} GB/s) |",
+def bounds_table(rows: list[dict], peak: float, read_bw: float) -> str:
+    """Each phase against its least possible time on this machine (flops.phase_bounds)."""
+    lines = [f"Bounds: FLOPs at the fp32 matmul peak ({peak:.1f} GFLOP/s); a decode step at the larger of its FLOPs "
+             f"at the peak and its weight + KV-cache bytes at the read bandwidth ({read_bw:.1f} GB/s).", "",
+             "| config | phase | bound s | grpokit s | grpokit / bound | TRL s | TRL / bound |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        c = CONFIGS[r["config"]]
-        for system in ("grpokit", "trl"):
-            x = r[system]
-            label = "grpokit" if system == "grpokit" else trl_label(r["trl_gc"], r["trl_tuned"])
-            lines.append(f"| {r['config']} | {r['weight_bytes'] / 1e9:.2f} GB | {label} "
-                         f"| {x['rollout_s'] * c['mu'] / c['L']:.4f} | {x['decode_gb_s']:.1f} "
-                         f"| {x['decode_of_bandwidth']:.0%} | {x['decode_of_read']:.0%} |")
+        b, g, t = r["bound"], r["grpokit"], r["trl"]
+        for phase, key in (("rollout (prefill + decode)", "rollout_s"), ("train (rewards, scoring, update)", "train_s"),
+                           ("whole step", "s_per_opt_step")):
+            bound = b[{"rollout_s": "rollout", "train_s": "train", "s_per_opt_step": "step"}[key]]
+            lines.append(f"| {r['config']} | {phase} | {bound:.3f} | {g[key]:.3f} | {g[key] / bound:.2f}x "
+                         f"| {t[key]:.3f} | {t[key] / bound:.2f}x |")
     return "\n".join(lines)
 
 
@@ -492,7 +525,7 @@ def main() -> None:
           f"copy bandwidth: {bw_start:.1f} GB/s at start, {bw_end:.1f} at end; read bandwidth {read_start:.1f} / "
           f"{read_end:.1f}", ""]
     if rows:
-        md += [table(rows), "", decode_table(rows, bandwidth, read_bw), "", growth_table(rows)]
+        md += [table(rows), "", bounds_table(rows, peak, read_bw), "", growth_table(rows)]
     if levers:
         md += ["", lever_table(levers)]
     if abl:
