@@ -138,11 +138,13 @@ class RolloutConfig:
     # same either way, so they exist for benchmark ablations: the token sampler (inverse_cdf | gumbel),
     # a KV cache preallocated for the whole answer, one prefill per prompt shared by its G answers, and
     # the decode's matmuls through oneDNN on weights packed once per rollout (CPU, fp32/bf16: a 0.5B decode
-    # step 2.1x faster on a 2-core AMD EPYC, for a second copy of the linear weights while sampling).
+    # step 2.1x faster on a 2-core AMD EPYC, for a second copy of the linear weights while sampling), and
+    # one-token decode steps as a plain loop over a Llama-family model's layers (rollout/layer_loop.py).
     sampler: str = "inverse_cdf"
     preallocated_kv_cache: bool = True
     shared_prefill: bool = True
     packed_weights: bool = True
+    layer_loop: bool = True
     # Asynchronous rollout (docs/ASYNC.md): workers sample while the trainer updates
     mode: str = "sync"  # sync (sample, then train) | async (worker processes sample while the trainer updates)
     max_staleness: int = 1  # async: steps an answer's weights may lag the trainer's (0 = the newest; TRL's name)
@@ -157,11 +159,11 @@ class RolloutConfig:
         check_async(self)
         one_of(self.engine, ENGINES, "rollout.engine")
         one_of(self.sampler, SAMPLERS, "rollout.sampler")
-        builtin = (self.sampler, self.preallocated_kv_cache, self.shared_prefill, self.packed_weights) == (
-            "inverse_cdf", True, True, True)
+        builtin = (self.sampler, self.preallocated_kv_cache, self.shared_prefill, self.packed_weights,
+                   self.layer_loop) == ("inverse_cdf", True, True, True, True)
         check(self.engine == "hf" or builtin, "rollout.engine",
-               "rollout.sampler, rollout.preallocated_kv_cache, rollout.shared_prefill and rollout.packed_weights "
-               "are options of the built-in sampler (engine = \"hf\"); vLLM samples its own way: leave them at "
+               "rollout.sampler, rollout.preallocated_kv_cache, rollout.shared_prefill, rollout.packed_weights and "
+               "rollout.layer_loop are options of the built-in sampler (engine = \"hf\"); vLLM samples its own way: leave them at "
                "their defaults")
         check_vllm(self)
         check(self.engine == "vllm" or not self.vllm, "rollout.vllm", "set only with rollout.engine = \"vllm\"")
@@ -183,7 +185,7 @@ class TrainConfig:
     prompts_per_step: int = 8  # B; one generation batch has B * G answers
     minibatch_size: int = 0  # answers per optimizer step; 0 = the whole generation batch
     micro_batch_size: int = 0  # answers per forward/backward; 0 = the minibatch
-    micro_batch_grouping: str = "length"  # length (similar-length answers where exact: update.py) | rows (row order)
+    micro_batch_grouping: str = "length"  # length (similar lengths where exact; dapo: token budget) | rows (row order)
     learning_rate: float = 1e-6
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.99)

@@ -42,6 +42,7 @@ from torch import Tensor
 from grpokit.models.forward import position_ids_from_mask
 from grpokit.models.media import RowMedia
 from grpokit.rollout.batch import Rollout, left_pad
+from grpokit.rollout.layer_loop import layer_loop_for
 from grpokit.rollout.sampling import sample_tokens
 from grpokit.rollout.vision import MediaPrefill, suppressed_tokens
 
@@ -54,6 +55,8 @@ def _preallocated_layer(capacity: int):
     from transformers.cache_utils import DynamicLayer
 
     class PreallocatedLayer(DynamicLayer):
+        preallocated = True  # rollout/layer_loop.py writes into it directly
+
         def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
             n, h, _, _ = key_states.shape
             self.device, self.length = key_states.device, 0
@@ -102,7 +105,7 @@ class Decoder:
     cache layers are replaced by preallocated ones sized for ``capacity`` positions.
     """
 
-    def __init__(self, model, capacity: int | None = None, media: RowMedia | None = None):
+    def __init__(self, model, capacity: int | None = None, media: RowMedia | None = None, layer_loop: bool = True):
         from transformers import DynamicCache
         from transformers.cache_utils import DynamicLayer
 
@@ -115,9 +118,13 @@ class Decoder:
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.keep_last = "logits_to_keep" in params
         self.media = None if media is None else MediaPrefill(media)  # prompts with images (rollout/vision.py)
+        # one-token steps without transformers' per-step Python, where that is the same computation
+        self.layer_loop = layer_loop_for(model, self.cache) if layer_loop and media is None else None
 
     def __call__(self, ids: Tensor, mask: Tensor, positions: Tensor) -> Tensor:
         """Run ids [n, L] (mask [n, past+L], positions [n, L]); return last logits [n, V]."""
+        if self.layer_loop is not None and ids.shape[1] == 1 and self.cache.get_seq_length() > 0:
+            return self.layer_loop(ids, mask, positions)  # [n, V]
         return self.all_logits(ids, mask, positions, keep=1)[:, -1, :]  # [n, V]
 
     def all_logits(self, ids: Tensor, mask: Tensor, positions: Tensor, keep: int | None = None, images=None
@@ -174,13 +181,14 @@ def _stop_string_hits(tokens: Tensor, rows: Tensor, t: int, tokenizer, stops, wi
 
 def _decode_loop(model, ids: Tensor, mask: Tensor, *, group_size: int, max_new_tokens: int,
                  eos: Tensor | None, pad_token_id: int, sampling: dict, stops: tuple[str, ...],
-                 tokenizer, preallocate: bool = True, media: RowMedia | None = None
+                 tokenizer, preallocate: bool = True, media: RowMedia | None = None, layer_loop: bool = True
                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Prefill [B, P] once (with `media`: the B prompts' images), expand to N rows and decode them.
 
     Returns tokens and logprobs [N, max_new_tokens], lengths [N] and finished [N].
     """
-    step = Decoder(model, capacity=ids.shape[1] + max_new_tokens if preallocate else None, media=media)
+    step = Decoder(model, capacity=ids.shape[1] + max_new_tokens if preallocate else None, media=media,
+                   layer_loop=layer_loop)
     positions = position_ids_from_mask(mask)  # [B, P]
     logits = step(ids, mask, positions)  # [B, V]: the prefill runs on B rows, not N
     step.repeat_rows(group_size)
@@ -261,7 +269,8 @@ def sample_groups(
     eos_token_ids: int | Sequence[int] | None, pad_token_id: int, temperature: float = 1.0,
     top_p: float = 1.0, top_k: int = 0, stop_strings: Sequence[str] = (), tokenizer=None,
     generator: torch.Generator | None = None, ignore_eos: bool = False, sampler: str = "inverse_cdf",
-    preallocate_kv_cache: bool = True, share_prefill: bool = True, media: RowMedia | None = None,
+    preallocate_kv_cache: bool = True, share_prefill: bool = True, layer_loop: bool = True,
+    media: RowMedia | None = None,
 ) -> Rollout:
     """Sample ``group_size`` completions for each prompt; see the module docstring for how.
 
@@ -274,10 +283,11 @@ def sample_groups(
     ordinary ones: inference tensors cannot be used in autograd, and the
     trainer indexes its differentiable logits with ``completion_ids``.
 
-    The last three options change speed, not the distribution (`rollout.sampler`,
-    `rollout.preallocated_kv_cache`, `rollout.shared_prefill`; benchmark ablations): the
-    token sampler, a preallocated KV cache (False: transformers' DynamicCache, which
-    concatenates every step), and one prefill per prompt (False: all N = B*G rows).
+    The last four options change speed, not the distribution (`rollout.sampler`,
+    `rollout.preallocated_kv_cache`, `rollout.shared_prefill`, `rollout.layer_loop`; benchmark
+    ablations): the token sampler, a preallocated KV cache (False: transformers' DynamicCache, which
+    concatenates every step), one prefill per prompt (False: all N = B*G rows), and decode steps as
+    a plain loop over the layers where that is the model's own computation (rollout/layer_loop.py).
 
     `media` (`models.media.RowMedia`, one row per prompt): the prompts' images, for a vision-language
     model (rollout/vision.py): they go into the prefill only, Qwen2-VL's decode positions carry its
@@ -306,7 +316,7 @@ def sample_groups(
                 model, ids if share else ids.repeat_interleave(group_size, 0),
                 mask if share else mask.repeat_interleave(group_size, 0), group_size=group_size if share else 1,
                 max_new_tokens=max_new_tokens, eos=eos, pad_token_id=pad_token_id, sampling=sampling, stops=stops,
-                tokenizer=tokenizer, preallocate=preallocate_kv_cache,
+                tokenizer=tokenizer, preallocate=preallocate_kv_cache, layer_loop=layer_loop,
                 media=None if media is None else media if share else media.repeat_interleave(group_size))
     finally:
         model.train(was_training)

@@ -69,6 +69,7 @@ class HFEngine(EngineBase):
                     eos_token_ids=list(s.eos_token_ids), pad_token_id=s.pad_token_id, tokenizer=self.tokenizer,
                     tools=self.tools, max_tool_turns=self.max_tool_turns, temperature=s.temperature, top_p=s.top_p,
                     top_k=s.top_k, generator=generator, sampler=self.speed.get("sampler", "inverse_cdf"),
+                    layer_loop=self.speed.get("layer_loop", True),
                     history=self.history, media=media, render_results=self.tool_images)
                 return rollout
             return sample_groups(
@@ -91,7 +92,7 @@ def build_engine(config, model, tokenizer, *, tools: ToolBox | None = None) -> R
     if r.engine == "hf":
         return HFEngine(model, tokenizer, tools=tools, max_tool_turns=config.tools.max_calls, sampler=r.sampler,
                         preallocate_kv_cache=r.preallocated_kv_cache, share_prefill=r.shared_prefill,
-                        packed_weights=r.packed_weights,
+                        layer_loop=r.layer_loop, packed_weights=r.packed_weights,
                         tool_images=tool_images_for(model, config.model.path) if tools else None)
     if "server" in r.vllm:  # vLLM on devices of its own, over HTTP (rollout/vllm_server.py)
         from grpokit.rollout.vllm_server import VLLMServerEngine

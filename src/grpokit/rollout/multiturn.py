@@ -79,7 +79,7 @@ def sample_conversations(
     top_p: float = 1.0, top_k: int = 0, generator: torch.Generator | None = None, sampler: str = "inverse_cdf",
     parse_calls: Callable[..., list[ToolCall]] | None = None,
     render_results: Callable[[list[ToolResult]], list[int]] | None = None,
-    history: ConversationHistory | None = None, media: RowMedia | None = None,
+    history: ConversationHistory | None = None, media: RowMedia | None = None, layer_loop: bool = True,
 ) -> tuple[Rollout, ToolStats]:
     """Sample `group_size` multi-turn answers per prompt; see the module docstring. `tools` is one tool
     box for every answer, or one per answer (N, group by group: environments' own methods).
@@ -110,7 +110,7 @@ def sample_conversations(
     try:
         with torch.inference_mode():
             answers = _loop(model, prompt_ids, group_size, max_new_tokens, eos, pad_token_id, tokenizer, tools,
-                            max_tool_turns, sampling, parse_calls, render, history, media)
+                            max_tool_turns, sampling, parse_calls, render, history, media, layer_loop)
     finally:
         model.train(was_training)
     # built outside inference mode: the trainer indexes its differentiable log-probs with these tensors
@@ -263,10 +263,11 @@ class _Answers:
 
 
 def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_turns, sampling, parse_calls,
-          render, history=None, media=None):
+          render, history=None, media=None, layer_loop=True):
     """The decode loop; returns the `_Answers` it wrote."""
     ids, mask = left_pad(prompt_ids, pad_id, model.device)  # [B, P]
-    step = Decoder(model, capacity=ids.shape[1] + budget, media=media)  # grows if holes need more room
+    step = Decoder(model, capacity=ids.shape[1] + budget, media=media,  # grows if holes need more room
+                   layer_loop=layer_loop)
     positions = position_ids_from_mask(mask)  # [B, P]
     logits = step(ids, mask, positions).repeat_interleave(G, 0)  # [N, V]: B prompts prefilled once
     step.repeat_rows(G)

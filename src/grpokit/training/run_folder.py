@@ -60,7 +60,7 @@ RESUMABLE_FIELDS = frozenset({
     "train.gradient_checkpointing", "train.optimizer_in_backward",  # (the same AdamW state either way)
     "train.keep_freed_memory", "train.onednn_linear", "train.num_threads",
     "rollout.preallocated_kv_cache", "rollout.shared_prefill",
-    "rollout.packed_weights",
+    "rollout.packed_weights", "rollout.layer_loop",
     # where and how far ahead the answers are sampled (sync or async workers), and the lag's correction:
     # the trainer's state is the same either way
     "rollout.mode", "rollout.max_staleness", "rollout.weight_sync_every", "rollout.workers", "rollout.worker_threads",

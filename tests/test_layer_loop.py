@@ -1,0 +1,103 @@
+"""rollout/layer_loop.py: one-token decode steps as a plain loop over a Llama-family model's layers.
+
+The loop must be the model's own computation: the same samples and log-probs as decoding through the
+model (left-padded prompts, answers ending at EOS so rows leave the batch, the oneDNN packed weights),
+and it must step aside wherever it would not be (another architecture, LoRA layers, hooks, a sliding
+window, transformers' own cache)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from grpokit.models.loading import load_model, load_tokenizer
+from grpokit.models.onednn import packed_linears
+from grpokit.models.tiny import build_tiny_model
+from grpokit.rollout.decode import Decoder, sample_groups
+from grpokit.rollout.layer_loop import layer_loop_for
+
+PROMPTS = ["12+7=", "3+45=", "100+100="]  # different lengths: left padding in the attention mask
+
+
+def _sample(model, tok, layer_loop: bool, packed: bool = False, **kw):
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    with packed_linears(model, 3 * 4, packed):
+        return sample_groups(model, ids, group_size=4, max_new_tokens=24, eos_token_ids=tok.eos_token_id,
+                             pad_token_id=tok.pad_token_id, temperature=1.0, layer_loop=layer_loop,
+                             generator=torch.Generator().manual_seed(3), **kw)
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def model_and_tok(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"loop-{request.param}")
+    build_tiny_model(path, arch=request.param, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, seed=0)
+    return load_model(path, device="cpu"), load_tokenizer(path)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["aten", "onednn_packed"])
+def test_the_layer_loop_samples_what_the_model_samples(model_and_tok, packed):
+    model, tok = model_and_tok
+    assert layer_loop_for(model, Decoder(model, capacity=64).cache) is not None  # it runs here
+    with_model = _sample(model, tok, layer_loop=False, packed=packed)
+    with_loop = _sample(model, tok, layer_loop=True, packed=packed)
+    assert with_model.completion_mask.sum(-1).tolist() == with_loop.completion_mask.sum(-1).tolist()
+    assert torch.equal(with_model.completion_ids, with_loop.completion_ids)
+    torch.testing.assert_close(with_loop.logprobs, with_model.logprobs, rtol=0, atol=1e-5)
+    assert (with_loop.completion_mask.sum(-1) < 24).any(), "some answers end early (rows leave the batch)"
+
+
+def test_the_layer_loop_logits_match_the_model_step_by_step(model_and_tok):
+    """Prefill through the model, then each step through both: the next-token logits agree to float rounding."""
+    model, tok = model_and_tok
+    ids = torch.tensor([[5, 6, 7, 8], [0, 0, 9, 10]])  # row 1 left-padded
+    mask = (ids != 0).long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        steps = [Decoder(model, capacity=16, layer_loop=flag) for flag in (False, True)]
+        assert steps[0].layer_loop is None and steps[1].layer_loop is not None
+        for step in steps:
+            step(ids, mask, positions)
+        token, pos = torch.tensor([[11], [12]]), positions[:, -1:] + 1
+        for _ in range(5):
+            mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
+            a, b = (step(token, mask, pos) for step in steps)
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+            token, pos = a.argmax(-1, keepdim=True), pos + 1
+
+
+def test_the_layer_loop_steps_aside_where_it_is_not_the_models_computation(model_and_tok, tmp_path):
+    model, _ = model_and_tok
+    preallocated = Decoder(model, capacity=32).cache
+    assert layer_loop_for(model, DynamicCache(config=model.config)) is None  # transformers' concatenating cache
+    handle = model.model.layers[0].mlp.register_forward_hook(lambda *a: None)  # a hook must see its calls
+    try:
+        assert layer_loop_for(model, preallocated) is None
+    finally:
+        handle.remove()
+    assert layer_loop_for(model, preallocated) is not None
+    if model.config.model_type != "qwen2":  # (Llama has no sliding window)
+        return
+    window = model.config.sliding_window, model.config.use_sliding_window
+    model.config.sliding_window, model.config.use_sliding_window = 8, True
+    try:
+        assert layer_loop_for(model, preallocated) is None
+    finally:
+        model.config.sliding_window, model.config.use_sliding_window = window
+
+
+def test_lora_layers_decode_through_the_model(tiny_model_dir):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(load_model(tiny_model_dir, device="cpu"),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_alpha=8))
+    base = model.get_base_model()
+    assert layer_loop_for(base, Decoder(base, capacity=32).cache) is None  # q_proj is a LoRA layer now
+    assert layer_loop_for(model, Decoder(model, capacity=32).cache) is None
+
+
+def test_other_architectures_decode_through_the_model(tmp_path):
+    path = tmp_path / "gpt2"
+    build_tiny_model(path, arch="gpt2", hidden_size=32, num_layers=2, num_heads=4, seed=0)
+    model = load_model(path, device="cpu")
+    assert layer_loop_for(model, Decoder(model, capacity=32).cache) is None
