@@ -80,6 +80,11 @@ ABLATIONS = [
      {"reward": "half_unsolvable", "grpokit_train": {"skip_zero_advantage": False}}),
     ("R: old log-probs recomputed (TRL's way)", "R", {"grpokit_algorithm": {"old_logprobs": "recompute"}}),
     ("R: old log-probs from the sampler", "R", {"grpokit_algorithm": {"old_logprobs": "sampler"}}),
+    ("MV: all fast paths", "MV", {}),
+    ("MV: layer loop off (one-token decode steps through transformers' forward)", "MV",
+     {"grpokit_rollout": {"layer_loop": False}}),
+    ("MV: micro-batches in row order (no length grouping, no token budget)", "MV",
+     {"grpokit_train": {"micro_batch_grouping": "rows"}}),
 ]
 # Memory levers (grpokit only, --levers): what each costs in time and saves in peak RSS, against the main row
 CHECKPOINTING = {"grpokit_train": {"gradient_checkpointing": True}}
@@ -322,19 +327,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_ablations(peak: float, runs: int) -> list[dict]:
-    """Every ablation row `runs` times, round-robin over the rows (slow drifts of the machine then
-    touch every row alike); each row reports its median run."""
-    done: dict[int, list[dict]] = {i: [] for i in range(len(ABLATIONS))}
+def run_ablations(peak: float, runs: int, match: str = "") -> list[dict]:
+    """Every ablation row (whose label contains `match`) `runs` times, round-robin over the rows (slow drifts
+    of the machine then touch every row alike); each row reports its median run."""
+    chosen = [a for a in ABLATIONS if match in a[0]]
+    done: dict[int, list[dict]] = {i: [] for i in range(len(chosen))}
     for round_ in range(runs):
-        for i, (label, name, changes) in enumerate(ABLATIONS):
+        for i, (label, name, changes) in enumerate(chosen):
             c = CONFIGS[name]
             r = run_worker("grpokit", spec_for(name, steps=c["steps"], **changes))
             done[i].append(r)
             log(f"ablation [{name}] {label} (run {round_ + 1}): {r['s_per_opt_step']:.3f} s/step "
                 f"(rollout {r['rollout_s']:.3f}, train {r['train_s']:.3f}), rss {r['peak_rss_mb']:.0f} MB")
     rows = []
-    for i, (label, name, _) in enumerate(ABLATIONS):
+    for i, (label, name, _) in enumerate(chosen):
         c, runs_i = CONFIGS[name], done[i]
         shape = model_shape(str(HERE / "out" / "models" / c["model"]))
         fl = step_flops(shape, B=c["B"], G=COMMON["G"], P=PROMPT_TOKENS, T=c["L"], beta=c["beta"], mu=c["mu"],
@@ -469,6 +475,7 @@ def main() -> None:
     ap.add_argument("--ablations", action="store_true", help="also run the grpokit ablation rows")
     ap.add_argument("--ablations-only", action="store_true")
     ap.add_argument("--ablation-runs", type=int, default=3, help="runs per ablation row (the median is reported)")
+    ap.add_argument("--ablation-match", default="", help="only the ablation rows whose label contains this text")
     ap.add_argument("--malloc-study", action="store_true",
                     help="also S and M with glibc malloc tuned for both systems (MALLOC_TUNED)")
     ap.add_argument("--levers", action="store_true", help="also the memory levers (LEVERS) on X and L, grpokit only")
@@ -510,7 +517,7 @@ def main() -> None:
     names = [] if args.ablations_only else only
     rows = [summarize(n, r, peak, bandwidth, read_bw) for n, r in zip(names, results)]
     levers = run_levers(rows, args.lever_runs, args.lever_match) if args.levers else []
-    abl = run_ablations(peak, args.ablation_runs) if args.ablations or args.ablations_only else []
+    abl = run_ablations(peak, args.ablation_runs, args.ablation_match) if args.ablations or args.ablations_only else []
     mal = malloc_study(rows) if args.malloc_study else []
     report = {"trl_env": TRL_ENV, "machine": machine(), "load_start": start_load, "load_end": load(),
               "peak_gflops": peak, "peak_start": peak_start, "peak_end": peak_end, "bandwidth_gb_s": bandwidth,

@@ -163,8 +163,8 @@ class RolloutConfig:
                    self.layer_loop) == ("inverse_cdf", True, True, True, True)
         check(self.engine == "hf" or builtin, "rollout.engine",
                "rollout.sampler, rollout.preallocated_kv_cache, rollout.shared_prefill, rollout.packed_weights and "
-               "rollout.layer_loop are options of the built-in sampler (engine = \"hf\"); vLLM samples its own way: leave them at "
-               "their defaults")
+               "rollout.layer_loop are options of the built-in sampler (engine = \"hf\"); vLLM samples its own way: "
+               "leave them at their defaults")
         check_vllm(self)
         check(self.engine == "vllm" or not self.vllm, "rollout.vllm", "set only with rollout.engine = \"vllm\"")
         check(self.engine != "vllm" or installed("vllm"), "rollout.engine",
