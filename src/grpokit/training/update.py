@@ -162,7 +162,8 @@ def micro_batches_of(config: Config, batch: GenerationBatch, rows: torch.Tensor)
     Only where the loss and its gradient are unchanged by the grouping. dapo, cispo and vespo divide every
     token by the minibatch's token count, so any split is exact: their rows go into micro-batches of any
     size under a token budget (`token_budget_split`), many short answers together, a few long ones
-    together. grpo, sapo, luspo and dr_grpo weigh each row by 1/(rows of its micro-batch): sorted, in
+    together (except with an entropy term, with the AdamW step in the backward, which needs one backward,
+    and with FSDP). grpo, sapo, luspo and dr_grpo weigh each row by 1/(rows of its micro-batch): sorted, in
     micro-batches of the configured size (the rows of a short last micro-batch stay in it). bnpo's
     per-micro-batch token count, the token_mean entropy bonus and the top-entropy quantile read the
     micro-batch's tokens: row order."""
@@ -172,7 +173,9 @@ def micro_batches_of(config: Config, batch: GenerationBatch, rows: torch.Tensor)
             or token_mean_bonus or algo.top_entropy_quantile < 1:
         return list(rows.split(size))
     lengths = batch.rollout.completion_mask[rows].sum(-1).clamp(min=1)  # [n]
-    if algo.sums_over_global_tokens and not algo.uses_entropy and not config.train.optimizer_in_backward:
+    # (FSDP's forward gathers the weights with the other processes: every process must run as many micro-steps)
+    if algo.sums_over_global_tokens and not algo.uses_entropy and not config.train.optimizer_in_backward \
+            and not config.model.fsdp:
         order = lengths.argsort(descending=True, stable=True).to(rows.device)
         budget = size * int(lengths.max())  # never more tokens than the row-order split's largest micro-batch
         return list(rows[order].split(token_budget_split(lengths[order].tolist(), budget)))
