@@ -214,7 +214,8 @@ def test_no_token_budget_where_the_micro_step_count_is_fixed(tiny_model_dir, rol
     """FSDP gathers weights inside every forward (each process must run as many micro-steps) and the AdamW step
     in the backward needs its one backward: fixed-size micro-batches there, still sorted by length."""
     config = _config(tiny_model_dir, "length", loss_type="dapo")
-    config = dataclasses.replace(config, **{k: dataclasses.replace(getattr(config, k), **v) for k, v in setting.items()})
+    config = dataclasses.replace(config, **{k: dataclasses.replace(getattr(config, k), **v)
+                                            for k, v in setting.items()})
     micro = micro_batches_of(config, _batch(rollout, off_policy=False, beta=0.0), torch.arange(12))
     assert [len(m) for m in micro] == ([MICRO] * 3 if "model" in setting else [12])
     assert [LENGTHS[i] for i in torch.cat(micro)] == (sorted(LENGTHS, reverse=True) if "model" in setting
