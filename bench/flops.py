@@ -66,8 +66,10 @@ def phase_bounds(shape: dict, *, B: int, G: int, P: int, lengths: list[int], bet
              FLOPs at the peak and its bytes at the read bandwidth: every weight once (fp32) plus the KV
              cache of the rows still decoding (2 x layers x KV width x context, fp32); a row of length t
              runs t - 1 decode steps (its last token is never fed back).
-    train:   forward + backward FLOPs over every answer's prompt + answer (logits on the answer), mu
-             passes, and the reference forward when beta > 0, at the peak.
+    train:   forward + backward FLOPs at the peak, mu passes (and the reference forward when beta > 0): each
+             prompt once (its G answers share it: grpokit's shared prompt forward), each answer's tokens with
+             their attention to the prompt and logits. (MFU's model FLOPs count the prompt once per answer, as
+             the earlier figures did; the bound counts the least work.)
     """
     peak, bw = peak_gflops * 1e9, read_gb_s * 1e9
     weight_bytes = 4 * (shape["P_body"] + shape["P_head"])
@@ -80,7 +82,8 @@ def phase_bounds(shape: dict, *, B: int, G: int, P: int, lengths: list[int], bet
         decode += max(flops / peak, (weight_bytes + kv_per_position * sum(contexts)) / bw)
     fl = step_flops(shape, B=B, G=G, P=P, T=max(lengths), beta=beta, mu=mu, lengths=lengths)
     rollout = (fl["prefill"] / peak + decode) / mu
-    train = (fl["train_pass"] * mu + fl["reference"]) / peak / mu
+    forward = _forward(shape, B, P, 0, 0) + fl["decode"]  # the prompts once, the answers with their logits
+    train = (3 * forward * mu + (forward if beta > 0 else 0.0)) / peak / mu
     return {"rollout": rollout, "train": train, "step": rollout + train, "decode": decode / mu}
 
 

@@ -8,8 +8,8 @@ batch index, and each system's sampler is made to end answer i at exactly its ta
 
 - grpokit: the built-in sampler's token draw (`grpokit.rollout.decode.sample_tokens`) is wrapped; at decode
   step t the rows whose target is t + 1 emit EOS (with its true log-prob) and no other row may. grpokit
-  drops finished rows from the batch, so which rows end is up to the wrapper: it ends the first k active
-  rows, k the number of targets equal to t + 1 (the multiset of lengths is what the work depends on).
+  drops finished rows from the batch; the wrapper follows which original rows are still decoding, so
+  answer i ends at target i on both systems.
 - TRL: `model.generate` gets a logits processor that masks EOS before a row's target and everything but
   EOS at it (transformers keeps finished rows in the batch, padding them, until the last row ends).
 
@@ -34,27 +34,30 @@ def expected_tokens(n: int, batches: int, **dist) -> list[list[int]]:
 
 
 def force_grpokit(dist: dict, n_rows: int, eos_id: int) -> None:
-    """Wrap grpokit's token draw so that generation batch b ends its answers at `target_lengths(n_rows, b)`."""
+    """Wrap grpokit's token draw so that generation batch b ends answer i at `target_lengths(n_rows, b)[i]`,
+    the row TRL's answer i gets (both order a batch's rows prompt by prompt, G answers each)."""
     from grpokit.rollout import decode
 
     draw = decode.sample_tokens
-    state = {"batch": -1, "t": 0, "ends": {}}
+    state: dict = {"batch": -1, "alive": []}
 
     def forced(logits, **kw):
         n = logits.shape[0]
-        if not state["ends"]:  # a new generation batch: its first decode step
-            state["batch"] += 1
-            state["t"] = 0
-            targets = target_lengths(n_rows, state["batch"], **dist)
-            state["ends"] = {length: targets.count(length) for length in set(targets)}
+        if not state["alive"]:  # a new generation batch: its first decode step
             assert n == n_rows, f"forced lengths expect {n_rows} rows, the sampler has {n}"
+            state["batch"] += 1
+            state["t"], state["targets"] = 0, target_lengths(n_rows, state["batch"], **dist)
+            state["alive"] = list(range(n_rows))  # the original rows still decoding, in the sampler's order
+        assert n == len(state["alive"]), "the sampler dropped rows the forced lengths did not end"
         tok, lp = draw(logits, **kw)  # the real draw: its cost stays in the measurement
-        k = state["ends"].pop(state["t"] + 1, 0)
         tok = tok.masked_fill(tok == eos_id, (eos_id + 1) % logits.shape[1])  # EOS only where forced
-        if k:
-            z = logits[:k].float() / (kw.get("temperature") or 1.0)
-            tok[:k] = eos_id
-            lp[:k] = z[:, eos_id] - z.logsumexp(-1)
+        ends = [j for j, row in enumerate(state["alive"]) if state["targets"][row] == state["t"] + 1]
+        if ends:
+            z = logits[ends].float() / (kw.get("temperature") or 1.0)
+            tok[ends] = eos_id
+            lp[ends] = z[:, eos_id] - z.logsumexp(-1)
+            ended = set(ends)  # the sampler drops them from its batch, keeping the others' order
+            state["alive"] = [row for j, row in enumerate(state["alive"]) if j not in ended]
         state["t"] += 1
         return tok, lp
 
@@ -70,8 +73,8 @@ def force_trl(model, dist: dict, n_rows: int, eos_id: int) -> None:
     batches = {"index": -1}
 
     class ForceLengths(LogitsProcessor):
-        def __init__(self, targets: list[int], prompt_len: int):
-            self.targets = torch.tensor(targets)  # [N]
+        def __init__(self, targets: list[int], prompt_len: int, device):
+            self.targets = torch.tensor(targets, device=device)  # [N]
             self.prompt_len = prompt_len
 
         def __call__(self, input_ids, scores):  # input_ids [N, P + t], scores [N, V]
@@ -88,7 +91,7 @@ def force_trl(model, dist: dict, n_rows: int, eos_id: int) -> None:
         assert ids.shape[0] == n_rows, f"forced lengths expect {n_rows} rows, generate has {ids.shape[0]}"
         batches["index"] += 1
         targets = target_lengths(n_rows, batches["index"], **dist)
-        procs = LogitsProcessorList([ForceLengths(targets, ids.shape[1])])
+        procs = LogitsProcessorList([ForceLengths(targets, ids.shape[1], ids.device)])
         return generate(*args, logits_processor=procs, **kwargs)
 
     model.generate = forced_generate

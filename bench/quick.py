@@ -4,6 +4,7 @@ run it; run it after each performance change and record its figure in BENCHMARKS
 
     .venv/bin/python bench/quick.py          # waits at most 30 s for a quiet machine before each run
     .venv/bin/python bench/quick.py 0        # does not wait (the others' load column says what it cost)
+    .venv/bin/python bench/quick.py 30 SV    # only these configurations
 
 S is bench/run.py's configuration S (64-wide 2-layer Qwen2, 32k BPE vocabulary, 4 prompts x G8 x 16
 tokens, 32-token prompts); S6 is S with the prompts cut to their first 6 tokens (grpokit's shared prefill
@@ -77,7 +78,8 @@ def main() -> None:
                    env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
     build_demo_model()
     rows = {}
-    for name, spec in specs().items():
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(specs())
+    for name, spec in [(n, s) for n, s in specs().items() if n in only]:
         g, t, tried = [], [], {}
         trl_spec = {**spec, "steps": 3 if name == "D" else spec["steps"], "gc": False}
         trl_run = lambda micro: run_worker("trl", {**trl_spec, "trl_per_device": micro}, extra_env=MALLOC_TUNED,  # noqa: E731

@@ -39,7 +39,7 @@ COMMON = dict(G=8, temperature=1.0, lr=1e-6, loss_type="dapo", reward="letter_fr
 # name: (model, B prompts, completion length, beta, mu, runs, grpokit steps, TRL cycles, grpokit micro-batch)
 CONFIGS = {
     "S": dict(model="S", B=4, L=16, beta=0.0, mu=1, runs=3, steps=4, trl_steps=4, micro=0),
-    "M": dict(model="M", B=8, L=128, beta=0.0, mu=1, runs=3, steps=2, trl_steps=2, micro=8),
+    "M": dict(model="M", B=8, L=128, beta=0.0, mu=1, runs=3, steps=2, trl_steps=2, micro=8, trl_micro=(8, 64)),
     "R": dict(model="M", B=8, L=128, beta=0.04, mu=2, runs=3, steps=2, trl_steps=1, micro=8),
     "X": dict(model="M", B=8, L=512, beta=0.0, mu=1, runs=3, steps=1, trl_steps=1, micro=8, trl_runs=1),
     # Qwen2.5-0.5B's architecture (bench/build_models.py), the whole batch per micro-step in both systems; TRL
@@ -343,8 +343,9 @@ def run_ablations(peak: float, runs: int, match: str = "") -> list[dict]:
     for i, (label, name, _) in enumerate(chosen):
         c, runs_i = CONFIGS[name], done[i]
         shape = model_shape(str(HERE / "out" / "models" / c["model"]))
-        fl = step_flops(shape, B=c["B"], G=COMMON["G"], P=PROMPT_TOKENS, T=c["L"], beta=c["beta"], mu=c["mu"],
-                        lengths=answer_lengths(name)[0])
+        fl = {"per_opt_step": sum(step_flops(shape, B=c["B"], G=COMMON["G"], P=PROMPT_TOKENS, T=c["L"],
+                                             beta=c["beta"], mu=c["mu"], lengths=lengths)["per_opt_step"]
+                                  for lengths in answer_lengths(name)) / len(answer_lengths(name))}
         s = median_of(runs_i, "s_per_opt_step")
         rows.append({"label": label, "config": name, "s_per_opt_step": s, "rollout_s": median_of(runs_i, "rollout_s"),
                      "train_s": median_of(runs_i, "train_s"), "peak_rss_mb": max(r["peak_rss_mb"] for r in runs_i),

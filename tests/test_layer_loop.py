@@ -15,7 +15,7 @@ from grpokit.models.loading import load_model, load_tokenizer
 from grpokit.models.onednn import packed_linears
 from grpokit.models.tiny import build_tiny_model
 from grpokit.rollout.decode import Decoder, sample_groups
-from grpokit.rollout.layer_loop import layer_loop_for
+from grpokit.rollout.layer_loop import LayerLoop, layer_loop_for
 
 PROMPTS = ["12+7=", "3+45=", "100+100="]  # different lengths: left padding in the attention mask
 
@@ -101,3 +101,40 @@ def test_other_architectures_decode_through_the_model(tmp_path):
     build_tiny_model(path, arch="gpt2", hidden_size=32, num_layers=2, num_heads=4, seed=0)
     model = load_model(path, device="cpu")
     assert layer_loop_for(model, Decoder(model, capacity=32).cache) is None
+
+
+def test_multi_turn_sampling_is_the_same_with_the_layer_loop(tiny_model_dir, monkeypatch):
+    """The multi-turn sampler's one-token steps take the loop (masks with holes, compacted caches); tool results
+    of several tokens go through the model. Same conversations, same log-probs."""
+    from grpokit.rollout.multiturn import sample_conversations
+    from grpokit.rollout.tools import ToolBox, ToolCall
+
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first number.
+            b: The second number.
+        """
+        return a + b
+
+    model, tok = load_model(tiny_model_dir, device="cpu"), load_tokenizer(tiny_model_dir)
+    digits = [tok.convert_tokens_to_ids(d) for d in "0123456789="]
+    ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+
+    def sample(layer_loop: bool):
+        return sample_conversations(
+            model, ids, group_size=3, max_new_tokens=24, eos_token_ids=digits, pad_token_id=tok.pad_token_id,
+            tokenizer=tok, tools=ToolBox([add]), max_tool_turns=2, generator=torch.Generator().manual_seed(0),
+            layer_loop=layer_loop, parse_calls=lambda text, **_: [ToolCall("add", {"a": len(text), "b": 1})],
+            render_results=lambda results: tok.encode("<" + ",".join(r.content for r in results) + ">",
+                                                      add_special_tokens=False))
+
+    (a, stats) = sample(False)
+    calls = []
+    real = LayerLoop.__call__
+    monkeypatch.setattr(LayerLoop, "__call__", lambda self, *x: calls.append(1) or real(self, *x))
+    b, _ = sample(True)
+    assert max(stats.turns) > 1 and len(calls) > 10  # tool results were fed; the sampled tokens took the loop
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.tool_mask, b.tool_mask)
+    torch.testing.assert_close(b.logprobs, a.logprobs, rtol=0, atol=1e-5)

@@ -120,8 +120,9 @@ def test_length_grouping_gives_the_row_order_loss_and_gradient(tiny64, tiny_mode
     else:
         assert [m.tolist() for m in micro_len] == [m.tolist() for m in micro_rows]
     if algo["loss_type"] in GLOBAL_TOKEN_LOSSES and "entropy_coef" not in algo:  # any sizes, under the budget
+        P = batch.rollout.prompt_ids.shape[1]
         longest = int(batch.rollout.completion_mask[rows].sum(-1).max())
-        assert max(_padded_tokens(batch, [m]) for m in micro_len) <= MICRO * longest
+        assert max(_padded_tokens(batch, [m]) + len(m) * P for m in micro_len) <= MICRO * (P + longest)
     else:
         assert [len(m) for m in micro_len] == [len(m) for m in micro_rows]
     assert loss_len == pytest.approx(loss_rows, rel=1e-12, abs=1e-14)
@@ -143,14 +144,16 @@ def test_length_grouping_with_the_shared_prompt_forward(tiny64, tiny_model_dir, 
 
 def test_row_weighted_losses_keep_the_short_last_micro_batch(tiny_model_dir, rollout):
     """grpo weighs a row by 1/(rows of its micro-batch): the 2 rows of a short last micro-batch stay there;
-    dapo divides by the minibatch's tokens: every row may move."""
+    dapo divides by the minibatch's tokens: every row may move, and the answers the zero-advantage skip leaves
+    out (rows 0 and 1) share a micro-batch of their own, where no forward runs."""
     batch = _batch(rollout, off_policy=False, beta=0.0)
     rows = torch.arange(10)
     grpo = micro_batches_of(_config(tiny_model_dir, "length", loss_type="grpo"), batch, rows)
     assert grpo[-1].tolist() == [8, 9]
     assert [LENGTHS[i] for i in torch.cat(grpo[:-1])] == sorted(LENGTHS[:8], reverse=True)
     dapo = micro_batches_of(_config(tiny_model_dir, "length", loss_type="dapo"), batch, rows)
-    assert [LENGTHS[i] for i in torch.cat(dapo)] == sorted(LENGTHS[:10], reverse=True)
+    assert [LENGTHS[i] for i in torch.cat(dapo[:-1])] == sorted(LENGTHS[2:10], reverse=True)
+    assert dapo[-1].tolist() == [0, 1]
 
 
 def test_optimize_groups_by_length_by_default(tiny64, tiny_model_dir, rollout, monkeypatch):
@@ -168,8 +171,9 @@ def test_optimize_groups_by_length_by_default(tiny64, tiny_model_dir, rollout, m
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     policy = Policy(model, None, True, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
     optimize(_config(tiny_model_dir, "length"), policy, _batch(rollout, off_policy=False, beta=0.0))
-    # dapo (the default): a token budget of 4 x 24, the short answers in one micro-batch of 8
-    assert [[LENGTHS[i] for i in m] for m in seen] == [[24, 24, 17, 9], [5, 3, 3, 2, 2, 2, 1, 1]]
+    # dapo (the default): a token budget of 4 x (6 prompt + 24 answer tokens), the short answers in one
+    # micro-batch of 7, the two zero-advantage answers (rows 0 and 1) in one of their own
+    assert [[LENGTHS[i] for i in m] for m in seen] == [[24, 17, 9], [5, 3, 3, 2, 2, 2, 1], [24, 1]]
 
 
 def test_micro_batch_grouping_is_checked():
@@ -187,22 +191,25 @@ def _compositions(n: int):
             yield [first, *rest]
 
 
-@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("seed", range(30))
 def test_token_budget_split_is_the_cheapest_split_under_the_budget(seed):
-    """The dynamic programme against every split of up to 9 sorted answers: the least padded tokens plus
-    the per-micro-batch overhead, and no micro-batch over the budget."""
+    """The dynamic programme against every split of up to 9 sorted answers: the least padded answer tokens plus
+    each micro-batch's distinct prompts and overhead, and no micro-batch over the budget."""
     gen = torch.Generator().manual_seed(seed)
     n = int(torch.randint(1, 10, (1,), generator=gen))
     lengths = sorted(torch.randint(1, 60, (n,), generator=gen).tolist(), reverse=True)
-    budget, overhead = int(torch.randint(lengths[0], 4 * lengths[0] + 1, (1,), generator=gen)), seed % 3 * 16
+    prompts = torch.randint(0, 3, (n,), generator=gen).tolist()
+    prompt_tokens, overhead = seed % 4 * 8, seed % 3 * 16
+    budget = int(torch.randint(lengths[0] + prompt_tokens, 4 * (lengths[0] + prompt_tokens) + 1, (1,), generator=gen))
 
     def cost(sizes):
         starts = [sum(sizes[:k]) for k in range(len(sizes))]
-        if any(s * lengths[a] > budget for s, a in zip(sizes, starts)):
+        if any(s * (lengths[a] + prompt_tokens) > budget for s, a in zip(sizes, starts)):
             return None
-        return sum(s * lengths[a] + overhead for s, a in zip(sizes, starts))
+        return sum(s * lengths[a] + len(set(prompts[a:a + s])) * prompt_tokens + overhead
+                   for s, a in zip(sizes, starts))
 
-    got = token_budget_split(lengths, budget, overhead)
+    got = token_budget_split(lengths, prompts, prompt_tokens, budget, overhead)
     assert sum(got) == n and cost(got) is not None
     assert cost(got) == min(c for c in map(cost, _compositions(n)) if c is not None)
 
@@ -220,3 +227,20 @@ def test_no_token_budget_where_the_micro_step_count_is_fixed(tiny_model_dir, rol
     assert [len(m) for m in micro] == ([MICRO] * 3 if "model" in setting else [12])
     assert [LENGTHS[i] for i in torch.cat(micro)] == (sorted(LENGTHS, reverse=True) if "model" in setting
                                                       else LENGTHS)
+
+
+@pytest.mark.parametrize("shared_prompts", [True, False], ids=["shared_prompt_forward", "every_row_its_prompt"])
+def test_long_prompts_keep_their_groups_together(tiny_model_dir, rollout, shared_prompts):
+    """Sorting by length scatters a prompt's answers over micro-batches, and the shared prompt forward then runs
+    the prompt once per micro-batch instead of once: with 200-token prompts and answers of 9-10 tokens the
+    row order computes less and is kept; without the shared forward every row runs its prompt anyway and the
+    sorted split (less padding) is taken."""
+    lengths = torch.tensor([10, 9, 9, 10, 9, 10, 10, 9, 9, 9, 10, 10])
+    mask = (torch.arange(T_MAX)[None, :] < lengths[:, None]).to(rollout.completion_mask.dtype)  # [N, T]
+    prompts = rollout.prompt_ids[:, :1].repeat(1, 200) + torch.arange(12)[:, None] // G  # [N, 200]: 3 prompts
+    long = dataclasses.replace(rollout, completion_mask=mask, prompt_ids=prompts, prompt_mask=torch.ones_like(prompts))
+    batch = _batch(long, off_policy=True, beta=0.0)
+    micro = micro_batches_of(_config(tiny_model_dir, "length", shared_prompts, loss_type="dapo"), batch,
+                             torch.arange(12))
+    row_order = [list(range(k, k + MICRO)) for k in range(0, 12, MICRO)]
+    assert ([m.tolist() for m in micro] == row_order) == shared_prompts

@@ -61,10 +61,12 @@ def test_when_zero_advantage_answers_may_skip_the_forward(beta, entropy_coef, qu
 
 def test_the_rollout_speed_options_reach_the_sampler(tiny_model_dir):
     config = Config(model=ModelConfig(path=str(tiny_model_dir), device="cpu"), data=DataConfig(path="d.jsonl"),
-                    rollout=RolloutConfig(sampler="gumbel", preallocated_kv_cache=False, shared_prefill=False))
+                    rollout=RolloutConfig(sampler="gumbel", preallocated_kv_cache=False, shared_prefill=False,
+                                          layer_loop=False))
     engine = build_engine(config, model=None, tokenizer=None)
     assert isinstance(engine, HFEngine)
-    assert engine.speed == {"sampler": "gumbel", "preallocate_kv_cache": False, "share_prefill": False}
+    assert engine.speed == {"sampler": "gumbel", "preallocate_kv_cache": False, "share_prefill": False,
+                            "layer_loop": False}
 
 
 @pytest.fixture(scope="module")

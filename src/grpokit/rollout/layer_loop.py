@@ -44,17 +44,16 @@ def layer_loop_for(model, cache) -> "LayerLoop | None":
         return None
     if not all(getattr(layer, "preallocated", False) for layer in cache.layers):
         return None
-    modules = [model, body, body.embed_tokens, body.norm, body.rotary_emb, model.lm_head, *layers]
-    if any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook") for m in modules):
-        return None
+    modules = [model, body, body.embed_tokens, body.norm, body.rotary_emb, model.lm_head]
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         if any(type(m) is not nn.Linear for m in linears) or hasattr(attn, "q_norm"):
             return None
-        if any(m._forward_hooks or m._forward_pre_hooks for m in (layer, attn, mlp, *linears)):
-            return None
-    if type(model.lm_head) is not nn.Linear:
+        modules += [layer, attn, mlp, layer.input_layernorm, layer.post_attention_layernorm, *linears]
+    # a hook (accelerate's offloading, a user's) must see every call: the loop would skip it
+    if type(model.lm_head) is not nn.Linear or any(m._forward_hooks or m._forward_pre_hooks or hasattr(m, "_hf_hook")
+                                                   for m in modules):
         return None
     return LayerLoop(model, cache)
 

@@ -368,6 +368,8 @@ def _feed(step: Decoder, feed: list[list[int]], mask: Tensor, next_pos: Tensor, 
         real[k, :len(f)] = 1
     offsets = (real.cumsum(-1) - 1).clamp(min=0)  # [n, R] holes repeat the last real position
     mask = torch.cat([mask, real], dim=1)  # [n, past+R]
+    if R == 1 and images is None:  # one sampled token per row: the decoder's one-token step (its layer loop)
+        return step(ids, mask, next_pos[:, None]), mask, next_pos + 1
     logits = step.all_logits(ids, mask, next_pos[:, None] + offsets, images=images)  # [n, R, V]
     last = real.sum(-1) - 1  # [n]
     return logits[torch.arange(n, device=mask.device), last], mask, next_pos + real.sum(-1)

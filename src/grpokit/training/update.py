@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import torch
 
 from grpokit.algorithms.mismatch import importance_correction
@@ -157,57 +158,112 @@ def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[di
 
 def micro_batches_of(config: Config, batch: GenerationBatch, rows: torch.Tensor) -> list[torch.Tensor]:
     """The minibatch's rows split into micro-batches: in row order (`micro_batch_size` each), or (grouping
-    "length") sorted by answer length so each micro-batch trims its padding to similar answers.
+    "length") sorted by answer length so each micro-batch trims its padding to similar answers, where that
+    computes less (`_forward_cost`: sorting scatters a prompt's answers, which the shared prompt forward
+    would run once) and the loss and its gradient are unchanged by it:
 
-    Only where the loss and its gradient are unchanged by the grouping. dapo, cispo and vespo divide every
-    token by the minibatch's token count, so any split is exact: their rows go into micro-batches of any
-    size under a token budget (`token_budget_split`), many short answers together, a few long ones
-    together (except with an entropy term, with the AdamW step in the backward, which needs one backward,
-    and with FSDP). grpo, sapo, luspo and dr_grpo weigh each row by 1/(rows of its micro-batch): sorted, in
-    micro-batches of the configured size (the rows of a short last micro-batch stay in it). bnpo's
-    per-micro-batch token count, the token_mean entropy bonus and the top-entropy quantile read the
-    micro-batch's tokens: row order."""
-    size, algo = config.micro_batch_size, config.algorithm
+    - dapo, cispo and vespo divide every token by the minibatch's token count, so any split is exact: the
+      answers that run a forward go into micro-batches of any size under a token budget
+      (`token_budget_split`: many short answers together, a few long ones together), and the answers the
+      zero-advantage skip leaves out into one micro-batch of their own (no forward runs on it). Not with an
+      entropy term, with the AdamW step in the backward (one backward) or with FSDP (its forward gathers
+      the weights with the other processes: every process must run as many micro-steps).
+    - grpo, sapo, luspo and dr_grpo weigh each row by 1/(rows of its micro-batch): sorted, in micro-batches
+      of the configured size (the rows of a short last micro-batch stay in it).
+    - bnpo's per-micro-batch token count, the token_mean entropy bonus and the top-entropy quantile read the
+      micro-batch's tokens: row order."""
+    size, algo, train = config.micro_batch_size, config.algorithm, config.train
+    in_row_order = list(rows.split(size))
     token_mean_bonus = (algo.entropy_coef > 0 or algo.adaptive_entropy) and algo.entropy_aggregation == "token_mean"
-    if config.train.micro_batch_grouping == "rows" or len(rows) <= 1 or algo.loss_type == "bnpo" \
+    if train.micro_batch_grouping == "rows" or len(rows) <= 1 or algo.loss_type == "bnpo" \
             or token_mean_bonus or algo.top_entropy_quantile < 1:
-        return list(rows.split(size))
-    lengths = batch.rollout.completion_mask[rows].sum(-1).clamp(min=1)  # [n]
-    # (FSDP's forward gathers the weights with the other processes: every process must run as many micro-steps)
-    if algo.sums_over_global_tokens and not algo.uses_entropy and not config.train.optimizer_in_backward \
+        return in_row_order
+    r = batch.rollout
+    cost = _ForwardCost(batch, rows, config)
+    if algo.sums_over_global_tokens and not algo.uses_entropy and not train.optimizer_in_backward \
             and not config.model.fsdp:
+        moving = rows[cost.moving]  # the answers that run a forward (all but the zero-advantage skip's)
+        idle = [rows[~cost.moving]] if not cost.moving.all() else []
+        lengths = r.completion_mask[moving].sum(-1).clamp(min=1)  # [m]
         order = lengths.argsort(descending=True, stable=True).to(rows.device)
-        budget = size * int(lengths.max())  # never more tokens than the row-order split's largest micro-batch
-        return list(rows[order].split(token_budget_split(lengths[order].tolist(), budget)))
-    if len(rows) <= size:
-        return [rows]
-    movable = len(rows) - len(rows) % size
-    order = lengths[:movable].argsort(descending=True, stable=True).to(rows.device)
-    return list(torch.cat([rows[:movable][order], rows[movable:]]).split(size))
+        budget = size * (cost.prompt_width + int(r.completion_mask[rows].sum(-1).max()))  # the row-order maximum
+        sizes = token_budget_split(lengths[order].tolist(), cost.prompt_ids(moving[order]), cost.prompt_tokens,
+                                   budget)
+        grouped = list(moving[order].split(sizes)) + idle
+    else:
+        if len(rows) <= size:
+            return [rows]
+        movable = len(rows) - len(rows) % size
+        lengths = r.completion_mask[rows[:movable]].sum(-1)  # [movable]
+        order = lengths.argsort(descending=True, stable=True).to(rows.device)
+        grouped = list(torch.cat([rows[:movable][order], rows[movable:]]).split(size))
+    return grouped if cost(grouped) < cost(in_row_order) else in_row_order
 
 
 MICRO_STEP_OVERHEAD_TOKENS = 32  # what one more forward/backward costs beyond its tokens, in token rows
 
 
-def token_budget_split(lengths: list[int], budget: int, overhead: int = MICRO_STEP_OVERHEAD_TOKENS) -> list[int]:
-    """Sizes of consecutive micro-batches over answers sorted longest first (`lengths`), each computing
-    rows x its longest answer <= `budget` padded tokens, that minimise the tokens computed (real and
-    padding) plus `overhead` per micro-batch (a micro-step's fixed cost: dispatch, reading the weights).
+class _ForwardCost:
+    """What a split of the minibatch's rows into micro-batches computes, in token rows: per micro-batch, its
+    running rows x its longest answer, its distinct prompts x the prompt width (the shared prompt forward
+    runs a prompt once per micro-batch; without it every row runs its own) and a fixed cost per micro-step."""
 
-    An exact dynamic programme over the split points (O(n x largest micro-batch)): best[j] is the least
-    cost of the first j answers, a micro-batch [i, j) costs (j - i) * lengths[i] + overhead."""
+    def __init__(self, batch: GenerationBatch, rows: torch.Tensor, config: Config):
+        r, n = batch.rollout, len(rows)
+        self.lengths, self.prompt_width = r.completion_mask.sum(-1), r.prompt_ids.shape[1]  # [N]
+        self.moving = torch.ones(n, dtype=torch.bool, device=rows.device)  # [n]
+        if config.skips_zero_advantage:
+            adv = batch.loss_advantages(rows, batch.loss_mask.shape[1])  # [n] or [n, T]
+            self.moving = (adv != 0).reshape(n, -1).any(-1).to(rows.device)
+        self.runs = torch.zeros(len(self.lengths), dtype=torch.bool, device=rows.device)  # [N]
+        self.runs[rows[self.moving]] = True
+        shared = config.train.shared_prompt_forward and not config.train.gradient_checkpointing
+        _, self.prompt_of = torch.unique(r.prompt_ids, dim=0, return_inverse=True)  # [N] one id per distinct prompt
+        self.prompt_of = self.prompt_of if shared else torch.arange(len(self.lengths))  # unshared: each its own
+        self.prompt_tokens = self.prompt_width
+
+    def prompt_ids(self, rows: torch.Tensor) -> list[int]:
+        return self.prompt_of[rows].tolist()
+
+    def __call__(self, micro_batches: list[torch.Tensor]) -> int:
+        total = 0
+        for m in micro_batches:
+            running = m[self.runs[m]]
+            if len(running):
+                total += len(running) * int(self.lengths[m].max()) + MICRO_STEP_OVERHEAD_TOKENS \
+                    + len(set(self.prompt_ids(running))) * self.prompt_tokens
+        return total
+
+
+def token_budget_split(lengths: list[int], prompts: list[int], prompt_tokens: int, budget: int,
+                       overhead: int = MICRO_STEP_OVERHEAD_TOKENS) -> list[int]:
+    """Sizes of consecutive micro-batches over answers sorted longest first (`lengths`, with their prompts'
+    ids), each holding at most `budget` padded tokens (rows x (prompt + its longest answer)), that minimise
+    the tokens computed: rows x longest answer + distinct prompts x `prompt_tokens` + `overhead` each.
+
+    An exact dynamic programme over the split points: best[j] is the least cost of the first j answers,
+    relaxed from every i < j at once per i (numpy), so n answers cost O(n x largest micro-batch) in C."""
     n = len(lengths)
-    best, cut = [0.0] + [math.inf] * n, [0] * (n + 1)
-    for i in range(n):  # a micro-batch starting at answer i (its longest) ...
+    last_seen: dict[int, int] = {}
+    earlier = np.empty(n, dtype=np.int64)  # [n] the previous answer with the same prompt, -1 for none
+    for k, p in enumerate(prompts):
+        earlier[k] = last_seen.get(p, -1)
+        last_seen[p] = k
+    best = np.full(n + 1, np.inf)
+    best[0] = 0.0
+    cut = np.zeros(n + 1, dtype=np.int64)
+    for i in range(n):  # micro-batches [i, j): answer i is the longest
         longest = max(lengths[i], 1)
-        for j in range(i + 1, min(n, i + max(budget // longest, 1)) + 1):  # ... and ending before j
-            cost = best[i] + (j - i) * longest + overhead
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
+        m = min(n - i, max(budget // (prompt_tokens + longest), 1))  # rows the budget allows
+        distinct = np.cumsum(earlier[i:i + m] < i)  # [m] distinct prompts among answers i .. i + k
+        cost = best[i] + np.arange(1, m + 1) * longest + distinct * prompt_tokens + overhead  # [m]
+        better = cost < best[i + 1:i + m + 1]
+        best[i + 1:i + m + 1][better] = cost[better]
+        cut[i + 1:i + m + 1][better] = i
     sizes, j = [], n
     while j:
-        sizes.append(j - cut[j])
-        j = cut[j]
+        sizes.append(int(j - cut[j]))
+        j = int(cut[j])
     return sizes[::-1]
 
 
