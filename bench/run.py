@@ -51,8 +51,9 @@ CONFIGS = {
     # also searches its micro-batch (answers per micro-step: it pads each to its longest answer)
     "MV": dict(model="M", B=8, L=512, beta=0.0, mu=1, runs=3, steps=2, trl_steps=2, micro=8, lengths="realistic",
                trl_micro=(4, 8, 64)),
+    # (TRL with all 16 answers in one micro-step was killed by the OOM killer at 24 GB, 2026-12-06: 4 only)
     "LV": dict(model="L", G=4, B=4, L=512, beta=0.0, mu=1, runs=2, steps=1, trl_steps=1, micro=0, trl_runs=1,
-               lengths="realistic", trl_micro=(4, 16)),
+               lengths="realistic", trl_micro=(4,)),
 }
 REALISTIC = dict(lo=16, hi=512, median=64, sigma=0.9, seed=0)  # answer lengths of a reasoning task (tokens)
 LARGE_MODELS = ("L",)  # (and LV)  # built only when a configuration asks for them (2 GB each)
@@ -243,13 +244,20 @@ def bench_config(name: str, log_runs: list) -> dict:
         # TRL: every setting in the first round, then the fastest one only
         for gc, tuned, micro in (list(trl) if best is None else [best]):
             per_device = {"trl_per_device": micro} if micro else {}
-            r = run_worker("trl", {**t_spec, "gc": gc, **per_device}, extra_env=MALLOC_TUNED if tuned else {})
+            try:
+                r = run_worker("trl", {**t_spec, "gc": gc, **per_device}, extra_env=MALLOC_TUNED if tuned else {})
+            except RuntimeError as e:  # a setting this machine cannot run (the OOM killer): not TRL's best
+                log(f"{name} {trl_label(gc, tuned, micro)}: {e}; left out")
+                del trl[(gc, tuned, micro)]
+                continue
             r["allocator_setting"] = tuned
             trl[(gc, tuned, micro)].append(r)
             log(f"{name} {trl_label(gc, tuned, micro)} run {len(trl[(gc, tuned, micro)])}: "
                 f"{r['s_per_opt_step']:.3f} s/step, rss {r['peak_rss_mb']:.0f} MB, "
                 f"others {r['others_cores']:.2f} cores")
         if best is None:
+            if not trl:
+                raise RuntimeError(f"{name}: TRL failed in every setting")
             best = min(trl, key=lambda s: trl[s][0]["s_per_opt_step"])
     log_runs.extend(grp + [r for runs in trl.values() for r in runs])
     return {"grpokit": grp, "trl": trl[best], "trl_gc": best[0], "trl_tuned": best[1], "trl_micro": best[2],
@@ -508,6 +516,8 @@ def main() -> None:
     if not args.ablations_only:
         for name in only:
             results.append(bench_config(name, runs))
+            # each configuration's raw runs as soon as it is done (a later crash must not lose them)
+            (HERE / "out" / f"runs-{stamp}.json").write_text(json.dumps(runs, indent=1))
     wait_quiet()
     peak_end = matmul_peak(COMMON["threads"])
     bw_end, read_end = measured_bandwidth(COMMON["threads"])
