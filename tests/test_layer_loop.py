@@ -76,6 +76,11 @@ def test_the_layer_loop_steps_aside_where_it_is_not_the_models_computation(model
     finally:
         handle.remove()
     assert layer_loop_for(model, preallocated) is not None
+    model.config._attn_implementation = "eager"  # another kernel: its rounding is the model's own
+    try:
+        assert layer_loop_for(model, preallocated) is None
+    finally:
+        model.config._attn_implementation = "sdpa"
     if model.config.model_type != "qwen2":  # (Llama has no sliding window)
         return
     window = model.config.sliding_window, model.config.use_sliding_window

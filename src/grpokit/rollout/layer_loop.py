@@ -13,7 +13,8 @@ with more than one new token still run the model itself.
 
 It applies only where it is the same computation: a model whose `model_type` is one of LAYER_LOOP_TYPES
 (Llama, Qwen2, Mistral: the same decoder layer; biases and `head_dim` are read from the modules), full
-attention in every layer, SiLU MLPs, plain `nn.Linear` projections (a peft LoRA layer, a quantised or a
+attention in every layer computed by torch's SDPA (`attn_implementation = "sdpa"`, transformers' default), SiLU
+MLPs, plain `nn.Linear` projections (a peft LoRA layer, a quantised or a
 hooked module is not one), and the preallocated KV cache (rollout/decode.py). Anything else returns None
 from `layer_loop_for` and decodes through the model as before.
 """
@@ -38,6 +39,8 @@ def layer_loop_for(model, cache) -> "LayerLoop | None":
     if layers is None or not hasattr(model, "lm_head") or len(cache.layers) != len(layers):
         return None
     if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) != 1:
+        return None
+    if getattr(config, "_attn_implementation", None) != "sdpa":  # eager / flash kernels round differently
         return None
     if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()) or \
             (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)):
