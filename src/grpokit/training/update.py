@@ -159,7 +159,7 @@ def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[di
 def micro_batches_of(config: Config, batch: GenerationBatch, rows: torch.Tensor) -> list[torch.Tensor]:
     """The minibatch's rows split into micro-batches: in row order (`micro_batch_size` each), or (grouping
     "length") sorted by answer length so each micro-batch trims its padding to similar answers, where that
-    computes less (`_forward_cost`: sorting scatters a prompt's answers, which the shared prompt forward
+    computes less (`_ForwardCost`: sorting scatters a prompt's answers, which the shared prompt forward
     would run once) and the loss and its gradient are unchanged by it:
 
     - dapo, cispo and vespo divide every token by the minibatch's token count, so any split is exact: the
@@ -187,7 +187,7 @@ def micro_batches_of(config: Config, batch: GenerationBatch, rows: torch.Tensor)
         lengths = r.completion_mask[moving].sum(-1).clamp(min=1)  # [m]
         order = lengths.argsort(descending=True, stable=True).to(rows.device)
         budget = size * (cost.prompt_width + int(r.completion_mask[rows].sum(-1).max()))  # the row-order maximum
-        sizes = token_budget_split(lengths[order].tolist(), cost.prompt_ids(moving[order]), cost.prompt_tokens,
+        sizes = token_budget_split(lengths[order].tolist(), cost.prompt_ids(moving[order]), cost.prompt_width,
                                    budget)
         grouped = list(moving[order].split(sizes)) + idle
     else:
@@ -220,7 +220,6 @@ class _ForwardCost:
         shared = config.train.shared_prompt_forward and not config.train.gradient_checkpointing
         _, self.prompt_of = torch.unique(r.prompt_ids, dim=0, return_inverse=True)  # [N] one id per distinct prompt
         self.prompt_of = self.prompt_of if shared else torch.arange(len(self.lengths))  # unshared: each its own
-        self.prompt_tokens = self.prompt_width
 
     def prompt_ids(self, rows: torch.Tensor) -> list[int]:
         return self.prompt_of[rows].tolist()
@@ -231,7 +230,7 @@ class _ForwardCost:
             running = m[self.runs[m]]
             if len(running):
                 total += len(running) * int(self.lengths[m].max()) + MICRO_STEP_OVERHEAD_TOKENS \
-                    + len(set(self.prompt_ids(running))) * self.prompt_tokens
+                    + len(set(self.prompt_ids(running))) * self.prompt_width
         return total
 
 
