@@ -272,3 +272,24 @@ def test_no_packing_when_the_copy_would_crowd_the_memory(monkeypatch):
         assert n == 0 and "forward" not in layer.__dict__
     monkeypatch.undo()
     assert onednn._memory_allows(1) and not onednn._memory_allows(1 << 60)  # this machine's /proc/meminfo
+
+
+@pytest.mark.skipif(not kernel_available(torch.float32), reason="no oneDNN float32 linear kernel on this CPU")
+def test_side_by_side_projections_are_the_separate_products_and_only_where_packed(monkeypatch):
+    """The layer loop's one product for q/k/v (some with a bias, some without): each output equals its
+    module's own packed product; outside the packing block, or where memory is short, there is none."""
+    torch.manual_seed(0)
+    q, k, v = nn.Linear(32, 32), nn.Linear(32, 16, bias=False), nn.Linear(32, 16)
+    parent = nn.ModuleList([q, k, v])
+    x = torch.randn(5, 1, 32)
+    assert onednn.packed_side_by_side([q, k, v]) is None  # not packed: the caller runs the modules
+    with torch.inference_mode(), packed_linears(parent, rows=5):
+        fused = onednn.packed_side_by_side([q, k, v])
+        outs = fused(x)
+        assert [o.shape for o in outs] == [(5, 1, 32), (5, 1, 16), (5, 1, 16)]
+        for out, module in zip(outs, (q, k, v)):
+            torch.testing.assert_close(out, module(x), rtol=1e-6, atol=1e-6)
+            torch.testing.assert_close(out, x @ module.weight.T + (0 if module.bias is None else module.bias),
+                                       rtol=1e-5, atol=1e-5)
+        monkeypatch.setattr(onednn, "_memory_allows", lambda nbytes: False)
+        assert onednn.packed_side_by_side([q, k, v]) is None
