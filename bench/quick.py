@@ -16,7 +16,10 @@ system runs 3 times, alternating, each run in its own process; TRL runs without 
 (its faster setting at these sizes) and with the allocator setting grpokit applies to itself, and its
 first run tries every micro-batch size in TRL_MICRO (answers per micro-step; gradient accumulation does
 the rest), the later ones its fastest. The CPU, its vector instructions and the load are printed with the
-ratio: compare figures only from one invocation.
+ratio: compare figures only from one invocation. Each phase (rollout, train, whole step) is printed next to
+its least possible time on this machine (flops.phase_bounds: FLOPs at the fp32 matmul peak, measured at the
+start; a decode step at the larger of that and its weight + KV-cache bytes at the measured read bandwidth),
+as bench/run.py prints it for its configurations.
 """
 
 from __future__ import annotations
@@ -32,7 +35,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import run  # noqa: E402
-from run import CONFIGS, MALLOC_TUNED, PY, REALISTIC, ROOT, load, log, machine, run_worker, spec_for  # noqa: E402
+from flops import matmul_peak, model_shape, phase_bounds  # noqa: E402
+from lengths import target_lengths  # noqa: E402
+from run import (CONFIGS, MALLOC_TUNED, PROMPT_TOKENS, PY, REALISTIC, ROOT, bounds_table, load, log,  # noqa: E402
+                 machine, measured_bandwidth, median_of, run_worker, spec_for)
 
 DEMO_MODEL = HERE / "out" / "models" / "D"
 RUNS = 3
@@ -71,13 +77,38 @@ def trl_micro(spec: dict) -> tuple[int, ...]:
     return tuple(sorted({8, spec["B"] * spec["G"]}))
 
 
+def bound_of(spec: dict, peak: float, read_bw: float) -> dict:
+    """Each phase's least possible time for `spec` on this machine (flops.phase_bounds), averaged over the
+    measured batches: the forced lengths of batches 1.. (batch 0 is the warm-up) or all answers at L."""
+    from transformers import AutoTokenizer
+
+    from common import load_rows
+
+    path = str(HERE / "out" / "models" / spec["model"])
+    N = spec["B"] * spec["G"]
+    batches = ([target_lengths(N, b, **REALISTIC) for b in range(1, 1 + spec["steps"])] if spec.get("lengths")
+               else [[spec["L"]] * N])
+    if spec["model"] == "D":  # the demo's own prompts: their mean length in its character tokenizer
+        tok = AutoTokenizer.from_pretrained(path)
+        rows = load_rows(spec["B"], "D")
+        P = round(sum(len(tok(r["prompt"]).input_ids) for r in rows) / len(rows))
+    else:
+        P = spec.get("prompt_tokens") or PROMPT_TOKENS
+    bounds = [phase_bounds(model_shape(path), B=spec["B"], G=spec["G"], P=P, lengths=lengths, beta=spec["beta"],
+                           mu=spec["mu"], peak_gflops=peak, read_gb_s=read_bw) for lengths in batches]
+    return {k: sum(b[k] for b in bounds) / len(bounds) for k in bounds[0]}
+
+
 def main() -> None:
     run.QUIET_WAIT_S = float(sys.argv[1]) if len(sys.argv) > 1 else 30.0  # a busy machine: measured, and said
     started, start_load = time.perf_counter(), load()
     subprocess.run([PY, str(HERE / "build_models.py")], check=True, capture_output=True,
                    env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
     build_demo_model()
-    rows = {}
+    run.wait_quiet()
+    peak, (_, read_bw) = matmul_peak(2), measured_bandwidth(2)
+    log(f"fp32 matmul peak {peak:.1f} GFLOP/s, read bandwidth {read_bw:.1f} GB/s")
+    rows, phases = {}, []
     only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(specs())
     for name, spec in [(n, s) for n, s in specs().items() if n in only]:
         g, t, tried = [], [], {}
@@ -101,8 +132,12 @@ def main() -> None:
                       "others_cores_max": max(r["others_cores"] for r in g + t),
                       "grpokit_all": [round(r["s_per_opt_step"], 4) for r in g],
                       "trl_all": [round(r["s_per_opt_step"], 4) for r in t]}
+        medians = lambda runs: {k: median_of(runs, k) for k in ("rollout_s", "train_s", "s_per_opt_step")}  # noqa: E731
+        phases.append({"config": name, "bound": bound_of(spec, peak, read_bw), "grpokit": medians(g),
+                       "trl": medians(t)})
+        rows[name]["bound"] = phases[-1]["bound"]
     report = {"machine": machine(), "load_start": start_load, "load_end": load(), "rows": rows,
-              "seconds": time.perf_counter() - started}
+              "peak_gflops": peak, "read_gb_s": read_bw, "seconds": time.perf_counter() - started}
     out = HERE / "out" / f"quick-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(report, indent=1))
     m = report["machine"]
@@ -115,6 +150,8 @@ def main() -> None:
         tried = ", ".join(f"{m}: {v:.3f}" for m, v in r["trl_first_run"].items())
         print(f"| {name} | {r['grpokit_s']:.4f} | {r['trl_s']:.4f} | {r['trl_micro']} ({tried}) "
               f"| **{r['speedup']:.2f}x** | {r['others_cores_max']:.2f} |")
+    print()
+    print(bounds_table(phases, peak, read_bw))
     print(f"raw: {out}")
 
 

@@ -244,3 +244,24 @@ def test_long_prompts_keep_their_groups_together(tiny_model_dir, rollout, shared
                              torch.arange(12))
     row_order = [list(range(k, k + MICRO)) for k in range(0, 12, MICRO)]
     assert ([m.tolist() for m in micro] == row_order) == shared_prompts
+
+
+def test_answers_of_one_length_keep_row_order_without_the_split_search(tiny_model_dir, rollout, monkeypatch):
+    """All answers one length (EOS ignored) and none skipped: no split pads less than row order, so the
+    search (a millisecond per step on a 128-answer batch) is not run; with a zero-advantage answer it is
+    (that answer's micro-batch of its own would run no forward; here the micro-step it adds costs more)."""
+    import grpokit.training.update as update
+
+    mask = torch.ones_like(rollout.completion_mask)  # [N, T]: every answer T_MAX tokens
+    same = dataclasses.replace(rollout, completion_mask=mask)
+    batch = _batch(same, off_policy=False, beta=0.0)
+    batch.advantages[:2] = 1.0  # no zero-advantage answers
+    searched = []
+    real = update.token_budget_split
+    monkeypatch.setattr(update, "token_budget_split", lambda *a, **k: searched.append(1) or real(*a, **k))
+    config = _config(tiny_model_dir, "length", loss_type="dapo")
+    micro = micro_batches_of(config, batch, torch.arange(12))
+    assert [m.tolist() for m in micro] == [list(range(k, k + MICRO)) for k in range(0, 12, MICRO)] and not searched
+    batch.advantages[0] = 0.0
+    micro = micro_batches_of(config, batch, torch.arange(12))
+    assert searched and [len(m) for m in micro] == [MICRO] * 3

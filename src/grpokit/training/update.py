@@ -185,6 +185,8 @@ def micro_batches_of(config: Config, batch: GenerationBatch, rows: torch.Tensor)
         moving = rows[cost.moving]  # the answers that run a forward (all but the zero-advantage skip's)
         idle = [rows[~cost.moving]] if not cost.moving.all() else []
         lengths = r.completion_mask[moving].sum(-1).clamp(min=1)  # [m]
+        if not idle and bool(lengths.min() == lengths.max()):  # answers of one length: no split beats row order
+            return in_row_order
         order = lengths.argsort(descending=True, stable=True).to(rows.device)
         budget = size * (cost.prompt_width + int(r.completion_mask[rows].sum(-1).max()))  # the row-order maximum
         sizes = token_budget_split(lengths[order].tolist(), cost.prompt_ids(moving[order]), cost.prompt_width,
