@@ -247,9 +247,11 @@ def test_long_prompts_keep_their_groups_together(tiny_model_dir, rollout, shared
 
 
 def test_answers_of_one_length_keep_row_order_without_the_split_search(tiny_model_dir, rollout, monkeypatch):
-    """All answers one length (EOS ignored) and none skipped: no split pads less than row order, so the
-    search (a millisecond per step on a 128-answer batch) is not run; with a zero-advantage answer it is
-    (that answer's micro-batch of its own would run no forward; here the micro-step it adds costs more)."""
+    """All answers one length (EOS ignored), none skipped, and row order at the least cost any split can have
+    (no prompt's answers straddle two micro-batches): the search (a millisecond per step on a 128-answer
+    batch) is not run. With a zero-advantage answer it is (that answer's micro-batch of its own would run no
+    forward; here the micro-step it adds costs more). With 200-token prompts whose groups of 4 straddle
+    micro-batches of 6, it is, and it finds the cheaper split: one micro-batch per prompt."""
     import grpokit.training.update as update
 
     mask = torch.ones_like(rollout.completion_mask)  # [N, T]: every answer T_MAX tokens
@@ -265,3 +267,12 @@ def test_answers_of_one_length_keep_row_order_without_the_split_search(tiny_mode
     batch.advantages[0] = 0.0
     micro = micro_batches_of(config, batch, torch.arange(12))
     assert searched and [len(m) for m in micro] == [MICRO] * 3
+    prompts = rollout.prompt_ids[:, :1].repeat(1, 200) + torch.arange(12)[:, None] // G  # [N, 200]: 3 prompts
+    long = dataclasses.replace(same, prompt_ids=prompts, prompt_mask=torch.ones_like(prompts))
+    batch = _batch(long, off_policy=False, beta=0.0)
+    batch.advantages[:2] = 1.0
+    shared = _config(tiny_model_dir, "length", True, loss_type="dapo")
+    shared = dataclasses.replace(shared, train=dataclasses.replace(shared.train, micro_batch_size=6))
+    searched.clear()
+    micro = micro_batches_of(shared, batch, torch.arange(12))
+    assert searched and [m.tolist() for m in micro] == [list(range(k, k + G)) for k in range(0, 12, G)]

@@ -276,20 +276,31 @@ def test_no_packing_when_the_copy_would_crowd_the_memory(monkeypatch):
 
 @pytest.mark.skipif(not kernel_available(torch.float32), reason="no oneDNN float32 linear kernel on this CPU")
 def test_side_by_side_projections_are_the_separate_products_and_only_where_packed(monkeypatch):
-    """The layer loop's one product for q/k/v (some with a bias, some without): each output equals its
-    module's own packed product; outside the packing block, or where memory is short, there is none."""
+    """The layer loop's one product per group (q/k/v, some with a bias, some without; gate/up): each output
+    equals its module's own packed product; with gradients the modules run; outside the packing block, or
+    where memory is short for all groups together, there is none (and the memory is asked before a copy)."""
     torch.manual_seed(0)
     q, k, v = nn.Linear(32, 32), nn.Linear(32, 16, bias=False), nn.Linear(32, 16)
-    parent = nn.ModuleList([q, k, v])
+    gate, up = nn.Linear(32, 64, bias=False), nn.Linear(32, 64, bias=False)
+    groups = [[q, k, v], [gate, up]]
+    parent = nn.ModuleList([q, k, v, gate, up])
     x = torch.randn(5, 1, 32)
-    assert onednn.packed_side_by_side([q, k, v]) is None  # not packed: the caller runs the modules
-    with torch.inference_mode(), packed_linears(parent, rows=5):
-        fused = onednn.packed_side_by_side([q, k, v])
-        outs = fused(x)
-        assert [o.shape for o in outs] == [(5, 1, 32), (5, 1, 16), (5, 1, 16)]
-        for out, module in zip(outs, (q, k, v)):
-            torch.testing.assert_close(out, module(x), rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(out, x @ module.weight.T + (0 if module.bias is None else module.bias),
-                                       rtol=1e-5, atol=1e-5)
-        monkeypatch.setattr(onednn, "_memory_allows", lambda nbytes: False)
-        assert onednn.packed_side_by_side([q, k, v]) is None
+    assert onednn.packed_side_by_side(groups) is None  # not packed: the caller runs the modules
+    with packed_linears(parent, rows=5):
+        qkv, gate_up = onednn.packed_side_by_side(groups)
+        with torch.inference_mode():
+            for fused, group in ((qkv, groups[0]), (gate_up, groups[1])):
+                outs = fused(x)
+                assert [o.shape[-1] for o in outs] == [m.out_features for m in group]
+                for out, module in zip(outs, group):
+                    torch.testing.assert_close(out, module(x), rtol=1e-6, atol=1e-6)
+                    torch.testing.assert_close(out, x @ module.weight.T + (0 if module.bias is None else module.bias),
+                                               rtol=1e-5, atol=1e-5)
+        with torch.enable_grad():  # a forward with gradients: the modules themselves, differentiable
+            assert all(o.requires_grad for o in qkv(x))
+        asked = []
+        monkeypatch.setattr(onednn, "_memory_allows", lambda nbytes: asked.append(nbytes) or False)
+        monkeypatch.setattr(torch, "cat", lambda *a, **kw: pytest.fail("copied before the memory check"))
+        assert onednn.packed_side_by_side(groups) is None
+        weights = 4 * sum(m.weight.numel() for m in parent.children())
+        assert asked == [weights + 4 * 2 * 64 * 32]  # all groups' copies, and the largest group's stack

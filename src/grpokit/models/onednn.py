@@ -12,8 +12,9 @@ MLP matrix at 23), with fp32 accumulation (largest relative difference to float6
 
 The reorder is a copy, so it is done once per call to the sampler (every weight changes at every
 optimizer step) and freed at its end: the rollout holds a second copy of the linear weights, 4 bytes
-per parameter in fp32, while gradients are not alive. Where that copy would take more than half of
-the memory the system reports available, the sampler runs on the plain path instead. Only plain CPU
+per parameter in fp32, while gradients are not alive (and, for the layer loop's decode steps, a third of
+the query/key/value and gate/up weights stacked side by side: `packed_side_by_side`). Where a copy would
+take more than half of the memory the system reports available, the sampler runs without it. Only plain CPU
 `nn.Linear` modules with fp32 or bf16 weights are packed (a peft LoRA layer's base layer is one; FSDP's
 sharded or otherwise subclassed parameters are not); everything else runs as before.
 
@@ -111,33 +112,43 @@ def _packed_forward(module: nn.Linear, packed: torch.Tensor, rows: int):
     return forward
 
 
-def packed_side_by_side(modules: list[nn.Module]):
-    """One packed oneDNN product for linear layers that read the same input (a layer's query, key and
-    value projections; its gate and up projections), or None where they are not all packed (outside
-    `packed_linears`, or a module it left plain) or the extra copy would crowd the machine.
+def packed_side_by_side(groups: list[list[nn.Module]]) -> list | None:
+    """One packed oneDNN product per group of linear layers that read the same input (each layer's query,
+    key and value projections; its gate and up projections), or None where the modules are not all packed
+    (outside `packed_linears`, or a module it left plain), their weights differ in dtype, or the stacked
+    copies would crowd the machine (decided once for all groups, before any copy is made).
 
-    Returns forward(x [..., in]) -> the modules' outputs [..., out_i], in order: their weights stacked
-    into one matrix, packed once, multiplied in one call. The outputs are the separate products' (each
-    output is a dot product over the same input; bitwise equal on a 2-core AMD EPYC). One call instead
-    of three (or two) saves oneDNN's per-call cost, which is most of a decode step's small products:
-    on Qwen2 widths 256/1024 with 8 rows, 61 -> 35 us for q/k/v and 79 -> 69 us for gate/up. For the
-    inference-mode decode only (the layer loop, rollout/layer_loop.py), like the modules' packed forwards.
-    """
+    Returns one forward per group: x [..., in] -> the group's outputs [..., out_i], in order, from their
+    weights stacked into one matrix, packed once, multiplied in one call. Each output is the same dot
+    products as its module's own (bitwise equal on a 2-core AMD EPYC). One call instead of three (or two)
+    saves oneDNN's per-call cost, much of a decode step's small products: on Qwen2 widths 256/1024 with 8
+    rows, 61 -> 35 us for q/k/v and 79 -> 69 us for gate/up. A forward with gradients or in another dtype
+    runs the modules themselves, as the modules' packed forwards do."""
+    modules = [m for group in groups for m in group]
     forwards = [m.__dict__.get("forward") for m in modules]
-    if not forwards or not all(hasattr(f, "packed_rows") for f in forwards):
+    if not modules or not all(hasattr(f, "packed_rows") for f in forwards) \
+            or len({m.weight.dtype for m in modules}) != 1:
         return None
+    nbytes = [sum(m.weight.numel() for m in group) * modules[0].weight.element_size() for group in groups]
+    if not _memory_allows(sum(nbytes) + max(nbytes)):  # the packed copies, and one group's stack while packing
+        return None
+    rows = forwards[0].packed_rows
+    return [_stacked_forward(group, rows) for group in groups]
+
+
+def _stacked_forward(modules: list[nn.Module], rows: int):
     weight = torch.cat([m.weight.detach() for m in modules])  # [sum out, in]
-    if not _memory_allows(weight.numel() * weight.element_size()):
-        return None
     sizes = [m.weight.shape[0] for m in modules]
     bias = None
     if any(m.bias is not None for m in modules):
         bias = torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(n) for m, n in zip(modules, sizes)])
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, forwards[0].packed_rows)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
     del weight
     linear = torch.ops.mkldnn._linear_pointwise
 
-    def forward(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # x [..., in] -> ([..., out_i] per module)
+        if x.dtype != packed.dtype or torch.is_grad_enabled():  # not what it was packed for: the modules
+            return tuple(m(x) for m in modules)
         return linear(x, packed, bias, "none", [], "").split(sizes, -1)
 
     return forward

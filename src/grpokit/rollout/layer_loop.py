@@ -9,14 +9,14 @@ order (RMSNorm in float32, rotary embedding as `q * cos + rotate_half(q) * sin`,
 with the query heads packed per key/value head, SiLU-gated MLP), with none of that plumbing: each linear
 layer is called through its own `forward` (the oneDNN packed one inside `packed_linears`, where the
 projections of one input, q/k/v and gate/up, are also stacked into one packed product), and the one-token
-attention is two batched matmuls and a softmax (`_one_query_attention`: SDPA's CPU kernel costs up to twice
-as much for one query). Results match the model's forward to float rounding (tests/test_layer_loop.py);
+attention is, in float32, two batched matmuls and a softmax (`_one_query_attention`: SDPA's CPU kernel costs
+up to twice as much for one query). Results match the model's forward to float rounding (tests/test_layer_loop.py);
 the prefill and every step with more than one new token still run the model itself.
 
 It applies only where it is the same computation: a model whose `model_type` is one of LAYER_LOOP_TYPES
 (Llama, Qwen2, Mistral: the same decoder layer; biases and `head_dim` are read from the modules), full
-attention in every layer computed by torch's SDPA (`attn_implementation = "sdpa"`, transformers' default), SiLU
-MLPs, plain `nn.Linear` projections (a peft LoRA layer, a quantised or a
+attention in every layer with transformers' default `attn_implementation = "sdpa"` (a model set to eager or
+another kernel keeps it: the model runs it), SiLU MLPs, plain `nn.Linear` projections (a peft LoRA layer, a quantised or a
 hooked module is not one), and the preallocated KV cache (rollout/decode.py). Anything else returns None
 from `layer_loop_for` and decodes through the model as before.
 """
@@ -44,7 +44,7 @@ def layer_loop_for(model, cache) -> "LayerLoop | None":
         return None
     if getattr(config, "hidden_act", None) != "silu" or getattr(config, "pretraining_tp", 1) != 1:
         return None
-    if getattr(config, "_attn_implementation", None) != "sdpa":  # eager / flash kernels round differently
+    if getattr(config, "_attn_implementation", None) != "sdpa":  # a kernel the user chose: the model runs it
         return None
     if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ()) or \
             (getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True)):
@@ -79,15 +79,20 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def _one_by_one(forwards: list):
+    """x -> each forward's output, in order: projections of one input that are not stacked."""
+    return lambda x: tuple(f(x) for f in forwards)
+
+
 def _one_query_attention(q: Tensor, keys: Tensor, values: Tensor, blocked: Tensor | None, scale: float) -> Tensor:
     """softmax(q k^T * scale) v for one new query per row, the query heads that share a key/value head
     together: q [n, kvh, g, d], keys and values [n, kvh, past, d] (views of the preallocated cache),
     blocked [n, 1, 1, past] (True: left padding) or None -> [n, kvh, g, d].
 
-    Two batched matmuls and a softmax, as transformers' eager attention computes it. torch's SDPA (the
-    model's own kernel) tiles its CPU flash kernel for long queries; for a one-token query it costs 1.5-2.5x
-    as much on a 2-core AMD EPYC (64 rows, 40-160 cached positions: 271-477 us against 99-275 us per call),
-    for the same result up to float rounding (~1e-7)."""
+    Two batched matmuls and a softmax, in float32 only (the caller keeps SDPA for bf16 and fp16, whose
+    scores SDPA holds in float32). torch's SDPA (the model's own kernel) tiles its CPU flash kernel for long
+    queries; for a one-token query it costs 1.5-2.5x as much on a 2-core AMD EPYC (64 rows, 40-160 cached
+    positions: 271-477 us against 99-275 us per call), for the same result up to float rounding (~1e-7)."""
     scores = torch.matmul(q, keys.transpose(-1, -2)).mul_(scale)  # [n, kvh, g, past]
     if blocked is not None:
         scores.masked_fill_(blocked, float("-inf"))
@@ -103,16 +108,17 @@ class LayerLoop:
         self.norm = (body.norm.weight, body.norm.variance_epsilon)
         self.head = model.lm_head.forward  # bound now: inside packed_linears, the packed forward
         self.layers = []
-        for layer in body.layers:
+        # where packed: one product for the projections of one input (models/onednn.py), else each module
+        groups = [g for layer in body.layers for g in ([layer.self_attn.q_proj, layer.self_attn.k_proj,
+                                                         layer.self_attn.v_proj],
+                                                        [layer.mlp.gate_proj, layer.mlp.up_proj])]
+        stacked = packed_side_by_side(groups) or [_one_by_one([m.forward for m in g]) for g in groups]
+        for i, layer in enumerate(body.layers):
             a, m = layer.self_attn, layer.mlp
-            q, k, v, gate, up = a.q_proj.forward, a.k_proj.forward, a.v_proj.forward, m.gate_proj.forward, m.up_proj.forward
             self.layers.append(dict(
                 norm1=(layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon),
                 norm2=(layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
-                # where packed: one product for the projections of the same input (models/onednn.py)
-                qkv=packed_side_by_side([a.q_proj, a.k_proj, a.v_proj]) or (lambda x, q=q, k=k, v=v: (q(x), k(x), v(x))),
-                gate_up=packed_side_by_side([m.gate_proj, m.up_proj]) or (lambda x, g=gate, u=up: (g(x), u(x))),
-                o=a.o_proj.forward, down=m.down_proj.forward))
+                qkv=stacked[2 * i], gate_up=stacked[2 * i + 1], o=a.o_proj.forward, down=m.down_proj.forward))
         attn = body.layers[0].self_attn
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         self.kv_heads = config.num_key_value_heads
@@ -134,7 +140,12 @@ class LayerLoop:
             k = _rotate(k.reshape(n, kvh, 1, d), cos_k, sin_k)  # [n, kvh, 1, d]
             v = v.reshape(n, kvh, 1, d)  # [n, kvh, 1, d]
             keys, values = kv.update(k, v)  # [n, kvh, past + 1, d]
-            out = _one_query_attention(q.view(n, kvh, self.heads // kvh, d), keys, values, blocked, self.scaling)
+            q = q.view(n, kvh, self.heads // kvh, d)  # the query heads that share a key/value head together
+            if q.dtype == torch.float32:
+                out = _one_query_attention(q, keys, values, blocked, self.scaling)
+            else:  # bf16 / fp16: SDPA keeps the scores in float32, two low-precision matmuls would round them
+                out = F.scaled_dot_product_attention(q, keys, values, attn_mask=None if blocked is None else ~blocked,
+                                                     scale=self.scaling)
             h = h + layer["o"](out.reshape(n, 1, self.heads * d))  # [n, 1, H]
             x = _rms_norm(h, *layer["norm2"])
             gate, up = layer["gate_up"](x)  # [n, 1, I] each

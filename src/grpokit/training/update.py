@@ -185,8 +185,8 @@ def micro_batches_of(config: Config, batch: GenerationBatch, rows: torch.Tensor)
         moving = rows[cost.moving]  # the answers that run a forward (all but the zero-advantage skip's)
         idle = [rows[~cost.moving]] if not cost.moving.all() else []
         lengths = r.completion_mask[moving].sum(-1).clamp(min=1)  # [m]
-        if not idle and bool(lengths.min() == lengths.max()):  # answers of one length: no split beats row order
-            return in_row_order
+        if not idle and bool(lengths.min() == lengths.max()) and cost(in_row_order) == cost.least(rows, size):
+            return in_row_order  # answers of one length, row order at the least cost a split can have: no search
         order = lengths.argsort(descending=True, stable=True).to(rows.device)
         budget = size * (cost.prompt_width + int(r.completion_mask[rows].sum(-1).max()))  # the row-order maximum
         sizes = token_budget_split(lengths[order].tolist(), cost.prompt_ids(moving[order]), cost.prompt_width,
@@ -225,6 +225,12 @@ class _ForwardCost:
 
     def prompt_ids(self, rows: torch.Tensor) -> list[int]:
         return self.prompt_of[rows].tolist()
+
+    def least(self, rows: torch.Tensor, size: int) -> int:
+        """A lower bound on the cost of any split of `rows` (all running) into micro-batches of at most `size`
+        rows: every row at the longest answer, the fewest micro-steps, each distinct prompt once."""
+        return (len(rows) * int(self.lengths[rows].max()) + -(-len(rows) // size) * MICRO_STEP_OVERHEAD_TOKENS
+                + len(set(self.prompt_ids(rows))) * self.prompt_width)
 
     def __call__(self, micro_batches: list[torch.Tensor]) -> int:
         total = 0
