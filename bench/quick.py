@@ -36,9 +36,24 @@ sys.path.insert(0, str(HERE))
 
 import run  # noqa: E402
 from flops import matmul_peak, model_shape, phase_bounds  # noqa: E402
+from host_sensitivity import host_costs  # noqa: E402
 from lengths import target_lengths  # noqa: E402
-from run import (CONFIGS, MALLOC_TUNED, PROMPT_TOKENS, PY, REALISTIC, ROOT, bounds_table, load, log,  # noqa: E402
-                 machine, measured_bandwidth, median_of, run_worker, spec_for)
+from run import (  # noqa: E402
+    CONFIGS,
+    MALLOC_TUNED,
+    PROMPT_TOKENS,
+    PY,
+    REALISTIC,
+    ROOT,
+    bounds_table,
+    load,
+    log,
+    machine,
+    measured_bandwidth,
+    median_of,
+    run_worker,
+    spec_for,
+)
 
 DEMO_MODEL = HERE / "out" / "models" / "D"
 RUNS = 3
@@ -80,9 +95,8 @@ def trl_micro(spec: dict) -> tuple[int, ...]:
 def bound_of(spec: dict, peak: float, read_bw: float) -> dict:
     """Each phase's least possible time for `spec` on this machine (flops.phase_bounds), averaged over the
     measured batches: the forced lengths of batches 1.. (batch 0 is the warm-up) or all answers at L."""
-    from transformers import AutoTokenizer
-
     from common import load_rows
+    from transformers import AutoTokenizer
 
     path = str(HERE / "out" / "models" / spec["model"])
     N = spec["B"] * spec["G"]
@@ -107,7 +121,9 @@ def main() -> None:
     build_demo_model()
     run.wait_quiet()
     peak, (_, read_bw) = matmul_peak(2), measured_bandwidth(2)
-    log(f"fp32 matmul peak {peak:.1f} GFLOP/s, read bandwidth {read_bw:.1f} GB/s")
+    costs = host_costs()  # what the small configurations pay per operation on this host (bench/host_sensitivity.py)
+    log(f"fp32 matmul peak {peak:.1f} GFLOP/s, read bandwidth {read_bw:.1f} GB/s; per-operation costs (us): "
+        f"{json.dumps(costs)}")
     rows, phases = {}, []
     only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(specs())
     for name, spec in [(n, s) for n, s in specs().items() if n in only]:
@@ -137,12 +153,13 @@ def main() -> None:
                        "trl": medians(t)})
         rows[name]["bound"] = phases[-1]["bound"]
     report = {"machine": machine(), "load_start": start_load, "load_end": load(), "rows": rows,
-              "peak_gflops": peak, "read_gb_s": read_bw, "seconds": time.perf_counter() - started}
+              "peak_gflops": peak, "read_gb_s": read_bw, "op_costs_us": costs, "seconds": time.perf_counter() - started}
     out = HERE / "out" / f"quick-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.write_text(json.dumps(report, indent=1))
     m = report["machine"]
     print(f"\n{m['cpu']} ({m['isa']}), {m['cores']} cores, torch {m['torch']}, TRL {m['trl']}; "
-          f"load {start_load} -> {report['load_end']}; {report['seconds']:.0f} s")
+          f"load {start_load} -> {report['load_end']}; {report['seconds']:.0f} s; per-operation costs (us, "
+          f"2 threads): {json.dumps(costs['2 threads'])}")
     print("| config | grpokit s / step | TRL s / step (gc off, allocator setting) | TRL answers per micro-step "
           "(first run: s / step each) | speed-up | others' load |")
     print("|---|---|---|---|---|---|")

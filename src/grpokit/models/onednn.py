@@ -141,7 +141,8 @@ def _stacked_forward(modules: list[nn.Module], rows: int):
     sizes = [m.weight.shape[0] for m in modules]
     bias = None
     if any(m.bias is not None for m in modules):
-        bias = torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(n) for m, n in zip(modules, sizes)])
+        bias = torch.cat([m.bias.detach() if m.bias is not None else weight.new_zeros(n)
+                          for m, n in zip(modules, sizes)])
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
     del weight
     linear = torch.ops.mkldnn._linear_pointwise

@@ -16,9 +16,9 @@ the prefill and every step with more than one new token still run the model itse
 It applies only where it is the same computation: a model whose `model_type` is one of LAYER_LOOP_TYPES
 (Llama, Qwen2, Mistral: the same decoder layer; biases and `head_dim` are read from the modules), full
 attention in every layer with transformers' default `attn_implementation = "sdpa"` (a model set to eager or
-another kernel keeps it: the model runs it), SiLU MLPs, plain `nn.Linear` projections (a peft LoRA layer, a quantised or a
-hooked module is not one), and the preallocated KV cache (rollout/decode.py). Anything else returns None
-from `layer_loop_for` and decodes through the model as before.
+another kernel keeps it: the model runs it), SiLU MLPs, plain `nn.Linear` projections (a peft LoRA layer,
+a quantised or a hooked module is not one), and the preallocated KV cache (rollout/decode.py). Anything else
+returns None from `layer_loop_for` and decodes through the model as before.
 """
 
 from __future__ import annotations
