@@ -12,8 +12,8 @@ MLP matrix at 23), with fp32 accumulation (largest relative difference to float6
 
 The reorder is a copy, so it is done once per call to the sampler (every weight changes at every
 optimizer step) and freed at its end: the rollout holds a second copy of the linear weights, 4 bytes
-per parameter in fp32, while gradients are not alive (and, for the layer loop's decode steps, a third of
-the query/key/value and gate/up weights stacked side by side: `packed_side_by_side`). Where a copy would
+per parameter in fp32, while gradients are not alive (and, for the layer loop's decode steps, one more
+copy of the query/key/value and gate/up weights, stacked side by side: `packed_side_by_side`). Where a copy would
 take more than half of the memory the system reports available, the sampler runs without it. Only plain CPU
 `nn.Linear` modules with fp32 or bf16 weights are packed (a peft LoRA layer's base layer is one; FSDP's
 sharded or otherwise subclassed parameters are not); everything else runs as before.
