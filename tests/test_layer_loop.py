@@ -66,6 +66,33 @@ def test_the_layer_loop_logits_match_the_model_step_by_step(model_and_tok):
             token, pos = a.argmax(-1, keepdim=True), pos + 1
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["aten", "onednn_packed"])
+def test_a_bf16_model_steps_through_the_loop_with_sdpa_attention(model_and_tok, packed):
+    """bf16 weights: the loop keeps SDPA for the attention (scores in float32 inside the kernel), with the
+    left-padding mask; its next-token logits agree with the model's to bf16 rounding, step by step."""
+    from grpokit.models.onednn import kernel_available
+
+    if packed and not kernel_available(torch.bfloat16):
+        pytest.skip("no oneDNN bf16 linear kernel on this CPU")
+    model = model_and_tok[0]
+    model = type(model)(model.config).to(torch.bfloat16).eval()
+    model.load_state_dict({k: v.to(torch.bfloat16) for k, v in model_and_tok[0].state_dict().items()})
+    ids = torch.tensor([[5, 6, 7, 8], [0, 0, 9, 10]])  # row 1 left-padded
+    mask = (ids != 0).long()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode(), packed_linears(model, 2, packed):
+        steps = [Decoder(model, capacity=16, layer_loop=flag) for flag in (False, True)]
+        assert steps[1].layer_loop is not None
+        for step in steps:
+            step(ids, mask, positions)
+        token, pos = torch.tensor([[11], [12]]), positions[:, -1:] + 1
+        for _ in range(4):
+            mask = torch.cat([mask, mask.new_ones(2, 1)], dim=1)
+            a, b = (step(token, mask, pos).float() for step in steps)
+            assert (a - b).abs().max() <= 0.05 * a.abs().max()  # bf16 rounding, not a different computation
+            token, pos = a.argmax(-1, keepdim=True), pos + 1
+
+
 def test_the_layer_loop_steps_aside_where_it_is_not_the_models_computation(model_and_tok, tmp_path):
     model, _ = model_and_tok
     preallocated = Decoder(model, capacity=32).cache
