@@ -87,6 +87,13 @@ def phase_bounds(shape: dict, *, B: int, G: int, P: int, lengths: list[int], bet
     return {"rollout": rollout, "train": train, "step": rollout + train, "decode": decode / mu}
 
 
+def mean_phase_bounds(shape: dict, batches: list[list[int]], **kw) -> dict:
+    """phase_bounds averaged over the measured generation batches (each its answers' lengths); `kw` as
+    phase_bounds takes them, but `lengths`."""
+    bounds = [phase_bounds(shape, lengths=lengths, **kw) for lengths in batches]
+    return {k: sum(b[k] for b in bounds) / len(bounds) for k in bounds[0]}
+
+
 def matmul_peak(threads: int, n: int = 2048, repeats: int = 12) -> float:
     """Best fp32 GFLOP/s of an n x n matmul with `threads` threads (best of `repeats` timed blocks)."""
     import torch

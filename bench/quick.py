@@ -35,16 +35,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import run  # noqa: E402
-from flops import matmul_peak, model_shape, phase_bounds  # noqa: E402
+from flops import matmul_peak, mean_phase_bounds, model_shape  # noqa: E402
 from host_sensitivity import host_costs  # noqa: E402
-from lengths import target_lengths  # noqa: E402
 from run import (  # noqa: E402
+    COMMON,
     CONFIGS,
     MALLOC_TUNED,
     PROMPT_TOKENS,
     PY,
     REALISTIC,
     ROOT,
+    answer_lengths,
     bounds_table,
     load,
     log,
@@ -94,23 +95,19 @@ def trl_micro(spec: dict) -> tuple[int, ...]:
 
 def bound_of(spec: dict, peak: float, read_bw: float) -> dict:
     """Each phase's least possible time for `spec` on this machine (flops.phase_bounds), averaged over the
-    measured batches: the forced lengths of batches 1.. (batch 0 is the warm-up) or all answers at L."""
+    measured batches (run.answer_lengths)."""
     from common import load_rows
     from transformers import AutoTokenizer
 
     path = str(HERE / "out" / "models" / spec["model"])
-    N = spec["B"] * spec["G"]
-    batches = ([target_lengths(N, b, **REALISTIC) for b in range(1, 1 + spec["steps"])] if spec.get("lengths")
-               else [[spec["L"]] * N])
     if spec["model"] == "D":  # the demo's own prompts: their mean length in its character tokenizer
         tok = AutoTokenizer.from_pretrained(path)
         rows = load_rows(spec["B"], "D")
         P = round(sum(len(tok(r["prompt"]).input_ids) for r in rows) / len(rows))
     else:
         P = spec.get("prompt_tokens") or PROMPT_TOKENS
-    bounds = [phase_bounds(model_shape(path), B=spec["B"], G=spec["G"], P=P, lengths=lengths, beta=spec["beta"],
-                           mu=spec["mu"], peak_gflops=peak, read_gb_s=read_bw) for lengths in batches]
-    return {k: sum(b[k] for b in bounds) / len(bounds) for k in bounds[0]}
+    return mean_phase_bounds(model_shape(path), answer_lengths(spec), B=spec["B"], G=spec["G"], P=P,
+                             beta=spec["beta"], mu=spec["mu"], peak_gflops=peak, read_gb_s=read_bw)
 
 
 def main() -> None:
@@ -120,7 +117,7 @@ def main() -> None:
                    env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
     build_demo_model()
     run.wait_quiet()
-    peak, (_, read_bw) = matmul_peak(2), measured_bandwidth(2)
+    peak, (_, read_bw) = matmul_peak(COMMON["threads"]), measured_bandwidth(COMMON["threads"])
     costs = host_costs()  # what the small configurations pay per operation on this host (bench/host_sensitivity.py)
     log(f"fp32 matmul peak {peak:.1f} GFLOP/s, read bandwidth {read_bw:.1f} GB/s; per-operation costs (us): "
         f"{json.dumps(costs)}")

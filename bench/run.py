@@ -31,7 +31,7 @@ ROOT = HERE.parent
 PY = sys.executable
 sys.path.insert(0, str(HERE))
 
-from flops import matmul_peak, model_shape, phase_bounds, step_flops  # noqa: E402
+from flops import matmul_peak, mean_phase_bounds, model_shape, step_flops  # noqa: E402
 from lengths import target_lengths  # noqa: E402
 
 COMMON = dict(G=8, temperature=1.0, lr=1e-6, loss_type="dapo", reward="letter_fraction", num_prompts=256,
@@ -264,10 +264,9 @@ def bench_config(name: str, log_runs: list) -> dict:
             "trl_other": {trl_label(*s): runs for s, runs in trl.items() if s != best and runs}}
 
 
-def answer_lengths(name: str) -> list[list[int]]:
-    """Each measured generation batch's answer lengths: the forced ones (bench/lengths.py; batch 0 is the
-    warm-up) or all the configured length."""
-    c = CONFIGS[name]
+def answer_lengths(c: dict) -> list[list[int]]:
+    """Each measured generation batch's answer lengths for a configuration (CONFIGS' or a spec: B, G, L,
+    steps, lengths): the forced ones (bench/lengths.py; batch 0 is the warm-up) or all the configured length."""
     N = c["B"] * c.get("G", COMMON["G"])
     if not c.get("lengths"):
         return [[c["L"]] * N]
@@ -281,13 +280,12 @@ def summarize(name: str, res: dict, peak: float, bandwidth: float, read_bw: floa
     c = CONFIGS[name]
     G = c.get("G", COMMON["G"])
     shape = model_shape(str(HERE / "out" / "models" / c["model"]))
-    batches = answer_lengths(name)
+    batches = answer_lengths(c)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     fl = mean([step_flops(shape, B=c["B"], G=G, P=PROMPT_TOKENS, T=c["L"], beta=c["beta"], mu=c["mu"],
                           lengths=lengths)["per_opt_step"] for lengths in batches])
-    bounds = [phase_bounds(shape, B=c["B"], G=G, P=PROMPT_TOKENS, lengths=lengths, beta=c["beta"], mu=c["mu"],
-                           peak_gflops=peak, read_gb_s=read_bw) for lengths in batches]
-    bound = {k: mean([b[k] for b in bounds]) for k in bounds[0]}
+    bound = mean_phase_bounds(shape, batches, B=c["B"], G=G, P=PROMPT_TOKENS, beta=c["beta"], mu=c["mu"],
+                              peak_gflops=peak, read_gb_s=read_bw)
     answer_tokens = mean([sum(lengths) for lengths in batches])
     weight_bytes = 4 * (shape["P_body"] + shape["P_head"])  # fp32, read once per decode step (tied head: once)
     out = {"config": name, "flops_per_opt_step": fl, "trl_gc": res["trl_gc"], "trl_micro": res.get("trl_micro"),
@@ -353,7 +351,7 @@ def run_ablations(peak: float, runs: int, match: str = "") -> list[dict]:
         shape = model_shape(str(HERE / "out" / "models" / c["model"]))
         fl = {"per_opt_step": sum(step_flops(shape, B=c["B"], G=COMMON["G"], P=PROMPT_TOKENS, T=c["L"],
                                              beta=c["beta"], mu=c["mu"], lengths=lengths)["per_opt_step"]
-                                  for lengths in answer_lengths(name)) / len(answer_lengths(name))}
+                                  for lengths in answer_lengths(c)) / len(answer_lengths(c))}
         s = median_of(runs_i, "s_per_opt_step")
         rows.append({"label": label, "config": name, "s_per_opt_step": s, "rollout_s": median_of(runs_i, "rollout_s"),
                      "train_s": median_of(runs_i, "train_s"), "peak_rss_mb": max(r["peak_rss_mb"] for r in runs_i),

@@ -227,8 +227,9 @@ class _ForwardCost:
         return self.prompt_of[rows].tolist()
 
     def least(self, rows: torch.Tensor, size: int) -> int:
-        """A lower bound on the cost of any split of `rows` (all running) into micro-batches of at most `size`
-        rows: every row at the longest answer, the fewest micro-steps, each distinct prompt once."""
+        """For answers of one length, all running: a lower bound on the cost of any split of `rows` into
+        micro-batches of at most `size` rows (every row at that length, the fewest micro-steps, each distinct
+        prompt once)."""
         return (len(rows) * int(self.lengths[rows].max()) + -(-len(rows) // size) * MICRO_STEP_OVERHEAD_TOKENS
                 + len(set(self.prompt_ids(rows))) * self.prompt_width)
 
