@@ -304,3 +304,47 @@ def test_side_by_side_projections_are_the_separate_products_and_only_where_packe
         assert onednn.packed_side_by_side(groups) is None
         weights = 4 * sum(m.weight.numel() for m in parent.children())
         assert asked == [weights + 4 * 2 * 64 * 32]  # all groups' copies, and the largest group's stack
+
+
+@pytest.mark.parametrize("one_pass", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_fused_head_computes_logits_and_hidden_gradient_with_the_layers_product(one_pass, bias):
+    """Inside `onednn_linears` the head's forward names its oneDNN product, and the fused log-softmax head
+    uses it for the logits and for dL/dh (not for dL/dW): the same log-probs and gradients as torch's mm."""
+    from grpokit.algorithms.fused_logprobs import linear_logprobs
+    from grpokit.algorithms.logprobs import token_logprobs_from_hidden
+
+    torch.manual_seed(0)
+    head = nn.Linear(24, 50, bias=bias)
+    hidden = torch.randn(2, 9, 24)
+    ids = torch.randint(0, 50, (2, 9))
+    coef = torch.randn(18)
+    grad_fn = (lambda lp, start: coef[start:start + lp.shape[0]]) if one_pass else None
+
+    def run(call):
+        h = hidden.clone().requires_grad_()
+        head.zero_grad(set_to_none=True)
+        logp, _ = call(h)
+        (logp.reshape(-1) * coef).sum().backward()
+        return [logp.detach(), h.grad, head.weight.grad] + ([head.bias.grad] if bias else [])
+
+    want = run(lambda h: token_logprobs_from_hidden(h, head, ids, chunk_size=5, grad_fn=grad_fn))
+    calls = []
+    with onednn_linears(head) as n:
+        product = head.forward.product
+        assert n == (1 if kernel_available(torch.float32) else 0)
+        if not n:
+            pytest.skip("this CPU has no oneDNN float32 linear")
+
+        def counting(x, w, b):
+            calls.append("logits" if w is head.weight else "dh")
+            return product(x, w, b)
+
+        got = run(lambda h: linear_logprobs(h.reshape(18, 24), head.weight, head.bias, ids.reshape(18),
+                                            chunk_size=5, grad_fn=grad_fn, product=counting))
+        assert "logits" in calls and "dh" in calls  # 4 chunks: 4 of each (one-pass), or 4 + 4 (recompute)
+        via_module = run(lambda h: token_logprobs_from_hidden(h, head, ids, chunk_size=5, grad_fn=grad_fn))
+    for g in (got, via_module):
+        torch.testing.assert_close(g[0].reshape(want[0].shape), want[0], rtol=1e-5, atol=1e-6)
+        for a, b in zip(g[1:], want[1:]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -13,7 +13,7 @@ from conftest import comparable, make_config, parity
 from grpokit.errors import ConfigError
 from grpokit.observe.tracking import read_metrics
 from grpokit.training.loop import train
-from grpokit.training.optimizer import AdamWInBackward, build_optimizer
+from grpokit.training.optimizer import AdamWInBackward, build_optimizer, fused_kernel_applies
 
 
 def run(tiny_model_dir, out, *, train_options=None, resume=False, **sections):
@@ -106,3 +106,41 @@ def test_what_it_cannot_honour_is_one_config_error(tiny_model_dir, tmp_path, tra
     with pytest.raises(ConfigError, match=says):
         make_config(tiny_model_dir, tmp_path, prompts_per_step=2,
                     train={"optimizer_in_backward": True, **train_options})
+
+
+def test_plain_cpu_parameters_get_the_fused_kernel_and_its_update_is_adamws():
+    """torch runs AdamW's fused kernel on a CPU only when asked (`fused=True`); the update must be the
+    default loop's to float rounding, in both settings, and a tensor subclass (FSDP2's DTensor) keeps the
+    default."""
+    torch.manual_seed(0)
+    weights = [torch.randn(64, 32), torch.randn(32)]
+    grads = [[torch.randn_like(w) for w in weights] for _ in range(3)]
+    results = {}
+    for in_backward in (False, True):
+        params = [torch.nn.Parameter(w.clone()) for w in weights]
+        opt = build_optimizer(params, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.1, in_backward=in_backward)
+        singles = opt._single.values() if in_backward else [opt]
+        assert all(o.param_groups[0]["fused"] for o in singles)
+        for step in grads:
+            for p, g in zip(params, step):
+                p.grad = g.clone()
+                if in_backward:
+                    opt._update(p)
+            opt.step()
+        results[in_backward] = [p.detach() for p in params]
+    reference = [torch.nn.Parameter(w.clone()) for w in weights]
+    default = torch.optim.AdamW(reference, lr=1e-2, betas=(0.9, 0.999), weight_decay=0.1)
+    assert not default.param_groups[0]["fused"]
+    for step in grads:
+        for p, g in zip(reference, step):
+            p.grad = g.clone()
+        default.step()
+    for got in results.values():
+        for a, b in zip(got, reference):
+            torch.testing.assert_close(a, b.detach(), atol=1e-7, rtol=1e-6)
+
+    class Subclass(torch.Tensor):
+        pass
+
+    assert fused_kernel_applies([torch.nn.Parameter(torch.zeros(2)).as_subclass(Subclass)]) is None
+    assert fused_kernel_applies([torch.zeros(2, dtype=torch.long)]) is None

@@ -31,6 +31,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+Product = Callable[[Tensor, Tensor, "Tensor | None"], Tensor]  # (x [r, K], w [O, K], b [O] | None) -> x wᵀ + b [r, O]
+
 # How often each backward path ran (read by tests and benchmarks; never by the library).
 PATH_COUNTS = {"one_pass": 0, "recompute": 0}
 
@@ -60,10 +62,13 @@ class _Workspace:
             cls._kept[key] = work
         return work
 
-    def scaled_logits(self, h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float) -> Tensor:
-        """z = (h Wᵀ + b) / temperature → [r, V], written into the logits buffer."""
+    def scaled_logits(self, h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float,
+                      product: Product | None = None) -> Tensor:
+        """z = (h Wᵀ + b) / temperature → [r, V], written into the logits buffer (with `product`: its output)."""
         z = self.logits[: h.shape[0]]
-        if weight.dtype == z.dtype:
+        if product is not None and weight.dtype == z.dtype:
+            z = product(h, weight, bias)  # [r, V]
+        elif weight.dtype == z.dtype:
             if bias is None:
                 torch.mm(h, weight.t(), out=z)
             else:
@@ -90,10 +95,12 @@ def _grad_logits(z: Tensor, buf: Tensor, lse: Tensor, ids: Tensor, g: Tensor, g_
     return grad
 
 
-def _head_grads(grad: Tensor, h: Tensor, weight: Tensor, sl: slice, gh, gw, gb) -> None:
+def _head_grads(grad: Tensor, h: Tensor, weight: Tensor, sl: slice, gh, gw, gb, product: Product | None) -> None:
     """Given ∂L/∂logits [r, V] of the rows ``sl``: write ∂L/∂h, accumulate ∂L/∂W and ∂L/∂b."""
     grad = grad.to(weight.dtype)
-    if gh is not None:
+    if gh is not None and product is not None:
+        gh[sl] = product(grad, weight.t(), None)  # [r, V] x [V, H] -> [r, H]
+    elif gh is not None:
         torch.mm(grad, weight, out=gh[sl])  # [r, H]
     if gw is not None:
         if gw.dtype == weight.dtype and sl.start == 0:  # the first chunk writes: no zero-filled [V, H] buffer
@@ -123,7 +130,7 @@ def _cast_grads(gh, gw, gb, weight, bias):
 
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, ids, temperature, chunk_size, with_entropy, grad_fn):
+    def forward(ctx, hidden, weight, bias, ids, temperature, chunk_size, with_entropy, grad_fn, product):
         R = hidden.shape[0]
         f32 = dict(dtype=_acc(weight), device=hidden.device)
         logp, lse = torch.empty(R, **f32), torch.empty(R, **f32)
@@ -136,7 +143,7 @@ class _LinearLogprobs(torch.autograd.Function):
         for start in range(0, R, chunk_size):
             sl = slice(start, min(start + chunk_size, R))
             h, y = hidden[sl], ids[sl]
-            z = work.scaled_logits(h, weight, bias, temperature)  # [r, V]
+            z = work.scaled_logits(h, weight, bias, temperature, product)  # [r, V]
             top = z.amax(-1)  # [r]
             z.sub_(top[:, None])
             e = torch.exp(z, out=work.exp[: z.shape[0]])  # [r, V] unnormalised probabilities
@@ -153,8 +160,8 @@ class _LinearLogprobs(torch.autograd.Function):
                 grad.scatter_add_(1, y[:, None], g[:, None])  # + g onehot(y)
                 if temperature != 1.0:
                     grad.div_(temperature)
-                _head_grads(grad, h, weight, sl, gh, gw, gb)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+                _head_grads(grad, h, weight, sl, gh, gw, gb, product)
+        ctx.temperature, ctx.chunk_size, ctx.product = temperature, chunk_size, product
         ctx.stash = (g_all, gh, gw, gb) if one_pass else None
         ctx.save_for_backward(hidden, weight, bias, ids, lse, ent)
         ctx.set_materialize_grads(False)
@@ -162,7 +169,7 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        none = (None,) * 5
+        none = (None,) * 6
         if g_logp is None and g_ent is None:
             return (None, None, None) + none
         hidden, weight, bias, ids, lse, ent = ctx.saved_tensors
@@ -180,10 +187,10 @@ class _LinearLogprobs(torch.autograd.Function):
         for start in range(0, R, ctx.chunk_size):
             sl = slice(start, min(start + ctx.chunk_size, R))
             h = hidden[sl]
-            z = work.scaled_logits(h, weight, bias, ctx.temperature)
+            z = work.scaled_logits(h, weight, bias, ctx.temperature, ctx.product)
             grad = _grad_logits(z, work.exp, lse[sl], ids[sl], g[sl], None if g_ent is None else g_ent[sl].to(acc),
                                 None if ent is None else ent[sl], ctx.temperature)
-            _head_grads(grad, h, weight, sl, gh, gw, gb)
+            _head_grads(grad, h, weight, sl, gh, gw, gb, ctx.product)
         return _cast_grads(gh, gw, gb, weight, bias) + none
 
 
@@ -197,11 +204,16 @@ def linear_logprobs(
     chunk_size: int = 1024,
     with_entropy: bool = False,
     grad_fn: Callable[[Tensor, int], Tensor] | None = None,
+    product: Product | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs ``[R]`` (and entropies ``[R]`` or None) of ``ids`` ``[R]`` under the linear head
     applied to ``hidden`` ``[R, H]``; differentiable in hidden, weight and bias.
 
     ``grad_fn(logp_chunk [r], start) -> dLoss/dlogp [r]`` enables the one-pass backward (see the
     module docstring); it must depend only on the rows it is given.
+
+    ``product(x, w, b) -> x wᵀ + b`` (None: torch's matmul): the kernel for the logits (w = W) and for
+    ∂L/∂h (w = Wᵀ, a transposed view), in the weight's dtype; the weight gradient stays torch's.
     """
-    return _LinearLogprobs.apply(hidden, weight, bias, ids, temperature, chunk_size, with_entropy, grad_fn)
+    return _LinearLogprobs.apply(hidden, weight, bias, ids, temperature, chunk_size, with_entropy, grad_fn,
+                                 product)

@@ -121,9 +121,10 @@ def token_logprobs_from_hidden(
     _check_logprob_args(hidden, "hidden", token_ids, temperature, chunk_size)
     if fused and type(lm_head) is torch.nn.Linear:  # exactly a linear map: the fused path (fused_logprobs.py)
         n, t, d = hidden.shape
+        # inside models/onednn.py's `onednn_linears` the head's forward names its kernel: the fused head uses it too
         logp, ent = linear_logprobs(hidden.reshape(n * t, d), lm_head.weight, lm_head.bias, token_ids.reshape(n * t),
                                     temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
-                                    grad_fn=grad_fn)
+                                    grad_fn=grad_fn, product=getattr(lm_head.forward, "product", None))
         return logp.view(n, t), (ent.view(n, t) if with_entropy else None)
     if grad_fn is not None:
         raise ValueError("grad_fn (the one-pass backward) needs an exactly torch.nn.Linear lm_head")

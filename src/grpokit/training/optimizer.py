@@ -40,7 +40,24 @@ def build_optimizer(params, *, lr: float, betas: tuple[float, float], weight_dec
     low = state_dtype == "bfloat16"
     if in_backward:
         return AdamWInBackward(params, low_precision_seed=seed if low else None, **kwargs)
-    return AdamWBF16State(params, seed=seed, **kwargs) if low else torch.optim.AdamW(params, **kwargs)
+    return AdamWBF16State(params, seed=seed, **kwargs) if low else \
+        torch.optim.AdamW(params, fused=fused_kernel_applies(params), **kwargs)
+
+
+def fused_kernel_applies(params: list[torch.Tensor]) -> bool | None:
+    """Whether AdamW runs torch's fused kernel (`fused=True`): one pass over each parameter, its gradient
+    and both moments, where the default on a CPU is a loop of ~8 elementwise ops per parameter (torch
+    picks its foreach or fused kernels by default on CUDA only). The update is the same formula (to float
+    rounding); on a 2-core AMD EPYC one step took 7.7 ms against 43 ms for a 14M-parameter model and
+    0.16 s against 2.4 s for Qwen2.5-0.5B's shapes. transformers' Trainer (and so TRL) uses it by default
+    from torch 2.8 on. It runs on plain floating-point tensors on a device it supports; FSDP2's sharded
+    parameters (DTensors) keep torch's default. A checkpoint keeps the setting it was saved with
+    (AdamW's param_groups carry it), so a run resumes with the kernel it started with."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    devices = _get_fused_kernels_supported_devices()
+    return all(type(p) in (torch.nn.Parameter, torch.Tensor)  # not a tensor subclass (DTensor)
+               and p.is_floating_point() and p.device.type in devices for p in params) or None
 
 
 def lr_lambda(config: Config) -> Callable[[int], float]:
@@ -71,7 +88,8 @@ class AdamWInBackward(torch.optim.AdamW):
         params = list(params)
         super().__init__(params, **kwargs)
         if low_precision_seed is None:
-            self._single = {p: torch.optim.AdamW([p], **kwargs) for p in params}
+            fused = fused_kernel_applies(params)
+            self._single = {p: torch.optim.AdamW([p], fused=fused, **kwargs) for p in params}
         else:  # bfloat16 moments, each parameter's noise stream named by its index in the whole model
             self._single = {p: AdamWBF16State([p], seed=low_precision_seed, first_index=i, **kwargs)
                             for i, p in enumerate(params)}
