@@ -17,7 +17,7 @@ import torch
 
 from grpokit.algorithms import fused_logprobs
 from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, RolloutConfig, TrainConfig
-from grpokit.models.forward import completion_logprobs
+from grpokit.models.forward import completion_logprobs, embedding_rows_into_grad
 from grpokit.models.loading import load_model, load_tokenizer
 from grpokit.rollout.decode import sample_groups
 from grpokit.training.generate import GenerationBatch
@@ -219,3 +219,45 @@ def test_shared_prompt_forward_matches_one_forward_per_row(tiny, tiny_model_dir,
     assert shared[2].keys() == plain[2].keys()
     for k in plain[2]:
         torch.testing.assert_close(shared[2][k], plain[2][k], atol=1e-6, rtol=1e-4)
+
+
+def _two_micro_steps(config, model, batch):
+    """Two micro-steps' gradients accumulated (.grad is None before the first), as one optimizer step has."""
+    model.zero_grad(set_to_none=True)
+    n_items = batch.loss_mask.sum().clamp(min=1)
+    for _ in range(2):
+        _micro_step(config, loss_spec(config), Policy(model, None, True, None, None), batch, batch.old_logp,
+                    torch.arange(len(batch.advantages)), n_items, 1)
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("with_padding_idx", [False, True])
+def test_embedding_rows_added_into_the_gradient_give_the_dense_gradient(tiny, tiny_model_dir, with_padding_idx):
+    """`train.embedding_rows_into_grad`: over two accumulated micro-steps every gradient is the dense
+    lookup's (the first adds torch's dense gradient, the second its rows in place), the padding row gets
+    none, a post-accumulate hook sees the whole gradient, and the module is put back."""
+    model, _ = tiny
+    embed = model.get_input_embeddings()
+    batch = _batch(_rollout(tiny), off_policy=True)
+    # a token the answers use: torch's lookup gives its row no gradient, and neither may this one
+    embed.padding_idx = int(batch.rollout.completion_ids[-1, 0]) if with_padding_idx else None  # (row 0: advantage 0)
+    try:
+        config = _config(tiny_model_dir)
+        dense = _two_micro_steps(config, model, batch)
+        seen = []
+        hook = embed.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+        try:
+            with embedding_rows_into_grad(model) as applies:
+                assert applies and "forward" in embed.__dict__
+                rows = _two_micro_steps(config, model, batch)
+        finally:
+            hook.remove()
+        assert "forward" not in embed.__dict__
+        assert dense.keys() == rows.keys()
+        for k in dense:
+            torch.testing.assert_close(rows[k], dense[k], atol=4e-7, rtol=1e-4)
+        torch.testing.assert_close(seen[-1], dense["model.embed_tokens.weight"], atol=4e-7, rtol=1e-4)
+    finally:
+        embed.padding_idx = None
+    with embedding_rows_into_grad(model, enabled=False) as applies:
+        assert not applies and "forward" not in embed.__dict__

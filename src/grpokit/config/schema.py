@@ -207,6 +207,9 @@ class TrainConfig:
     shared_prompt_forward: bool = True
     keep_freed_memory: bool = True  # CPU, glibc: reuse freed pages, do not fault them in again (models/allocator.py)
     onednn_linear: bool = True  # CPU: linear layers' forward and input gradient through oneDNN (models/onednn.py)
+    # the input embedding's backward adds its rows into the existing gradient instead of a dense [vocab, hidden]
+    # one (models/forward.py embedding_rows_into_grad): no zero-filled buffer per micro-step
+    embedding_rows_into_grad: bool = True
     # Activation checkpointing per decoder layer (models/checkpointing.py): each layer keeps only its input
     # and runs again in the backward. Less memory for long answers / large models, about a third more compute;
     # the training forward then runs each answer's whole sequence (no shared prompt forward). Same gradient.

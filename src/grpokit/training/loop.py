@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 from grpokit.config.schema import Config
+from grpokit.models.forward import embedding_rows_into_grad
 from grpokit.models.lora import check_given_model
 from grpokit.models.onednn import onednn_linears
 from grpokit.models.parallel import DistributedContext
@@ -124,7 +125,8 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
         t1 = time.perf_counter()
         # score: old / reference log-probs; optimize: μ passes of clipped-surrogate steps
         # (oneDNN linears: the backward runs inside the block)
-        with onednn_linears(policy.model, policy.ref_model, enabled=local.train.onednn_linear):
+        with onednn_linears(policy.model, policy.ref_model, enabled=local.train.onednn_linear), \
+                embedding_rows_into_grad(policy.model, enabled=local.train.embedding_rows_into_grad):
             batch = score_old_and_ref(local, policy, batch)
             if local.algorithm.is_correction != "none":  # the sampler's log-probs are not the trainer's
                 batch, is_metrics = with_is_weights(local, policy, batch)
