@@ -231,16 +231,20 @@ def _two_micro_steps(config, model, batch):
     return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("with_padding_idx", [False, True])
-def test_embedding_rows_added_into_the_gradient_give_the_dense_gradient(tiny, tiny_model_dir, with_padding_idx):
+@pytest.mark.parametrize("with_padding_idx, tied", [(False, True), (True, True), (False, False)])
+def test_embedding_rows_added_into_the_gradient_give_the_dense_gradient(tiny, tiny_model_dir, with_padding_idx,
+                                                                        tied):
     """`train.embedding_rows_into_grad`: over two accumulated micro-steps every gradient is the dense
-    lookup's (the first adds torch's dense gradient, the second its rows in place), the padding row gets
-    none, a post-accumulate hook sees the whole gradient, and the module is put back."""
+    lookup's (the first adds torch's dense gradient, the second its rows in place), tied to the head or not
+    (then the weight's accumulator gets no gradient at all from the lookup), the padding row gets none, a
+    post-accumulate hook sees the whole gradient, and the module is put back."""
     model, _ = tiny
-    embed = model.get_input_embeddings()
+    embed, head_weight = model.get_input_embeddings(), model.lm_head.weight
     batch = _batch(_rollout(tiny), off_policy=True)
-    # a token the answers use: torch's lookup gives its row no gradient, and neither may this one
-    embed.padding_idx = int(batch.rollout.completion_ids[-1, 0]) if with_padding_idx else None  # (row 0: advantage 0)
+    # a token the answers use (row 0's group has advantage 0): torch's lookup gives its row no gradient
+    embed.padding_idx = int(batch.rollout.completion_ids[-1, 0]) if with_padding_idx else None
+    if not tied:
+        model.lm_head.weight = torch.nn.Parameter(head_weight.detach().clone())
     try:
         config = _config(tiny_model_dir)
         dense = _two_micro_steps(config, model, batch)
@@ -259,5 +263,12 @@ def test_embedding_rows_added_into_the_gradient_give_the_dense_gradient(tiny, ti
         torch.testing.assert_close(seen[-1], dense["model.embed_tokens.weight"], atol=4e-7, rtol=1e-4)
     finally:
         embed.padding_idx = None
+        model.lm_head.weight = head_weight
     with embedding_rows_into_grad(model, enabled=False) as applies:
         assert not applies and "forward" not in embed.__dict__
+    hook = embed.weight.register_hook(lambda g: g)  # a tensor hook would see only part of the gradient: off
+    try:
+        with embedding_rows_into_grad(model) as applies:
+            assert not applies
+    finally:
+        hook.remove()

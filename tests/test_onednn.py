@@ -343,7 +343,10 @@ def test_the_fused_head_computes_logits_and_hidden_gradient_with_the_layers_prod
         got = run(lambda h: linear_logprobs(h.reshape(18, 24), head.weight, head.bias, ids.reshape(18),
                                             chunk_size=5, grad_fn=grad_fn, product=counting))
         assert "logits" in calls and "dh" in calls  # 4 chunks: 4 of each (one-pass), or 4 + 4 (recompute)
+        calls.clear()
+        head.forward.product = counting  # what token_logprobs_from_hidden finds on the module
         via_module = run(lambda h: token_logprobs_from_hidden(h, head, ids, chunk_size=5, grad_fn=grad_fn))
+        assert "logits" in calls and "dh" in calls
     for g in (got, via_module):
         torch.testing.assert_close(g[0].reshape(want[0].shape), want[0], rtol=1e-5, atol=1e-6)
         for a, b in zip(g[1:], want[1:]):

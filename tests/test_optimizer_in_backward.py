@@ -144,3 +144,4 @@ def test_plain_cpu_parameters_get_the_fused_kernel_and_its_update_is_adamws():
 
     assert fused_kernel_applies([torch.nn.Parameter(torch.zeros(2)).as_subclass(Subclass)]) is None
     assert fused_kernel_applies([torch.zeros(2, dtype=torch.long)]) is None
+    assert fused_kernel_applies([torch.nn.Parameter(torch.zeros(3, 2).t())]) is None  # its layout: not fused

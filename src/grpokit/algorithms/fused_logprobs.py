@@ -47,7 +47,9 @@ class _Workspace:
     """Two [chunk, V] buffers, reused by every chunk and kept between calls (one set per device,
     dtype and vocabulary size, the largest asked for). A fresh tensor of that size costs page
     faults on every allocation (glibc maps large blocks anew each time), which on a CPU costs
-    several times the exp that fills it."""
+    several times the exp that fills it. With a `product` (oneDNN, which has no `out=`) the logits
+    are its output and only the exp buffer is kept; training keeps freed memory mapped
+    (`train.keep_freed_memory`), so that output reuses the previous chunk's pages."""
 
     _kept: dict = {}
 
@@ -55,9 +57,9 @@ class _Workspace:
         V, acc = weight.shape[0], _acc(weight)
         key = (weight.device, acc, V)
         work = cls._kept.get(key)
-        if work is None or work.logits.shape[0] < rows:
+        if work is None or work.exp.shape[0] < rows:
             work = super().__new__(cls)
-            work.logits = torch.empty(rows, V, dtype=acc, device=weight.device)
+            work.logits = None  # made by the first chunk that writes into it (not with a `product`: its output)
             work.exp = torch.empty(rows, V, dtype=acc, device=weight.device)
             cls._kept[key] = work
         return work
@@ -65,10 +67,13 @@ class _Workspace:
     def scaled_logits(self, h: Tensor, weight: Tensor, bias: Tensor | None, temperature: float,
                       product: Product | None = None) -> Tensor:
         """z = (h Wᵀ + b) / temperature → [r, V], written into the logits buffer (with `product`: its output)."""
+        if product is not None and weight.dtype == self.exp.dtype:
+            z = product(h, weight, bias)  # [r, V] (a new tensor: the allocator hands back the last chunk's pages)
+            return z.div_(temperature) if temperature != 1.0 else z
+        if self.logits is None:
+            self.logits = torch.empty_like(self.exp)
         z = self.logits[: h.shape[0]]
-        if product is not None and weight.dtype == z.dtype:
-            z = product(h, weight, bias)  # [r, V]
-        elif weight.dtype == z.dtype:
+        if weight.dtype == z.dtype:
             if bias is None:
                 torch.mm(h, weight.t(), out=z)
             else:

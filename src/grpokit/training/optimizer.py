@@ -51,13 +51,16 @@ def fused_kernel_applies(params: list[torch.Tensor]) -> bool | None:
     rounding); on a 2-core AMD EPYC one step took 7.7 ms against 43 ms for a 14M-parameter model and
     0.16 s against 2.4 s for Qwen2.5-0.5B's shapes. transformers' Trainer (and so TRL) uses it by default
     from torch 2.8 on. It runs on plain floating-point tensors on a device it supports; FSDP2's sharded
-    parameters (DTensors) keep torch's default. A checkpoint keeps the setting it was saved with
-    (AdamW's param_groups carry it), so a run resumes with the kernel it started with."""
+    parameters (DTensors) keep torch's default. AdamW's param_groups carry the setting into a checkpoint,
+    and the default optimizer resumes with the kernel it was saved with (a checkpoint from before this
+    setting: the loop); AdamW in the backward chooses anew for its one-parameter optimizers."""
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
     devices = _get_fused_kernels_supported_devices()
+    # contiguous: torch's kernel pairs elements by memory position, so a weight whose layout differs from
+    # its gradient's or moments' would be updated from the wrong elements (autograd gives plain layouts)
     return all(type(p) in (torch.nn.Parameter, torch.Tensor)  # not a tensor subclass (DTensor)
-               and p.is_floating_point() and p.device.type in devices for p in params) or None
+               and p.is_floating_point() and p.device.type in devices and p.is_contiguous() for p in params) or None
 
 
 def lr_lambda(config: Config) -> Callable[[int], float]:
@@ -86,9 +89,9 @@ class AdamWInBackward(torch.optim.AdamW):
 
     def __init__(self, params, low_precision_seed: int | None = None, **kwargs):
         params = list(params)
-        super().__init__(params, **kwargs)
+        fused = fused_kernel_applies(params) if low_precision_seed is None else None
+        super().__init__(params, fused=fused, **kwargs)  # (never steps: its param_groups record the choice)
         if low_precision_seed is None:
-            fused = fused_kernel_applies(params)
             self._single = {p: torch.optim.AdamW([p], fused=fused, **kwargs) for p in params}
         else:  # bfloat16 moments, each parameter's noise stream named by its index in the whole model
             self._single = {p: AdamWBF16State([p], seed=low_precision_seed, first_index=i, **kwargs)
