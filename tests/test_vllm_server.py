@@ -470,3 +470,11 @@ def test_nccl_asked_for_where_it_cannot_run_is_one_error_at_the_start(stand_in, 
     assert can_run_nccl({"vllm_config": {"weight_transfer_config": None}}) == "the trainer has no CUDA device"
     gloo = SimpleNamespace(info={"vllm_config": {"weight_transfer_config": {"backend": "gloo"}}}, url="http://h:1")
     assert isinstance(choose_server_transport(gloo, "nccl", None, 64), NcclTransfer)  # the stand-in's
+
+
+def test_two_runs_in_one_process_within_a_second_name_their_adapters_apart():
+    """A server keeps adapters by name and answers "already loaded" to a second load under one name: a run
+    refused at its start and the next run in the same process, within the same second, must not share one."""
+    from grpokit.rollout.vllm_weights import run_prefix
+
+    assert run_prefix() != run_prefix()

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -387,5 +388,8 @@ def shared_with_ranks(value: str) -> str:
 
 
 def run_prefix() -> str:
-    """This run's adapter names' prefix (a server outlives runs: names of its own)."""
-    return shared_with_ranks(f"grpokit-{os.getpid()}-{int(time.time())}")
+    """This run's adapter names' prefix (a server outlives runs: names of its own). Process id and second are
+    not enough: two runs in one process within a second (a run refused at its start, then the next) would
+    name their first adapters alike, and the server, answering "already loaded", would keep the first run's,
+    whose folder is gone (vLLM's engine then dies loading it); a random part makes each run's its own."""
+    return shared_with_ranks(f"grpokit-{os.getpid()}-{int(time.time())}-{uuid.uuid4().hex[:8]}")
