@@ -186,6 +186,7 @@ class TrainConfig:
     minibatch_size: int = 0  # answers per optimizer step; 0 = the whole generation batch
     micro_batch_size: int = 0  # answers per forward/backward; 0 = the minibatch
     micro_batch_grouping: str = "length"  # length (similar lengths where exact; dapo: token budget) | rows (row order)
+    packed_sequences: bool = True  # answers as one row, no padding (models/packing.py); FSDP, checkpointing: padded
     learning_rate: float = 1e-6
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.99)

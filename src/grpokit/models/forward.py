@@ -16,11 +16,8 @@ import torch
 from torch import Tensor
 
 from grpokit.algorithms.logprobs import token_logprobs, token_logprobs_from_hidden
-
-
-def position_ids_from_mask(mask: Tensor) -> Tensor:
-    """Positions that count only real tokens, so left padding does not shift them."""
-    return (mask.long().cumsum(-1) - 1).clamp_(min=0)  # [N, L]
+from grpokit.models.packing import packed_completion_hidden, packing_applies
+from grpokit.models.prompt_forward import distinct_prompts, position_ids_from_mask, prompt_forward
 
 
 class _RowsIntoGrad(torch.autograd.Function):
@@ -96,24 +93,6 @@ def head_is_linear(model) -> bool:
     return torch.allclose(full, mine, atol=1e-4, rtol=1e-3)
 
 
-def _full_attention_cache(model):
-    """An empty DynamicCache for `model` and the keyword it goes under, or None when some layer is
-    not plain full attention (sliding windows, linear attention: their caches have other semantics)."""
-    import inspect
-
-    from transformers import DynamicCache
-    from transformers.cache_utils import DynamicLayer
-
-    try:
-        cache = DynamicCache(config=model.config)
-    except Exception:  # noqa: BLE001 - a config this transformers cannot build a cache from
-        return None
-    if not cache.layers or any(type(layer) is not DynamicLayer for layer in cache.layers):
-        return None
-    params = inspect.signature(model.base_model.forward).parameters
-    return cache, ("cache" if "cache" in params else "past_key_values")
-
-
 def _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, media=None):
     """The hidden states [N, T, H] that predict each completion token, running each distinct prompt
     once: a [U, P] forward fills a KV cache, whose rows are then repeated (index_select, so the
@@ -131,30 +110,20 @@ def _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, comple
         raise ValueError(f"media has {len(media)} rows for a batch of {N}")
     if N < 2 or P < 1 or T < 1 or (media is not None and bool((completion_ids == media.image_token_id).any())):
         return None
-    key = torch.cat([prompt_ids, prompt_mask.to(prompt_ids.dtype)], dim=1)  # [N, 2P]
-    _, inverse = torch.unique(key, dim=0, return_inverse=True)  # [N] prompt group of each row
-    if media is not None:  # the same text with other images is another prompt
-        groups: dict = {}
-        inverse = torch.tensor([groups.setdefault((int(t), None if r is None else r.digest), len(groups))
-                                for t, r in zip(inverse.tolist(), media.rows)], device=inverse.device)  # [N]
-    U = int(inverse.max()) + 1
-    if U == N:
+    inverse, first = distinct_prompts(prompt_ids, prompt_mask, media)  # [N], [U]
+    if len(first) == N:
         return None
-    found = _full_attention_cache(model)
-    if found is None:
-        return None
-    cache, cache_kwarg = found
-    first = torch.zeros(U, dtype=torch.long, device=inverse.device).scatter_(
-        0, inverse, torch.arange(N, device=inverse.device))  # [U] one row per distinct prompt
     ids, p_mask = prompt_ids[first], prompt_mask[first]
-    inputs, positions, deltas = {}, position_ids_from_mask(p_mask), None  # [U, P]
+    inputs, positions, deltas = {}, None, None
     if media is not None:  # the U prompts' pixels; Qwen2-VL: positions [3, U, P], offsets [U, 1]
         prompts = media.select(first)
         inputs = prompts.model_inputs(ids)
         positions, deltas = prompts.position_ids(model, ids, p_mask, inputs)
-    out = model.base_model(input_ids=ids, attention_mask=p_mask, position_ids=positions, use_cache=True,
-                           **inputs, **{cache_kwarg: cache})
-    last = out.last_hidden_state[:, -1].index_select(0, inverse)  # [N, H] (left padding: the last real token)
+    found = prompt_forward(model, ids, p_mask, positions, inputs)
+    if found is None:
+        return None
+    last, cache, cache_kwarg = found
+    last = last.index_select(0, inverse)  # [N, H] (left padding: the last real token)
     if T == 1:
         return last[:, None]
     for layer in cache.layers:  # [U, h, P, d] -> [N, h, P, d]
@@ -182,6 +151,7 @@ def completion_logprobs(
     fused: bool = True,
     grad_fn=None,
     share_prompts: bool = True,
+    packed: bool = False,
     media=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs `[N, T]` (and entropies) of the completion tokens under `model`.
@@ -190,8 +160,28 @@ def completion_logprobs(
     with `grad_fn` (dLoss/dlogp of a chunk of the flattened `[N*T]` log-probs); `fused=False` is
     the plain checkpointed path, kept for ablations and tests. `share_prompts` (linear heads): run
     each distinct prompt once and repeat its KV cache over its answers (`train.shared_prompt_forward`;
-    False runs every row's prompt, for ablations). `media` (`models.media.RowMedia`): the rows' images, for a
+    False runs every row's prompt, for ablations). `packed` (linear heads, with `share_prompts`, text only, where
+    `packing_applies`, answers of different lengths): the answers run as one row without padding
+    (models/packing.py); the log-probs at padding positions are then 0, and `grad_fn`'s offsets become the
+    chunk's flat positions in `[N*T]`. `media` (`models.media.RowMedia`): the rows' images, for a
     vision-language model (`models/vision_forward.py`; the shared prompt forward takes them too)."""
+    lengths = completion_mask.sum(-1)  # [N]
+    if packed and share_prompts and linear_head and media is None and len(lengths) > 1 \
+            and bool(lengths.min() < lengths.max()) and packing_applies(model):  # (answers of one length have no padding to save: the batched forward)
+        found = packed_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask)
+        if found is not None:
+            hidden, flat = found  # [S, H], [S] each real token's position in the flattened [N*T]
+            head_grad = None if grad_fn is None or not fused else \
+                (lambda lp, start: grad_fn(lp, flat[start:start + len(lp)]))
+            logp, entropy = token_logprobs_from_hidden(
+                hidden[None], model.get_output_embeddings(), completion_ids.reshape(-1).index_select(0, flat)[None],
+                temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy, grad_fn=head_grad,
+                fused=fused)  # [1, S]
+
+            def padded(x: Tensor) -> Tensor:  # [1, S] -> [N, T], 0 at padding
+                return x.new_zeros(completion_ids.numel()).index_copy(0, flat, x[0]).view(completion_ids.shape)
+
+            return padded(logp), None if entropy is None else padded(entropy)
     shared = _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, media) \
         if share_prompts and linear_head else None
     if media is not None and shared is None:

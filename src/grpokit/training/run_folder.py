@@ -57,6 +57,7 @@ from grpokit.training.run_lock import RunFolderLock  # the lock itself (run_lock
 RESUMABLE_FIELDS = frozenset({
     "train.steps", "train.micro_batch_size", "train.logprob_chunk_size", "train.max_consecutive_skips",
     "train.fused_logprobs", "train.fused_backward", "train.skip_zero_advantage", "train.shared_prompt_forward",
+    "train.packed_sequences",
     "train.gradient_checkpointing", "train.optimizer_in_backward",  # (the same AdamW state either way)
     "train.keep_freed_memory", "train.onednn_linear", "train.embedding_rows_into_grad", "train.num_threads",
     "rollout.preallocated_kv_cache", "rollout.shared_prefill",

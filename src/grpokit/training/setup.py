@@ -28,6 +28,7 @@ from grpokit.models.forward import head_is_linear
 from grpokit.models.fsdp import prepare_model
 from grpokit.models.loading import check_model_folder, load_model, load_tokenizer, max_positions_of, resolve_device
 from grpokit.models.lora import AdapterDisabled, LoraReference, adapter_of, apply_lora
+from grpokit.models.packing import packing_applies
 from grpokit.models.onednn import kernel_note
 from grpokit.models.parallel import DistributedContext
 from grpokit.rewards.core import RewardSpec
@@ -192,6 +193,13 @@ class Policy:
     # algorithm.ref_sync_every (training/reference.py): the reference has moved from the initial weights,
     # so checkpoints hold it
     ref_moved: bool = False
+    # train.packed_sequences, where the packed forward gives this model's padded one (models/packing.py)
+    packing: bool = False
+
+    def packs_sequences(self, batch) -> bool:
+        """Whether this batch's answers run packed: text only, every prompt holding a token."""
+        r = batch.rollout
+        return self.packing and r.media is None and bool((r.prompt_mask.sum(-1) > 0).all())
 
     def entropy_state(self) -> dict:
         return {"coef": self.entropy_coef, "last_entropy": self.last_entropy}
@@ -286,7 +294,11 @@ def build_policy(config: Config, model=None, ref_model=None) -> Policy:
                                 weight_decay=t.weight_decay, in_backward=t.optimizer_in_backward,
                                 state_dtype=t.optimizer_state_dtype, seed=t.seed)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
-    return Policy(model, ref_model, linear_head, optimizer, scheduler, entropy_coef=config.algorithm.entropy_coef)
+    # packed sequences need the shared prompt forward (its KV cache holds the prompts) and a forward that runs once
+    packing = t.packed_sequences and linear_head and t.shared_prompt_forward and not t.gradient_checkpointing \
+        and not config.model.fsdp and packing_applies(model)
+    return Policy(model, ref_model, linear_head, optimizer, scheduler, entropy_coef=config.algorithm.entropy_coef,
+                  packing=packing)
 
 
 def build_run(config: Config, inputs: Inputs, dist: DistributedContext, engine=None, model=None, ref_model=None) -> Run:

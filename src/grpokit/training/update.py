@@ -36,21 +36,22 @@ def score_old_and_ref(config: Config, policy: Policy, batch: GenerationBatch) ->
         if mode == "sampler":  # the rollout's own log-probs: the same policy, no extra pass
             old = batch.rollout.logprobs
         elif mode == "recompute" or config.minibatch_size < len(batch.advantages):
-            old = _score(config, policy.model, batch, policy.linear_head)
+            old = _score(config, policy.model, batch, policy)
         # "first_pass" with one minibatch: optimize() keeps the first pass's log-probs (no update precedes them)
     if policy.ref_model is not None:
-        ref = _score(config, policy.ref_model, batch, policy.linear_head)
+        ref = _score(config, policy.ref_model, batch, policy)
     return dataclasses.replace(batch, old_logp=old, ref_logp=ref)
 
 
-def _score(config: Config, model, batch: GenerationBatch, linear_head: bool) -> torch.Tensor:
+def _score(config: Config, model, batch: GenerationBatch, policy: Policy) -> torch.Tensor:
     r, out = batch.rollout, []
     for rows in torch.arange(batch.num_rows).split(config.micro_batch_size):
         logp, _ = completion_logprobs(model, r.prompt_ids[rows], r.prompt_mask[rows], r.completion_ids[rows],
                                       r.completion_mask[rows], temperature=config.rollout.temperature,
-                                      chunk_size=config.train.logprob_chunk_size, linear_head=linear_head,
+                                      chunk_size=config.train.logprob_chunk_size, linear_head=policy.linear_head,
                                       fused=config.train.fused_logprobs,
                                       share_prompts=config.train.shared_prompt_forward,
+                                      packed=policy.packs_sequences(batch),
                                       media=None if r.media is None else r.media.select(rows))  # each row's images
         out.append(logp)
     return torch.cat(out)  # [N, T]
@@ -64,7 +65,7 @@ def with_is_weights(config: Config, policy: Policy, batch: GenerationBatch) -> t
     algo = config.algorithm
     own = batch.old_logp is not None and batch.old_logp is not batch.rollout.logprobs
     with torch.no_grad():
-        trainer_logp = batch.old_logp if own else _score(config, policy.model, batch, policy.linear_head)
+        trainer_logp = batch.old_logp if own else _score(config, policy.model, batch, policy)
     weights, stats = importance_correction(trainer_logp, batch.rollout.logprobs, batch.loss_mask,
                                            algo.is_correction, cap_max=algo.is_cap_max or None,
                                            cap_min=algo.is_cap_min or None)
@@ -109,7 +110,7 @@ def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[di
         for minibatch in order.split(config.minibatch_size):
             minibatch = batch.rows_of(minibatch)  # answers -> their training rows (tools.history = "split")
             policy.optimizer.zero_grad(set_to_none=True)
-            micro_batches = micro_batches_of(config, batch, minibatch)
+            micro_batches = micro_batches_of(config, batch, minibatch, policy.packs_sequences(batch))
             n_items = global_sum(batch.loss_mask[minibatch].sum()).clamp(min=1)  # dapo: minibatch tokens, all ranks
             loss, entropy_sum, entropy_tokens = 0.0, 0.0, 0.0
             step_spec = dataclasses.replace(spec, entropy_coef=_entropy_coef_now(algo, policy))
@@ -156,11 +157,14 @@ def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[di
     return metrics, old
 
 
-def micro_batches_of(config: Config, batch: GenerationBatch, rows: torch.Tensor) -> list[torch.Tensor]:
+def micro_batches_of(config: Config, batch: GenerationBatch, rows: torch.Tensor,
+                     packed: bool = False) -> list[torch.Tensor]:
     """The minibatch's rows split into micro-batches: in row order (`micro_batch_size` each), or (grouping
     "length") sorted by answer length so each micro-batch trims its padding to similar answers, where that
     computes less (`_ForwardCost`: sorting scatters a prompt's answers, which the shared prompt forward
-    would run once) and the loss and its gradient are unchanged by it:
+    would run once) and the loss and its gradient are unchanged by it. `packed` (the answers run as one row
+    without padding, models/packing.py): a micro-batch computes its answers' tokens whatever their lengths,
+    so the row order (a prompt's answers together) is kept and only the token budget cuts it:
 
     - dapo, cispo and vespo divide every token by the minibatch's token count, so any split is exact: the
       answers that run a forward go into micro-batches of any size under a token budget
@@ -179,7 +183,7 @@ def micro_batches_of(config: Config, batch: GenerationBatch, rows: torch.Tensor)
             or token_mean_bonus or algo.top_entropy_quantile < 1:
         return in_row_order
     r = batch.rollout
-    cost = _ForwardCost(batch, rows, config)
+    cost = _ForwardCost(batch, rows, config, packed)
     if algo.sums_over_global_tokens and not algo.uses_entropy and not train.optimizer_in_backward \
             and not config.model.fsdp:
         moving = rows[cost.moving]  # the answers that run a forward (all but the zero-advantage skip's)
@@ -187,10 +191,11 @@ def micro_batches_of(config: Config, batch: GenerationBatch, rows: torch.Tensor)
         lengths = r.completion_mask[moving].sum(-1).clamp(min=1)  # [m]
         if not idle and bool(lengths.min() == lengths.max()) and cost(in_row_order) == cost.least(rows, size):
             return in_row_order  # answers of one length, row order at the least cost a split can have: no search
-        order = lengths.argsort(descending=True, stable=True).to(rows.device)
+        order = torch.arange(len(moving), device=rows.device) if packed else \
+            lengths.argsort(descending=True, stable=True).to(rows.device)
         budget = size * (cost.prompt_width + int(r.completion_mask[rows].sum(-1).max()))  # the row-order maximum
         sizes = token_budget_split(lengths[order].tolist(), cost.prompt_ids(moving[order]), cost.prompt_width,
-                                   budget)
+                                   budget, packed=packed)
         grouped = list(moving[order].split(sizes)) + idle
     else:
         if len(rows) <= size:
@@ -207,11 +212,13 @@ MICRO_STEP_OVERHEAD_TOKENS = 32  # what one more forward/backward costs beyond i
 
 class _ForwardCost:
     """What a split of the minibatch's rows into micro-batches computes, in token rows: per micro-batch, its
-    running rows x its longest answer, its distinct prompts x the prompt width (the shared prompt forward
-    runs a prompt once per micro-batch; without it every row runs its own) and a fixed cost per micro-step."""
+    running rows x its longest answer (packed: the sum of their lengths), its distinct prompts x the prompt
+    width (the shared prompt forward runs a prompt once per micro-batch; without it every row runs its own) and
+    a fixed cost per micro-step."""
 
-    def __init__(self, batch: GenerationBatch, rows: torch.Tensor, config: Config):
+    def __init__(self, batch: GenerationBatch, rows: torch.Tensor, config: Config, packed: bool = False):
         r, n = batch.rollout, len(rows)
+        self.packed = packed
         self.lengths, self.prompt_width = r.completion_mask.sum(-1), r.prompt_ids.shape[1]  # [N]
         self.moving = torch.ones(n, dtype=torch.bool, device=rows.device)  # [n]
         if config.skips_zero_advantage:
@@ -238,16 +245,20 @@ class _ForwardCost:
         for m in micro_batches:
             running = m[self.runs[m]]
             if len(running):
-                total += len(running) * int(self.lengths[m].max()) + MICRO_STEP_OVERHEAD_TOKENS \
-                    + len(set(self.prompt_ids(running))) * self.prompt_width
+                answers = int(self.lengths[running].sum()) if self.packed else \
+                    len(running) * int(self.lengths[m].max())
+                total += answers + MICRO_STEP_OVERHEAD_TOKENS + len(set(self.prompt_ids(running))) * self.prompt_width
         return total
 
 
 def token_budget_split(lengths: list[int], prompts: list[int], prompt_tokens: int, budget: int,
-                       overhead: int = MICRO_STEP_OVERHEAD_TOKENS) -> list[int]:
-    """Sizes of consecutive micro-batches over answers sorted longest first (`lengths`, with their prompts'
-    ids), each holding at most `budget` padded tokens (rows x (prompt + its longest answer)), that minimise
-    the tokens computed: rows x longest answer + distinct prompts x `prompt_tokens` + `overhead` each.
+                       overhead: int = MICRO_STEP_OVERHEAD_TOKENS, packed: bool = False) -> list[int]:
+    """Sizes of consecutive micro-batches over answers (`lengths`, with their prompts' ids), each holding at
+    most `budget` tokens, that minimise the tokens computed plus `overhead` per micro-batch.
+
+    Padded (the answers sorted longest first): a micro-batch computes, and holds, rows x (prompt + its longest
+    answer); packed (models/packing.py; any order, a prompt's answers together being cheapest): the sum of its
+    answers' lengths plus its distinct prompts once each.
 
     An exact dynamic programme over the split points: best[j] is the least cost of the first j answers,
     relaxed from every i < j at once per i (numpy), so n answers cost O(n x largest micro-batch) in C."""
@@ -257,14 +268,22 @@ def token_budget_split(lengths: list[int], prompts: list[int], prompt_tokens: in
     for k, p in enumerate(prompts):
         earlier[k] = last_seen.get(p, -1)
         last_seen[p] = k
+    sizes_of = np.maximum(np.asarray(lengths, dtype=np.int64), 1)  # [n]
     best = np.full(n + 1, np.inf)
     best[0] = 0.0
     cut = np.zeros(n + 1, dtype=np.int64)
-    for i in range(n):  # micro-batches [i, j): answer i is the longest
-        longest = max(lengths[i], 1)
-        m = min(n - i, max(budget // (prompt_tokens + longest), 1))  # rows the budget allows
-        distinct = np.cumsum(earlier[i:i + m] < i)  # [m] distinct prompts among answers i .. i + k
-        cost = best[i] + np.arange(1, m + 1) * longest + distinct * prompt_tokens + overhead  # [m]
+    for i in range(n):  # micro-batches [i, j)
+        if packed:
+            distinct = np.cumsum(earlier[i:] < i)  # [n - i] distinct prompts among answers i .. i + k
+            tokens = np.cumsum(sizes_of[i:]) + distinct * prompt_tokens  # [n - i]
+            m = max(int(np.searchsorted(tokens, budget, side="right")), 1)  # rows the budget allows
+            tokens = tokens[:m]
+        else:  # answer i is the longest
+            longest = sizes_of[i]
+            m = min(n - i, max(budget // (prompt_tokens + longest), 1))
+            distinct = np.cumsum(earlier[i:i + m] < i)  # [m]
+            tokens = np.arange(1, m + 1) * longest + distinct * prompt_tokens
+        cost = best[i] + tokens + overhead  # [m]
         better = cost < best[i + 1:i + m + 1]
         best[i + 1:i + m + 1][better] = cost[better]
         cut[i + 1:i + m + 1][better] = i
@@ -326,7 +345,7 @@ def _micro_step(config: Config, spec: LossSpec, policy: Policy, batch: Generatio
             temperature=config.rollout.temperature, chunk_size=train.logprob_chunk_size, with_entropy=True,
             linear_head=linear_head, fused=train.fused_logprobs, grad_fn=grad_fn,
             share_prompts=train.shared_prompt_forward and not train.gradient_checkpointing,
-            media=None if r.media is None else r.media.select(sel))  # [k, T]
+            packed=policy.packs_sequences(batch), media=None if r.media is None else r.media.select(sel))  # [k, T]
         # (a checkpointed layer cannot write the shared prompt's KV cache: its replay would write it twice)
         logp = logp_kept if len(keep) == n else logp_kept.new_zeros(n, T).index_copy(0, keep, logp_kept)
     else:  # nothing carries a gradient: no model call at all
@@ -348,9 +367,10 @@ def _micro_step(config: Config, spec: LossSpec, policy: Policy, batch: Generatio
 
 
 def _logp_grad_fn(loss_of, n: int, T: int, keep: torch.Tensor, constant: bool):
-    """dLoss/dlogp for a chunk of the kept rows' flattened [k*T] log-probs: the input of the fused
-    head's one-pass backward. Valid because each loss here is a sum of per-token terms (or, when
-    `constant`, has a gradient independent of logp); fused_logprobs checks it against autograd's."""
+    """dLoss/dlogp for a chunk of the kept rows' flattened [k*T] log-probs (given by its offset, or by its
+    entries' positions when the answers ran packed): the input of the fused head's one-pass backward. Valid
+    because each loss here is a sum of per-token terms (or, when `constant`, has a gradient independent of
+    logp); fused_logprobs checks it against autograd's."""
     k = len(keep)
 
     def grad_at(flat: torch.Tensor) -> torch.Tensor:  # [k*T] -> [k*T]
@@ -359,14 +379,18 @@ def _logp_grad_fn(loss_of, n: int, T: int, keep: torch.Tensor, constant: bool):
             (g,) = torch.autograd.grad(loss_of(logp)[0], logp)
         return g.index_select(0, keep).reshape(-1)
 
+    def where(lp: torch.Tensor, start) -> slice | torch.Tensor:  # a chunk's offset, or (packed) its flat positions
+        return slice(start, start + len(lp)) if isinstance(start, int) else start
+
     if constant:
         g = grad_at(torch.zeros(k * T, device=keep.device))
-        return lambda lp, start: g[start:start + len(lp)]
-    buf = torch.zeros(k * T, device=keep.device)
+        return lambda lp, start: g[where(lp, start)]
+    bufs: dict = {}  # the kept rows' log-probs so far, in the head's dtype
 
-    def per_chunk(lp: torch.Tensor, start: int) -> torch.Tensor:
-        buf[start:start + len(lp)] = lp
-        return grad_at(buf)[start:start + len(lp)]
+    def per_chunk(lp: torch.Tensor, start) -> torch.Tensor:
+        at, buf = where(lp, start), bufs.setdefault(lp.dtype, lp.new_zeros(k * T))
+        buf[at] = lp
+        return grad_at(buf)[at]
 
     return per_chunk
 
