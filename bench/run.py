@@ -90,6 +90,8 @@ ABLATIONS = [
      {"grpokit_rollout": {"layer_loop": False}}),
     ("MV: micro-batches in row order (no length grouping, no token budget)", "MV",
      {"grpokit_train": {"micro_batch_grouping": "rows"}}),
+    ("MV: packed sequences off (padded micro-batches, sorted by length under the token budget)", "MV",
+     {"grpokit_train": {"packed_sequences": False}}),
 ]
 # Memory levers (grpokit only, --levers): what each costs in time and saves in peak RSS, against the main row
 CHECKPOINTING = {"grpokit_train": {"gradient_checkpointing": True}}
@@ -496,7 +498,7 @@ def main() -> None:
                     help="TRL runs with glibc's freed memory kept (MALLOC_TUNED), as grpokit does by itself")
     ap.add_argument("--trl-fastest-known", action="store_true",
                     help="TRL in one setting only, gradient checkpointing off with the allocator setting: its fastest "
-                         "on M, X and L in every earlier run, within 2% of gc=on on S (L's four settings take 20 "
+                         "on M, X and L in every earlier run, within 2%% of gc=on on S (L's four settings take 20 "
                          "minutes of TRL alone)")
     args = ap.parse_args()
     TRL_ONLY.extend([(False, True)] if args.trl_fastest_known else [])
