@@ -30,7 +30,11 @@ character tokenizer), then runs each phase in its own process (a fresh vLLM engi
   vision_vllm  the same with rollout.engine = "vllm": each prompt's images go as vLLM's multi_modal_data beside
                its token ids (placeholders already expanded), and the gap stays small after every update.
 
-hf, async and vision need no vLLM: without it they run alone (the vLLM phases are reported as SKIPPED).
+  packed  packed sequences (train.packed_sequences) on the GPU in bf16: 24 answers of 1-200 tokens to 3 prompts,
+          packed against padded: log-probs and the gradient agree to bf16 rounding, and each one's time
+          (FlashAttention's varlen kernel where flash_attn is installed, else SDPA once per answer).
+
+packed, hf, async and vision need no vLLM: without it they run alone (the vLLM phases are reported as SKIPPED).
 
 Prints one line per check (PASS/FAIL with the numbers) and writes DIR/report.json. Exit code 0 when
 every check passed. Phases left when the time budget runs out are reported as SKIPPED.
@@ -47,7 +51,7 @@ import sys
 import time
 from pathlib import Path
 
-PHASES = ("engine", "train", "lora", "sleep", "hf", "async", "server", "vision", "vision_vllm")
+PHASES = ("packed", "engine", "train", "lora", "sleep", "hf", "async", "server", "vision", "vision_vllm")
 VLLM_PHASES = ("engine", "train", "lora", "sleep", "server", "vision_vllm")
 # A dry run of this script's own logic on a machine without a GPU (tests/fake_vllm stands in for vLLM):
 # GRPOKIT_CHECK_DEVICE=cpu PYTHONPATH=tests/fake_vllm python scripts/check_vllm_gpu.py
@@ -259,7 +263,54 @@ def phase_server(model_dir: Path, out: Path) -> list:
         server.wait(30)
 
 
+def phase_packed(model_dir: Path, out: Path) -> list:
+    import torch
+
+    from grpokit.models import packing
+    from grpokit.models.forward import completion_logprobs
+    from grpokit.models.loading import load_model_and_tokenizer
+
+    results: list = []
+    model, _ = load_model_and_tokenizer(model_dir, dtype="bfloat16", device=DEVICE)
+    check(results, "packed: packing applies to the model", packing.packing_applies(model),
+          flash_attn=packing.flash_attn_varlen_func is not None)
+    g = torch.Generator().manual_seed(0)
+    N, P, T = 24, 16, 200
+    vocab = model.config.vocab_size
+    prompt_ids = torch.randint(3, vocab, (3, P), generator=g).repeat_interleave(8, 0)  # [N, P]: 3 prompts
+    lengths = torch.randint(1, T + 1, (N,), generator=g)
+    completion_mask = (torch.arange(T)[None] < lengths[:, None]).long()  # [N, T]
+    args = [t.to(DEVICE) for t in (prompt_ids, torch.ones_like(prompt_ids), torch.randint(3, vocab, (N, T),
+                                                                                        generator=g), completion_mask)]
+    mask = args[3].bool()
+    weights = torch.randn(N, T, generator=g).to(DEVICE) * mask
+
+    def run(packed: bool):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize() if DEVICE == "cuda" else None
+        t0 = time.perf_counter()
+        logp, _ = completion_logprobs(model, *args, packed=packed)
+        (logp.float() * weights).sum().backward()
+        torch.cuda.synchronize() if DEVICE == "cuda" else None
+        seconds = time.perf_counter() - t0
+        grad = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+        return logp.detach().float()[mask], grad, seconds
+
+    for _ in range(2):  # warm-up
+        run(True), run(False)
+    (lp_pad, g_pad, s_pad), (lp_packed, g_packed, s_packed) = run(False), run(True)
+    gap = float((lp_packed - lp_pad).abs().mean())
+    rel = float((g_packed - g_pad).norm() / g_pad.norm())
+    check(results, "packed: log-probs match the padded forward", gap < 0.02, mean_abs_gap=gap)
+    check(results, "packed: gradient matches the padded one", rel < 0.05, relative_difference=rel)
+    check(results, "packed: forward+backward time", True, padded_s=s_pad, packed_s=s_packed,
+          real_token_share=float(mask.float().mean()))
+    return results
+
+
 def run_phase(phase: str, model_dir: Path, out: Path) -> list:
+    if phase == "packed":
+        return phase_packed(model_dir, out)
     if phase.startswith("vision"):
         return phase_train(model_dir, out, vision_engine="vllm" if phase == "vision_vllm" else "hf")
     if phase in ("hf", "async"):

@@ -15,14 +15,15 @@ import pytest
 import torch
 
 import grpokit.models.forward as forward
+import test_micro_batch_grouping as grouping
 from grpokit.config.schema import TrainConfig
 from grpokit.models.forward import completion_logprobs
 from grpokit.models.packing import PackedLayout, packing_applies, varlen_attention
 from grpokit.training.setup import Policy
 from grpokit.training.update import _micro_step, loss_spec, micro_batches_of, token_budget_split
+from test_micro_batch_grouping import CASES, LENGTHS, MICRO, _batch, _compositions, _config
 
-from test_micro_batch_grouping import (CASES, LENGTHS, MICRO, _batch, _compositions, _config,  # noqa: F401
-                                       rollout, tiny64)
+tiny64, rollout = grouping.tiny64, grouping.rollout  # the grouping tests' model and answers (module fixtures)
 
 
 def _loss_grads_micro(config, model, batch, rows, packing: bool):

@@ -28,8 +28,8 @@ from grpokit.models.forward import head_is_linear
 from grpokit.models.fsdp import prepare_model
 from grpokit.models.loading import check_model_folder, load_model, load_tokenizer, max_positions_of, resolve_device
 from grpokit.models.lora import AdapterDisabled, LoraReference, adapter_of, apply_lora
-from grpokit.models.packing import packing_applies
 from grpokit.models.onednn import kernel_note
+from grpokit.models.packing import packing_applies
 from grpokit.models.parallel import DistributedContext
 from grpokit.rewards.core import RewardSpec
 from grpokit.rewards.sandbox import sandbox_isolation
