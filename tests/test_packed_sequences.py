@@ -154,22 +154,26 @@ def test_varlen_attention_is_causal_within_each_answer(heads):
 
 @pytest.mark.parametrize("seed", range(30))
 def test_packed_token_budget_split_is_the_cheapest_split_under_the_budget(seed):
-    """Packed, a micro-batch computes and holds the sum of its answers' lengths plus its distinct prompts: the
-    dynamic programme against every split of up to 9 answers in row order."""
+    """Packed, a micro-batch computes the sum of its answers' lengths plus its distinct prompts, and holds the sum
+    of (prompt + length) over its answers (a single answer over the budget runs alone): the dynamic programme
+    against every split of up to 9 answers in row order."""
     gen = torch.Generator().manual_seed(seed)
     n = int(torch.randint(1, 10, (1,), generator=gen))
     lengths = torch.randint(1, 60, (n,), generator=gen).tolist()
     prompts = torch.randint(0, 3, (n,), generator=gen).tolist()
     prompt_tokens, overhead = seed % 4 * 8, seed % 3 * 16
-    budget = int(torch.randint(max(lengths) + prompt_tokens, 3 * (max(lengths) + prompt_tokens) + 1, (1,),
+    budget = int(torch.randint(max(lengths) // 2 + prompt_tokens, 3 * (max(lengths) + prompt_tokens) + 1, (1,),
                                generator=gen))
 
-    def tokens(a, s):
+    def tokens(a, s):  # computed: each distinct prompt once
         return sum(lengths[a:a + s]) + len(set(prompts[a:a + s])) * prompt_tokens
+
+    def held(a, s):  # held: every answer's attention holds its prompt's keys
+        return sum(lengths[a:a + s]) + s * prompt_tokens
 
     def cost(sizes):
         starts = [sum(sizes[:k]) for k in range(len(sizes))]
-        if any(tokens(a, s) > budget for s, a in zip(sizes, starts)):
+        if any(held(a, s) > budget and s > 1 for s, a in zip(sizes, starts)):
             return None
         return sum(tokens(a, s) + overhead for s, a in zip(sizes, starts))
 
@@ -190,11 +194,15 @@ def test_packed_micro_batches_keep_row_order_and_fill_the_budget_with_real_token
     assert len(packed) < len(padded)
     moving = [m for m in packed if not set(m.tolist()) <= {0, 1}]  # rows 0 and 1: the zero-advantage skip's
     assert torch.cat(moving).tolist() == list(range(2, 12))
-    for m in moving:
-        prompts = len({tuple(rollout.prompt_ids[i].tolist()) for i in m.tolist()})
-        assert sum(LENGTHS[i] for i in m.tolist()) + prompts * P <= MICRO * (P + max(LENGTHS))
+    for m in moving:  # each answer's attention holds its prompt's keys: (prompt + length) per answer
+        assert sum(LENGTHS[i] + P for i in m.tolist()) <= MICRO * (P + max(LENGTHS))
     grpo = micro_batches_of(_config(tiny_model_dir, "length", True, loss_type="grpo"), batch, rows, packed=True)
     assert [m.tolist() for m in grpo] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    # a shuffled minibatch (minibatch_size < N draws its rows at random): packed, a prompt's answers come together
+    shuffled = torch.tensor([7, 2, 11, 4, 9, 0, 5, 10, 3, 8, 1, 6])
+    grouped = micro_batches_of(config, batch, shuffled, packed=True)
+    prompt_of = [i // 4 for i in torch.cat([m for m in grouped if not set(m.tolist()) <= {0, 1}]).tolist()]
+    assert prompt_of == sorted(prompt_of)
 
 
 def test_packing_applies_only_where_it_is_the_padded_forward(tiny_model_dir, monkeypatch):
@@ -218,6 +226,25 @@ def test_packing_applies_only_where_it_is_the_padded_forward(tiny_model_dir, mon
     monkeypatch.setattr(packing, "varlen_attention", whole_row)
     other, _ = build_tiny_model(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, seed=1)
     assert not packing_applies(other.eval())
+
+
+def test_the_kernel_switch_leaves_every_sub_config_as_it_was():
+    """transformers' `_attn_implementation` setter writes into every sub-config: the packed forward's switch must
+    not, or a vision tower set to its own kernel would come back with the text model's."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2VLConfig
+
+    from grpokit.models.packing import PACKED_ATTENTION, _attention_implementation
+
+    config = Qwen2VLConfig()
+    config._attn_implementation = {"": "sdpa", "text_config": "sdpa", "vision_config": "eager"}
+    model = SimpleNamespace(config=config)
+    with _attention_implementation(model, PACKED_ATTENTION):
+        assert config.get_text_config()._attn_implementation == PACKED_ATTENTION
+        assert config.vision_config._attn_implementation == "eager"
+    assert (config._attn_implementation, config.get_text_config()._attn_implementation,
+            config.vision_config._attn_implementation) == ("sdpa", "sdpa", "eager")
 
 
 def test_build_policy_packs_where_it_can(tiny_model_dir):

@@ -21,6 +21,7 @@ from grpokit.algorithms.objectives import LossSpec, adapt_entropy_coef, high_ent
 from grpokit.config.schema import Config
 from grpokit.models.forward import completion_logprobs
 from grpokit.models.parallel import global_sum, reduce_gradients, world_size
+from grpokit.models.prompt_forward import distinct_prompts
 from grpokit.training.generate import GenerationBatch
 from grpokit.training.optimizer import AdamWInBackward
 from grpokit.training.setup import Policy
@@ -191,7 +192,8 @@ def micro_batches_of(config: Config, batch: GenerationBatch, rows: torch.Tensor,
         lengths = r.completion_mask[moving].sum(-1).clamp(min=1)  # [m]
         if not idle and bool(lengths.min() == lengths.max()) and cost(in_row_order) == cost.least(rows, size):
             return in_row_order  # answers of one length, row order at the least cost a split can have: no search
-        order = torch.arange(len(moving), device=rows.device) if packed else \
+        # packed: a prompt's answers together (a shuffled minibatch scatters them); padded: longest first
+        order = cost.prompt_of[moving].argsort(stable=True).to(rows.device) if packed else \
             lengths.argsort(descending=True, stable=True).to(rows.device)
         budget = size * (cost.prompt_width + int(r.completion_mask[rows].sum(-1).max()))  # the row-order maximum
         sizes = token_budget_split(lengths[order].tolist(), cost.prompt_ids(moving[order]), cost.prompt_width,
@@ -227,8 +229,8 @@ class _ForwardCost:
         self.runs = torch.zeros(len(self.lengths), dtype=torch.bool, device=rows.device)  # [N]
         self.runs[rows[self.moving]] = True
         shared = config.train.shared_prompt_forward and not config.train.gradient_checkpointing
-        _, self.prompt_of = torch.unique(r.prompt_ids, dim=0, return_inverse=True)  # [N] one id per distinct prompt
-        self.prompt_of = self.prompt_of if shared else torch.arange(len(self.lengths))  # unshared: each its own
+        # [N] one id per distinct prompt (its ids and mask: the prompt forward's own grouping); unshared: each its own
+        self.prompt_of = distinct_prompts(r.prompt_ids, r.prompt_mask)[0] if shared else torch.arange(len(self.lengths))
 
     def prompt_ids(self, rows: torch.Tensor) -> list[int]:
         return self.prompt_of[rows].tolist()
@@ -257,8 +259,9 @@ def token_budget_split(lengths: list[int], prompts: list[int], prompt_tokens: in
     most `budget` tokens, that minimise the tokens computed plus `overhead` per micro-batch.
 
     Padded (the answers sorted longest first): a micro-batch computes, and holds, rows x (prompt + its longest
-    answer); packed (models/packing.py; any order, a prompt's answers together being cheapest): the sum of its
-    answers' lengths plus its distinct prompts once each.
+    answer). Packed (models/packing.py; any order, a prompt's answers together being cheapest): it computes the
+    sum of its answers' lengths plus its distinct prompts once each, and holds the answers and, in every layer's
+    attention, a copy of its prompt's keys per answer: the sum of (prompt + length) counts against the budget.
 
     An exact dynamic programme over the split points: best[j] is the least cost of the first j answers,
     relaxed from every i < j at once per i (numpy), so n answers cost O(n x largest micro-batch) in C."""
@@ -274,10 +277,11 @@ def token_budget_split(lengths: list[int], prompts: list[int], prompt_tokens: in
     cut = np.zeros(n + 1, dtype=np.int64)
     for i in range(n):  # micro-batches [i, j)
         if packed:
-            distinct = np.cumsum(earlier[i:] < i)  # [n - i] distinct prompts among answers i .. i + k
-            tokens = np.cumsum(sizes_of[i:]) + distinct * prompt_tokens  # [n - i]
-            m = max(int(np.searchsorted(tokens, budget, side="right")), 1)  # rows the budget allows
-            tokens = tokens[:m]
+            window = slice(i, min(n, i + budget // (prompt_tokens + 1) + 1))  # no more rows can fit the budget
+            answers = np.cumsum(sizes_of[window])  # [w] tokens of answers i .. i + k
+            held = answers + np.arange(1, len(answers) + 1) * prompt_tokens  # [w]
+            m = max(int(np.searchsorted(held, budget, side="right")), 1)  # rows the budget allows
+            tokens = answers[:m] + np.cumsum(earlier[i:i + m] < i) * prompt_tokens  # [m] + distinct prompts
         else:  # answer i is the longest
             longest = sizes_of[i]
             m = min(n - i, max(budget // (prompt_tokens + longest), 1))
@@ -388,7 +392,9 @@ def _logp_grad_fn(loss_of, n: int, T: int, keep: torch.Tensor, constant: bool):
     bufs: dict = {}  # the kept rows' log-probs so far, in the head's dtype
 
     def per_chunk(lp: torch.Tensor, start) -> torch.Tensor:
-        at, buf = where(lp, start), bufs.setdefault(lp.dtype, lp.new_zeros(k * T))
+        if lp.dtype not in bufs:
+            bufs[lp.dtype] = lp.new_zeros(k * T)
+        at, buf = where(lp, start), bufs[lp.dtype]
         buf[at] = lp
         return grad_at(buf)[at]
 
