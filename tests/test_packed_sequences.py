@@ -214,7 +214,7 @@ def test_packing_applies_only_where_it_is_the_padded_forward(tiny_model_dir, mon
     llama, _ = build_tiny_model(arch="llama", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=1)
     assert packing_applies(llama.eval())
     windowed, _ = build_tiny_model(arch="mistral", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
-    windowed.config.sliding_window = 4  # its cache is not plain full attention
+    assert windowed.config.sliding_window == 4096  # Mistral's default: its cache is not plain full attention
     assert not packing_applies(windowed.eval())
     # a layer that ignores the layout (here: the registered kernel attends over the whole packed row)
     import grpokit.models.packing as packing
@@ -269,3 +269,22 @@ def test_images_and_empty_prompts_run_padded(tiny64, rollout):
     empty = rollout.prompt_mask.clone()
     empty[3] = 0
     assert not policy.packs_sequences(SimpleNamespace(rollout=dataclasses.replace(rollout, prompt_mask=empty)))
+
+
+def test_a_model_that_cannot_pack_says_so_at_the_start(tmp_path, tiny_model_dir):
+    """A sliding-window Mistral: packing does not apply, the run prints one line saying its micro-batches run
+    padded; with packing off, or where FSDP or checkpointing rules it out by design, no line."""
+    from grpokit.models.tiny import build_tiny_model
+    from grpokit.training.setup import build_policy, packing_note
+
+    build_tiny_model(tmp_path, arch="mistral", hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
+    assert '"sliding_window": 4096' in (tmp_path / "config.json").read_text()  # Mistral's default window
+    base = _config(tiny_model_dir, "length", True)
+    windowed = dataclasses.replace(base, model=dataclasses.replace(base.model, path=str(tmp_path)))
+    policy = build_policy(windowed)
+    assert not policy.packing
+    note = packing_note(windowed, policy)
+    assert note.startswith("train.packed_sequences: ") and "run padded" in note
+    off = dataclasses.replace(windowed, train=dataclasses.replace(windowed.train, packed_sequences=False))
+    assert packing_note(off, policy) is None
+    assert packing_note(base, build_policy(base)) is None  # the plain model packs

@@ -36,7 +36,7 @@ from grpokit.training.reference import sync_reference
 from grpokit.training.rollout_source import build_rollouts, check_async_can_run, split_threads
 from grpokit.training.run_folder import RunFolderLock, record_segment
 from grpokit.training.safekeeping import Safekeeping
-from grpokit.training.setup import Run, build_run, check_inputs
+from grpokit.training.setup import Run, build_run, check_inputs, packing_note
 from grpokit.training.stopping import continue_command, stop_messages
 from grpokit.training.update import optimize, score_old_and_ref, with_is_weights
 
@@ -93,6 +93,8 @@ def train(
         if crowded and dist.is_main:
             print(crowded, flush=True)
         run = build_run(config, inputs, dist, engine, model, ref_model)
+        if dist.is_main and (note := packing_note(config, run.policy)):
+            print(note, flush=True)
         resources.callback(run.side.engine.stop_serving)  # an agent engine's endpoint, a vLLM's weight folders
         return _loop(config, run, dist, hint, command, resources)
 

@@ -301,6 +301,18 @@ def build_policy(config: Config, model=None, ref_model=None) -> Policy:
                   packing=packing)
 
 
+def packing_note(config: Config, policy: Policy) -> str | None:
+    """The start-up line when train.packed_sequences is on, nothing else rules it out, and this model's forward
+    did not take the packed layout (models/packing.py packing_applies): its micro-batches run padded."""
+    t = config.train
+    if not t.packed_sequences or policy.packing or not policy.linear_head or not t.shared_prompt_forward \
+            or t.gradient_checkpointing or config.model.fsdp:
+        return None
+    return (f"train.packed_sequences: {config.model.path}'s attention does not take the packed layout here (a "
+            f"sliding window, another attention kernel, or a GPU without FlashAttention 2.1+ in fp16/bf16), so "
+            f"its micro-batches run padded: same results, more compute on answers of different lengths")
+
+
 def build_run(config: Config, inputs: Inputs, dist: DistributedContext, engine=None, model=None, ref_model=None) -> Run:
     """Load the model and build the optimizer, sampling generator, prompt stream and rollout engine; on --resume,
     restore all of them from the newest checkpoint."""
