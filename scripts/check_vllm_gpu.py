@@ -32,7 +32,8 @@ character tokenizer), then runs each phase in its own process (a fresh vLLM engi
 
   packed  packed sequences (train.packed_sequences) on the GPU in bf16: 24 answers of 1-200 tokens to 3 prompts,
           packed against padded: log-probs and the gradient agree to bf16 rounding, and each one's time
-          (FlashAttention's varlen kernel where flash_attn is installed, else SDPA once per answer).
+          (FlashAttention's varlen kernel where flash_attn is installed; without it a GPU runs padded by
+          default, and the phase checks SDPA once per answer instead).
 
 packed, hf, async and vision need no vLLM: without it they run alone (the vLLM phases are reported as SKIPPED).
 
@@ -91,7 +92,7 @@ def phase_engine(model_dir: Path, out: Path) -> list:
 
     from grpokit.models.forward import completion_logprobs
     from grpokit.models.loading import load_model_and_tokenizer
-    from grpokit.rollout.engines import SamplingParams
+    from grpokit.rollout.engine_protocol import SamplingParams
     from grpokit.rollout.vllm import VLLMEngine
     from grpokit.tasks import get_task
 
@@ -272,8 +273,11 @@ def phase_packed(model_dir: Path, out: Path) -> list:
 
     results: list = []
     model, _ = load_model_and_tokenizer(model_dir, dtype="bfloat16", device=DEVICE)
-    check(results, "packed: packing applies to the model", packing.packing_applies(model),
-          flash_attn=packing.flash_attn_varlen_func is not None)
+    flash = packing.flash_attn_varlen_func is not None
+    if DEVICE == "cuda" and not flash:  # the default then runs padded: check (and time) the SDPA loop anyway
+        model._grpokit_packing_applies = packing._same_as_padded(model)
+    check(results, "packed: packing applies to the model", packing.packing_applies(model), flash_attn=flash,
+          kernel="flash_attn_varlen_func" if flash and DEVICE == "cuda" else "SDPA once per answer")
     g = torch.Generator().manual_seed(0)
     N, P, T = 24, 16, 200
     vocab = model.config.vocab_size
