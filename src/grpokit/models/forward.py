@@ -165,7 +165,7 @@ def completion_logprobs(
     (models/packing.py); the log-probs at padding positions are then 0, and `grad_fn`'s offsets become the
     chunk's flat positions in `[N*T]`. `media` (`models.media.RowMedia`): the rows' images, for a
     vision-language model (`models/vision_forward.py`; the shared prompt forward takes them too)."""
-    lengths = completion_mask.sum(-1)  # [N] (answers of one length have no padding to save: the batched forward)
+    lengths = completion_mask.sum(-1) if packed else None  # [N] (one length: no padding to save, the batched forward)
     if packed and share_prompts and linear_head and media is None and len(lengths) > 1 \
             and bool(lengths.min() < lengths.max()) and packing_applies(model):
         found = packed_completion_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask)

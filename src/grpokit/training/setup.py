@@ -294,19 +294,24 @@ def build_policy(config: Config, model=None, ref_model=None) -> Policy:
                                 weight_decay=t.weight_decay, in_backward=t.optimizer_in_backward,
                                 state_dtype=t.optimizer_state_dtype, seed=t.seed)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(config))
-    # packed sequences need the shared prompt forward (its KV cache holds the prompts) and a forward that runs once
-    packing = t.packed_sequences and linear_head and t.shared_prompt_forward and not t.gradient_checkpointing \
-        and not config.model.fsdp and packing_applies(model)
+    packing = _packing_asked(config, linear_head) and packing_applies(model)
     return Policy(model, ref_model, linear_head, optimizer, scheduler, entropy_coef=config.algorithm.entropy_coef,
                   packing=packing)
+
+
+def _packing_asked(config: Config, linear_head: bool) -> bool:
+    """train.packed_sequences where nothing in the config rules it out: it needs the fused head's hidden states,
+    the shared prompt forward (its KV cache holds the prompts) and a forward that runs once (no checkpointed
+    replay, no FSDP: its processes must call the model equally often)."""
+    t = config.train
+    return t.packed_sequences and linear_head and t.shared_prompt_forward and not t.gradient_checkpointing \
+        and not config.model.fsdp
 
 
 def packing_note(config: Config, policy: Policy) -> str | None:
     """The start-up line when train.packed_sequences is on, nothing else rules it out, and this model's forward
     did not take the packed layout (models/packing.py packing_applies): its micro-batches run padded."""
-    t = config.train
-    if not t.packed_sequences or policy.packing or not policy.linear_head or not t.shared_prompt_forward \
-            or t.gradient_checkpointing or config.model.fsdp:
+    if policy.packing or not _packing_asked(config, policy.linear_head):
         return None
     return (f"train.packed_sequences: {config.model.path}'s attention does not take the packed layout here (a "
             f"sliding window, another attention kernel, or a GPU without FlashAttention 2.1+ in fp16/bf16), so "
