@@ -258,5 +258,8 @@ def test_options_give_the_same_update_on_the_fused_and_the_plain_path(tiny_model
     b = _run(tmp_path, tiny_model_dir, f"plain-{tag}", algorithm, train=fast_paths, reward=parity)
     assert read_metrics(a)[0]["reward_std"] > 0
     wa, wb = _weights(a), _weights(b)
+    # Adam's first step moves each weight by lr * g / (|g| + eps) (lr 1e-3 here): where |g| is near eps, the two
+    # paths' float rounding of g shows as up to a few 1e-6 (2.3e-6 on an Intel Xeon with AVX-512, against 2e-6
+    # allowed before). A real difference (a token weighted or masked otherwise) moves weights by up to 2 * lr.
     for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-5, rtol=1e-5)
