@@ -24,6 +24,7 @@ as bench/run.py prints it for its configurations.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
@@ -110,8 +111,26 @@ def bound_of(spec: dict, peak: float, read_bw: float) -> dict:
                              beta=spec["beta"], mu=spec["mu"], peak_gflops=peak, read_gb_s=read_bw)
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    names = list(specs())
+    parser = argparse.ArgumentParser(description="grpokit against TRL on S, S6, SV and D, in one invocation.")
+    parser.add_argument("wait_s", nargs="?", type=float, default=30.0,
+                        help="wait at most this many seconds for a quiet machine before each run (0: do not wait; "
+                             "the others' load column says what it cost) (default: 30)")
+    parser.add_argument("only", nargs="?", default=",".join(names),
+                        help=f"comma-separated configurations to run, of {','.join(names)} (default: all)")
+    args = parser.parse_args(argv)
+    if args.wait_s < 0:
+        parser.error(f"wait_s: must be 0 or more seconds, got {args.wait_s:g}")
+    unknown = [n for n in args.only.split(",") if n not in names]
+    if unknown:
+        parser.error(f"only: unknown configuration {','.join(unknown)}; choose from {','.join(names)}")
+    return args
+
+
 def main() -> None:
-    run.QUIET_WAIT_S = float(sys.argv[1]) if len(sys.argv) > 1 else 30.0  # a busy machine: measured, and said
+    args = parse_args()
+    run.QUIET_WAIT_S = args.wait_s  # a busy machine: measured, and said
     started, start_load = time.perf_counter(), load()
     subprocess.run([PY, str(HERE / "build_models.py")], check=True, capture_output=True,
                    env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"})
@@ -122,7 +141,7 @@ def main() -> None:
     log(f"fp32 matmul peak {peak:.1f} GFLOP/s, read bandwidth {read_bw:.1f} GB/s; per-operation costs (us): "
         f"{json.dumps(costs)}")
     rows, phases = {}, []
-    only = sys.argv[2].split(",") if len(sys.argv) > 2 else list(specs())
+    only = args.only.split(",")
     for name, spec in [(n, s) for n, s in specs().items() if n in only]:
         g, t, tried = [], [], {}
         trl_spec = {**spec, "steps": 3 if name == "D" else spec["steps"], "gc": False}
