@@ -110,14 +110,21 @@ def test_sync_training_moves_full_weights_through_a_folder(vllm_model_dir, fresh
 @pytest.mark.vllm_smoke
 def test_lora_through_the_server_loads_switches_and_unloads_adapters(vllm_model_dir, fresh_server, tmp_path):
     """The adapter alone travels, loaded under a new name per version (vLLM answers in plain text), the previous
-    one unloaded: at the end the server holds the base and one adapter, and samples with it (the gap stays small
-    while the adapter trains: it is the trainer's)."""
+    one unloaded: while the run goes the server holds the base and one adapter, and samples with it (the gap stays
+    small while the adapter trains: it is the trainer's); when it ends, the server outlives it and holds the base
+    alone (the run's adapter folders are gone: a name left registered could not be reloaded)."""
+    held = []
+
+    def watching(completions, **kwargs):  # the server's adapters while a batch is graded
+        held.append(adapters(fresh_server, str(vllm_model_dir)))
+        return parity(completions)
+
     run = train(server_config(vllm_model_dir, tmp_path / "run", fresh_server, model={"lora": {"r": 4}}),
-                reward_functions=[parity])
+                reward_functions=[watching])
     rows = read_metrics(run)
     assert len(rows) == 3 and max(r["sampling/logprob_gap_max"] for r in rows) < GAP
-    left = adapters(fresh_server, str(vllm_model_dir))
-    assert len(left) == 1 and left[0].endswith("-v4"), left  # the start's push, then one per step: v4 remains
+    assert [[name.rsplit("-", 1)[1] for name in step] for step in held] == [["v1"], ["v2"], ["v3"]], held
+    assert adapters(fresh_server, str(vllm_model_dir)) == []  # v4, pushed after the last step, unloaded at the end
 
 
 def test_async_through_the_server_with_max_staleness_0_is_the_sync_run(vllm_model_dir, fresh_server, tmp_path):
@@ -255,7 +262,7 @@ def test_torchrun_data_parallel_samples_on_one_server_and_rank_0_pushes(vllm_mod
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     rows = read_metrics(tmp_path / "run")
     assert len(rows) == 2 and max(r["sampling/logprob_gap_max"] for r in rows) < GAP
-    assert len(adapters(fresh_server, str(vllm_model_dir))) == (1 if lora else 0)
+    assert adapters(fresh_server, str(vllm_model_dir)) == []  # the run's adapters unloaded when it ended
 
 
 # ---- faults: each one error naming the field and the fix, the finished steps saved ----------------------------
@@ -272,6 +279,7 @@ def test_a_server_on_another_model_or_holding_pushed_weights_is_refused_at_the_s
     build_tiny_model(other, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, seed=1)
     with pytest.raises(UserError, match="does not serve the adapter's base model"):
         train(server_config(other, tmp_path / "a", fresh_server, model={"lora": {"r": 4}}), reward_functions=[parity])
+    assert adapters(fresh_server, str(vllm_model_dir)) == []  # the refused run's adapter is not left on the server
     train(server_config(vllm_model_dir, tmp_path / "full", fresh_server, steps=2), reward_functions=[parity])
     with pytest.raises(UserError, match="holds weights an earlier run pushed"):  # the server keeps the full run's
         train(server_config(vllm_model_dir, tmp_path / "b", fresh_server, model={"lora": {"r": 4}}),

@@ -295,6 +295,16 @@ class VLLMServerEngine(VLLMEngine):
         self.adapters.use(version)
         self.version, self.lora_request = version, self.adapters.lora_request
 
+    def stop_serving(self) -> None:
+        """The run ended, or was refused after its first push: the server outlives it, so the adapter this process
+        loaded there is unloaded (its folder goes next: left registered, it could not be reloaded anyway), within
+        10 s at most (a server that is down or frozen has nothing to free); then the folders go."""
+        loaded = self.adapters.lora_request if self.adapters is not None else None
+        if loaded is not None and loaded.lora_path:  # loaded by this process: an async worker's `use` has no path
+            self._unload_adapter(loaded, timeout_s=min(10.0, self.client.timeout_s))
+            self.adapters.lora_request = None
+        super().stop_serving()
+
     def _load_adapter(self, name: str, version: int, folder: str):
         try:
             reply = self.client.call("POST", "/v1/load_lora_adapter", text=True,
@@ -307,9 +317,10 @@ class VLLMServerEngine(VLLMEngine):
             raise self.client.not_vllm("/v1/load_lora_adapter", reply)
         return SimpleNamespace(lora_name=name, lora_int_id=version, lora_path=folder)
 
-    def _unload_adapter(self, previous) -> None:
+    def _unload_adapter(self, previous, timeout_s: float | None = None) -> None:
         with contextlib.suppress(RolloutWorkerError):  # already gone (evicted, a restart): nothing to free
-            self.client.call("POST", "/v1/unload_lora_adapter", text=True, json={"lora_name": previous.lora_name})
+            self.client.call("POST", "/v1/unload_lora_adapter", text=True, json={"lora_name": previous.lora_name},
+                             timeout_s=timeout_s)
 
 
 def check_serves(client: ServerClient, llm: ServerLLM, model, lora_request, tokens: int = 16) -> None:
