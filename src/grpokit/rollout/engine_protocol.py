@@ -19,26 +19,9 @@ import torch
 
 from grpokit.errors import SetupError
 from grpokit.rollout.batch import Rollout
+from grpokit.rollout.request import RolloutRequest, RolloutResult, SamplingParams  # noqa: F401 - re-exported
 from grpokit.rollout.multiturn import ToolStats
 from grpokit.rollout.tools import ToolBox
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int
-    eos_token_ids: tuple = ()
-    pad_token_id: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop_strings: tuple = ()
-    ignore_eos: bool = False
-
-    @classmethod
-    def from_config(cls, config, eos_token_ids: Sequence[int], pad_token_id: int) -> "SamplingParams":
-        r = config.rollout
-        return cls(r.max_new_tokens, tuple(eos_token_ids), pad_token_id, r.temperature, r.top_p, r.top_k,
-                   tuple(r.stop_strings), r.ignore_eos)
 
 
 class RolloutEngine(Protocol):
