@@ -90,10 +90,13 @@ def check(results: list, name: str, ok: bool, **numbers) -> None:
 def phase_engine(model_dir: Path, out: Path) -> list:
     import torch
 
+    from grpokit.config.options import VLLMOptions
     from grpokit.models.forward import completion_logprobs
     from grpokit.models.loading import load_model_and_tokenizer
-    from grpokit.rollout.engine_protocol import SamplingParams
+    from grpokit.rollout.request import RolloutRequest, SamplingParams
     from grpokit.rollout.vllm import VLLMEngine
+    from grpokit.rollout.vllm.colocated import ColocatedLLM
+    from grpokit.rollout.vllm.weights import InProcessReload
     from grpokit.tasks import get_task
 
     results: list = []
@@ -101,7 +104,8 @@ def phase_engine(model_dir: Path, out: Path) -> list:
     rows = get_task("addition").generate(16, seed=0, split="train")
     prompts = [tok(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     t0 = time.perf_counter()
-    engine = VLLMEngine(str(model_dir), dtype="bfloat16", seed=0, **vllm_options())
+    engine = VLLMEngine(ColocatedLLM.start(str(model_dir), VLLMOptions(**vllm_options()), dtype="bfloat16", seed=0))
+    weights = InProcessReload(engine.backend, engine.served)  # the transport a colocated run publishes through
     check(results, "engine starts", True, seconds=time.perf_counter() - t0)
     s = SamplingParams(max_new_tokens=16, eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
@@ -114,7 +118,7 @@ def phase_engine(model_dir: Path, out: Path) -> list:
         return float(d.mean()), float(d.max())
 
     t0 = time.perf_counter()
-    r = engine.generate(prompts, group_size=8, sampling=s, generator=gen)
+    r = engine.generate(RolloutRequest(prompts, 8, s, gen)).rollout
     seconds = time.perf_counter() - t0
     check(results, "generate: 16 prompts x 8 answers", r.completion_ids.shape[0] == 128, seconds=seconds,
           tokens=int(r.completion_mask.sum()))
@@ -126,12 +130,12 @@ def phase_engine(model_dir: Path, out: Path) -> list:
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
     t0 = time.perf_counter()
-    engine.sync_weights(model)
+    weights.publish(model, 1)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
     check(results, "weight sync: one in-process reload_weights", engine.version == 1,
           seconds=time.perf_counter() - t0)
-    r2 = engine.generate(prompts, group_size=8, sampling=s, generator=gen)
+    r2 = engine.generate(RolloutRequest(prompts, 8, s, gen)).rollout
     new_mean, new_max = gap(model, r2)
     old_model, _ = load_model_and_tokenizer(model_dir, dtype="bfloat16", device=DEVICE)
     old_model.load_state_dict(old)

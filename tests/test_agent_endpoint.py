@@ -18,8 +18,8 @@ from grpokit.config.schema import ToolsConfig
 from grpokit.errors import RewardLoadError, SetupError
 from grpokit.observe.tracking import read_metrics
 from grpokit.rollout.agent_engine import AgentEngine, agent_engine
-from grpokit.rollout.engine_protocol import SamplingParams
 from grpokit.rollout.engines import HFEngine
+from grpokit.rollout.request import RolloutRequest, RolloutResult, SamplingParams
 from grpokit.training.loop import train
 
 openai = pytest.importorskip("openai", reason="the agent endpoint's tests need the openai client: pip install "
@@ -56,13 +56,13 @@ def test_every_call_is_recorded_and_the_row_recomputes_to_the_sampled_logprobs(m
     engine = AgentEngine(two_call_agent, HFEngine(model, tokenizer), tokenizer, max_calls=4, time_limit_s=60)
     try:
         rows = [{"prompt": "12+3="}, {"prompt": "40+1="}]
-        engine.rows = rows
-        rollout = engine.generate([[0]] * 2, group_size=2, sampling=digits_sampling(tokenizer),
-                                  generator=torch.Generator().manual_seed(0))
+        result = engine.generate(RolloutRequest([[0]] * 2, 2, digits_sampling(tokenizer),
+                                                torch.Generator().manual_seed(0), rows=rows))
+        rollout = result.rollout
     finally:
         engine.close()
-    assert rollout.num_sequences == 4 and engine.failures == [None] * 4
-    assert engine.agent_metrics["agent/model_calls"] == 2.0
+    assert rollout.num_sequences == 4 and result.failures == [None] * 4
+    assert result.agent_metrics["agent/model_calls"] == 2.0
     for i in range(4):
         prompt = rollout.prompt_ids[i][rollout.prompt_mask[i].bool()].tolist()
         tokens = rollout.completion_ids[i][rollout.completion_mask[i].bool()].tolist()
@@ -79,7 +79,7 @@ def test_every_call_is_recorded_and_the_row_recomputes_to_the_sampled_logprobs(m
         sampled = rollout.logprobs[i, :len(tokens)]
         assert torch.allclose(recomputed[~inserted], sampled[~inserted], atol=1e-4)
         assert (sampled[inserted] == 0).all()
-        conversation = engine.tool_stats.conversations[i]
+        conversation = result.tool_stats.conversations[i]
         assert [m["role"] for m in conversation] == ["assistant", "tool", "assistant", "assistant"]
         assert conversation[-1]["content"].startswith("final:")
 
@@ -129,13 +129,14 @@ def test_an_agent_that_never_ends_is_a_failed_answer_and_the_batch_goes_on(model
 
     engine = AgentEngine(stuck, HFEngine(model, tokenizer), tokenizer, time_limit_s=10.0)
     try:
-        engine.rows = [{"prompt": "hang"}, {"prompt": "1+1="}]
-        rollout = engine.generate([[0]] * 2, group_size=1, sampling=digits_sampling(tokenizer))
+        result = engine.generate(RolloutRequest([[0]] * 2, 1, digits_sampling(tokenizer),
+                                                rows=[{"prompt": "hang"}, {"prompt": "1+1="}]))
+        rollout = result.rollout
     finally:
         stop.set()
         engine.close()
-    assert engine.failures[0].startswith("still running after 10 s"), engine.failures
-    assert engine.failures[1] is None, [(a.calls, len(a.tokens)) for a in engine.endpoint.answers]
+    assert result.failures[0].startswith("still running after 10 s"), result.failures
+    assert result.failures[1] is None, [(a.calls, len(a.tokens)) for a in engine.endpoint.answers]
     assert rollout.truncated[0] and 0 < rollout.completion_mask[1].sum() <= 4
     assert rollout.completion_mask[0].sum() == 0  # nothing recorded: nothing to train on
 
@@ -155,13 +156,12 @@ def test_calls_past_tools_max_calls_are_refused_with_the_reason(model_and_tokeni
 
     engine = AgentEngine(chatty, HFEngine(model, tokenizer), tokenizer, max_calls=1, time_limit_s=60)
     try:
-        engine.rows = [{"prompt": "1+1="}]
-        engine.generate([[0]], group_size=1, sampling=digits_sampling(tokenizer))
+        result = engine.generate(RolloutRequest([[0]], 1, digits_sampling(tokenizer), rows=[{"prompt": "1+1="}]))
     finally:
         engine.close()
     assert "made its 2 model calls (tools.max_calls = 1" in errors[0]
-    assert engine.failures[0].startswith("BadRequestError")
-    assert engine.agent_metrics["agent/rewritten_calls"] == 1.0  # the same question again: not the conversation
+    assert result.failures[0].startswith("BadRequestError")
+    assert result.agent_metrics["agent/rewritten_calls"] == 1.0  # the same question again: not the conversation
 
 
 def test_a_port_in_use_is_one_error_naming_the_fix(model_and_tokenizer):
@@ -232,16 +232,15 @@ class ScriptedInner:
     def __init__(self, tokenizer, texts):
         self.tokenizer, self.texts, self.prompts = tokenizer, list(texts), []
 
-    def generate(self, prompt_ids, *, group_size, sampling, generator=None):
+    def generate(self, request):
         from grpokit.rollout.batch import rollout_from_tokens
 
-        self.prompts += prompt_ids
-        tokens = [self.tokenizer.encode(self.texts.pop(0)) + [self.tokenizer.eos_token_id] for _ in prompt_ids]
-        return rollout_from_tokens(prompt_ids, tokens, [[-0.5] * len(t) for t in tokens], [False] * len(tokens),
-                                   group_size=1, pad_token_id=sampling.pad_token_id)
-
-    def sync_weights(self, model):
-        pass
+        self.prompts += request.prompt_ids
+        tokens = [self.tokenizer.encode(self.texts.pop(0)) + [self.tokenizer.eos_token_id]
+                  for _ in request.prompt_ids]
+        return RolloutResult(rollout_from_tokens(request.prompt_ids, tokens, [[-0.5] * len(t) for t in tokens],
+                                                 [False] * len(tokens), group_size=1,
+                                                 pad_token_id=request.sampling.pad_token_id))
 
 
 def test_an_agent_that_echoes_the_tool_calls_back_continues_the_recorded_row(model_and_tokenizer):
@@ -263,12 +262,13 @@ def test_an_agent_that_echoes_the_tool_calls_back_continues_the_recorded_row(mod
     inner = ScriptedInner(tokenizer, [call, "42"])
     engine = AgentEngine(tool_agent, inner, tokenizer, time_limit_s=60)
     try:
-        engine.rows = [{"prompt": "20+22="}]
-        rollout = engine.generate([[0]], group_size=1, sampling=SamplingParams(200, (tokenizer.eos_token_id,),
-                                                                                tokenizer.pad_token_id))
+        result = engine.generate(RolloutRequest([[0]], 1, SamplingParams(200, (tokenizer.eos_token_id,),
+                                                                          tokenizer.pad_token_id),
+                                                rows=[{"prompt": "20+22="}]))
+        rollout = result.rollout
     finally:
         engine.close()
-    assert engine.failures == [None] and engine.agent_metrics["agent/rewritten_calls"] == 0
+    assert result.failures == [None] and result.agent_metrics["agent/rewritten_calls"] == 0
     tokens = rollout.completion_ids[0][rollout.completion_mask[0].bool()].tolist()
     sampled = [t for t, m in zip(tokens, rollout.tool_mask[0].tolist()) if not m]
     eos = tokenizer.eos_token_id
@@ -279,7 +279,7 @@ def test_an_agent_that_echoes_the_tool_calls_back_continues_the_recorded_row(mod
     prompt = rollout.prompt_ids[0][rollout.prompt_mask[0].bool()].tolist()
     assert inner.prompts[1] == prompt + tokens[:-3]
     assert "42" in tokenizer.decode([t for t, m in zip(tokens, rollout.tool_mask[0].tolist()) if m])
-    assert engine.tool_stats.calls == [1] and engine.tool_stats.per_tool == {"add": 1}
+    assert result.tool_stats.calls == [1] and result.tool_stats.per_tool == {"add": 1}
 
 
 def test_an_agent_with_tools_or_async_rollout_is_refused_naming_the_fields(tiny_model_dir, tmp_path):
@@ -434,11 +434,11 @@ def test_calls_batched_together_are_each_sampled_within_the_context(model_and_to
 
     engine = AgentEngine(agent, HFEngine(model, tokenizer), tokenizer, time_limit_s=60, batch_wait_s=10.0)
     try:
-        engine.rows = [{"prompt": long}, {"prompt": "1+1="}]
         sampling = SamplingParams(100, (tokenizer.eos_token_id,), tokenizer.pad_token_id, ignore_eos=True)
-        rollout = engine.generate([[0]] * 2, group_size=1, sampling=sampling)
+        result = engine.generate(RolloutRequest([[0]] * 2, 1, sampling, rows=[{"prompt": long}, {"prompt": "1+1="}]))
+        rollout = result.rollout
     finally:
         engine.close()
-    assert engine.failures == [None, None]
+    assert result.failures == [None, None]
     lengths = rollout.completion_mask.sum(1).tolist()
     assert lengths[0] == 512 - len(render(long)) and lengths[1] == 100  # each up to its own bound

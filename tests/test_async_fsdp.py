@@ -104,7 +104,7 @@ def check_transfer(model_dir: str) -> None:
     channel.connect()
     joining.join()
     receiver = got["r"]
-    channel.publish(model, 0, full=True)
+    channel.publish(model, 0)  # the first transfer: every parameter
     assert receiver.wait_for(0, 60) and receiver.apply() == 0
     for n, p in receiver_model.named_parameters():
         torch.testing.assert_close(p.detach(), expected[n], rtol=0, atol=0, msg=lambda m: f"rank {rank} {n}: {m}")
@@ -114,7 +114,7 @@ def check_transfer(model_dir: str) -> None:
     with torch.no_grad():
         for p in model.parameters():  # the frozen one too: it must not travel
             p.to_local().mul_(2.0)
-    channel.publish(model, 1, full=False)
+    channel.publish(model, 1)
     assert receiver.wait_for(1, 60) and receiver.apply() == 1
     for n, p in receiver_model.named_parameters():
         want = expected[n] if n == frozen else 2 * expected[n]

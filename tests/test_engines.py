@@ -14,16 +14,19 @@ import torch
 
 from conftest import make_config, parity
 from grpokit.algorithms.mismatch import truncated_importance_weights
-from grpokit.algorithms.objectives import LossSpec, policy_loss
+from grpokit.algorithms.objectives import Accumulation, LossSpec, policy_loss
+from grpokit.config.options import VLLMOptions
 from grpokit.config.schema import AlgorithmConfig, RolloutConfig
 from grpokit.errors import ConfigError
 from grpokit.models.loading import load_model_and_tokenizer
 from grpokit.observe.tracking import read_metrics
 from grpokit.rollout.batch import concat_rollouts, rollout_from_tokens
 from grpokit.rollout.decode import sample_groups
-from grpokit.rollout.engine_protocol import SamplingParams
 from grpokit.rollout.engines import HFEngine
+from grpokit.rollout.request import RolloutRequest, RolloutResult, SamplingParams
 from grpokit.rollout.vllm import VLLMEngine
+from grpokit.rollout.vllm.colocated import ColocatedLLM
+from grpokit.rollout.vllm.weights import AdapterFolders, InProcessReload
 from grpokit.training.loop import train
 
 # This file's runs: on the CPU, 32 prompts taken 2 a step, every step's completions logged.
@@ -43,10 +46,9 @@ def test_hf_engine_is_the_built_in_sampler(tiny):
     model, tok = tiny
     prompts = [tok("1+2=")["input_ids"], tok("30+4=")["input_ids"]]
     s = SamplingParams(max_new_tokens=6, eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id)
-    got = HFEngine(model, tok, packed_weights=False).generate(prompts, group_size=3, sampling=s,
-                                                              generator=torch.Generator().manual_seed(5))
-    want = sample_groups(model, prompts, group_size=3, max_new_tokens=6, eos_token_ids=[tok.eos_token_id],
-                         pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(5))
+    got = HFEngine(model, tok, packed_weights=False).generate(
+        RolloutRequest(prompts, 3, s, torch.Generator().manual_seed(5))).rollout
+    want = sample_groups(model, RolloutRequest(prompts, 3, s, torch.Generator().manual_seed(5)))
     for name in ("prompt_ids", "completion_ids", "completion_mask", "logprobs", "truncated"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
 
@@ -72,12 +74,13 @@ class FakeEngine:
     def __init__(self, config, model, tokenizer, logprob=-0.5):
         self.tok, self.logprob, self.syncs = tokenizer, logprob, []
 
-    def generate(self, prompt_ids, *, group_size, sampling, generator=None):
+    def generate(self, request):
         completions = [self.tok("7" * (1 + i % 3), add_special_tokens=False)["input_ids"] + [self.tok.eos_token_id]
-                       for i in range(len(prompt_ids) * group_size)]
-        return rollout_from_tokens(prompt_ids, completions, [[self.logprob] * len(c) for c in completions],
-                                   [False] * len(completions), group_size=group_size,
-                                   pad_token_id=sampling.pad_token_id)
+                       for i in range(request.num_answers)]
+        return RolloutResult(rollout_from_tokens(request.prompt_ids, completions,
+                                                 [[self.logprob] * len(c) for c in completions],
+                                                 [False] * len(completions), group_size=request.group_size,
+                                                 pad_token_id=request.sampling.pad_token_id))
 
     def sync_weights(self, model):
         self.syncs.append(sum(p.detach().sum().item() for p in model.parameters()))
@@ -99,16 +102,16 @@ def test_the_trainer_samples_through_the_engine_and_syncs_after_every_update(tin
 
 def test_every_engine_class_implements_the_whole_engine_protocol():
     # the rollout side (rollout/side.py) and the loop reach an engine through RolloutEngine only, never by
-    # probing it with getattr: every field and method they use is named there, and every engine class has it
+    # probing it with getattr: every method they use is named there, and every engine class has it; a batch
+    # travels in the request and comes back in the result, so the protocol holds no per-batch field
     from grpokit.rollout.agent_engine import AgentEngine
     from grpokit.rollout.engine_protocol import PlainEngine, RolloutEngine
-    from grpokit.rollout.vllm_server import VLLMServerEngine
 
     members = {n for n in vars(RolloutEngine) if not n.startswith("_")} | set(RolloutEngine.__annotations__)
-    assert {"generate", "sync_weights", "stop_serving", "device", "tools", "history", "rows", "tool_stats",
-            "agent_metrics", "adapter_prefix"} <= members
-    for cls in (HFEngine, VLLMEngine, VLLMServerEngine, AgentEngine, PlainEngine):
+    assert members == {"generate", "stop_serving", "device"}
+    for cls in (HFEngine, VLLMEngine, AgentEngine, PlainEngine):
         assert [name for name in sorted(members) if not hasattr(cls, name)] == [], cls.__name__
+        assert not {"rows", "history", "tool_stats", "agent_metrics", "adapter_prefix"} & set(dir(cls)), cls
 
 
 def test_an_engine_of_the_callers_with_the_two_documented_methods_is_wrapped_and_cannot_run_tools():
@@ -118,7 +121,7 @@ def test_an_engine_of_the_callers_with_the_two_documented_methods_is_wrapped_and
 
     plain = SimpleNamespace(generate=lambda *a, **k: None, sync_weights=lambda model: None)
     wrapped = given_engine(plain, None)
-    assert isinstance(wrapped, PlainEngine) and wrapped.tools is None and wrapped.agent_metrics == {}
+    assert isinstance(wrapped, PlainEngine) and wrapped.tools is None
     wrapped.stop_serving()  # nothing it started: nothing to stop
 
     def add(a: int, b: int) -> int:
@@ -154,7 +157,7 @@ def test_tis_weights_multiply_each_tokens_policy_term_not_the_kl():
     adv, mask = torch.tensor([1.0, -2.0]), torch.ones(2, 2)
     w = torch.tensor([[1.5, 0.5], [2.0, 1.0]])
     loss, _ = policy_loss(logp, None, adv, mask, LossSpec(beta=0.1, loss_type="dapo"), ref_logp=ref,
-                          num_items_in_batch=4, token_weights=w)
+                          accumulation=Accumulation(num_items_in_batch=4), token_weights=w)
     d = ref - logp.detach()
     kl = d.exp() - d - 1
     want = ((-adv[:, None] * w) + 0.1 * kl).sum() / 4  # on-policy: ratio 1, per-token -A·w + β·KL
@@ -233,10 +236,10 @@ FAKE_VLLM = SimpleNamespace(SamplingParams=lambda **kw: SimpleNamespace(**kw),
 
 def test_vllm_engine_builds_a_rollout_from_vllm_outputs():
     llm = FakeLLM()
-    engine = VLLMEngine("unused", llm=llm, vllm_module=FAKE_VLLM)
+    engine = VLLMEngine(ColocatedLLM(llm, FAKE_VLLM))
     s = SamplingParams(max_new_tokens=3, eos_token_ids=(2,), pad_token_id=0, temperature=0.7, top_k=5,
                        stop_strings=("\n",))
-    r = engine.generate([[5, 6], [7]], group_size=3, sampling=s, generator=torch.Generator().manual_seed(0))
+    r = engine.generate(RolloutRequest([[5, 6], [7]], 3, s, torch.Generator().manual_seed(0))).rollout
     params = llm.calls[0][1]
     assert (params.n, params.temperature, params.top_k, params.max_tokens, params.logprobs) == (3, 0.7, 5, 3, 0)
     assert params.stop == ["\n"] and params.stop_token_ids == [2] and params.include_stop_str_in_output
@@ -245,9 +248,9 @@ def test_vllm_engine_builds_a_rollout_from_vllm_outputs():
     assert r.prompt_ids.tolist()[2:4] == [[5, 6], [0, 7]]
     assert r.logprobs[2].tolist() == pytest.approx([-0.1, -0.2, -0.3])
     assert r.truncated.tolist() == [False, False, True] * 2
-    other = VLLMEngine("unused", llm=FakeLLM(), vllm_module=FAKE_VLLM)
-    other.generate([[5]], group_size=1, sampling=s, generator=torch.Generator().manual_seed(0))
-    assert other.llm.calls[0][1].seed == params.seed  # same generator state, same vLLM seed
+    other = VLLMEngine(ColocatedLLM(FakeLLM(), FAKE_VLLM))
+    other.generate(RolloutRequest([[5]], 1, s, torch.Generator().manual_seed(0)))
+    assert other.backend.llm.calls[0][1].seed == params.seed  # same generator state, same vLLM seed
 
 
 def test_vllm_weight_sync_is_one_reload_streaming_each_weight_once(tiny):
@@ -255,8 +258,8 @@ def test_vllm_weight_sync_is_one_reload_streaming_each_weight_once(tiny):
     live parameters broke its CPU layers), every weight once, the tied head once, then drops its prefix cache."""
     model, _ = tiny
     llm = FakeLLM()
-    engine = VLLMEngine("unused", llm=llm, vllm_module=FAKE_VLLM)
-    engine.sync_weights(model)
+    engine = VLLMEngine(ColocatedLLM(llm, FAKE_VLLM))
+    InProcessReload(engine.backend, engine.served).publish(model, 1)
     names = [n for call in llm.loaded for n in call]
     params = {n for n, _ in model.named_parameters()}
     assert "lm_head.weight" not in params and model.config.tie_word_embeddings  # tied: one parameter, two names
@@ -272,9 +275,10 @@ def test_vllm_lora_sync_pushes_only_the_adapter(tiny_model_dir, tmp_path):
 
     model = apply_lora(load_model(tiny_model_dir, device="cpu"), {"r": 4})
     llm = FakeLLM()
-    engine = VLLMEngine("unused", llm=llm, vllm_module=FAKE_VLLM, lora={"r": 4})
-    engine.sync_weights(model)
-    engine.sync_weights(model)
+    engine = VLLMEngine(ColocatedLLM(llm, FAKE_VLLM, lora=True))
+    weights = AdapterFolders(engine.backend, engine.served)
+    weights.publish(model, 1)
+    weights.publish(model, 2)
     assert llm.loaded == []  # no base weight moved
     req = engine.lora_request
     assert (req.lora_int_id, req.lora_name) == (2, "policy-v2")
@@ -282,17 +286,17 @@ def test_vllm_lora_sync_pushes_only_the_adapter(tiny_model_dir, tmp_path):
                                                                                       "adapter_model.safetensors"}
     assert ("remove_lora", 1) in llm.calls
     s = SamplingParams(max_new_tokens=2, pad_token_id=0)
-    engine.generate([[5]], group_size=1, sampling=s)
+    engine.generate(RolloutRequest([[5]], 1, s))
     assert llm.calls[-1][2] is req  # generation uses the newest adapter
 
 
 def test_vllm_sleep_mode_frees_memory_between_rollouts():
     llm = FakeLLM()
-    engine = VLLMEngine("unused", llm=llm, vllm_module=FAKE_VLLM, enable_sleep_mode=True)
+    engine = VLLMEngine(ColocatedLLM(llm, FAKE_VLLM, sleep_mode=True))
     s = SamplingParams(max_new_tokens=2, pad_token_id=0)
-    engine.generate([[5]], group_size=1, sampling=s)
-    engine.sync_weights(torch.nn.Linear(2, 2))
-    engine.generate([[5]], group_size=1, sampling=s)
+    engine.generate(RolloutRequest([[5]], 1, s))
+    InProcessReload(engine.backend, engine.served).publish(torch.nn.Linear(2, 2), 1)
+    engine.generate(RolloutRequest([[5]], 1, s))
     kinds = [f"wake_up:{','.join(c[1])}" if c[0] == "wake_up" else c[0] for c in llm.calls]
     assert kinds == ["generate", "sleep", "wake_up:weights", "reload_weights", "reset_prefix_cache", "wake_up:kv_cache",
                      "generate", "sleep"]
@@ -317,8 +321,8 @@ class HFBackedLLM(FakeLLM):
         p, out = sampling_params, []
         g = torch.Generator().manual_seed(p.seed)
         for prompt in prompts:
-            r = sample_groups(self.model, [prompt["prompt_token_ids"]], group_size=p.n, max_new_tokens=p.max_tokens,
-                              eos_token_ids=p.stop_token_ids, pad_token_id=0, temperature=p.temperature, generator=g)
+            sampling = SamplingParams(p.max_tokens, tuple(p.stop_token_ids or ()), 0, p.temperature)
+            r = sample_groups(self.model, RolloutRequest([prompt["prompt_token_ids"]], p.n, sampling, g))
             answers = []
             for j in range(p.n):
                 toks = r.completion_ids[j, :int(r.completion_mask[j].sum())].tolist()
@@ -330,19 +334,25 @@ class HFBackedLLM(FakeLLM):
 
 
 def test_the_trainer_through_the_vllm_engine_keeps_the_sampler_in_sync(tiny_model_dir, tmp_path):
-    class NoSync(VLLMEngine):
-        def sync_weights(self, model):
-            pass
+    class NoSync:
+        """Not a grpokit engine, and without `sync_weights`: its vLLM never hears of the updates."""
+
+        def __init__(self, engine):
+            self.engine = engine
+
+        def generate(self, request):
+            return self.engine.generate(request)
 
     def runs(cls, out):
         def engine(config, model, tok):
-            return cls(config.model.path, llm=HFBackedLLM(tiny_model_dir), vllm_module=FAKE_VLLM)
+            return cls(VLLMEngine(ColocatedLLM(HFBackedLLM(tiny_model_dir), FAKE_VLLM)))
 
         cfg = run_config(tiny_model_dir, out, algorithm={"tis_cap": 2.0}, train={"steps": 3, "learning_rate": 1e-2})
         run = train(cfg, reward_functions=[parity], engine=engine)
         return [r["sampling/logprob_gap_max"] for r in read_metrics(run)]
 
-    assert max(runs(VLLMEngine, tmp_path / "synced")) < 1e-4  # the sampler holds the trainer's weights every step
+    synced = runs(lambda engine: engine, tmp_path / "synced")
+    assert max(synced) < 1e-4  # the sampler holds the trainer's weights every step
     stale = runs(NoSync, tmp_path / "stale")
     assert stale[0] < 1e-4 and stale[-1] > 1e-2  # control: without the pushes it falls behind after the updates
 
@@ -351,8 +361,10 @@ def test_vllm_engine_builds_a_colocated_in_process_llm(monkeypatch):
     made = []
     fake = SimpleNamespace(**vars(FAKE_VLLM), LLM=lambda **kw: made.append(kw) or FakeLLM())
     monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
-    monkeypatch.setattr("grpokit.rollout.vllm.on_cpu", lambda: False)  # a GPU machine
-    VLLMEngine("/models/m", dtype="bfloat16", seed=3, lora={"r": 4}, gpu_memory_utilization=0.4, vllm_module=fake)
+    monkeypatch.setattr("grpokit.rollout.vllm.colocated.on_cpu", lambda: False)  # a GPU machine
+    monkeypatch.setattr("grpokit.rollout.vllm.colocated.import_vllm", lambda: fake)
+    ColocatedLLM.start("/models/m", VLLMOptions(gpu_memory_utilization=0.4), dtype="bfloat16", seed=3,
+                       lora={"r": 4})
     kw = made[0]
     assert kw["model"] == "/models/m" and kw["seed"] == 3 and kw["gpu_memory_utilization"] == 0.4
     assert kw["logprobs_mode"] == "processed_logprobs"  # temperature-scaled log-probs, as the trainer's
@@ -373,12 +385,14 @@ def test_vllm_engine_on_cpu_sizes_its_kv_cache_in_ram_and_leaves_the_trainers_th
 
     for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr("grpokit.rollout.vllm.on_cpu", lambda: True)
+    monkeypatch.setattr("grpokit.rollout.vllm.colocated.on_cpu", lambda: True)
+    monkeypatch.setattr("grpokit.rollout.vllm.colocated.import_vllm",
+                        lambda: SimpleNamespace(**vars(FAKE_VLLM), LLM=build))
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        VLLMEngine("/models/m", kv_cache_gib=2, gpu_memory_utilization=0.4,
-                   vllm_module=SimpleNamespace(**vars(FAKE_VLLM), LLM=build))
+        ColocatedLLM.start("/models/m", VLLMOptions(kv_cache_gib=2, gpu_memory_utilization=0.4), dtype="float32",
+                           seed=0)
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
@@ -404,7 +418,7 @@ def test_the_gpu_check_script_passes_against_the_cpu_stand_in(tmp_path):
 def test_only_checkpoint_tensors_go_to_vllm(tiny):
     """Persistent buffers travel, non-persistent ones do not (transformers 5's Gemma `embed_scale`: vLLM's loader
     refused the name and the first sync ended in a traceback), nor rotary tables; a tied head goes by its own name."""
-    from grpokit.rollout.vllm_weights import named_weights_for_sync
+    from grpokit.rollout.vllm.weights import named_weights_for_sync
 
     model, _ = tiny
     model.model.register_buffer("embed_scale", torch.tensor(3.0), persistent=False)
@@ -421,7 +435,7 @@ def test_a_weight_folder_that_cannot_hold_the_runs_folders_is_one_error(tiny, tm
     """rollout.vllm.weight_folder naming a file (or under one): one error naming the field, before anything is
     sent (it was a FileExistsError / NotADirectoryError traceback); the same for LoRA adapters' folders."""
     from grpokit.errors import UserError
-    from grpokit.rollout.vllm_weights import AdapterFolders, FolderReload
+    from grpokit.rollout.vllm.weights import FolderReload, ServedWeights
 
     model, _ = tiny
     a_file = tmp_path / "afile"
@@ -430,7 +444,7 @@ def test_a_weight_folder_that_cannot_hold_the_runs_folders_is_one_error(tiny, tm
         with pytest.raises(UserError, match=r"rollout.vllm.weight_folder: .* cannot hold the run's weight folders"):
             FolderReload(client=None, folder=str(folder)).publish(model, 1)
     with pytest.raises(UserError, match=r"rollout.vllm.weight_folder: .* cannot hold"):
-        AdapterFolders("p", load=None, unload=None, folder=str(a_file)).publish(model, 1)
+        AdapterFolders(None, ServedWeights(), folder=str(a_file)).publish(model, 1)
 
 
 @pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is not None, reason="vLLM is installed here")

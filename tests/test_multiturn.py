@@ -14,11 +14,12 @@ import time
 import pytest
 import torch
 
-from grpokit.algorithms.objectives import LossSpec, policy_loss
+from grpokit.algorithms.objectives import Accumulation, LossSpec, policy_loss
 from grpokit.config.variants import LOSS_TYPES
 from grpokit.models.forward import completion_logprobs
 from grpokit.models.loading import load_model, load_tokenizer
 from grpokit.rollout.multiturn import sample_conversations
+from grpokit.rollout.request import RolloutRequest, SamplingParams
 from grpokit.rollout.tools import ToolBox, ToolCall, parse_tool_calls, run_calls
 
 
@@ -49,10 +50,9 @@ def _sample(tiny, prompts, *, temperature=1.0, seed=0, max_tool_turns=2, budget=
     model, tok = tiny
     digits, hooks = _setup(tok)
     ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
-    return sample_conversations(model, ids, group_size=group_size, max_new_tokens=budget, eos_token_ids=digits,
-                                pad_token_id=tok.pad_token_id, tokenizer=tok, tools=ToolBox([add]),
-                                max_tool_turns=max_tool_turns, temperature=temperature,
-                                generator=torch.Generator().manual_seed(seed), **hooks)
+    sampling = SamplingParams(budget, tuple(digits), tok.pad_token_id, temperature)
+    request = RolloutRequest(ids, group_size, sampling, torch.Generator().manual_seed(seed), tools=ToolBox([add]))
+    return sample_conversations(model, request, tokenizer=tok, max_tool_turns=max_tool_turns, **hooks)
 
 
 PROMPTS = ["12+7=", "3+45=", "100+1="]
@@ -217,7 +217,7 @@ def test_tool_tokens_carry_no_gradient_and_do_not_change_the_loss(loss_type, bet
         logp.requires_grad_(True)
         loss, _ = policy_loss(logp, old + noise * tool, adv, action,
                               LossSpec(beta=beta, loss_type=loss_type, max_completion_length=T),
-                              ref_logp=ref - noise * tool, num_items_in_batch=action.sum())
+                              ref_logp=ref - noise * tool, accumulation=Accumulation(action.sum()))
         loss.backward()
         return loss.item(), logp.grad
 
@@ -318,16 +318,16 @@ def test_turn_by_turn_sampling_gives_the_answers_of_the_kv_cache_sampler(tiny):
     def generate_turns(contexts, max_tokens):
         turns = []
         for context, m in zip(contexts, max_tokens):
-            r = sample_groups(model, [context], group_size=1, max_new_tokens=m, eos_token_ids=digits,
-                              pad_token_id=tok.pad_token_id, temperature=0.0)
+            r = sample_groups(model, RolloutRequest([context], 1, SamplingParams(m, tuple(digits), tok.pad_token_id,
+                                                                                 temperature=0.0)))
             n = int(r.completion_mask[0].sum())
             turns.append((r.completion_ids[0, :n].tolist(), r.logprobs[0, :n].tolist()))
         return turns
 
     ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
-    by_turn, stats = converse(ids, group_size=1, max_new_tokens=24, eos_token_ids=digits,
-                              pad_token_id=tok.pad_token_id, tokenizer=tok, tools=ToolBox([add]), max_tool_turns=2,
-                              generate_turns=generate_turns, **hooks)
+    request = RolloutRequest(ids, 1, SamplingParams(24, tuple(digits), tok.pad_token_id), tools=ToolBox([add]))
+    by_turn, stats = converse(request, tokenizer=tok, max_tool_turns=2, generate_turns=generate_turns, device="cpu",
+                              **hooks)
     cached, cached_stats = _sample(tiny, PROMPTS, temperature=0.0, group_size=1)
     assert max(stats.turns) > 1
     assert torch.equal(by_turn.completion_ids, cached.completion_ids)
@@ -343,9 +343,10 @@ def test_the_vllm_engine_runs_tool_calls_turn_by_turn(tiny_model_dir, tiny, monk
     import importlib.util
     from pathlib import Path
 
-    import grpokit.rollout.vllm as vllm_engine
-    from grpokit.rollout.engine_protocol import SamplingParams
+    import grpokit.rollout.vllm.engine as vllm_engine
     from grpokit.rollout.multiturn import converse
+    from grpokit.rollout.request import RolloutRequest, SamplingParams
+    from grpokit.rollout.vllm.colocated import ColocatedLLM
 
     path = Path(__file__).parent / "fake_vllm" / "vllm" / "__init__.py"
     spec = importlib.util.spec_from_file_location("grpokit_test_fake_vllm", path)
@@ -354,12 +355,12 @@ def test_the_vllm_engine_runs_tool_calls_turn_by_turn(tiny_model_dir, tiny, monk
     _, tok = tiny
     digits, hooks = _setup(tok)
     monkeypatch.setattr(vllm_engine, "converse", functools.partial(converse, **hooks))
-    engine = vllm_engine.VLLMEngine(str(tiny_model_dir), dtype="float32", llm=fake.LLM(str(tiny_model_dir), "float32"),
-                                    vllm_module=fake, tokenizer=tok, tools=ToolBox([add]), max_tool_turns=2)
+    engine = vllm_engine.VLLMEngine(ColocatedLLM(fake.LLM(str(tiny_model_dir), "float32"), fake), tokenizer=tok,
+                                    tools=ToolBox([add]), max_tool_turns=2)
     sampling = SamplingParams(max_new_tokens=24, eos_token_ids=tuple(digits), pad_token_id=tok.pad_token_id)
     ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
-    rollout = engine.generate(ids, group_size=2, sampling=sampling, generator=torch.Generator().manual_seed(0))
-    stats = engine.tool_stats
+    result = engine.generate(RolloutRequest(ids, 2, sampling, torch.Generator().manual_seed(0)))
+    rollout, stats = result.rollout, result.tool_stats
     assert rollout.completion_ids.shape[0] == 6 and max(stats.turns) > 1 and sum(stats.calls) > 0
     assert rollout.tool_mask.sum() > 0 and (rollout.logprobs[rollout.tool_mask.bool()] == 0).all()
     assert (rollout.completion_mask.sum(-1) <= 24).all()

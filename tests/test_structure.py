@@ -8,6 +8,7 @@ sampler and the forward; code written against the flat layout still imports.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import subprocess
@@ -17,14 +18,15 @@ import pytest
 import torch
 
 from grpokit.algorithms.advantages import ESTIMATORS
-from grpokit.algorithms.objectives import CLIPPED, IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from grpokit.algorithms.objectives import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES, LossSpec, policy_loss
 from grpokit.config import variants
 from grpokit.config.presets import PRESETS
 from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, RolloutConfig, TrainConfig
 from grpokit.models.forward import completion_logprobs
 from grpokit.models.loading import load_model, load_tokenizer
-from grpokit.rollout.decode import sample_groups
+from grpokit.rollout.decode import DecodeSpeed, sample_groups
 from grpokit.rollout.engines import HFEngine, build_engine
+from grpokit.rollout.request import RolloutRequest, SamplingParams
 from grpokit.rollout.sampling import SAMPLERS
 from grpokit.tasks import TASKS
 
@@ -36,7 +38,9 @@ def test_the_configs_variant_names_are_the_ones_the_math_implements():
     assert tuple(PRESETS) == variants.PRESET_NAMES
     assert set(variants.TASK_NAMES) == set(TASKS)
     assert set(variants.GLOBAL_TOKEN_LOSSES) <= set(variants.LOSS_TYPES)
-    assert set(variants.CLIPPED_LOSSES) == set(CLIPPED)
+    clip_stats = {t for t in LOSS_TYPES if "clip_ratio/region_mean" in policy_loss(
+        torch.zeros(1, 2), None, torch.ones(1), torch.ones(1, 2), LossSpec(loss_type=t, max_completion_length=2))[1]}
+    assert set(variants.CLIPPED_LOSSES) == clip_stats
     assert set(variants.SAMPLERS) == set(SAMPLERS)
 
 
@@ -65,8 +69,9 @@ def test_the_rollout_speed_options_reach_the_sampler(tiny_model_dir):
                                           layer_loop=False))
     engine = build_engine(config, model=None, tokenizer=None)
     assert isinstance(engine, HFEngine)
-    assert engine.speed == {"sampler": "gumbel", "preallocate_kv_cache": False, "share_prefill": False,
-                            "layer_loop": False}
+    speed = dataclasses.asdict(engine.speed)
+    assert speed == {"sampler": "gumbel", "preallocate_kv_cache": False, "share_prefill": False,
+                     "layer_loop": False}
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +82,9 @@ def tiny(tiny_model_dir):
 def _sample(tiny, **speed):
     model, tok = tiny
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("12+7=", "3+45=", "100+1=")]
-    return sample_groups(model, prompts, group_size=4, max_new_tokens=6, eos_token_ids=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, temperature=1.0, tokenizer=tok,
-                         generator=torch.Generator().manual_seed(0), **speed)
+    request = RolloutRequest(prompts, 4, SamplingParams(6, (tok.eos_token_id,), tok.pad_token_id, temperature=1.0),
+                             torch.Generator().manual_seed(0))
+    return sample_groups(model, request, tokenizer=tok, speed=DecodeSpeed(**speed))
 
 
 @pytest.mark.parametrize("speed", [{"preallocate_kv_cache": False}, {"share_prefill": False}])
@@ -107,6 +112,8 @@ def test_the_gumbel_sampler_draws_exact_samples_with_the_same_log_probs(tiny):
     ("grpokit.modeling", "grpokit.models.loading", "load_model"),
     ("grpokit.modeling", "grpokit.models.forward", "completion_logprobs"),
     ("grpokit.engines", "grpokit.rollout.vllm", "VLLMEngine"),
+    ("grpokit.rollout.vllm_server", "grpokit.rollout.vllm.server", "ServerClient"),
+    ("grpokit.rollout.vllm_weights", "grpokit.rollout.vllm.weights", "FolderReload"),
     ("grpokit.engines", "grpokit.algorithms.mismatch", "truncated_importance_weights"),
     ("grpokit.distributed", "grpokit.observe.metrics", "reduce_metrics"),
     ("grpokit.tiny", "grpokit.models.tiny", "build_tiny_model"),

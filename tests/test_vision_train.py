@@ -231,7 +231,8 @@ def test_evaluation_during_training_sees_the_held_out_images(vlm_dirs, tmp_path,
 
     from grpokit.demo_vision import encoded_rows
     from grpokit.models.media import RowMedia
-    from grpokit.training.evaluation import evaluate
+    from grpokit.rollout.request import SamplingParams
+    from grpokit.training.evaluation import EvalSettings, evaluate
 
     held_out = [{**row, "image": Image.new("RGB", (32, 32), (i * 60, 250 - i * 50, 90))} for i, row in
                 enumerate(_rows(3))]
@@ -256,7 +257,8 @@ def test_evaluation_during_training_sees_the_held_out_images(vlm_dirs, tmp_path,
     direct = evaluate(model, processor.tokenizer, held_out, [i for i, _ in encoded],
                       [s for s in rollout_setup.resolve_reward_specs(_config(vlm_dirs[arch], tmp_path / "x"), None,
                                                                       [distinct_letters], rows=held_out)],
-                      samples_per_prompt=2, max_new_tokens=4, seed=0, media=media)
+                      EvalSettings(SamplingParams(4, pad_token_id=processor.tokenizer.pad_token_id),
+                                   samples_per_prompt=2, seed=0), media=media)
     last = logged[-1]
     for key in ("accuracy", "mean_reward", "pass@2", "greedy_accuracy"):
         assert last[f"eval/{key}"] == pytest.approx(direct[key], abs=1e-9), key
@@ -350,8 +352,9 @@ def test_grpokit_eval_renders_a_vision_tasks_images_for_a_vision_language_model(
 
     from grpokit.demo_vision import encoded_rows
     from grpokit.models.media import RowMedia
+    from grpokit.rollout.request import SamplingParams
     from grpokit.tasks import get_task
-    from grpokit.training.evaluation import evaluate
+    from grpokit.training.evaluation import EvalSettings, evaluate
 
     args = ["eval", "--task", "shapes", "--num-prompts", "3", "--samples", "2", "--max-new-tokens", "3", "--json"]
     assert main([*args[:1], "--model", str(vlm_dirs["qwen2_vl"]), *args[1:]]) == 0
@@ -360,9 +363,10 @@ def test_grpokit_eval_renders_a_vision_tasks_images_for_a_vision_language_model(
     rows = task.generate(3, seed=12345, split="eval")
     model = AutoModelForImageTextToText.from_pretrained(str(vlm_dirs["qwen2_vl"]))
     encoded = encoded_rows(load_processor(str(vlm_dirs["qwen2_vl"])), model.config, rows)
-    direct = evaluate(model, load_processor(str(vlm_dirs["qwen2_vl"])).tokenizer, rows, [i for i, _ in encoded],
-                      task.reward_functions(), samples_per_prompt=2, max_new_tokens=3, seed=0,
-                      media=RowMedia.concat([m for _, m in encoded], [1] * len(encoded)))
+    tokenizer = load_processor(str(vlm_dirs["qwen2_vl"])).tokenizer
+    direct = evaluate(model, tokenizer, rows, [i for i, _ in encoded], task.reward_functions(),
+                      EvalSettings(SamplingParams(3, pad_token_id=tokenizer.pad_token_id), samples_per_prompt=2,
+                                   seed=0), media=RowMedia.concat([m for _, m in encoded], [1] * len(encoded)))
     for key in ("accuracy", "mean_reward", "pass@2", "greedy_accuracy"):
         assert result[key] == pytest.approx(direct[key], abs=1e-9), key
 
@@ -413,6 +417,7 @@ def test_the_vllm_engine_sends_each_prompts_images_as_multimodal_data(vlm_dirs, 
     the images with the processor, as vLLM's own processor does). Checked on CPU against tests/fake_vllm; the real
     vLLM path is the GPU check's (scripts/check_vllm_gpu.py)."""
     from grpokit.rollout.vllm import VLLMEngine
+    from grpokit.rollout.vllm.colocated import ColocatedLLM
 
     fake, sent = _fake_vllm(), []
 
@@ -420,7 +425,7 @@ def test_the_vllm_engine_sends_each_prompts_images_as_multimodal_data(vlm_dirs, 
         llm = fake.LLM(model=config.model.path, dtype="float32")
         generate = llm.generate
         llm.generate = lambda prompts, **kw: sent.extend(prompts) or generate(prompts, **kw)
-        return VLLMEngine(config.model.path, llm=llm, vllm_module=fake)
+        return VLLMEngine(ColocatedLLM(llm, fake))
 
     config = _config(vlm_dirs[arch], tmp_path / "run", output={"completions_every": 1},
                      algorithm={"is_correction": "token_truncate"})

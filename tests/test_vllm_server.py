@@ -1,4 +1,4 @@
-"""vLLM as a server (`rollout.vllm = {server = ...}`, rollout/vllm_server.py), against the CPU stand-in
+"""vLLM as a server (`rollout.vllm = {server = ...}`, rollout/vllm/server.py), against the CPU stand-in
 (tests/fake_vllm: the HTTP endpoints and vLLM's weight-transfer calls, with gloo in place of NCCL), for what the real
 server (tests/real_vllm, vLLM's CPU build) cannot be made to show: the NCCL push's protocol (no NCCL on CPU), a push
 that hangs or that the server claims but never receives, requests that hang while the server stays up (a second
@@ -416,7 +416,7 @@ def test_a_keep_alive_connection_the_server_closed_is_tried_again_on_a_new_one()
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from grpokit.rollout.vllm_server import ServerClient
+    from grpokit.rollout.vllm.server import ServerClient
 
     seen = []
 
@@ -454,7 +454,7 @@ def test_nccl_asked_for_where_it_cannot_run_is_one_error_at_the_start(stand_in, 
     transfer): said at the start by grpokit (it was vLLM's HTTP 500 at the first push)."""
     from types import SimpleNamespace
 
-    from grpokit.rollout.vllm_weights import FolderReload, NcclTransfer, can_run_nccl, choose_server_transport
+    from grpokit.rollout.vllm.weights import FolderReload, NcclTransfer, can_run_nccl, choose_server_transport
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU trainer: the server's side decides
     for info, why in (({"vllm_config": {"weight_transfer_config": None}},
@@ -475,6 +475,6 @@ def test_nccl_asked_for_where_it_cannot_run_is_one_error_at_the_start(stand_in, 
 def test_two_runs_in_one_process_within_a_second_name_their_adapters_apart():
     """A server keeps adapters by name and answers "already loaded" to a second load under one name: a run
     refused at its start and the next run in the same process, within the same second, must not share one."""
-    from grpokit.rollout.vllm_weights import run_prefix
+    from grpokit.rollout.vllm.weights import run_prefix
 
     assert run_prefix() != run_prefix()

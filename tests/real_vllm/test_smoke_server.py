@@ -1,4 +1,4 @@
-"""The real vLLM server (CPU build) does what grpokit's server engine (rollout/vllm_server.py) relies on: token-id
+"""The real vLLM server (CPU build) does what grpokit's server engine (rollout/vllm/server.py) relies on: token-id
 prompts sampled with a seed and the sampled tokens' processed log-probs (with the temperature), and in-place weight
 reloads through the dev endpoint /collective_rpc. Also run against an older vLLM release (`-m vllm_smoke`)."""
 

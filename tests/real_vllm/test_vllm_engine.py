@@ -52,22 +52,24 @@ def adapters(url: str, base: str) -> list[str]:
 def test_the_servers_samples_and_log_probs_are_the_trainers(vllm_model_dir, fresh_server):
     """Token ids in, token ids out (n = G, a seed each); vLLM's processed log-probs of its own samples are the
     trainer's recompute on the same weights, and the same seed samples the same answers."""
+    from grpokit.config.options import VLLMOptions
     from grpokit.models.forward import completion_logprobs
     from grpokit.models.loading import load_model_and_tokenizer
-    from grpokit.rollout.engine_protocol import SamplingParams
-    from grpokit.rollout.vllm_server import VLLMServerEngine
+    from grpokit.rollout.request import RolloutRequest, SamplingParams
+    from grpokit.rollout.vllm import VLLMEngine
+    from grpokit.rollout.vllm.server import ServerLLM
 
     model, tok = load_model_and_tokenizer(vllm_model_dir, device="cpu", dtype="float32")
-    engine = VLLMServerEngine(fresh_server, server_timeout_s=60)
+    engine = VLLMEngine(ServerLLM.connect(VLLMOptions(server=fresh_server, server_timeout_s=60)))
     prompts = [tok("12+34=", add_special_tokens=False)["input_ids"], tok("7+8=", add_special_tokens=False)["input_ids"]]
     s = SamplingParams(max_new_tokens=12, eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id)
-    r = engine.generate(prompts, group_size=4, sampling=s, generator=torch.Generator().manual_seed(0))
+    r = engine.generate(RolloutRequest(prompts, 4, s, torch.Generator().manual_seed(0))).rollout
     assert r.completion_ids.shape[0] == 8 and int(r.completion_mask.sum()) > 8
     with torch.no_grad():
         ours, _ = completion_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
     gap = (ours - r.logprobs).abs()[r.completion_mask.bool()]
     assert float(gap.max()) < GAP, float(gap.max())
-    again = engine.generate(prompts, group_size=4, sampling=s, generator=torch.Generator().manual_seed(0))
+    again = engine.generate(RolloutRequest(prompts, 4, s, torch.Generator().manual_seed(0))).rollout
     assert torch.equal(again.completion_ids, r.completion_ids)
 
 
@@ -205,12 +207,15 @@ def test_the_colocated_engine_trains_on_cpu(vllm_model_dir, tmp_path, arch, lora
 
 BIG_BATCH = """
 import sys, torch
-from grpokit.rollout.engine_protocol import SamplingParams
+from grpokit.config.options import VLLMOptions
+from grpokit.rollout.request import RolloutRequest, SamplingParams
 from grpokit.rollout.vllm import VLLMEngine
-engine = VLLMEngine(sys.argv[1], dtype="float32", max_model_len=128, enforce_eager=True, kv_cache_gib=1)
+from grpokit.rollout.vllm.colocated import ColocatedLLM
+options = VLLMOptions(max_model_len=128, enforce_eager=True, kv_cache_gib=1)
+engine = VLLMEngine(ColocatedLLM.start(sys.argv[1], options, dtype="float32", seed=0))
 prompts = [[(i * 7 + j) % 90 + 3 for j in range(100)] for i in range(24)]  # 24 x 2 x 100: 4800 prompt tokens
 s = SamplingParams(max_new_tokens=2, eos_token_ids=(), pad_token_id=0, ignore_eos=True)
-r = engine.generate(prompts, group_size=2, sampling=s, generator=torch.Generator().manual_seed(0))
+r = engine.generate(RolloutRequest(prompts, 2, s, torch.Generator().manual_seed(0))).rollout
 print("sampled", tuple(r.completion_ids.shape))
 """
 

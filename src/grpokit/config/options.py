@@ -3,10 +3,12 @@ type and range, with the field named in the error (their sections live in schema
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from grpokit.config.checks import check, checked_value, installed, one_of
 from grpokit.config.variants import ROLLOUT_MODES
 
-# rollout.vllm options (rollout/vllm.VLLMEngine's keyword arguments): type, example
+# rollout.vllm options (typed: VLLMOptions below): type, example
 VLLM_OPTIONS = {"gpu_memory_utilization": (float, "0.3"), "enable_sleep_mode": (bool, "true"),
                 "kv_cache_gib": (int, "1"), "max_model_len": (int, "4096"), "enforce_eager": (bool, "true"),
                 "dtype": (str, '"bfloat16"'), "server": (str, '"http://localhost:8000"'),
@@ -15,9 +17,34 @@ VLLM_OPTIONS = {"gpu_memory_utilization": (float, "0.3"), "enable_sleep_mode": (
 # the colocated engine's own; a server is started with its settings (`grpokit serve --gpu-memory-utilization ...`)
 COLOCATED_ONLY = ("gpu_memory_utilization", "enable_sleep_mode", "kv_cache_gib", "max_model_len", "enforce_eager",
                   "dtype")
-# how full weights reach a server (rollout/vllm_weights.py): "auto" = NCCL where it can run, else the folder
+# how full weights reach a server (rollout/vllm/weights.py): "auto" = NCCL where it can run, else the folder
 SERVER_ONLY = ("weight_transfer", "weight_folder", "sync_bucket_mb")
 WEIGHT_TRANSFERS = ("auto", "nccl", "folder")
+
+
+@dataclass(frozen=True)
+class VLLMOptions:
+    """`rollout.vllm = {...}` typed, with its defaults (`RolloutConfig.vllm_options`; the TOML keeps the table the
+    user wrote). `server` set: vLLM samples as a server over HTTP (rollout/vllm/server.py) and the server-only
+    fields apply; unset: a `vllm.LLM` colocated in the training process (rollout/vllm/colocated.py)."""
+
+    server: str | None = None  # "http://host:8000": a vLLM server (grpokit serve); None: colocated
+    server_timeout_s: float = 600.0
+    weight_transfer: str = "auto"  # how full weights reach a server: "auto" | "nccl" | "folder"
+    weight_folder: str | None = None  # a folder trainer and server both see (default: under TMPDIR)
+    sync_bucket_mb: float = 512  # the folder's safetensors shards, MB each
+    gpu_memory_utilization: float = 0.3  # colocated only, from here down
+    enable_sleep_mode: bool = False
+    kv_cache_gib: int = 1  # vLLM's CPU build: its KV cache in GiB of RAM
+    max_model_len: int | None = None
+    enforce_eager: bool = False
+    dtype: str | None = None  # None: model.dtype
+
+    @classmethod
+    def of(cls, table: dict) -> "VLLMOptions":
+        """The `rollout.vllm` table typed (check_vllm refuses an unknown key and a value of another type; the
+        checks that run before it read the known keys only)."""
+        return cls(**{k: v for k, v in table.items() if k in cls.__dataclass_fields__})
 
 
 def server_address_problem(url: str) -> str | None:
@@ -106,7 +133,7 @@ def check_async(rollout) -> None:
            f"is {rollout.max_staleness}, but with rollout.weight_sync_every = {rollout.weight_sync_every} the workers "
            f"hold weights up to {rollout.weight_sync_every - 1} steps old: raise max_staleness to at least "
            f"{rollout.weight_sync_every - 1} or lower weight_sync_every")
-    server = "server" in rollout.vllm
+    server = VLLMOptions.of(rollout.vllm).server is not None
     check(rollout.mode == "sync" or rollout.engine == "hf" or server, "rollout.engine",
            "rollout.mode = \"async\" samples in processes of its own: the built-in sampler (engine = \"hf\") in "
            "worker processes, or a vLLM server (rollout.vllm = {server = \"http://...\"}, started with grpokit "

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from grpokit.config.algorithm import AlgorithmConfig
 from grpokit.config.checks import check, check_fields, did_you_mean, installed, one_of, show_value
 from grpokit.config.evaluation import EvalConfig, check_eval
-from grpokit.config.options import check_async, check_lora, check_vllm
+from grpokit.config.options import VLLMOptions, check_async, check_lora, check_vllm
 from grpokit.config.variants import (
     ENGINES,
     REWARD_AGGREGATIONS,
@@ -128,8 +128,9 @@ class RolloutConfig:
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False  # benchmarks only: every answer runs to max_new_tokens
     engine: str = "hf"  # hf (built-in sampler on the training model) | vllm (colocated vLLM, or a vLLM server)
-    # vLLM options: colocated (rollout/vllm.py) gpu_memory_utilization, enable_sleep_mode, kv_cache_gib (CPU),
-    # max_model_len, enforce_eager, dtype; or server = "http://host:8000" (grpokit serve; rollout/vllm_server.py)
+    # vLLM options (typed: `vllm_options`, config/options.VLLMOptions): colocated (rollout/vllm/colocated.py)
+    # gpu_memory_utilization, enable_sleep_mode, kv_cache_gib (CPU), max_model_len, enforce_eager, dtype; or
+    # server = "http://host:8000" (grpokit serve; rollout/vllm/server.py)
     # with server_timeout_s (every call to it, generation included, waits at most this long; 600), weight_transfer
     # (auto | nccl | folder: how full weights reach it; auto = NCCL where it can run), weight_folder (a folder the
     # server can read; default under TMPDIR) and sync_bucket_mb (the folder's shard size, 512)
@@ -153,6 +154,11 @@ class RolloutConfig:
     worker_threads: int = 0  # async: torch threads of each worker; 0 = the cores split between workers and trainer
     worker_timeout_s: float = 300.0  # async: no heartbeat or batch this long ends it (TRL: heartbeat_stale_after_s)
     worker_devices: tuple[str, ...] = ()  # async: each worker's device ("cpu", "cuda:1", ...); none = model.device
+
+    @property
+    def vllm_options(self) -> VLLMOptions:
+        """`vllm` typed, with its defaults (`vllm_options.server`: a vLLM server samples, over HTTP)."""
+        return VLLMOptions.of(self.vllm)
 
     def __post_init__(self):
         check_fields(self, "rollout")

@@ -1,16 +1,22 @@
-"""Moving the trainer's weights to whoever samples: one interface, one implementation per transport.
+"""Moving the trainer's weights to whoever samples: one verb, one implementation per transport.
 
-    trainer:  publisher.publish(model, version, full=...) -> seconds     # after the update (every weight_sync_every)
-    sampler:  subscriber.wait_for(version, timeout_s); subscriber.apply()  # between two batches, never inside one
+    trainer:  publisher.publish(model, step) -> seconds     # after the update of optimizer step `step`
+    sampler:  subscriber.wait_for(step, timeout_s); subscriber.apply()  # between two batches, never inside one
 
-The transports (prime-rl's weight-broadcast interface is the model):
+The trainer's step is the weights' version everywhere: the start's push is step 0 (or the resumed checkpoint's),
+the push after optimizer step s is version s. One publisher per run, chosen once (`rollout.engines.build_publisher`
+for the run's engine; the asynchronous rollout's channel in training/rollout_source.py) and owned by the rollout
+source, which calls `publish` and, at the end, `close`. No transport calls back into an engine: a sampler that
+needs to know what it holds reads a subscriber (vLLM: `rollout.vllm.weights.ServedWeights`). prime-rl's
+weight-broadcast interface is the model. The transports:
+- `SharedModel` (here): the built-in sampler on the training model itself: nothing moves;
+- `CallersEngine` (here): an engine of the caller's given to `train(engine=...)`, told through its `sync_weights`;
 - `GlooPublisher` / `GlooSubscriber` (here): the built-in rollout workers, torch.distributed broadcast in buckets;
-- `rollout/vllm_weights.py`: a colocated vLLM reloads in process (`InProcessReload`); a vLLM server takes them
+- rollout/vllm/weights.py: a colocated vLLM reloads in process (`InProcessReload`); a vLLM server takes them
   through vLLM's NCCL weight transfer (`NcclTransfer`, GPU) or reloads them from a safetensors folder both sides
   see (`FolderReload`, CPU, or any cluster with a shared filesystem); LoRA moves the adapter alone
-  (`AdapterFolders`). An engine's `sync_weights` is its publisher's `publish`;
-- `LockedPublisher` / `ServerSubscriber` (here): async mode with a vLLM server, where the server is the
-  subscriber: the trainer publishes under the lock its worker holds while it samples a batch.
+  (`AdapterFolders`); asynchronous rollout against a server publishes under the lock its worker samples under
+  (`LockedPublisher` / `ServerSubscriber`).
 
 The gloo transport. The group is a gloo `ProcessGroup` built on its own `TCPStore` (127.0.0.1, a free port), not
 the default group: under torchrun every trainer rank has its own workers and its own group, so no collective of
@@ -21,8 +27,8 @@ skip the host; not built yet).
 
 A transfer is announced first (a shared counter the worker's receiving thread polls), so the gloo
 operations only start when the trainer is about to send and their timeout measures the transfer, not
-the time between two syncs. The first transfer holds every parameter (the worker loaded the model from
-its folder; the trainer may have resumed or been handed a model in memory); later ones only the
+the time between two syncs. A publisher's first transfer holds every parameter (the worker loaded the model
+from its folder; the trainer may have resumed or been handed a model in memory); later ones only the
 parameters that train (with LoRA the adapter alone). Parameters travel in buckets of about `bucket_mb`,
 one flat tensor per bucket and dtype, in the order of `named_parameters()` on both sides.
 
@@ -44,7 +50,6 @@ import torch
 import torch.distributed as tdist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from grpokit.models.lora import adapter_of
 from grpokit.models.parallel import buckets
 
 BUCKET_MB = 64
@@ -104,17 +109,37 @@ def _broadcast(group, tensor: torch.Tensor) -> None:
 
 
 class WeightPublisher:
-    """The trainer's end of a transport. `publish` moves `model`'s weights as `version` (`full`: every tensor, the
-    start's transfer; else what changed) and returns the seconds it took; `lora_request` is what a vLLM engine
-    samples with after an adapter transport (None for full weights)."""
+    """The trainer's end of a transport: `publish` makes the sampler hold `model`'s weights as of optimizer step
+    `step` and returns the seconds it took; `close` releases what the transport holds (groups, folders, a
+    server's adapter). Under torchrun every rank calls `publish` at the same step."""
 
-    lora_request = None
-
-    def publish(self, model: torch.nn.Module, version: int, *, full: bool = False) -> float:
+    def publish(self, model: torch.nn.Module, step: int) -> float:
         raise NotImplementedError
 
     def close(self) -> None:
-        """Release what the transport holds (groups, folders)."""
+        """Nothing held, nothing to release."""
+
+
+class SharedModel(WeightPublisher):
+    """The built-in sampler on the training model itself (`rollout.engine = "hf"` in the trainer's process): it
+    always holds the newest weights, so nothing moves."""
+
+    def publish(self, model: torch.nn.Module, step: int) -> float:
+        return 0.0
+
+
+class CallersEngine(WeightPublisher):
+    """An engine of the caller's given to `train(engine=...)`: its `sync_weights(model)`, where it has one (a
+    sampler with weights of its own), after every update and once at the start."""
+
+    def __init__(self, engine):
+        self.sync = getattr(engine, "sync_weights", None)
+
+    def publish(self, model: torch.nn.Module, step: int) -> float:
+        t0 = time.perf_counter()
+        if self.sync is not None:
+            self.sync(model)
+        return time.perf_counter() - t0
 
 
 class GlooPublisher(WeightPublisher):
@@ -125,6 +150,7 @@ class GlooPublisher(WeightPublisher):
         self.store = tdist.TCPStore("127.0.0.1", 0, self.size, True, timeout=datetime.timedelta(seconds=timeout_s),
                                     wait_for_workers=False)
         self.group = None  # built by connect(), once the workers have started
+        self.sent = False  # the first transfer moves every parameter, later ones those that train
 
     @property
     def port(self) -> int:
@@ -134,14 +160,15 @@ class GlooPublisher(WeightPublisher):
         """Form the group (every worker joins with its GlooSubscriber); a collective with the workers."""
         _, self.group = _group(self.port, 0, self.size, self.timeout_s, True, store=self.store)
 
-    def publish(self, model: torch.nn.Module, version: int, *, full: bool = False) -> float:
-        """Send `model`'s weights as `version`; the seconds it took. Raises RuntimeError (gloo's) when a
-        worker does not take part within the timeout."""
+    def publish(self, model: torch.nn.Module, step: int) -> float:
+        """Send `model`'s weights as version `step` (the first time every parameter); the seconds it took.
+        Raises RuntimeError (gloo's) when a worker does not take part within the timeout."""
         t0 = time.perf_counter()
+        full, self.sent = not self.sent, True
         params = transferred(model, full)
-        header = torch.tensor([version, int(full), len(params)], dtype=torch.long)
+        header = torch.tensor([step, int(full), len(params)], dtype=torch.long)
         with self.announced.get_lock():
-            self.announced.value = version
+            self.announced.value = step
         _broadcast(self.group, header)
         with torch.no_grad():
             for bucket in bucket_indices(params):  # FSDP2: shapes and sizes are the whole tensors', on every rank
@@ -224,55 +251,3 @@ class GlooSubscriber:
                     p.copy_(staged[name])
             self.version = max(self.version, version)
         return self.version
-
-
-class LockedPublisher(WeightPublisher):
-    """Async mode with a vLLM server, the trainer's end: the trainer's engine publishes (`publisher`, one of
-    rollout/vllm_weights.py's transports) under the lock its worker holds while it samples a batch; `version`
-    (shared) tells the worker which weights the server holds."""
-
-    port = 0  # no store for the workers to join
-
-    def __init__(self, publisher: WeightPublisher, timeout_s: float, lock, version):
-        self.publisher, self.timeout_s, self.lock, self.version = publisher, timeout_s, lock, version
-
-    def connect(self) -> None:
-        """Nothing to join: the server is the subscriber."""
-
-    def publish(self, model, version: int, *, full: bool = False) -> float:
-        """Push `model` as `version` once no batch is being sampled; the seconds it took. The first (`full`)
-        moves no full weights: the trainer's engine pushed them when it was built (an adapter goes again, under
-        its version's name)."""
-        t0 = time.perf_counter()
-        if not self.lock.acquire(timeout=self.timeout_s):
-            raise RuntimeError(f"the rollout worker kept the vLLM server busy for more than {self.timeout_s:g} s")
-        try:
-            if not full or adapter_of(model) is not None:
-                self.publisher.publish(model, version)
-            with self.version.get_lock():
-                self.version.value = version
-        finally:
-            self.lock.release()
-        return time.perf_counter() - t0
-
-
-class ServerSubscriber:
-    """Async mode with a vLLM server, the worker's end (in place of GlooSubscriber): the version the server
-    holds, and the lock under which a batch is sampled (no push lands inside it: each answer has one version)."""
-
-    def __init__(self, lock, version):
-        self.lock, self.version = lock, version
-
-    def wait_for(self, version: int, timeout_s: float) -> bool:
-        deadline = time.monotonic() + timeout_s
-        while self.version.value < version:
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.005)
-        return True
-
-    def apply(self) -> int:
-        return int(self.version.value)
-
-    def holding(self):
-        return self.lock

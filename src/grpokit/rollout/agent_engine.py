@@ -23,15 +23,17 @@ import torch
 
 from grpokit.errors import SetupError
 from grpokit.rollout.agent_endpoint import Agent, AgentEndpoint, AnswerRecord, PendingCall
-from grpokit.rollout.batch import Rollout, rollout_from_tokens
+from grpokit.rollout.batch import rollout_from_tokens
 from grpokit.rollout.engine_protocol import EngineBase, given_engine
 from grpokit.rollout.multiturn import ToolStats
+from grpokit.rollout.request import RolloutRequest, RolloutResult
 
 
 class AgentEngine(EngineBase):
     """A rollout engine whose answers are the agent's conversations, sampled by `inner` (the run's own
-    engine, without tools; one with only `generate` and `sync_weights` is wrapped, engine_protocol.PlainEngine)
-    through the endpoint. `rows` is set for each batch by the rollout side (side.py)."""
+    engine, without tools; one that is not a grpokit engine is wrapped, engine_protocol.PlainEngine) through the
+    endpoint. Each request carries its rows (the rollout side's, side.py): answer i runs on row i // G. The run's
+    weights reach `inner` (rollout.engines.build_publisher publishes to it)."""
 
     def __init__(self, agent: Agent, inner, tokenizer, *, max_calls: int = 8, time_limit_s: float = 300.0,
                  port: int = 0, batch_wait_s: float = 0.02, max_positions: int | None = None):
@@ -40,16 +42,10 @@ class AgentEngine(EngineBase):
         max_positions = max_positions or context_length(getattr(inner, "model", None))
         self.endpoint = AgentEndpoint(tokenizer, port, max_positions)
         self.endpoint.max_calls, self.time_limit_s, self.batch_wait_s = max_calls, time_limit_s, batch_wait_s
-        self.rows: list[dict] | None = None
-        self.tool_stats: ToolStats | None = None
-        self.agent_metrics: dict[str, float] = {}
 
     @property
     def device(self):
         return self.inner.device
-
-    def sync_weights(self, model) -> None:
-        self.inner.sync_weights(model)
 
     def close(self) -> None:
         self.endpoint.close()
@@ -57,18 +53,20 @@ class AgentEngine(EngineBase):
 
     stop_serving = close  # what train() calls when the run ends
 
-    def generate(self, prompt_ids, *, group_size, sampling, generator=None, **_) -> Rollout:
+    def generate(self, request: RolloutRequest) -> RolloutResult:
         """Run one agent per answer (row b's G answers: b*G ... b*G+G-1) until all end or the time limit;
-        `prompt_ids` (the prompts as grpokit renders them) stand in for an answer that made no call."""
-        if self.rows is None or len(self.rows) != len(prompt_ids):
-            raise SetupError("an agent engine needs each batch's rows (engine.rows, set by grpokit's rollout side); "
-                             "use it through train(engine=agent_engine(...)) or [tools] agent")
-        N, endpoint = len(prompt_ids) * group_size, self.endpoint
+        the request's prompts (as grpokit renders them) stand in for an answer that made no call."""
+        prompt_ids, group_size, sampling, generator = request.prompt_ids, request.group_size, request.sampling, \
+            request.generator
+        if request.rows is None or len(request.rows) != len(prompt_ids):
+            raise SetupError("an agent engine needs each batch's rows (RolloutRequest.rows, as grpokit's rollout "
+                             "side sends them); use it through train(engine=agent_engine(...)) or [tools] agent")
+        N, endpoint = request.num_answers, self.endpoint
         endpoint.budget = sampling.max_new_tokens
         with endpoint.lock:
             endpoint.answers = [AnswerRecord() for _ in range(N)]
         returned: list = [None] * N
-        threads = [threading.Thread(target=self._run_agent, args=(i, self.rows[i // group_size], returned),
+        threads = [threading.Thread(target=self._run_agent, args=(i, request.rows[i // group_size], returned),
                                     daemon=True, name=f"grpokit-agent-{i}") for i in range(N)]
         t0 = time.perf_counter()
         for thread in threads:
@@ -116,8 +114,8 @@ class AgentEngine(EngineBase):
         longest, limit = max(job.max_tokens for job in batch), self.endpoint.max_positions
         later = [job for job in batch if limit is not None and len(job.prompt) + longest > limit]
         batch = [job for job in batch if not any(job is other for other in later)]
-        rollout = self.inner.generate([job.prompt for job in batch], group_size=1, generator=generator,
-                                      sampling=dataclasses.replace(sampling, max_new_tokens=longest))
+        rollout = self.inner.generate(RolloutRequest([job.prompt for job in batch], 1, dataclasses.replace(
+            sampling, max_new_tokens=longest), generator)).rollout
         eos = set(sampling.eos_token_ids)
         for k, job in enumerate(batch):
             n = min(int(rollout.completion_mask[k].sum()), job.max_tokens)
@@ -138,7 +136,7 @@ class AgentEngine(EngineBase):
             job.tokens = None
             job.done.set()
 
-    def _rollout(self, prompt_ids, G: int, sampling, returned: list, agent_s: float) -> Rollout:
+    def _rollout(self, prompt_ids, G: int, sampling, returned: list, agent_s: float) -> RolloutResult:
         answers = self.endpoint.answers
         prompts = [a.prompt if a.prompt is not None else list(prompt_ids[i // G]) for i, a in enumerate(answers)]
         truncated = [a.truncated or a.failed is not None for a in answers]
@@ -149,15 +147,14 @@ class AgentEngine(EngineBase):
         for i, a in enumerate(answers):
             tool_mask[i, :len(a.is_context)] = torch.tensor(a.is_context, dtype=tool_mask.dtype)
         conversations = [_with_final(a.conversation, r) for a, r in zip(answers, returned)]
-        self.tool_stats = ToolStats([sum(a.tool_calls.values()) for a in answers],
-                                    [int(a.failed is not None) for a in answers],
-                                    [max(1, a.calls) for a in answers], conversations, seconds=agent_s,
-                                    per_tool=sum((a.tool_calls for a in answers), Counter()))
-        self.agent_metrics = {"agent/failed": sum(a.failed is not None for a in answers) / len(answers),
-                              "agent/model_calls": sum(a.calls for a in answers) / len(answers),
-                              "agent/rewritten_calls": sum(a.rewritten for a in answers) / len(answers)}
-        self.failures = [a.failed for a in answers]
-        return dataclasses.replace(rollout, tool_mask=tool_mask)
+        stats = ToolStats([sum(a.tool_calls.values()) for a in answers], [int(a.failed is not None) for a in answers],
+                          [max(1, a.calls) for a in answers], conversations, seconds=agent_s,
+                          per_tool=sum((a.tool_calls for a in answers), Counter()))
+        metrics = {"agent/failed": sum(a.failed is not None for a in answers) / len(answers),
+                   "agent/model_calls": sum(a.calls for a in answers) / len(answers),
+                   "agent/rewritten_calls": sum(a.rewritten for a in answers) / len(answers)}
+        return RolloutResult(dataclasses.replace(rollout, tool_mask=tool_mask), tool_stats=stats,
+                             agent_metrics=metrics, failures=[a.failed for a in answers])
 
 
 def _with_final(conversation: list[dict], final) -> list[dict]:

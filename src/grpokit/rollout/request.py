@@ -85,4 +85,5 @@ class RolloutResult:
     rollout: Rollout  # [N] answers with the sampler's per-token log-probs
     tool_stats: "ToolStats | None" = None  # multi-turn: what the tools did (an agent engine's: its agents)
     agent_metrics: dict[str, float] = field(default_factory=dict)  # an agent engine's: failed agents, calls, rewrites
+    failures: list[str | None] | None = None  # [N] an agent engine's: why each answer's agent failed, None if not
     weight_version: int | None = None  # the trainer step whose weights sampled it, where the engine knows it

@@ -7,7 +7,7 @@ The training step (training/generate.py), the evaluation during training and `gr
 (training/evaluation.py), the TRL drop-in's `evaluate()` (trl/evaluation.py) and the asynchronous rollout
 workers (training/rollout_workers.py) all draw through it; what differs between them is what it is built
 from (which prompts, which engine, which answer budget and temperature), never how it draws. For each batch:
-the engine is told the batch's rows (an agent engine runs each answer's agent on its row), each answer's
+the request carries the batch's rows (an agent engine runs each answer's agent on its row), each answer's
 environment is reset with its row and its tools handed to the engine, `tools.history = "split"` renders each
 answer's conversation, the prompts' images are selected, the engine samples, and every reward function
 grades the answers (rollout/grading.py). The engine is reached through `RolloutEngine` only (engines.py).
@@ -24,10 +24,11 @@ import torch
 
 from grpokit.config.schema import Config
 from grpokit.rewards.core import RewardSpec
-from grpokit.rollout.engine_protocol import RolloutEngine, SamplingParams
+from grpokit.rollout.engine_protocol import RolloutEngine
 from grpokit.rollout.environments import Environments
 from grpokit.rollout.grading import Draw, grade
 from grpokit.rollout.history import conversation_history
+from grpokit.rollout.request import RolloutRequest, SamplingParams
 
 
 @dataclass
@@ -67,24 +68,24 @@ class RolloutSide:
              log_metric: Callable[[str, float], None] | None = None) -> Draw:
         """Sample `group_size` answers to each of the rows `indices` (B of them) and grade them: N = B*G
         answers, group by group. What the reward functions report (TRL's `log_metric`) goes to `log_metric`."""
-        engine, G, rows = self.engine, self.group_size, [self.prompts.rows[i] for i in indices]
-        engine.rows, engine.tool_stats = rows, None  # an agent engine runs each answer's agent on its row
-        ids, group = [self.prompts.ids[i] for i in indices], G
+        G, rows = self.group_size, [self.prompts.rows[i] for i in indices]
+        ids, group, tools = [self.prompts.ids[i] for i in indices], G, self.engine.tools
         if self.environments is not None:  # each answer's own instance: the engine calls its methods
-            ids, group, engine.tools = self.environments.prompts(self.tokenizer, rows, ids, G,
-                                                                 self.sampling.max_new_tokens, self.budget_field)
-        engine.history = conversation_history(self.tokenizer, rows, G, engine.tools, self.environments) \
+            ids, group, tools = self.environments.prompts(self.tokenizer, rows, ids, G, self.sampling.max_new_tokens,
+                                                          self.budget_field)
+        history = conversation_history(self.tokenizer, rows, G, tools, self.environments) \
             if self.split_history else None
-        media = {} if self.prompts.media is None else {"media": self.prompts.media.select(list(indices))}
+        media = None if self.prompts.media is None else self.prompts.media.select(list(indices))
+        request = RolloutRequest(ids, group, self.sampling, generator, rows, tools, history, media)
         t0 = time.perf_counter()
-        rollout = engine.generate(ids, group_size=group, sampling=self.sampling, generator=generator, **media)
+        result = self.engine.generate(request)
         t1 = time.perf_counter()
-        stats = engine.tool_stats
-        draw = grade(rollout, rows, self.tokenizer, self.specs, G, prompt_column=self.prompt_column,
+        stats = result.tool_stats
+        draw = grade(result.rollout, rows, self.tokenizer, self.specs, G, prompt_column=self.prompt_column,
                      conversations=None if stats is None else stats.conversations,
                      environments=None if self.environments is None else self.environments.active,
                      log_metric=log_metric)
-        return dataclasses.replace(draw, tool_stats=stats, agent_metrics=dict(engine.agent_metrics),
+        return dataclasses.replace(draw, tool_stats=stats, agent_metrics=dict(result.agent_metrics),
                                    sample_s=t1 - t0, grade_s=time.perf_counter() - t1)
 
     def batches(self, batch_prompts: int) -> list[list[int]]:

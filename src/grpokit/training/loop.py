@@ -95,7 +95,8 @@ def train(
         run = build_run(config, inputs, dist, engine, model, ref_model)
         if dist.is_main and (note := packing_note(config, run.policy)):
             print(note, flush=True)
-        resources.callback(run.side.engine.stop_serving)  # an agent engine's endpoint, a vLLM's weight folders
+        resources.callback(run.side.engine.stop_serving)  # an agent engine's endpoint
+        resources.callback(run.weights.close)  # first: a vLLM's weight folders, a server's adapter unloaded
         return _loop(config, run, dist, hint, command, resources)
 
 
@@ -133,7 +134,7 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
             if local.algorithm.is_correction != "none":  # the sampler's log-probs are not the trainer's
                 batch, is_metrics = with_is_weights(local, policy, batch)
                 gen_metrics.update(is_metrics)
-            train_metrics, _ = optimize(local, policy, batch)
+            train_metrics = optimize(local, policy, batch)
         train_metrics.update(sync_reference(local, policy, step))  # ref_sync_every: reference -> policy
         train_metrics.update(rollouts.publish(policy.model, step))  # publish: the samplers get the new weights
         t2 = time.perf_counter()

@@ -1,7 +1,11 @@
 """Where each step's graded batch comes from: the loop's own rollout (sync) or worker processes (async).
 
     batch, metrics = rollouts.next(step)        # rollout -> grade -> advantages
-    metrics = rollouts.publish(model, step)     # after the update: the samplers get the new weights
+    metrics = rollouts.publish(model, step)     # after the update: the samplers get step's weights
+
+Both publish through one `WeightPublisher` (models/weight_sync.py), chosen once: the run's own (`run.weights`,
+rollout.engines.build_publisher: nothing for the built-in sampler, a vLLM transport, an engine of the caller's)
+in sync mode and, against a vLLM server, in async mode under the worker's lock; gloo to the built-in workers.
 
 `SyncRollouts` is the loop as it always was: sample on the training model, then train. `AsyncRollouts`
 (`rollout.mode = "async"`, docs/ASYNC.md) keeps `max_staleness + 1` steps' batches ordered from
@@ -42,7 +46,8 @@ from grpokit.errors import RolloutWorkerError, SetupError
 from grpokit.models.loading import resolve_device
 from grpokit.models.parallel import rank, world_size
 from grpokit.models.threads import usable_cores
-from grpokit.models.weight_sync import GlooPublisher, LockedPublisher
+from grpokit.models.weight_sync import GlooPublisher
+from grpokit.rollout.vllm.weights import LockedPublisher
 from grpokit.training.generate import generate_and_grade
 from grpokit.training.rollout_workers import WorkerSpec, parameter_shapes, worker_main
 from grpokit.training.worker_budget import available_memory, check_memory, crowded_cores
@@ -62,7 +67,7 @@ class SyncRollouts:
 
     def publish(self, model, step: int) -> dict:
         try:
-            self.run.side.engine.sync_weights(model)  # vLLM: push the new weights; HF: the sampler is the model
+            self.run.weights.publish(model, step)  # vLLM: push the new weights; HF: the sampler is the model
         except RolloutWorkerError as e:  # a server that went away: this step's update is done, its row comes first
             self.failed = e
         return {}
@@ -82,7 +87,7 @@ def split_threads(config) -> tuple[int, int]:
 def check_async_can_run(config, engine) -> None:
     """What asynchronous rollout (and a vLLM server) cannot do yet, and workers this machine cannot hold
     (training/worker_budget.py), refused before the model loads; workers past the cores, said in one line."""
-    server = "server" in config.rollout.vllm
+    server = config.rollout.vllm_options.server is not None
     if server and world_size() > 1 and (config.rollout.mode == "async" or config.model.fsdp):
         what = "rollout.mode = \"async\"" if config.rollout.mode == "async" else "model.fsdp"
         raise SetupError(f"rollout.vllm.server: {world_size()} trainer processes on one vLLM server with {what} is "
@@ -117,7 +122,7 @@ class _MainFinder(pickle.Pickler):
 def worker_devices(config, model) -> list[str]:
     """Each worker's device: `rollout.worker_devices`, else the trainer's (its own GPU under torchrun)."""
     r = config.rollout
-    if "server" in r.vllm:  # the worker only sends requests: no model, no device of its own
+    if r.vllm_options.server is not None:  # the worker only sends requests: no model, no device of its own
         return ["cpu"]
     named = r.worker_devices or [str(next(model.parameters()).device)] * r.workers
     return [str(resolve_device(d, field="rollout.worker_devices")) for d in named]
@@ -227,12 +232,14 @@ class AsyncRollouts:
         self.beats = ctx.Array("d", [time.monotonic()] * self.W)
         self.results, self.orders = ctx.Queue(), [ctx.Queue() for _ in range(self.W)]
         self.server_lock = ctx.Lock()  # a vLLM server: held by the worker while it samples, by the trainer to push
-        self.channel = LockedPublisher(run.side.engine.weights, self.timeout_s, self.server_lock, self.announced) \
-            if "server" in r.vllm else GlooPublisher(self.W, self.timeout_s, self.announced)
+        server = r.vllm_options.server is not None  # the run's publisher pushes to it, under the worker's lock
+        self.channel = LockedPublisher(run.weights, self.timeout_s, self.server_lock, self.announced,
+                                       holds=run.start_step) if server \
+            else GlooPublisher(self.W, self.timeout_s, self.announced)
         spec = WorkerSpec(given, [n for n, p in run.policy.model.named_parameters() if p.requires_grad],
                           parameter_shapes(run.policy.model), run.stream, run.sampling_generator.get_state(),
                           run.start_step + 1, self.W, split_threads(config)[1], self.channel.port, self.timeout_s,
-                          run.side.engine.adapter_prefix)
+                          run.side.engine.served.adapter_prefix if server else "")
         from_main = [_sendable(what, value) for what, value in (
             ("train(reward_functions=...)", given.reward_functions), ("train(tools=...)", given.tools),
             ("train(environment_factory=...)", given.environment_factory),
@@ -256,7 +263,7 @@ class AsyncRollouts:
                 ready.add(index)
             self.started = True
             self.channel.connect()
-            self._publish(run.policy.model, self.start, full=True)
+            self._publish(run.policy.model, self.start)
         except BaseException:
             self.close()
             raise
@@ -365,15 +372,15 @@ class AsyncRollouts:
         if step % r.weight_sync_every or step >= self.config.train.steps:
             return {}
         try:
-            return {"time/weight_sync": self._publish(model, step, full=False)}
+            return {"time/weight_sync": self._publish(model, step)}
         except RolloutWorkerError as e:  # this step's update is done: its row and checkpoint come first
             self.failed = e
             return {}
 
-    def _publish(self, model, version: int, *, full: bool) -> float:
+    def _publish(self, model, version: int) -> float:
         started = time.time()
         try:
-            seconds = self.channel.publish(model, version, full=full)
+            seconds = self.channel.publish(model, version)
         except RolloutWorkerError:  # the vLLM server's own error (the worker has no part in a push to it)
             raise
         except RuntimeError as e:  # gloo's timeout, or a closed connection: a worker did not take part

@@ -33,9 +33,10 @@ from grpokit import processes
 from grpokit.errors import RolloutWorkerError, UserError
 from grpokit.models.loading import load_model, load_tokenizer, max_positions_of
 from grpokit.models.lora import apply_lora
-from grpokit.models.weight_sync import GlooSubscriber, ServerSubscriber
+from grpokit.models.weight_sync import GlooSubscriber
 from grpokit.rollout.engines import build_engine
 from grpokit.rollout.side import RolloutSide
+from grpokit.rollout.vllm.weights import ServerSubscriber
 from grpokit.training import vision_setup
 from grpokit.training.generate import generate_and_grade
 from grpokit.training.rollout_setup import RolloutSpec, resolve_rewards
@@ -135,10 +136,9 @@ class _Worker:
         tokenizer = vision_setup.load_policy_tokenizer(config.model.path, load_tokenizer)  # a VLM: its processor's
         if self.environments is not None:
             self.environments.max_positions = vision_setup.policy_context_length(config.model.path, max_positions_of)
-        self.server = "server" in config.rollout.vllm  # a vLLM server samples: no model here, HTTP requests only
+        self.server = config.rollout.vllm_options.server is not None  # a vLLM server samples: HTTP requests only
         self.model = None if self.server else self._load_policy(config, spec, device)
         engine = build_engine(config, self.model, tokenizer, tools=toolbox)
-        engine.adapter_prefix = spec.adapter_prefix  # a vLLM server with LoRA: the trainer's adapters' names
         self.side = RolloutSide.for_training(config, given.prompts, specs, engine, tokenizer, self.environments)
         self.config, self.spec, self.announced, self.index = config, spec, announced, index
         # the stream is where the last batch taken left it; the first step's worker (index (first_step - 1) % W)
@@ -167,8 +167,13 @@ class _Worker:
 
     def connect(self, server_lock) -> None:
         s = self.spec
-        self.receiver = ServerSubscriber(server_lock, self.announced) if self.server else \
-            GlooSubscriber(self.model, s.port, self.index + 1, s.workers + 1, s.timeout_s, self.announced)
+        if self.server:  # the step the server holds goes to this engine's `served` (LoRA: the trainer's adapter names)
+            served = self.side.engine.served
+            served.adapter_prefix = s.adapter_prefix
+            self.receiver = ServerSubscriber(server_lock, self.announced, served, bool(self.config.model.lora))
+        else:
+            self.receiver = GlooSubscriber(self.model, s.port, self.index + 1, s.workers + 1, s.timeout_s,
+                                           self.announced)
 
     def draw(self, step: int, min_version: int, waited_s: float) -> WorkerBatch:
         t0 = time.perf_counter()
@@ -177,8 +182,6 @@ class _Worker:
                             f"{self.spec.timeout_s:g} s for step {step}")
         with self.receiver.holding():  # a server: no push lands inside the batch
             version = self.receiver.apply()
-            if self.server and self.config.model.lora:  # the adapter the trainer pushed as that version
-                self.side.engine.use_adapter(version)
             waited_s += time.perf_counter() - t0
             started = time.time()
             batch, metrics = generate_and_grade(self.config, self.side, self.stream, self.sampling_generator)

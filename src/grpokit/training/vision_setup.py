@@ -99,8 +99,8 @@ def _refuse_unbuilt(config: Config, environments: bool, tools: bool) -> None:
                 "tools.history = \"append\""),
                ("rollout.engine", config.rollout.engine != "hf" and tools, "the vLLM engine with images in "
                 "multi-turn rollouts", "the hf engine"),
-               ("rollout.vllm.server", "server" in config.rollout.vllm, "a vLLM server with images (token-id "
-                "prompts over HTTP carry no pixels)", "the colocated vLLM engine or the hf engine")]
+               ("rollout.vllm.server", config.rollout.vllm_options.server is not None, "a vLLM server with images "
+                "(token-id prompts over HTTP carry no pixels)", "the colocated vLLM engine or the hf engine")]
     for field, hit, what, fix in unbuilt:
         if hit:
             raise SetupError(f"{field}: {what} is not built yet; the data has image rows: use {fix}, or text rows")

@@ -87,7 +87,7 @@ def parameter_count(folder: Path) -> int | None:
 
 def _sampling_devices(config) -> list[torch.device]:
     r = config.rollout
-    if "server" in r.vllm:  # the worker only sends requests: no weights of its own
+    if r.vllm_options.server is not None:  # the worker only sends requests: no weights of its own
         return []
     return [resolve_device(d, field="rollout.worker_devices") for d in r.worker_devices] or \
         [resolve_device(config.model.device)] * r.workers

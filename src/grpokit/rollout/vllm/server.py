@@ -6,18 +6,19 @@
 The sampler is vLLM's OpenAI-compatible server: each prompt is one `/v1/completions` request with its
 token ids, `n = G`, a seed from the trainer's generator and `logprobs = 0` (the sampled token's log-prob,
 with the temperature: the server runs with `--logprobs-mode processed_logprobs`). `ServerLLM` answers the
-colocated engine's `llm.generate(...)` calls over HTTP, so sampling, multi-turn tool calls and the
-answers' bookkeeping are `VLLMEngine`'s own code; only the weights move differently:
+engine's `complete(...)` calls over HTTP, so sampling, multi-turn tool calls and the answers' bookkeeping are
+`VLLMEngine`'s own code (vllm/engine.py) for both backends; only the weights move differently:
 
 - full weights through vLLM's NCCL weight-transfer API (GPU), or written to a folder the server reloads them from
-  (`rollout.vllm.weight_transfer`: "auto" picks NCCL where it can run; rollout/vllm_weights.py has both);
+  (`rollout.vllm.weight_transfer`: "auto" picks NCCL where it can run; vllm/weights.py has both);
 - with LoRA the adapter alone: saved to a folder the server can read and loaded under a new name
   (`/v1/load_lora_adapter`; the server started with `--enable-lora` and
   `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`), which later requests name as their model.
 
-The server must hold the model the trainer trains: after the start's push a probe (one short answer sampled by
-the server, scored by the trainer) compares the two's log-probs, so a server started on another model, or one
-still holding weights an earlier run pushed under LoRA, is one error at the start, not a run that learns nothing.
+The server must hold the model the trainer trains: after the start's push a probe (vllm/weights.py
+`check_serves`: one short answer sampled by the server, scored by the trainer) compares the two's log-probs, so
+a server started on another model, or one still holding weights an earlier run pushed under LoRA, is one error
+at the start, not a run that learns nothing.
 A server restarted mid-run (it lost the pushed weights) is noticed by its start time (`/metrics`).
 
 In async mode (docs/ASYNC.md) the worker process sends the requests and the trainer pushes the weights;
@@ -28,15 +29,12 @@ one policy version. FSDP shards are gathered one tensor at a time (`named_weight
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import time
 from types import SimpleNamespace
 
+from grpokit.config.options import VLLMOptions
 from grpokit.errors import RolloutWorkerError, UserError
-from grpokit.models.parallel import rank
-from grpokit.rollout.vllm import VLLMEngine
-from grpokit.rollout.vllm_weights import AdapterFolders, RankZero, choose_server_transport, run_prefix
 
 FIX = ("start it with `grpokit serve MODEL` (or vLLM's api_server with VLLM_SERVER_DEV_MODE=1), or check "
        "rollout.vllm.server")
@@ -168,17 +166,31 @@ class ServerClient:
 
 
 class ServerLLM:
-    """`vllm.LLM.generate` over HTTP: one `/v1/completions` request per prompt, sent concurrently."""
+    """The server backend of `VLLMEngine` (vllm/engine.py): `complete` sends one `/v1/completions` request per
+    prompt, concurrently (vLLM batches them); LoRA adapters are loaded and unloaded by name over HTTP."""
 
     def __init__(self, client: ServerClient):
         self.client, self.model = client, client.served_model()
 
-    def generate(self, prompts, sampling_params, use_tqdm=False, lora_request=None):
-        self.client.check_not_restarted()  # once per batch (a multi-turn rollout: per turn)
-        per_prompt = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        model = lora_request.lora_name if lora_request is not None else self.model
+    @classmethod
+    def connect(cls, options: VLLMOptions) -> "ServerLLM":
+        """The server at `options.server`, once it answers, with its setup checked and its start time noted."""
+        client = ServerClient(options.server, options.server_timeout_s)
+        client.wait_ready()
+        client.check_setup()
+        client.started = client.start_time()
+        return cls(client)  # asks for the served model: something that is not vLLM is said first
+
+    def complete(self, prompts: list[dict], params, adapter=None) -> list:
+        self.client.check_not_restarted()  # once per call (a multi-turn rollout: per turn)
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        model = adapter.lora_name if adapter is not None else self.model
         return _concurrently(lambda *args: self._one(model, *args), list(zip(prompts, per_prompt, range(len(prompts)))),
-                             width=min(256, len(prompts)))  # vLLM batches them
+                             width=min(256, len(prompts)))
+
+    def serving(self):
+        """Nothing to wake: the server is always up."""
+        return contextlib.nullcontext()
 
     def _one(self, model: str, prompt: dict, p, index: int) -> SimpleNamespace:
         if "multi_modal_data" in prompt:
@@ -188,10 +200,8 @@ class ServerLLM:
                    "temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k or -1,
                    "seed": None if p.seed is None else p.seed + index,  # one call's prompts: noise of their own
                    "logprobs": 0, "return_token_ids": True, "skip_special_tokens": False,
-                   "ignore_eos": bool(getattr(p, "ignore_eos", False)),
-                   "stop_token_ids": getattr(p, "stop_token_ids", None) or [],
-                   "stop": getattr(p, "stop", None) or [],
-                   "include_stop_str_in_output": bool(getattr(p, "include_stop_str_in_output", False))}
+                   "ignore_eos": bool(p.ignore_eos), "stop_token_ids": p.stop_token_ids or [], "stop": p.stop or [],
+                   "include_stop_str_in_output": bool(p.include_stop_str_in_output)}
         reply = self.client.call("POST", "/v1/completions", json=payload)
         try:
             choices = sorted(reply["choices"], key=lambda c: c.get("index", 0))
@@ -203,8 +213,25 @@ class ServerLLM:
             raise self.client.not_vllm("/v1/completions", reply) from None
         return SimpleNamespace(outputs=outputs, prompt_token_ids=prompt["prompt_token_ids"])
 
-    def reset_prefix_cache(self):
-        """The server clears its caches itself when paused for new weights."""
+    # ---- LoRA adapters (vllm/weights.py AdapterFolders) ---------------------------------------------
+
+    def load_adapter(self, name: str, number: int, folder: str):
+        """Load the adapter in `folder` (a folder the server reads) as `name`; requests name it as their model."""
+        try:
+            reply = self.client.call("POST", "/v1/load_lora_adapter", text=True,
+                                     json={"lora_name": name, "lora_path": folder, "load_inplace": False})
+        except RolloutWorkerError as e:  # a retried call whose first try loaded it: it is there, as asked
+            if "has already been loaded" not in str(e):
+                raise
+            reply = "success"
+        if "success" not in reply.lower():  # vLLM answers "Success: LoRA adapter '...' added successfully."
+            raise self.client.not_vllm("/v1/load_lora_adapter", reply)
+        return SimpleNamespace(lora_name=name, lora_int_id=number, lora_path=folder)
+
+    def unload_adapter(self, previous, timeout_s: float | None = None) -> None:
+        with contextlib.suppress(RolloutWorkerError):  # already gone (evicted, a restart): nothing to free
+            self.client.call("POST", "/v1/unload_lora_adapter", text=True, json={"lora_name": previous.lora_name},
+                             timeout_s=timeout_s)
 
 
 def _concurrently(fn, calls: list[tuple], width: int) -> list:
@@ -236,118 +263,3 @@ def _concurrently(fn, calls: list[tuple], width: int) -> list:
     if failed:
         raise failed[0]
     return out
-
-
-class VLLMServerEngine(VLLMEngine):
-    """The colocated engine's sampling over HTTP (`ServerLLM`); the weights go through one of
-    rollout/vllm_weights.py's transports (`weights`): the adapter alone with LoRA, else NCCL or a folder."""
-
-    def __init__(self, url: str, *, server_timeout_s: float = 600.0, seed: int = 0, lora: dict | None = None,
-                 tokenizer=None, tools=None, max_tool_turns: int = 8, weight_transfer: str = "auto",
-                 weight_folder: str | None = None, sync_bucket_mb: float = 512, transfer=None):
-        self.client = ServerClient(url, server_timeout_s)
-        self.client.wait_ready()
-        self.client.check_setup()
-        self.client.started = self.client.start_time()
-        llm = ServerLLM(self.client)  # asks for the served model: something that is not vLLM is said first
-        # adapters are named <prefix>-v<version>: this run's own names (a server outlives runs), which an async
-        # worker's engine, given the same prefix, asks for by the version it reads
-        self.adapters = AdapterFolders(run_prefix(), self._load_adapter, self._unload_adapter,
-                                       weight_folder) if lora else None
-        self.full_weights = None if lora else choose_server_transport(self.client, weight_transfer, weight_folder,
-                                                                     sync_bucket_mb, transfer)
-        super().__init__(url, seed=seed, lora=lora, llm=llm,
-                         vllm_module=SimpleNamespace(SamplingParams=SimpleNamespace), tokenizer=tokenizer,
-                         tools=tools, max_tool_turns=max_tool_turns,
-                         weights=RankZero(self.adapters or self.full_weights))
-        self.checked = False  # the probe: once, after the start's push
-
-    @property
-    def adapter_prefix(self) -> str:
-        return self.adapters.prefix if self.adapters else ""
-
-    @adapter_prefix.setter
-    def adapter_prefix(self, prefix: str) -> None:
-        if self.adapters:
-            self.adapters.prefix = prefix
-
-    def sync_weights(self, model) -> None:
-        self.push(model, self.version + 1)
-
-    def push(self, model, version: int) -> None:
-        """Publish `model` as `version` (under torchrun rank 0 pushes, `RankZero`); after the first, the probe."""
-        self.client.check_not_restarted()
-        if not self.checked and rank() == 0 and self.full_weights is not None:
-            ours = str(next(model.parameters()).dtype).removeprefix("torch.")
-            if self.client.dtype not in (None, ours):  # as TRL: said once, the correction covers the gap
-                print(f"note: the vLLM server at {self.client.url} holds {self.client.dtype} weights, the trainer "
-                      f"{ours}: the sampler's log-probs will differ more (algorithm.is_correction corrects for "
-                      f"it); `grpokit serve --dtype {ours}` or model.dtype = \"{self.client.dtype}\" aligns "
-                      "them", file=sys.stderr, flush=True)
-        self.weights.publish(model, version)
-        self.version, self.lora_request = version, self.weights.lora_request
-        if not self.checked and rank() == 0:
-            self.checked = True
-            check_serves(self.client, self.llm, model, self.lora_request)
-
-    def use_adapter(self, version: int) -> None:
-        """Sample with the adapter pushed as `version` (an async worker: the trainer's engine pushed it)."""
-        self.adapters.use(version)
-        self.version, self.lora_request = version, self.adapters.lora_request
-
-    def stop_serving(self) -> None:
-        """The run ended, or was refused after its first push: the server outlives it, so the adapter this process
-        loaded there is unloaded (its folder goes next: left registered, it could not be reloaded anyway), within
-        10 s at most (a server that is down or frozen has nothing to free); then the folders go."""
-        loaded = self.adapters.lora_request if self.adapters is not None else None
-        if loaded is not None and loaded.lora_path:  # loaded by this process: an async worker's `use` has no path
-            self._unload_adapter(loaded, timeout_s=min(10.0, self.client.timeout_s))
-            self.adapters.lora_request = None
-        super().stop_serving()
-
-    def _load_adapter(self, name: str, version: int, folder: str):
-        try:
-            reply = self.client.call("POST", "/v1/load_lora_adapter", text=True,
-                                     json={"lora_name": name, "lora_path": folder, "load_inplace": False})
-        except RolloutWorkerError as e:  # a retried call whose first try loaded it: it is there, as asked
-            if "has already been loaded" not in str(e):
-                raise
-            reply = "success"
-        if "success" not in reply.lower():  # vLLM answers "Success: LoRA adapter '...' added successfully."
-            raise self.client.not_vllm("/v1/load_lora_adapter", reply)
-        return SimpleNamespace(lora_name=name, lora_int_id=version, lora_path=folder)
-
-    def _unload_adapter(self, previous, timeout_s: float | None = None) -> None:
-        with contextlib.suppress(RolloutWorkerError):  # already gone (evicted, a restart): nothing to free
-            self.client.call("POST", "/v1/unload_lora_adapter", text=True, json={"lora_name": previous.lora_name},
-                             timeout_s=timeout_s)
-
-
-def check_serves(client: ServerClient, llm: ServerLLM, model, lora_request, tokens: int = 16) -> None:
-    """One answer sampled by the server, its log-probs recomputed by the trainer: far apart, the server serves
-    another model (or another base under LoRA, e.g. weights an earlier run pushed), and the run would learn from
-    a sampler that is not its policy. One error, at the start."""
-    import torch
-
-    vocab = int(model.get_input_embeddings().weight.shape[0])
-    prompt = [i % vocab for i in range(1, 9)]
-    params = SimpleNamespace(n=1, max_tokens=tokens, temperature=1.0, top_p=1.0, top_k=0, seed=0, stop=None,
-                             stop_token_ids=[], ignore_eos=True)
-    out = llm.generate([{"prompt_token_ids": prompt}], params, lora_request=lora_request)[0].outputs[0]
-    ids = list(out.token_ids)
-    served = torch.tensor([next(iter(lp.values())) for lp in out.logprobs], dtype=torch.float64)
-    device = next(model.parameters()).device
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + ids], device=device)).logits[0, len(prompt) - 1:-1]
-        ours = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(ids, device=device)[:, None])[:, 0]
-    gap = float((served - ours.cpu()).abs().mean())
-    ours_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    # float32 on both sides: kernels differ by ~1e-6; in bf16 a token's gap is ~0.01-0.05 on real models, while
-    # another model (or base) is off by much more than 0.25 a token
-    limit = 0.02 if client.dtype == ours_dtype == "float32" else 0.25
-    if gap > limit:
-        what = "the adapter's base model" if lora_request is not None else "the weights just pushed"
-        raise UserError(f"rollout.vllm.server: the vLLM server at {client.url} does not serve {what}: its log-probs "
-                        f"of a probe answer differ from the trainer's by {gap:.3f} nats a token on average (at most "
-                        f"{limit:g} expected). It was started on another model, or holds weights an earlier run "
-                        "pushed: restart it with `grpokit serve MODEL` on model.path")

@@ -1,13 +1,18 @@
-"""The weight transports to vLLM: implementations of `models.weight_sync.WeightPublisher`.
+"""The weight transports to vLLM: implementations of `models.weight_sync.WeightPublisher.publish(model, step)`.
 
     colocated engine            InProcessReload    vLLM's `reload_weights` with the trainer's tensors, streamed
     server, full weights, GPU   NcclTransfer       vLLM's NCCL weight-transfer API (/init_weight_transfer_engine ...)
     server, full weights, any   FolderReload       safetensors shards in a folder both sides see, then the server's
                                                    `reload_weights` from it (POST /collective_rpc)
-    LoRA, colocated or server   AdapterFolders     the adapter alone, saved to a folder and loaded under a new name
+    LoRA, colocated or server   AdapterFolders     the adapter alone, saved to a folder and loaded as <prefix>-v<step>
 
-`choose_server_transport` picks NCCL where it can run (a CUDA trainer and a server started with vLLM's NCCL
-weight transfer) and the folder otherwise, with one note saying which. Every transport reloads the weights in
+`vllm_publisher` chooses one from the config, once per run; a server's is wrapped in `ServerPush` (the server
+still the one pushed to, the probe after the first push) and `RankZero` (torchrun: one push for all ranks), and in
+asynchronous rollout in `LockedPublisher` (no push lands inside a batch its worker samples; the worker's end is
+`ServerSubscriber`). A transport never calls into the engine: it sets the engine's `ServedWeights` (the step the
+sampler holds, the adapter to name), which the engine reads. `choose_server_transport` picks NCCL where it can
+run (a CUDA trainer and a server started with vLLM's NCCL weight transfer) and the folder otherwise, with one
+note saying which. Every transport reloads the weights in
 vLLM's checkpoint format, so vLLM repacks them for its kernels itself (its CPU linear layers keep their weights
 in a packed layout: writing into the live parameters, as `load_weights` does, broke them).
 """
@@ -31,6 +36,7 @@ from grpokit.errors import RolloutWorkerError, UserError
 from grpokit.models.lora import adapter_of
 from grpokit.models.parallel import any_rank, buckets, rank
 from grpokit.models.weight_sync import WeightPublisher
+from grpokit.rollout.vllm.engine import CompletionParams, ServedWeights, adapter_name
 
 
 def sync_tensors(model):
@@ -74,60 +80,65 @@ def _timed(fn):
 
 
 class InProcessReload(WeightPublisher):
-    """A colocated `vllm.LLM` (its engine in this process): `reload_weights` with the trainer's tensors, one at a
-    time (FSDP gathers each as it goes), then the prefix cache dropped (its KV was computed with the old ones)."""
+    """A colocated `vllm.LLM` (its engine in this process, vllm/colocated.py): `reload_weights` with the trainer's
+    tensors, one at a time (FSDP gathers each as it goes), then the prefix cache dropped (its KV was computed with
+    the old ones). Sleep mode: the weights are woken first."""
 
-    def __init__(self, llm):
-        self.llm = llm
+    def __init__(self, colocated, served: ServedWeights):
+        self.colocated, self.served = colocated, served
 
-    def publish(self, model, version: int, *, full: bool = False) -> float:
+    def publish(self, model, step: int) -> float:
         def reload():
+            self.colocated.wake_weights()
+            llm = self.colocated.llm
             try:
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_weights_for_sync(model),
-                                                                  "is_checkpoint_format": True})
+                llm.collective_rpc("reload_weights", kwargs={"weights_iterator": named_weights_for_sync(model),
+                                                             "is_checkpoint_format": True})
             except (ValueError, KeyError, RuntimeError) as e:  # vLLM's loader: a name or shape it does not take
                 raise RolloutWorkerError(f"rollout.engine = \"vllm\": vLLM could not load the trainer's weights "
                                          f"({type(e).__name__}: {e}); this model's architecture may load differently"
                                          " in vLLM: try rollout.engine = \"hf\", or a vLLM server (grpokit serve)"
                                          ) from None
-            self.llm.reset_prefix_cache()
+            llm.reset_prefix_cache()
+            self.served.step = step
         return _timed(reload)
 
 
 class AdapterFolders(WeightPublisher):
-    """LoRA: the adapter alone, saved to a folder of its own per version and loaded as `<prefix>-v<version>`; the
-    previous one unloaded and its folder removed. `load(name, folder)` / `unload(name)` are the engine's (a
-    colocated LLM's LoRARequest, or a server's /v1/load_lora_adapter); the folder must be one the sampler reads."""
+    """LoRA: the adapter alone, saved to a folder of its own per step and loaded as `<prefix>-v<step>` by the
+    `backend` (a colocated LLM's LoRARequest, or a server's /v1/load_lora_adapter: vllm/colocated.py,
+    vllm/server.py); the previous one unloaded and its folder removed. The folder must be one the sampler reads."""
 
-    def __init__(self, prefix: str, load, unload, folder: str | None = None):
-        self.prefix, self.load, self.unload, self.folder = prefix, load, unload, folder
+    def __init__(self, backend, served: ServedWeights, folder: str | None = None):
+        self.backend, self.served, self.folder = backend, served, folder
         self.root: str | None = None  # made at the first push (a torchrun rank that never pushes makes none)
-        self.lora_request = None
+        self.loads = 0  # adapters this process loaded: vLLM numbers them from 1
 
-    def name(self, version: int) -> str:
-        return f"{self.prefix}-v{version}"
-
-    def use(self, version: int) -> None:
-        """Sample with the adapter loaded as `version` by another process (an async worker, a torchrun rank)."""
-        self.lora_request = SimpleNamespace(lora_name=self.name(version), lora_int_id=version, lora_path="")
-
-    def publish(self, model, version: int, *, full: bool = False) -> float:
+    def publish(self, model, step: int) -> float:
         t0 = time.perf_counter()
-        previous, name = self.lora_request, self.name(version)
+        previous, name = self.served.adapter, adapter_name(self.served.adapter_prefix, step)
         if previous is not None and previous.lora_name == name:  # already there (the start's push, again)
             return 0.0
         if self.root is None:
             self.root = _run_folder(self, "grpokit-lora-", self.folder)
         folder = _next_folder(self.root)
         _writing(folder, lambda: adapter_of(model).save_pretrained(str(folder)), "the LoRA adapter")
-        self.lora_request = self.load(name, version, str(folder))
+        self.loads += 1
+        self.served.adapter, self.served.step = self.backend.load_adapter(name, self.loads, str(folder)), step
         if previous is not None:
-            self.unload(previous)
+            self.backend.unload_adapter(previous)
             if previous.lora_path:
                 shutil.rmtree(previous.lora_path, ignore_errors=True)
         return time.perf_counter() - t0
 
     def close(self) -> None:
+        """The run ended, or was refused after its first push: a server outlives it, so the adapter this process
+        loaded there is unloaded (its folder goes next: left registered, it could not be reloaded anyway), within
+        10 s at most (a server that is down or frozen has nothing to free); then the folders go."""
+        loaded = self.served.adapter
+        if loaded is not None and loaded.lora_path:  # loaded by this process: an async worker's `use` has no path
+            self.backend.unload_adapter(loaded, timeout_s=10.0)
+            self.served.adapter = None
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -184,7 +195,7 @@ class FolderReload(WeightPublisher):
         self.root: str | None = None  # made at the first push: an async worker's engine or a torchrun rank never does
         self.previous: Path | None = None
 
-    def publish(self, model, version: int, *, full: bool = False) -> float:
+    def publish(self, model, step: int) -> float:
         from safetensors.torch import save_file
 
         t0 = time.perf_counter()
@@ -251,10 +262,10 @@ class NcclTransfer(WeightPublisher):
     broadcast from the trainer while `/update_weights` receives them -> `/finish_weight_update` -> `/resume`. The
     broadcast runs on a thread of its own: NCCL has no timeout, the HTTP call has one."""
 
-    def __init__(self, client, transfer=None):
-        self.client, self._transfer, self._group = client, transfer, None
+    def __init__(self, client):
+        self.client, self._transfer, self._group = client, None, None
 
-    def publish(self, model, version: int, *, full: bool = False) -> float:
+    def publish(self, model, step: int) -> float:
         t0 = time.perf_counter()
         if self._group is None:
             self._open()
@@ -279,7 +290,7 @@ class NcclTransfer(WeightPublisher):
         return time.perf_counter() - t0
 
     def _open(self) -> None:
-        t = self._transfer = self._transfer or _vllm_transfer()
+        t = self._transfer = _vllm_transfer()
         reply = self.client.call("GET", "/get_world_size")
         try:
             size = 1 + int(reply["world_size"])
@@ -315,29 +326,86 @@ def _noting(fn, failed: list) -> None:
         failed.append(e)
 
 
+def check_serves(server, model, lora_request, tokens: int = 16) -> None:
+    """One answer sampled by the server, its log-probs recomputed by the trainer: far apart, the server serves
+    another model (or another base under LoRA, e.g. weights an earlier run pushed), and the run would learn from
+    a sampler that is not its policy. One error, at the start."""
+    import torch
+
+    client = server.client
+    vocab = int(model.get_input_embeddings().weight.shape[0])
+    prompt = [i % vocab for i in range(1, 9)]
+    params = CompletionParams(n=1, max_tokens=tokens, temperature=1.0, top_p=1.0, top_k=0, seed=0, stop_token_ids=[],
+                              ignore_eos=True)
+    out = server.complete([{"prompt_token_ids": prompt}], params, lora_request)[0].outputs[0]
+    ids = list(out.token_ids)
+    served = torch.tensor([next(iter(lp.values())) for lp in out.logprobs], dtype=torch.float64)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + ids], device=device)).logits[0, len(prompt) - 1:-1]
+        ours = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(ids, device=device)[:, None])[:, 0]
+    gap = float((served - ours.cpu()).abs().mean())
+    ours_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    # float32 on both sides: kernels differ by ~1e-6; in bf16 a token's gap is ~0.01-0.05 on real models, while
+    # another model (or base) is off by much more than 0.25 a token
+    limit = 0.02 if client.dtype == ours_dtype == "float32" else 0.25
+    if gap > limit:
+        what = "the adapter's base model" if lora_request is not None else "the weights just pushed"
+        raise UserError(f"rollout.vllm.server: the vLLM server at {client.url} does not serve {what}: its log-probs "
+                        f"of a probe answer differ from the trainer's by {gap:.3f} nats a token on average (at most "
+                        f"{limit:g} expected). It was started on another model, or holds weights an earlier run "
+                        "pushed: restart it with `grpokit serve MODEL` on model.path")
+
+
+class ServerPush(WeightPublisher):
+    """A push to a vLLM server: the server still the one pushed to before (a restarted one lost the weights), a
+    note when its dtype is not the trainer's, then the transport's push, and after the first push the probe
+    (`check_serves`: the server serves what the trainer trains). Rank 0 only (`RankZero`)."""
+
+    def __init__(self, inner: WeightPublisher, server, served: ServedWeights):
+        self.inner, self.server, self.served, self.checked = inner, server, served, False
+
+    def publish(self, model, step: int) -> float:
+        t0, client = time.perf_counter(), self.server.client
+        client.check_not_restarted()
+        if not self.checked and not isinstance(self.inner, AdapterFolders):
+            ours = str(next(model.parameters()).dtype).removeprefix("torch.")
+            if client.dtype not in (None, ours):  # as TRL: said once, the correction covers the gap
+                print(f"note: the vLLM server at {client.url} holds {client.dtype} weights, the trainer "
+                      f"{ours}: the sampler's log-probs will differ more (algorithm.is_correction corrects for "
+                      f"it); `grpokit serve --dtype {ours}` or model.dtype = \"{client.dtype}\" aligns "
+                      "them", file=sys.stderr, flush=True)
+        self.inner.publish(model, step)
+        self.served.step = step
+        if not self.checked:
+            self.checked = True
+            check_serves(self.server, model, self.served.adapter)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 class RankZero(WeightPublisher):
     """Under torchrun (data parallel, every rank holds the whole model), one server: rank 0 publishes while the
-    others wait for it, then ask for the same adapter; a failure on rank 0 reaches every rank."""
+    others wait for it, then ask for the same weights (with LoRA: the adapter by its step's name); a failure on
+    rank 0 reaches every rank."""
 
-    def __init__(self, inner: WeightPublisher):
-        self.inner = inner
+    def __init__(self, inner: WeightPublisher, served: ServedWeights, lora: bool):
+        self.inner, self.served, self.lora = inner, served, lora
 
-    @property
-    def lora_request(self):
-        return self.inner.lora_request
-
-    def publish(self, model, version: int, *, full: bool = False) -> float:
+    def publish(self, model, step: int) -> float:
         t0, failed = time.perf_counter(), None
         if rank() == 0:
             try:
-                self.inner.publish(model, version, full=full)
+                self.inner.publish(model, step)
             except RolloutWorkerError as e:
                 failed = e
         if any_rank(failed is not None):  # the others wait here for rank 0's push
             raise failed or RolloutWorkerError("rollout.vllm.server: rank 0 could not push the weights to the "
                                                "vLLM server (its error says why)")
-        if rank() != 0 and isinstance(self.inner, AdapterFolders):
-            self.inner.use(version)
+        if rank() != 0:
+            self.served.use(step, self.lora)
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -361,17 +429,17 @@ def can_run_nccl(server_info: dict) -> str | None:
     return nccl_api_problem()
 
 
-def choose_server_transport(client, choice: str, folder: str | None, shard_mb: float, transfer=None):
+def choose_server_transport(client, choice: str, folder: str | None, shard_mb: float):
     """The full-weight transport `rollout.vllm.weight_transfer` names ("auto": NCCL where it can run, else the
     folder, said once)."""
     if choice == "folder":
         return FolderReload(client, folder, shard_mb)
-    why = can_run_nccl(client.info) if transfer is None else None  # a transfer given (tests): NCCL as asked
+    why = can_run_nccl(client.info)
     if choice == "nccl" and why is not None:
         raise UserError(f"rollout.vllm.weight_transfer = \"nccl\" cannot run: {why}; use \"folder\" (a folder "
                         "the server can read, rollout.vllm.weight_folder) or \"auto\"")
     if why is None:
-        return NcclTransfer(client, transfer)
+        return NcclTransfer(client)
     return FolderReload(client, folder, shard_mb, note=f"note: weights go to the vLLM server at {client.url} through "
                         f"a folder ({folder or 'under TMPDIR'}; rollout.vllm.weight_folder), not NCCL: {why}")
 
@@ -393,3 +461,76 @@ def run_prefix() -> str:
     name their first adapters alike, and the server, answering "already loaded", would keep the first run's,
     whose folder is gone (vLLM's engine then dies loading it); a random part makes each run's its own."""
     return shared_with_ranks(f"grpokit-{os.getpid()}-{int(time.time())}-{uuid.uuid4().hex[:8]}")
+
+
+class LockedPublisher(WeightPublisher):
+    """Asynchronous rollout against a vLLM server, the trainer's end: the run's server publisher (`inner`) pushes
+    under the lock the worker holds while it samples a batch, so each answer has one version; `version` (shared)
+    tells the worker which step's weights the server holds. The server already holds `holds` (the start's push,
+    made when the run was built): that step is announced, not pushed again."""
+
+    def __init__(self, inner: WeightPublisher, timeout_s: float, lock, version, holds: int):
+        self.inner, self.timeout_s, self.lock, self.version, self.holds = inner, timeout_s, lock, version, holds
+
+    def connect(self) -> None:
+        """Nothing to join: the server is the subscriber."""
+
+    port = 0  # no store for the workers to join
+
+    def publish(self, model, step: int) -> float:
+        t0 = time.perf_counter()
+        if not self.lock.acquire(timeout=self.timeout_s):
+            raise RuntimeError(f"the rollout worker kept the vLLM server busy for more than {self.timeout_s:g} s")
+        try:
+            if step != self.holds:
+                self.inner.publish(model, step)
+            with self.version.get_lock():
+                self.version.value = step
+        finally:
+            self.lock.release()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class ServerSubscriber:
+    """Asynchronous rollout against a vLLM server, the worker's end (in place of `GlooSubscriber`): the step whose
+    weights the server holds, set on the worker engine's `served` (with LoRA: that step's adapter name), and the
+    lock under which a batch is sampled (no push lands inside it: each answer has one version)."""
+
+    def __init__(self, lock, version, served: ServedWeights, lora: bool):
+        self.lock, self.version, self.served, self.lora = lock, version, served, lora
+
+    def wait_for(self, step: int, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.version.value < step:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def apply(self) -> int:
+        step = int(self.version.value)
+        self.served.use(step, self.lora)
+        return step
+
+    def holding(self):
+        return self.lock
+
+
+def vllm_publisher(config, engine) -> WeightPublisher:
+    """The transport to `engine`'s vLLM (vllm/engine.py), as the config asks, chosen once per run: a colocated
+    LLM reloads in process, a server takes the folder or NCCL (`rollout.vllm.weight_transfer`); with LoRA the
+    adapter alone."""
+    options, lora, served = config.rollout.vllm_options, bool(config.model.lora), engine.served
+    if options.server is None:
+        return AdapterFolders(engine.backend, served) if lora else InProcessReload(engine.backend, served)
+    server = engine.backend
+    if lora:  # this run's own adapter names (a server outlives runs); an async worker is told the prefix
+        served.adapter_prefix = run_prefix()
+        inner = AdapterFolders(server, served, options.weight_folder)
+    else:
+        inner = choose_server_transport(server.client, options.weight_transfer, options.weight_folder,
+                                        options.sync_bucket_mb)
+    return RankZero(ServerPush(inner, server, served), served, lora)

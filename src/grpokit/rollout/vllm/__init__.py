@@ -1,0 +1,36 @@
+"""vLLM as grpokit's sampler (`rollout.engine = "vllm"`, extra `grpokit[vllm]`), in one package.
+
+- `engine`: `VLLMEngine`, the sampling both backends share (a request in, a result out).
+- `colocated`: `ColocatedLLM`, a `vllm.LLM` in the training process (its sleep mode, its LoRA requests).
+- `server`: `ServerClient` / `ServerLLM`, a vLLM server over HTTP (`grpokit serve`), and the start's probe.
+- `weights`: the transports of the trainer's weights (in-process reload, a folder, NCCL, LoRA adapter folders),
+  chosen once by `vllm_publisher`, and the async rollout's locked publisher and subscriber.
+- `checks`: what vLLM (its CPU build above all) cannot do here, said before the model loads.
+
+Nothing here imports vLLM until an engine is started: the modules load anywhere.
+"""
+
+from __future__ import annotations
+
+from grpokit.models.parallel import rank
+from grpokit.rollout.tools import ToolBox
+from grpokit.rollout.vllm.checks import INSTALL, check_vllm_can_run, on_cpu
+from grpokit.rollout.vllm.engine import VLLMEngine
+
+__all__ = ["INSTALL", "VLLMEngine", "check_vllm_can_run", "on_cpu", "vllm_engine"]
+
+
+def vllm_engine(config, tokenizer, *, tools: ToolBox | None = None) -> VLLMEngine:
+    """The vLLM engine `rollout.vllm` describes, for this process: a server's (`rollout.vllm.server`) or a
+    colocated one on `model.path` (under torchrun each rank its own, seeded apart)."""
+    options = config.rollout.vllm_options
+    if options.server is not None:
+        from grpokit.rollout.vllm.server import ServerLLM
+
+        backend = ServerLLM.connect(options)
+    else:
+        from grpokit.rollout.vllm.colocated import ColocatedLLM
+
+        backend = ColocatedLLM.start(config.model.path, options, dtype=config.model.dtype,
+                                     seed=config.train.seed + rank(), lora=config.model.lora or None)
+    return VLLMEngine(backend, tokenizer=tokenizer, tools=tools, max_tool_turns=config.tools.max_calls)
