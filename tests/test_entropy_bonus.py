@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from grpokit.algorithms import objectives
-from grpokit.algorithms.objectives import LOSS_TYPES, LossSpec, mean_token_entropy, policy_loss
-from grpokit.config import algorithm as algorithm_config
+from grpokit.algorithms.objectives import LOSS_TYPES, Accumulation, LossSpec, mean_token_entropy, policy_loss
+from grpokit.config import variants
 from grpokit.config.schema import AlgorithmConfig
 
 F64 = torch.float64
@@ -33,11 +33,12 @@ def _loss(loss_type, adv, *, entropy=ENT, aggregation="token_mean", **kw):
     spec = {k: kw.pop(k) for k in ("top_entropy_quantile",) if k in kw}
     return policy_loss(logp, None, torch.tensor(adv, dtype=F64), MASK,
                        LossSpec(loss_type=loss_type, entropy_coef=0.1, entropy_aggregation=aggregation,
-                                max_completion_length=4, **CAP.get(loss_type, {}), **spec), entropy=entropy, **kw)[0]
+                                max_completion_length=4, **CAP.get(loss_type, {}), **spec), entropy=entropy,
+                       accumulation=Accumulation(**kw))[0]
 
 
 def test_the_names_are_the_configs():
-    assert objectives.ENTROPY_AGGREGATIONS == algorithm_config.ENTROPY_AGGREGATIONS
+    assert objectives.ENTROPY_AGGREGATIONS is variants.ENTROPY_AGGREGATIONS  # one tuple, the config's
 
 
 @pytest.mark.parametrize("loss_type", list(LOSS_TYPES))
@@ -169,8 +170,8 @@ def test_loss_and_gradients_match_trl_for_every_loss_type(loss_type, quantile, g
                           LossSpec(beta=beta, epsilon=EPS, epsilon_high=fake.epsilon_high, loss_type=loss_type,
                                    max_completion_length=MAX_LEN, entropy_coef=0.05, entropy_aggregation="token_mean",
                                    top_entropy_quantile=quantile, sapo_temperature_neg=SAPO_NEG),
-                          ref_logp=ref if beta else None, num_items_in_batch=num_items, entropy=ent,
-                          entropy_parts=grad_accum if global_tokens else 1)
+                          ref_logp=ref if beta else None, entropy=ent,
+                          accumulation=Accumulation(num_items, grad_accum if global_tokens else 1))
     loss = loss if global_tokens else loss / grad_accum
     loss.backward()
     assert abs(loss.item() - trl_loss.item()) < 1e-9 * max(1.0, abs(trl_loss.item()))
@@ -189,17 +190,18 @@ def test_the_trainers_micro_batches_give_trls_accumulated_loss(tiny_model_dir, l
     """optimize() over 3 micro-batches (one optimizer step) has the gradient of TRL's loss summed over an
     accumulation window of 3, each micro-batch's bonus its own token mean / 3."""
     from grpokit.config.schema import Config, DataConfig, ModelConfig, RolloutConfig, TrainConfig
-    from grpokit.models.forward import completion_logprobs
+    from grpokit.models.forward import ForwardOptions, completion_logprobs
     from grpokit.models.loading import load_model, load_tokenizer
     from grpokit.rollout.decode import sample_groups
+    from grpokit.rollout.request import RolloutRequest, SamplingParams
     from grpokit.training.generate import GenerationBatch
     from grpokit.training.setup import Policy
     from grpokit.training.update import optimize
 
     model, tok = load_model(tiny_model_dir, device="cpu").eval(), load_tokenizer(tiny_model_dir)
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("12+7=", "3+45=", "100+1=")]
-    rollout = sample_groups(model, prompts, group_size=G, max_new_tokens=6, eos_token_ids=tok.eos_token_id,
-                            pad_token_id=tok.pad_token_id, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    rollout = sample_groups(model, RolloutRequest(prompts, G, SamplingParams(6, (tok.eos_token_id,), tok.pad_token_id),
+                                                  torch.Generator().manual_seed(0)))
     adv = torch.randn(3 * G, generator=torch.Generator().manual_seed(1))
     batch = GenerationBatch(SimpleNamespace(rollout=rollout), adv, rollout.completion_mask.clone(), None, None)
     config = Config(model=ModelConfig(path=str(tiny_model_dir), device="cpu"), data=DataConfig(path="unused.jsonl"),
@@ -209,7 +211,7 @@ def test_the_trainers_micro_batches_give_trls_accumulated_loss(tiny_model_dir, l
                     train=TrainConfig(prompts_per_step=3, micro_batch_size=4, max_grad_norm=0.0))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # the gradient stays in .grad, the weights as they are
     policy = Policy(model, None, True, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0))
-    metrics, _ = optimize(config, policy, batch)
+    metrics = optimize(config, policy, batch)
     ours = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
     model.zero_grad(set_to_none=True)
@@ -218,7 +220,8 @@ def test_the_trainers_micro_batches_give_trls_accumulated_loss(tiny_model_dir, l
         T = int(rollout.completion_mask[rows].sum(-1).max())
         logp, ent = completion_logprobs(model, rollout.prompt_ids[rows], rollout.prompt_mask[rows],
                                         rollout.completion_ids[rows, :T], rollout.completion_mask[rows, :T],
-                                        temperature=1.0, with_entropy=True, linear_head=True)
+                                        temperature=1.0, with_entropy=True,
+                                        options=ForwardOptions(linear_head=True))
         fake = _fake_trl(loss_type, logp, ent, grad_accum=3, eps_high=0.2)
         fake.max_completion_length = 6
         micro = trl_compute_loss(fake, adv[rows], batch.loss_mask[rows, :T], None, None, n_items)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from grpokit.algorithms.advantages import ESTIMATORS, group_advantages
-from grpokit.algorithms.objectives import LossSpec, high_entropy_mask, policy_loss
+from grpokit.algorithms.objectives import Accumulation, LossSpec, high_entropy_mask, policy_loss
 
 F64 = torch.float64
 
@@ -260,7 +260,7 @@ def _both(loss_type, level, beta, on_policy, *, seed=0, bias_kl=False, quantile=
                                        loss_type=loss_type, importance_sampling_level=level,
                                        max_completion_length=MAX_LEN, kl_bias_correction=bias_kl,
                                        entropy_coef=entropy_coef, top_entropy_quantile=quantile),
-                              ref_logp=ref if beta else None, num_items_in_batch=num_items, entropy=ent)
+                              ref_logp=ref if beta else None, accumulation=Accumulation(num_items), entropy=ent)
     loss.backward()
     if not compare:
         return loss, trl_loss

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
 
 from grpokit.algorithms import fused_logprobs
 from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConfig, RolloutConfig, TrainConfig
-from grpokit.models.forward import completion_logprobs, embedding_rows_into_grad
+from grpokit.models.forward import ForwardOptions, completion_logprobs, embedding_rows_into_grad
 from grpokit.models.loading import load_model, load_tokenizer
 from grpokit.rollout.decode import sample_groups
+from grpokit.rollout.request import RolloutRequest, SamplingParams
+from grpokit.training import update
 from grpokit.training.generate import GenerationBatch
 from grpokit.training.setup import Policy
 from grpokit.training.update import _micro_step, loss_spec, optimize, score_old_and_ref
@@ -35,10 +38,9 @@ def tiny(tiny_model_dir):
 def _rollout(tiny, max_new_tokens=6, ignore_eos=False, seed=0):
     model, tok = tiny
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("12+7=", "3+45=", "100+1=")]
-    eos = tok.eos_token_id
-    return sample_groups(model, prompts, group_size=G, max_new_tokens=max_new_tokens, eos_token_ids=eos,
-                         pad_token_id=tok.pad_token_id, temperature=1.0, ignore_eos=ignore_eos,
-                         generator=torch.Generator().manual_seed(seed))
+    sampling = SamplingParams(max_new_tokens, (tok.eos_token_id,), tok.pad_token_id, temperature=1.0,
+                              ignore_eos=ignore_eos)
+    return sample_groups(model, RolloutRequest(prompts, G, sampling, torch.Generator().manual_seed(seed)))
 
 
 def _config(tiny_model_dir, *, fused=True, skip=True, **algo) -> Config:
@@ -136,22 +138,32 @@ def test_fused_logprobs_of_the_whole_model_match_the_plain_head(tiny):
     r = _rollout(tiny)
     args = (model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
     with torch.no_grad():
-        fused, ent_f = completion_logprobs(*args, temperature=0.7, chunk_size=5, with_entropy=True)
-        plain, ent_p = completion_logprobs(*args, temperature=0.7, chunk_size=5, with_entropy=True, fused=False)
+        fused, ent_f = completion_logprobs(*args, temperature=0.7, with_entropy=True,
+                                           options=ForwardOptions(chunk_size=5))
+        plain, ent_p = completion_logprobs(*args, temperature=0.7, with_entropy=True,
+                                           options=ForwardOptions(chunk_size=5, fused=False))
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(ent_f, ent_p, atol=1e-5, rtol=1e-5)
 
 
 def _one_step(tiny_model_dir, rollout, **algo):
-    """Weights after one GRPO step (μ = 2) from fresh weights, and the step's metrics."""
+    """Weights after one GRPO step (μ = 2) from fresh weights, the step's metrics, and the batch with the old
+    log-probs the second pass's micro-steps scored against (the recomputed ones, or the first pass's)."""
     model = load_model(tiny_model_dir, device="cpu").eval()
     config = _config(tiny_model_dir, num_iterations=2, **algo)
     batch = _batch(rollout, zero_groups=False)
     policy = _policy(model)
     batch = score_old_and_ref(config, policy, batch)
-    metrics, old = optimize(config, policy, batch)  # old: the recomputed ones, or the first pass's
+    scored_against = []
+
+    def micro_step(config, spec, policy, batch, old_logp, *rest):
+        scored_against.append(old_logp)
+        return _micro_step(config, spec, policy, batch, old_logp, *rest)
+
+    with mock.patch.object(update, "_micro_step", micro_step):
+        metrics = optimize(config, policy, batch)
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return weights, metrics, dataclasses.replace(batch, old_logp=old)
+    return weights, metrics, dataclasses.replace(batch, old_logp=scored_against[-1])
 
 
 def test_old_logprobs_from_the_first_pass_equal_the_recomputed_ones(tiny, tiny_model_dir):
@@ -200,8 +212,8 @@ def test_shared_prompt_forward_matches_one_forward_per_row(tiny, tiny_model_dir,
         try:
             with torch.set_grad_enabled(with_grad):
                 logp, ent = completion_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids,
-                                                r.completion_mask, temperature=0.9, chunk_size=7, with_entropy=True,
-                                                share_prompts=share)
+                                                r.completion_mask, temperature=0.9, with_entropy=True,
+                                                options=ForwardOptions(chunk_size=7, share_prompts=share))
                 if with_grad:
                     (logp * w * r.completion_mask).sum().backward()
         finally:

@@ -9,7 +9,7 @@ import torch
 
 from grpokit.algorithms.advantages import group_advantages
 from grpokit.algorithms.logprobs import token_logprobs, token_logprobs_from_hidden
-from grpokit.algorithms.objectives import LossSpec, importance_log_ratio, policy_loss, sequence_ratio
+from grpokit.algorithms.objectives import Accumulation, LossSpec, importance_log_ratio, policy_loss, sequence_ratio
 
 LN2 = math.log(2.0)
 F64 = torch.float64
@@ -104,7 +104,8 @@ def _batch(padding_garbage: bool = True):
 def test_hand_derived_loss_and_gradient(loss_type, kwargs, normaliser, expected):
     logp, old, adv, mask = _batch()
     spec = LossSpec(loss_type=loss_type, max_completion_length=kwargs.get("max_completion_length"))
-    loss, _ = policy_loss(logp, old, adv, mask, spec, num_items_in_batch=kwargs.get("num_items_in_batch"))
+    loss, _ = policy_loss(logp, old, adv, mask, spec,
+                          accumulation=Accumulation(num_items_in_batch=kwargs.get("num_items_in_batch")))
     assert abs(loss.item() - expected) < 1e-12
     loss.backward()
     sum_grad = torch.tensor(SUM_GRAD, dtype=F64)
@@ -323,6 +324,16 @@ def test_error_beta_without_ref_and_dr_grpo_without_length():
         policy_loss(logp, old, adv, mask, LossSpec(loss_type="dr_grpo"))
 
 
+def test_the_earlier_accumulation_keywords_still_work_with_a_deprecation_warning():
+    logp, old, adv, mask = _batch()
+    now, _ = policy_loss(logp, old, adv, mask, accumulation=Accumulation(num_items_in_batch=36, entropy_parts=2))
+    with pytest.warns(DeprecationWarning, match=r"accumulation=Accumulation\(num_items_in_batch=..., entropy_parts"):
+        before, _ = policy_loss(logp, old, adv, mask, num_items_in_batch=36, entropy_parts=2)
+    assert before.item() == now.item()
+    with pytest.raises(TypeError, match=r"pass accumulation=Accumulation\(entropy_parts=...\) alone"):
+        policy_loss(logp, old, adv, mask, accumulation=Accumulation(), entropy_parts=2)
+
+
 # ---------------------------------------------------------------- chunked log-probabilities
 
 V = 32000
@@ -457,7 +468,8 @@ def test_logprob_argument_errors():
 
 @pytest.mark.parametrize("module", ["advantages", "objectives", "logprobs", "fused_logprobs"])
 def test_pure_modules_import_only_torch_and_stdlib(module):
-    # The pure math (grpokit/algorithms) imports only torch and itself (never transformers or trl).
+    # The pure math (grpokit/algorithms) imports only torch and itself (never transformers or trl), and of the
+    # config only its torch-free lists of the variants' names (config/variants.py).
     import ast
     import importlib
     import sys
@@ -469,8 +481,9 @@ def test_pure_modules_import_only_torch_and_stdlib(module):
         if isinstance(node, ast.Import):
             roots.update(alias.name.split(".")[0] for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            roots.add(node.module if node.module.startswith("grpokit.algorithms.") else node.module.split(".")[0])
+            roots.add(node.module if node.module.startswith("grpokit.") else node.module.split(".")[0])
     allowed = {"torch", "__future__"} | set(sys.stdlib_module_names)
+    allowed.add("grpokit.config.variants")
     assert all(r in allowed or r.startswith("grpokit.algorithms.") for r in roots), roots
 
 

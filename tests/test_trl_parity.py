@@ -32,7 +32,7 @@ grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
 trl_utils = pytest.importorskip("trl.trainer.utils")
 
 from grpokit.algorithms.advantages import group_advantages  # noqa: E402
-from grpokit.algorithms.objectives import LossSpec, policy_loss  # noqa: E402
+from grpokit.algorithms.objectives import Accumulation, LossSpec, policy_loss  # noqa: E402
 
 F64 = torch.float64
 EPS, EPS_HIGH, MAX_LEN = 0.2, 0.28, 7
@@ -111,7 +111,7 @@ def test_loss_gradient_and_stats_match_trl(loss_type, level, beta, on_policy):
     loss, stats = policy_loss(logp, old, adv, mask,
                               LossSpec(beta=beta, epsilon=EPS, epsilon_high=fake.epsilon_high, loss_type=loss_type,
                                        importance_sampling_level=level, max_completion_length=MAX_LEN),
-                              ref_logp=ref if beta else None, num_items_in_batch=num_items)
+                              ref_logp=ref if beta else None, accumulation=Accumulation(num_items))
     loss.backward()
 
     assert abs(loss.item() - trl_loss.item()) < 1e-6 * max(1.0, abs(trl_loss.item()))
@@ -148,7 +148,8 @@ def test_dapo_scale_matches_trl_under_gradient_accumulation(grad_accum):
         "advantages": adv, "num_items_in_batch": torch.tensor(88), "old_per_token_logps": old,
     }
     trl_loss = grpo_trainer.GRPOTrainer._compute_loss(fake, None, inputs)
-    loss, _ = policy_loss(logp0, old, adv, mask, LossSpec(epsilon=EPS, epsilon_high=EPS_HIGH), num_items_in_batch=88)
+    loss, _ = policy_loss(logp0, old, adv, mask, LossSpec(epsilon=EPS, epsilon_high=EPS_HIGH),
+                          accumulation=Accumulation(num_items_in_batch=88))
     assert abs(loss.item() - trl_loss.item()) < 1e-9
 
 

@@ -21,7 +21,7 @@ pytest.importorskip("trl")
 grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer")
 
 from grpokit.algorithms.mismatch import importance_correction  # noqa: E402
-from grpokit.algorithms.objectives import LossSpec, adapt_entropy_coef, policy_loss  # noqa: E402
+from grpokit.algorithms.objectives import Accumulation, LossSpec, adapt_entropy_coef, policy_loss  # noqa: E402
 
 F64 = torch.float64
 EPS, EPS_HIGH, MAX_LEN = 0.2, 0.28, 7
@@ -97,7 +97,7 @@ def _compare(loss_type, level, beta, on_policy, *, seed=0, delta=None, threshold
                               LossSpec(beta=beta, epsilon=EPS, epsilon_high=fake.epsilon_high, loss_type=loss_type,
                                        importance_sampling_level=level, max_completion_length=MAX_LEN, delta=delta,
                                        off_policy_mask_threshold=threshold),
-                              ref_logp=ref if beta else None, num_items_in_batch=num_items,
+                              ref_logp=ref if beta else None, accumulation=Accumulation(num_items),
                               sampling_logp=sampling if threshold is not None else None, token_weights=weights, **ours)
     loss.backward()
     assert abs(loss.item() - trl.item()) < 1e-6 * max(1.0, abs(trl.item())), (loss.item(), trl.item())
@@ -154,7 +154,7 @@ def test_off_policy_mask_falls_back_to_the_old_logprobs_as_trl():
     trl = _trl_loss(fake, adv, mask, old, None, torch.tensor(40))
     loss, stats = policy_loss(logp0, old, adv, mask,
                               LossSpec(epsilon=EPS, epsilon_high=EPS_HIGH, off_policy_mask_threshold=0.1),
-                              num_items_in_batch=40)
+                              accumulation=Accumulation(num_items_in_batch=40))
     assert abs(loss.item() - trl.item()) < 1e-9 and stats["off_policy/masked_share"].item() > 0
 
 

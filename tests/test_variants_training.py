@@ -77,9 +77,9 @@ class HotSampler(HFEngine):
     """The built-in engine sampling at temperature 3 while the trainer scores at the config's 1: the
     sampler's log-probs are really not the trainer's, as with vLLM, on a CPU."""
 
-    def generate(self, prompt_ids, *, group_size, sampling, generator=None):
-        hot = dataclasses.replace(sampling, temperature=3.0)
-        return super().generate(prompt_ids, group_size=group_size, sampling=hot, generator=generator)
+    def generate(self, request):
+        hot = dataclasses.replace(request.sampling, temperature=3.0)
+        return super().generate(dataclasses.replace(request, sampling=hot))
 
 
 def hot_engine(config, model, tokenizer):

@@ -75,17 +75,33 @@ Deviations from the papers (all but the CISPO one shared with TRL 1.16):
   zeroed there before ``exp``, and the per-token loss is selected by the mask
   (``where``), so a sentinel or -inf at padding cannot produce NaN.
 
-Pure torch; no function modifies its inputs.
+Pure torch; no function modifies its inputs. The names it implements (loss types, with the per-token term
+and aggregation of each, importance-sampling levels, entropy aggregations) are the config's own, torch-free
+lists (config/variants.py): each one is checked here on import to have exactly one implementation.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from grpokit.config.variants import ENTROPY_AGGREGATIONS, LOSS_KINDS
+from grpokit.config.variants import IMPORTANCE_SAMPLING_LEVELS as LEVEL_NAMES
+
+
+def _one_each(names, impls: dict[str, Callable], what: str) -> dict[str, Callable]:
+    """`impls` keyed by exactly `names` (config/variants.py's, which the config accepts), in their order."""
+    if set(impls) != set(names):
+        raise ImportError(f"algorithms/objectives.py implements the {what} {sorted(impls)}, but config/variants.py "
+                          f"names {sorted(set(names))}: implement each name it lists, and only those")
+    return {name: impls[name] for name in dict.fromkeys(names)}
 
 
 def _token_log_ratio(log_ratio: Tensor, maskf: Tensor) -> Tensor:
@@ -97,10 +113,9 @@ def _sequence_log_ratio(log_ratio: Tensor, maskf: Tensor) -> Tensor:
     return (log_ratio * maskf).sum(-1, keepdim=True) / maskf.sum(-1, keepdim=True).clamp(min=1.0)  # [N, 1]
 
 
-IMPORTANCE_SAMPLING_LEVELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
-    "token": _token_log_ratio,
-    "sequence": _sequence_log_ratio,
-}
+IMPORTANCE_SAMPLING_LEVELS: dict[str, Callable[[Tensor, Tensor], Tensor]] = _one_each(
+    LEVEL_NAMES, {"token": _token_log_ratio, "sequence": _sequence_log_ratio},
+    "importance-sampling levels")
 
 
 def importance_log_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, *, level: str = "token") -> Tensor:
@@ -193,19 +208,17 @@ def _agg_luspo(loss: Tensor, maskf: Tensor, max_len: int | None, n_items) -> Ten
     return loss.sum(-1).mean()  # each answer's sum over its tokens, mean over answers
 
 
-# loss_type -> (per-token surrogate, aggregation of the masked per-token loss [N, T] to a scalar)
+# each loss type's two parts (config/variants.py LOSS_KINDS): the per-token term, and the aggregation of the
+# masked per-token loss [N, T] to a scalar
+SURROGATES = _one_each([kind.surrogate for kind in LOSS_KINDS.values()], {
+    "clip": _clipped_surrogate, "cispo": _cispo_surrogate, "sapo": _sapo_surrogate, "vespo": _vespo_surrogate,
+}, "per-token terms")
+AGGREGATIONS = _one_each([kind.aggregation for kind in LOSS_KINDS.values()], {
+    "grpo": _agg_grpo, "bnpo": _agg_bnpo, "dr_grpo": _agg_dr_grpo, "dapo": _agg_dapo, "luspo": _agg_luspo,
+}, "aggregations")
+# loss_type -> (per-token surrogate, aggregation)
 LOSS_TYPES: dict[str, tuple[Callable, Callable]] = {
-    "grpo": (_clipped_surrogate, _agg_grpo),
-    "bnpo": (_clipped_surrogate, _agg_bnpo),
-    "dr_grpo": (_clipped_surrogate, _agg_dr_grpo),
-    "dapo": (_clipped_surrogate, _agg_dapo),
-    "cispo": (_cispo_surrogate, _agg_dapo),
-    "sapo": (_sapo_surrogate, _agg_grpo),
-    "luspo": (_clipped_surrogate, _agg_luspo),
-    "vespo": (_vespo_surrogate, _agg_dapo),
-}
-CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the losses with a clip range (and its statistics)
-# (config/variants.py CLIPPED_LOSSES names the same; a test keeps them equal)
+    name: (SURROGATES[kind.surrogate], AGGREGATIONS[kind.aggregation]) for name, kind in LOSS_KINDS.items()}
 
 
 @torch.no_grad()
@@ -263,9 +276,6 @@ def mean_token_entropy(entropy: Tensor, acting: Tensor) -> Tensor:
     return torch.where(acting != 0, entropy, 0.0).sum() / acting.sum().clamp(min=1.0)
 
 
-ENTROPY_AGGREGATIONS = ("loss", "token_mean")  # config/algorithm.py names the same; a test keeps them equal
-
-
 def _check_entropy_args(logp, entropy, entropy_coef, top_entropy_quantile, aggregation, parts) -> None:
     if entropy_coef < 0:
         raise ValueError(f"entropy_coef must be >= 0, got {entropy_coef!r}")
@@ -307,7 +317,7 @@ def _clip_stats(ratio: Tensor, adv: Tensor, maskf: Tensor, spec: LossSpec) -> di
     ratio = ratio.detach().expand_as(maskf)  # [N, T] (GSPO's [N, 1] broadcast)
     if spec.loss_type == "cispo":  # the share of tokens whose weight the cap lowered (TRL's cispo_clip_ratio)
         return {"clip_ratio/high_mean": _masked_mean(((ratio > spec.eps_high) & (adv > 0)).to(maskf.dtype), maskf)}
-    if spec.loss_type not in CLIPPED:
+    if not LOSS_KINDS[spec.loss_type].clipped:
         return {}
     low = (ratio < 1.0 - spec.epsilon) & (adv < 0)  # [N, T]
     high = (ratio > 1.0 + spec.eps_high) & (adv > 0)  # [N, T]
@@ -318,6 +328,37 @@ def _clip_stats(ratio: Tensor, adv: Tensor, maskf: Tensor, spec: LossSpec) -> di
     }
 
 
+@dataclass(frozen=True)
+class Accumulation:
+    """Where one `policy_loss` call stands in its optimizer step (gradient accumulation): the two normalisers
+    that span the step's calls instead of one call. The defaults: the call is the whole step."""
+
+    num_items_in_batch: int | Tensor | None = None  # dapo's token count of the whole minibatch (None: this call's)
+    entropy_parts: int = 1  # the calls one optimizer step adds up unscaled: the token_mean entropy bonus's divisor
+
+
+def _accepts_old_keywords(fn):
+    """`policy_loss(..., num_items_in_batch=..., entropy_parts=...)`, the spelling before `accumulation`, still
+    works, with a DeprecationWarning naming the new one."""
+    old_names = tuple(f.name for f in dataclasses.fields(Accumulation))
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        old = {name: kwargs.pop(name) for name in old_names if name in kwargs}
+        if old:
+            new = f"accumulation=Accumulation({', '.join(f'{name}=...' for name in old)})"
+            if "accumulation" in kwargs:
+                raise TypeError(f"policy_loss() got accumulation= and {', '.join(old)}=: pass {new} alone")
+            warnings.warn(f"policy_loss({', '.join(f'{name}=...' for name in old)}) is now policy_loss({new}) "
+                          f"(Accumulation from grpokit.algorithms); the old keywords will be removed",
+                          DeprecationWarning, stacklevel=2)
+            kwargs["accumulation"] = Accumulation(**old)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+@_accepts_old_keywords
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor | None,
@@ -329,8 +370,7 @@ def policy_loss(
     entropy: Tensor | None = None,
     token_weights: Tensor | None = None,
     sampling_logp: Tensor | None = None,
-    num_items_in_batch: int | Tensor | None = None,
-    entropy_parts: int = 1,
+    accumulation: Accumulation = Accumulation(),
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Scalar policy loss and detached stats: the module docstring's math, with the options `spec` fixes.
 
@@ -343,9 +383,12 @@ def policy_loss(
     (no gradient) multiply each token's policy term: the correction for a sampler other than the trainer
     (``algorithms/mismatch.py``); vespo folds them into its sequence weight instead, as TRL.
     ``sampling_logp``: the sampler's log-probs for the off-policy mask (default: ``old_logp``).
-    ``num_items_in_batch``: dapo's token count of the whole minibatch (default: this call's);
-    ``entropy_parts``: the calls one optimizer step adds up unscaled (the token_mean entropy bonus's divisor).
+    ``accumulation``: the call's place in its optimizer step (`Accumulation`): dapo's token count of the whole
+    minibatch (``num_items_in_batch``, default: this call's) and the calls the step adds up unscaled
+    (``entropy_parts``, the token_mean entropy bonus's divisor). The earlier keywords ``num_items_in_batch=`` and
+    ``entropy_parts=`` still work, with a DeprecationWarning.
     """
+    num_items_in_batch, entropy_parts = accumulation.num_items_in_batch, accumulation.entropy_parts
     _check_policy_args(logp, old_logp, advantages, mask, ref_logp, spec.beta, spec.loss_type)
     _check_entropy_args(logp, entropy, spec.entropy_coef, spec.top_entropy_quantile, spec.entropy_aggregation,
                         entropy_parts)
@@ -359,7 +402,7 @@ def policy_loss(
     ratio = importance_log_ratio(logp, old_logp, mask, level=spec.importance_sampling_level).exp()  # [N, T] | [N, 1]
     per_token = surrogate(ratio, adv, logp, spec).expand_as(logp)  # [N, T]
     stats = _clip_stats(ratio, adv, maskf, spec)
-    if spec.loss_type == "vespo":  # the smooth sequence gate, with the sampler correction folded in
+    if LOSS_KINDS[spec.loss_type].sequence_weight:  # VESPO's smooth sequence gate, the sampler correction folded in
         phi = vespo_weights(adv, torch.where(valid, logp - old_logp, 0.0), maskf, token_weights, k_pos=spec.vespo_k_pos,
                             lambda_pos=spec.vespo_lambda_pos, k_neg=spec.vespo_k_neg, lambda_neg=spec.vespo_lambda_neg)
         per_token = per_token * phi

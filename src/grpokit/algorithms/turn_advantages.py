@@ -42,12 +42,16 @@ Pure torch; never modifies its inputs.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import warnings
+
 import torch
 from torch import Tensor
 
 from grpokit.algorithms.advantages import group_advantages
 
-__all__ = ["TURN_ADVANTAGES", "discounted_returns", "gigpo_advantages", "mt_grpo_advantages",
+__all__ = ["TURN_ADVANTAGES", "GroupNormalization", "discounted_returns", "gigpo_advantages", "mt_grpo_advantages",
            "normalize_within", "token_advantages"]
 
 
@@ -97,11 +101,48 @@ def _check(outcome: Tensor, turn_rewards: Tensor, turns: Tensor, group_size: int
         raise ValueError(f"turns must be in [1, K = {turn_rewards.shape[1]}], got {turns.tolist()}")
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupNormalization:
+    """How a group's values become advantages: a run's `algorithm.scale_rewards`, `algorithm.std` and
+    `algorithm.advantage_estimator`, as `group_advantages` takes them, and the `eps` added to a std. GiGPO's
+    episode advantage uses all four; its step groups are centred on their mean and divided by their std (+ eps)
+    unless `scale_rewards` is "none" (the estimator's baselines are for answers, not turns)."""
+
+    scale_rewards: str = "group"
+    std: str = "population"
+    estimator: str = "grpo"
+    eps: float = 1e-4
+
+
+def _normalization_as_keywords(advantages_fn):
+    """`gigpo_advantages(..., scale_rewards=..., std=...)`, the spelling before `GroupNormalization`, still works:
+    the keywords are folded into `normalization`, with a DeprecationWarning naming the new spelling."""
+    names = tuple(f.name for f in dataclasses.fields(GroupNormalization))
+
+    @functools.wraps(advantages_fn)
+    def call(*args, **kwargs):
+        old = {name: kwargs.pop(name) for name in names if name in kwargs}
+        if old:
+            spelled = ", ".join(f"{k}={v!r}" for k, v in old.items())
+            warnings.warn(f"{advantages_fn.__name__}: the keywords {', '.join(old)} moved into `normalization`; pass "
+                          f"normalization=GroupNormalization({spelled}) "
+                          f"(from grpokit.algorithms.turn_advantages import GroupNormalization)",
+                          DeprecationWarning, stacklevel=2)
+            kwargs["normalization"] = dataclasses.replace(kwargs.get("normalization") or GroupNormalization(), **old)
+        return advantages_fn(*args, **kwargs)
+
+    return call
+
+
+@_normalization_as_keywords
 def gigpo_advantages(outcome: Tensor, turn_rewards: Tensor, states: Tensor, turns: Tensor, group_size: int, *,
-                     gamma: float = 0.95, omega: float = 1.0, scale_rewards: str = "group", std: str = "population",
-                     estimator: str = "grpo", eps: float = 1e-4) -> Tensor:
+                     gamma: float = 0.95, omega: float = 1.0, normalization: GroupNormalization | None = None
+                     ) -> Tensor:
     """GiGPO's advantage per turn [N, K] (module docstring). outcome [N] (NaN = unscored), turn_rewards
-    [N, K] (NaN = none), states [N, K] integer ids (-1 = none: that turn joins no step group), turns [N]."""
+    [N, K] (NaN = none), states [N, K] integer ids (-1 = none: that turn joins no step group), turns [N].
+    `normalization` (`GroupNormalization`, its defaults when None): the run's group-relative settings."""
+    norm = normalization or GroupNormalization()
+    scale_rewards, std, estimator, eps = norm.scale_rewards, norm.std, norm.estimator, norm.eps
     _check(outcome, turn_rewards, turns, group_size)
     if tuple(states.shape) != tuple(turn_rewards.shape):
         raise ValueError(f"states must be [N, K] = {tuple(turn_rewards.shape)}, got {tuple(states.shape)}")

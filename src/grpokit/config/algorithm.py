@@ -15,20 +15,16 @@ from grpokit.config.checks import check, check_fields, did_you_mean, one_of
 from grpokit.config.variants import (
     ADVANTAGE_ESTIMATORS,
     CLIPPED_LOSSES,
-    GLOBAL_TOKEN_LOSSES,
+    ENTROPY_AGGREGATIONS,
     IMPORTANCE_SAMPLING_LEVELS,
     IS_CORRECTIONS,
+    LOSS_KINDS,
     LOSS_TYPES,
     OLD_LOGPROBS,
     PRESET_NAMES,
     SCALE_REWARDS,
-    SEQUENCE_LOSSES,
     STD_KINDS,
-    TOKEN_SUM_LOSSES,
 )
-
-# algorithm.entropy_aggregation (algorithms/objectives.py ENTROPY_AGGREGATIONS; a test keeps them equal)
-ENTROPY_AGGREGATIONS = ("loss", "token_mean")
 
 
 @dataclass(frozen=True)
@@ -139,7 +135,7 @@ class AlgorithmConfig:
         check(0 <= self.turn_discount <= 1, "algorithm.turn_discount", "must be in [0, 1] (0.95 is GiGPO's)")
 
     def _check_objective(self) -> None:
-        check(self.delta == 0 or self.loss_type in CLIPPED_LOSSES, "algorithm.delta",
+        check(self.delta == 0 or LOSS_KINDS[self.loss_type].clipped, "algorithm.delta",
                f"two-sided clipping applies to the clipped losses ({', '.join(CLIPPED_LOSSES)}), not "
                f"loss_type = {self.loss_type!r}; set it to 0")
         check(self.delta == 0 or self.delta > 1 + self.clip_high, "algorithm.delta",
@@ -208,7 +204,7 @@ class AlgorithmConfig:
     def sums_over_global_tokens(self) -> bool:
         """The loss divides by the token count of the whole minibatch over all processes (dapo, cispo, vespo):
         micro-batch losses and the processes' gradients add up, with no 1/n or 1/W scaling."""
-        return self.loss_type in GLOBAL_TOKEN_LOSSES
+        return LOSS_KINDS[self.loss_type].sums_over_global_tokens
 
     @property
     def uses_entropy(self) -> bool:
@@ -219,7 +215,7 @@ class AlgorithmConfig:
     def per_token_loss(self) -> bool:
         """The loss is a sum of terms each depending on one token's log-prob (the fused head's one-pass
         backward needs it): no sequence ratio, no sequence weight, no sequence mask."""
-        return (self.importance_sampling_level == "token" and self.loss_type not in SEQUENCE_LOSSES
+        return (self.importance_sampling_level == "token" and not LOSS_KINDS[self.loss_type].sequence_weight
                 and not self.off_policy_mask_threshold)
 
     @property
@@ -232,7 +228,7 @@ class AlgorithmConfig:
                                      f"{self.cispo_cap:g} on the importance weight. epsilon_high is now the cap "
                                      f"itself (TRL's meaning; ScaleRL recommends 5.0): write epsilon_high = "
                                      f"{self.cispo_cap:g} to keep this cap; the old spelling will be removed."))
-        if self.importance_sampling_level == "sequence" and self.loss_type in TOKEN_SUM_LOSSES:
+        if self.importance_sampling_level == "sequence" and LOSS_KINDS[self.loss_type].sums_token_terms:
             out.append(("sequence_ratio", f"algorithm.importance_sampling_level = 'sequence' with loss_type = "
                                           f"{self.loss_type!r}: that loss sums per-token terms, so each answer is "
                                           f"weighted by its length instead of optimizing the per-answer objective; "

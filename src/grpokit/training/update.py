@@ -2,7 +2,7 @@
 
     batch = score_old_and_ref(config, policy, batch)      # old_logp only when needed, ref_logp when β > 0
     batch, stats = with_is_weights(config, policy, batch)   # only with algorithm.is_correction
-    metrics, old_logp = optimize(config, policy, batch)    # μ × minibatches × micro-batches
+    metrics = optimize(config, policy, batch)              # μ × minibatches × micro-batches
 
 Each function returns what it computed (a new `GenerationBatch`, metrics) instead of filling in the
 batch; only `optimize` changes state, the policy's weights and optimizer.
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from grpokit.algorithms.mismatch import importance_correction
-from grpokit.algorithms.objectives import LossSpec, adapt_entropy_coef, high_entropy_mask, policy_loss
+from grpokit.algorithms.objectives import Accumulation, LossSpec, adapt_entropy_coef, high_entropy_mask, policy_loss
 from grpokit.config.schema import Config
 from grpokit.models.forward import completion_logprobs
 from grpokit.models.parallel import global_sum, reduce_gradients, world_size
@@ -79,25 +79,27 @@ def with_is_weights(config: Config, policy: Policy, batch: GenerationBatch) -> t
 
 def loss_spec(config: Config) -> LossSpec:
     """The loss's options as `config.algorithm` sets them, built once per update (the entropy
-    coefficient is the configured one; the adaptive controller's steps replace it)."""
+    coefficient is the configured one; the adaptive controller's steps replace it).
+
+    Each field of `LossSpec` is the `[algorithm]` field of its name, with the config's 0 for "off" read as None
+    where that is LossSpec's default (delta, off_policy_mask_threshold), except two: dr_grpo's normaliser is
+    `rollout.max_new_tokens`, and epsilon_high the config's resolved value (`clip_high`: epsilon when 0; with
+    cispo `cispo_cap`, the cap on the weight, an epsilon_high below 1 read the earlier way)."""
     algo = config.algorithm
-    return LossSpec(
-        loss_type=algo.loss_type, beta=algo.beta, epsilon=algo.epsilon,
-        epsilon_high=algo.cispo_cap if algo.loss_type == "cispo" else algo.clip_high,
-        importance_sampling_level=algo.importance_sampling_level, max_completion_length=config.rollout.max_new_tokens,
-        kl_bias_correction=algo.kl_bias_correction, entropy_coef=algo.entropy_coef,
-        entropy_aggregation=algo.entropy_aggregation, top_entropy_quantile=algo.top_entropy_quantile,
-        delta=algo.delta or None, sapo_temperature_pos=algo.sapo_temperature_pos,
-        sapo_temperature_neg=algo.sapo_temperature_neg, vespo_k_pos=algo.vespo_k_pos,
-        vespo_lambda_pos=algo.vespo_lambda_pos, vespo_k_neg=algo.vespo_k_neg, vespo_lambda_neg=algo.vespo_lambda_neg,
-        off_policy_mask_threshold=algo.off_policy_mask_threshold or None)
+    values = {"max_completion_length": config.rollout.max_new_tokens,
+              "epsilon_high": algo.cispo_cap if algo.loss_type == "cispo" else algo.clip_high}
+    for field in dataclasses.fields(LossSpec):
+        if field.name not in values:
+            value = getattr(algo, field.name)
+            values[field.name] = (value or None) if field.default is None else value
+    return LossSpec(**values)
 
 
-def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[dict, torch.Tensor | None]:
+def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> dict:
     """μ passes over the batch; each pass is split into minibatches (one optimizer step
-    each), each minibatch into micro-batches (gradient accumulation). Returns the metrics and the
-    old log-probs [N, T] the passes after the first used (with `old_logprobs = "first_pass"`, the
-    first pass's own; None when no update preceded another)."""
+    each), each minibatch into micro-batches (gradient accumulation). Returns the metrics. The passes
+    after the first score against the batch's old log-probs, or (`old_logprobs = "first_pass"`) the
+    first pass's own."""
     algo, model, spec = config.algorithm, policy.model, loss_spec(config)
     N = len(batch.advantages)
     sums: dict[str, float] = {}
@@ -155,7 +157,7 @@ def optimize(config: Config, policy: Policy, batch: GenerationBatch) -> tuple[di
     metrics["skipped_updates"] = skipped
     if algo.entropy_coef > 0 or algo.adaptive_entropy:  # with the bonus on, TRL logs it and policy_loss
         metrics["entropy_coef"] = policy.entropy_coef  # (adaptive) the next step's, as TRL logs it
-    return metrics, old
+    return metrics
 
 
 def micro_batches_of(config: Config, batch: GenerationBatch, rows: torch.Tensor,
@@ -322,11 +324,12 @@ def _micro_step(config: Config, spec: LossSpec, policy: Policy, batch: Generatio
     weights = None if batch.is_weight is None else batch.is_weight[rows, :T]  # [n, T] or [n, 1]
     # the off-policy mask measures the drift from the sampler: its own log-probs (vLLM: not the trainer's)
     sampled = r.logprobs[rows, :T] if algo.off_policy_mask_threshold else None
-    entropy_parts = n_micro * world_size() if algo.sums_over_global_tokens else 1  # token_mean: one mean per call
+    # dapo's minibatch token count; token_mean: one entropy mean per call, the global-token losses' calls add up
+    accumulation = Accumulation(n_items, n_micro * world_size() if algo.sums_over_global_tokens else 1)
 
     def loss_of(logp, entropy=None):  # [n, T] -> this micro-batch's share of the minibatch loss, stats
         loss, stats = policy_loss(logp, old, adv, mask, spec=spec, ref_logp=ref, entropy=entropy, token_weights=weights,
-                                  sampling_logp=sampled, num_items_in_batch=n_items, entropy_parts=entropy_parts)
+                                  sampling_logp=sampled, accumulation=accumulation)
         if spec.entropy_coef > 0 or config.algorithm.adaptive_entropy:  # TRL's policy_loss, also where the
             stats.setdefault("policy_loss", loss.detach())  # adaptive gate is shut
         # a global-token normaliser already spans the minibatch; the others average the micro-batches
