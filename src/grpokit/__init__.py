@@ -27,10 +27,11 @@ import warnings
 
 __version__ = "0.1.0"
 
-__all__ = ["LossSpec", "Accumulation", "group_advantages", "policy_loss", "token_logprobs", "token_logprobs_from_hidden", "train",
-           "load_config", "Config"]
+__all__ = ["LossSpec", "Accumulation", "group_advantages", "policy_loss", "token_logprobs",
+           "token_logprobs_from_hidden", "train", "load_config", "Config"]
 
-_PUBLIC = {"LossSpec": "grpokit.algorithms", "Accumulation": "grpokit.algorithms", "group_advantages": "grpokit.algorithms",
+_PUBLIC = {"LossSpec": "grpokit.algorithms", "Accumulation": "grpokit.algorithms",
+           "group_advantages": "grpokit.algorithms",
            "policy_loss": "grpokit.algorithms",
            "token_logprobs": "grpokit.algorithms", "token_logprobs_from_hidden": "grpokit.algorithms",
            "train": "grpokit.training.loop", "load_config": "grpokit.config", "Config": "grpokit.config"}
