@@ -101,8 +101,9 @@ def evaluate_warm_start(model_dir: Path, eval_prompts: int) -> dict:
     from grpokit.data.prompts import render_prompt
     from grpokit.models.loading import load_model_and_tokenizer
     from grpokit.rollout.environments import Environments
+    from grpokit.rollout.request import SamplingParams
     from grpokit.tasks import get_task
-    from grpokit.training.evaluation import evaluate
+    from grpokit.training.evaluation import EvalSettings, ToolUse, evaluate
 
     task = get_task("gridworld", **TASK)
     model, tokenizer = load_model_and_tokenizer(model_dir)
@@ -110,10 +111,11 @@ def evaluate_warm_start(model_dir: Path, eval_prompts: int) -> dict:
     rows = task.generate(eval_prompts, seed=0, split="eval")
     ids = [tokenizer(render_prompt(tokenizer, r["prompt"], tools=environments.toolbox.schemas),
                      add_special_tokens=False)["input_ids"] for r in rows]
+    sampling = SamplingParams(GRPO["max_new_tokens"], pad_token_id=tokenizer.pad_token_id,
+                              temperature=EVAL["temperature"])
     result = evaluate(model.eval(), tokenizer, rows, ids, environments.reward_specs(),
-                      samples_per_prompt=EVAL["samples_per_prompt"], temperature=EVAL["temperature"],
-                      max_new_tokens=GRPO["max_new_tokens"], seed=0, tools=environments.toolbox,
-                      max_tool_turns=GRPO["max_calls"], environments=environments)
+                      EvalSettings(sampling, samples_per_prompt=EVAL["samples_per_prompt"], seed=0),
+                      tool_use=ToolUse(environments.toolbox, GRPO["max_calls"], environments))
     return {k: float(v) for k, v in result.items()}
 
 
@@ -126,6 +128,7 @@ def walk_quality(model_dir: Path, eval_prompts: int, seed: int = 0) -> dict:
     from grpokit.data.prompts import render_prompt
     from grpokit.models.loading import load_model_and_tokenizer
     from grpokit.rollout.multiturn import sample_conversations
+    from grpokit.rollout.request import RolloutRequest, SamplingParams
     from grpokit.rollout.tools import ToolBox
     from grpokit.tasks import get_task
     from grpokit.tasks.gridworld import distance, walk
@@ -140,10 +143,10 @@ def walk_quality(model_dir: Path, eval_prompts: int, seed: int = 0) -> dict:
     boxes = [ToolBox([env.move]) for env in envs]
     ids = [tokenizer(render_prompt(tokenizer, r["prompt"], tools=boxes[0].schemas), add_special_tokens=False)
            ["input_ids"] for r in rows]
-    sample_conversations(model.eval(), ids, group_size=K, max_new_tokens=GRPO["max_new_tokens"],
-                         eos_token_ids=[tokenizer.eos_token_id], pad_token_id=tokenizer.pad_token_id,
-                         tokenizer=tokenizer, tools=boxes, max_tool_turns=GRPO["max_calls"],
-                         temperature=EVAL["temperature"], generator=torch.Generator().manual_seed(seed))
+    sampling = SamplingParams(GRPO["max_new_tokens"], (tokenizer.eos_token_id,), tokenizer.pad_token_id,
+                              EVAL["temperature"])
+    request = RolloutRequest(ids, K, sampling, torch.Generator().manual_seed(seed), tools=boxes)
+    sample_conversations(model.eval(), request, tokenizer=tokenizer, max_tool_turns=GRPO["max_calls"])
     wrong = moves = 0
     excess, success = [], []
     for env in envs:

@@ -58,6 +58,7 @@ from grpokit.observe.charts import svg_chart  # noqa: E402
 from grpokit.observe.tracking import read_metrics  # noqa: E402
 from grpokit.rollout.decode import sample_groups  # noqa: E402
 from grpokit.rollout.engines import HFEngine  # noqa: E402
+from grpokit.rollout.request import RolloutRequest, RolloutResult, SamplingParams  # noqa: E402
 from grpokit.sft import sft  # noqa: E402
 from grpokit.tasks import get_task  # noqa: E402
 from grpokit.training.loop import train  # noqa: E402
@@ -95,9 +96,9 @@ class MismatchedEngine(HFEngine):
         super().__init__(model, tokenizer)
         self.temperature = temperature
 
-    def generate(self, prompt_ids, *, group_size, sampling, generator=None):
-        sampling = dataclasses.replace(sampling, temperature=self.temperature)
-        return super().generate(prompt_ids, group_size=group_size, sampling=sampling, generator=generator)
+    def generate(self, request: RolloutRequest) -> RolloutResult:
+        sampling = dataclasses.replace(request.sampling, temperature=self.temperature)
+        return super().generate(dataclasses.replace(request, sampling=sampling))
 
 
 # ---- warm starts ------------------------------------------------------------------------
@@ -147,11 +148,10 @@ def score(model, tokenizer, task, rows, max_new_tokens: int, samples: int, seed:
     model.eval()
     ids = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     gen = torch.Generator().manual_seed(seed)
+    sampling = SamplingParams(max_new_tokens, (tokenizer.eos_token_id,), tokenizer.pad_token_id, temperature=1.0)
     correct, lengths, truncated = [], [], []
     for start in range(0, len(rows), 64):
-        ro = sample_groups(model, ids[start:start + 64], group_size=samples, max_new_tokens=max_new_tokens,
-                           eos_token_ids=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                           temperature=1.0, generator=gen)
+        ro = sample_groups(model, RolloutRequest(ids[start:start + 64], samples, sampling, gen))
         texts = tokenizer.batch_decode([r[m.bool()].tolist() for r, m in zip(ro.completion_ids, ro.completion_mask)],
                                        skip_special_tokens=True)
         chunk = rows[start:start + 64]

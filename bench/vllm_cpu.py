@@ -319,30 +319,34 @@ def trace_large_gaps(path: Path, seed: int, mode: str, limit: float = 3.0) -> No
 
 def install_gap_probe(every: int = 10, rows: int = 8) -> list[float]:
     """Sync modes log no sampler-trainer gap (is_correction is off): every `every`-th vLLM batch, the largest
-    |vLLM's log-prob - the trainer model's| over `rows` answers, with the model the engine was last synced with
-    (in sync mode the weights it sampled with). An observer only: nothing it computes reaches the update."""
+    |vLLM's log-prob - the trainer model's| over `rows` answers, with the model last published to the engine
+    (in sync mode the weights it sampled with). An observer only: nothing it computes reaches the update.
+
+    The weights reach vLLM through the run's publisher (rollout/vllm/weights.py): a colocated engine's
+    `InProcessReload`, a server's `ServerPush` (around the folder or NCCL transport), with LoRA `AdapterFolders`;
+    each `publish(model, step)` is wrapped to note the model."""
     from grpokit.rollout.vllm import VLLMEngine
-    from grpokit.rollout.vllm_server import VLLMServerEngine
+    from grpokit.rollout.vllm.weights import AdapterFolders, InProcessReload, ServerPush
 
     gaps: list[float] = []
     state = {"model": None, "calls": 0}
 
     def capture(original):
-        def sync_weights(self, model):
+        def publish(self, model, step):
             state["model"] = model
-            return original(self, model)
-        return sync_weights
+            return original(self, model, step)
+        return publish
 
-    VLLMEngine.sync_weights = capture(VLLMEngine.sync_weights)
-    VLLMServerEngine.sync_weights = capture(VLLMServerEngine.sync_weights)
+    for publisher in (InProcessReload, ServerPush, AdapterFolders):
+        publisher.publish = capture(publisher.publish)
     generate = VLLMEngine.generate
 
-    def probed(self, prompt_ids, **kwargs):
-        rollout = generate(self, prompt_ids, **kwargs)
+    def probed(self, request):
+        result = generate(self, request)
         state["calls"] += 1
-        if state["model"] is not None and state["calls"] % every == 1 and kwargs["sampling"].temperature == 1.0:
-            gaps.append(logprob_gap(state["model"], rollout, rows))
-        return rollout
+        if state["model"] is not None and state["calls"] % every == 1 and request.sampling.temperature == 1.0:
+            gaps.append(logprob_gap(state["model"], result.rollout, rows))
+        return result
 
     VLLMEngine.generate = probed
     return gaps
@@ -520,9 +524,10 @@ def speed_shape(name: str, P: int, G: int, T: int, reps: int, threads: int, part
     from grpokit.models.allocator import keep_freed_memory
     from grpokit.models.loading import load_model_and_tokenizer
     from grpokit.models.weight_sync import GlooPublisher, transferred
-    from grpokit.rollout.engine_protocol import SamplingParams
+    from grpokit.rollout.decode import DecodeSpeed
     from grpokit.rollout.engines import HFEngine
-    from grpokit.rollout.vllm_weights import named_weights_for_sync
+    from grpokit.rollout.request import RolloutRequest, SamplingParams
+    from grpokit.rollout.vllm.weights import named_weights_for_sync
 
     torch.set_num_threads(threads)
     keep_freed_memory()  # as the trainer does on CPU (training/setup.py)
@@ -544,8 +549,8 @@ def speed_shape(name: str, P: int, G: int, T: int, reps: int, threads: int, part
 
     def generate(engine, seed_base):
         def one(i):
-            r = engine.generate(prompts, group_size=G, sampling=sampling,
-                                generator=torch.Generator().manual_seed(seed_base + i))
+            r = engine.generate(RolloutRequest(prompts, G, sampling,
+                                               torch.Generator().manual_seed(seed_base + i))).rollout
             lengths = r.completion_lengths.tolist()
             assert len(lengths) == P * G and all(n == T for n in lengths), f"answer lengths {set(lengths)} != {T}"
             return r
@@ -583,8 +588,8 @@ def speed_shape(name: str, P: int, G: int, T: int, reps: int, threads: int, part
     # (a) the built-in sampler, as rollout.engine = "hf" builds it
     if "hf" in parts:
         r = RolloutConfig()
-        hf = HFEngine(model, tok, sampler=r.sampler, preallocate_kv_cache=r.preallocated_kv_cache,
-                      share_prefill=r.shared_prefill, packed_weights=r.packed_weights)
+        hf = HFEngine(model, tok, packed_weights=r.packed_weights,
+                      speed=DecodeSpeed(r.sampler, r.preallocated_kv_cache, r.shared_prefill))
         times, _ = timed(generate(hf, 100), reps)
         res["rollout"]["hf"] = rollout_row(times, {"torch_threads": torch.get_num_threads()})
         log(f"hf rollout {statistics.median(times):.3f} s")
@@ -602,7 +607,7 @@ def speed_shape(name: str, P: int, G: int, T: int, reps: int, threads: int, part
             for v in range(reps + 2):  # 0: the start's full transfer; 1: warm-up; then reps
                 perturb(v)
                 t0 = time.perf_counter()
-                publish.append(pub.publish(model, v, full=v == 0))
+                publish.append(pub.publish(model, v))  # the first publish moves every parameter
                 got = done.get(timeout=600)
                 if got[0] != v:
                     raise RuntimeError(f"gloo worker: {got}")
@@ -623,16 +628,25 @@ def speed_shape(name: str, P: int, G: int, T: int, reps: int, threads: int, part
 
     # a vLLM server on this machine (its own process group), its weights through a folder
     if "server" in parts:
-        from grpokit.rollout.vllm_server import VLLMServerEngine
+        from grpokit.config.options import VLLMOptions
+        from grpokit.rollout.vllm import VLLMEngine
+        from grpokit.rollout.vllm.server import ServerLLM
+        from grpokit.rollout.vllm.weights import RankZero, ServerPush, choose_server_transport
 
         server = Server(path, OUT / "vllm-server-speed.log", max_model_len=256, threads=threads)
         try:
             res["server_start_s"] = server.start_seconds
             res["server_idle_cores"] = group_cores(server.pids(), 5.0)  # an idle server's CPU use
             train_cost("beside an idle vLLM server")
-            engine = VLLMServerEngine(server.url, server_timeout_s=600, seed=0, tokenizer=tok)
-            transport = type(engine.full_weights).__name__
-            engine.sync_weights(model)  # the start's push, then grpokit's own probe (check_serves)
+            options = VLLMOptions(server=server.url, server_timeout_s=600)
+            engine = VLLMEngine(ServerLLM.connect(options), tokenizer=tok)
+            # the weights as a run's publisher moves them (vllm/weights.py vllm_publisher, full weights)
+            inner = choose_server_transport(engine.backend.client, options.weight_transfer, options.weight_folder,
+                                            options.sync_bucket_mb)
+            transport = type(inner).__name__
+            publisher = RankZero(ServerPush(inner, engine.backend, engine.served), engine.served, lora=False)
+            step = 0
+            publisher.publish(model, step)  # the start's push, then grpokit's own probe (check_serves)
             times, roll = timed(generate(engine, 200), reps)
             gap = logprob_gap(model, roll)
             res["rollout"]["server"] = rollout_row(times, {
@@ -642,8 +656,10 @@ def speed_shape(name: str, P: int, G: int, T: int, reps: int, threads: int, part
             log(f"server rollout {statistics.median(times):.3f} s (gap {gap:.2e})")
 
             def push(i):
+                nonlocal step
                 perturb(1000 + i)
-                engine.sync_weights(model)
+                step += 1
+                publisher.publish(model, step)
             times, _ = timed(push, reps)
             check = generate(engine, 300)(0)  # after the pushes: the server samples from the newest weights
             med = statistics.median(times)
@@ -656,14 +672,20 @@ def speed_shape(name: str, P: int, G: int, T: int, reps: int, threads: int, part
 
     # the colocated engine, last (vLLM stays in this process; it also replaces torch.set_num_threads)
     if "colocated" in parts:
+        from grpokit.config.options import VLLMOptions
         from grpokit.rollout.vllm import VLLMEngine
+        from grpokit.rollout.vllm.colocated import ColocatedLLM
+        from grpokit.rollout.vllm.weights import InProcessReload
 
         t0 = time.perf_counter()
-        engine = VLLMEngine(str(path), dtype="float32", seed=0, max_model_len=256, enforce_eager=True, kv_cache_gib=1)
+        engine = VLLMEngine(ColocatedLLM.start(str(path), VLLMOptions(max_model_len=256, enforce_eager=True,
+                                                                      kv_cache_gib=1), dtype="float32", seed=0))
         res["colocated_start_s"] = time.perf_counter() - t0
         res["colocated_idle_cores"] = group_cores([os.getpid()], 5.0)  # this process, vLLM in it, idle
         train_cost("with vLLM colocated in the process")
-        engine.sync_weights(model)  # the trainer's weights (perturbed above), as the trainer's first push
+        publisher = InProcessReload(engine.backend, engine.served)  # the colocated run's publisher (full weights)
+        version = 0
+        publisher.publish(model, version)  # the trainer's weights (perturbed above), as the trainer's first push
         times, roll = timed(generate(engine, 400), reps)
         gap = logprob_gap(model, roll)
         res["rollout"]["colocated"] = rollout_row(times, {"torch_threads": torch.get_num_threads(),
@@ -671,12 +693,14 @@ def speed_shape(name: str, P: int, G: int, T: int, reps: int, threads: int, part
         log(f"colocated rollout {statistics.median(times):.3f} s (gap {gap:.2e})")
 
         def reload(i):
+            nonlocal version
             perturb(2000 + i)
-            engine.sync_weights(model)
+            version += 1
+            publisher.publish(model, version)
         times, _ = timed(reload, reps)
         check = generate(engine, 500)(0)
         med = statistics.median(times)
-        res["weights"]["colocated_reload"] = {"transport": type(engine.weights).__name__, "seconds": times,
+        res["weights"]["colocated_reload"] = {"transport": type(publisher).__name__, "seconds": times,
                                               "median_s": med, "bytes": vllm_bytes, "GB_per_s": vllm_bytes / med / 1e9,
                                               "logprob_gap_max_after": logprob_gap(model, check)}
         log(f"colocated reload {med:.3f} s")

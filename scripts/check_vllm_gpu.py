@@ -272,7 +272,7 @@ def phase_packed(model_dir: Path, out: Path) -> list:
     import torch
 
     from grpokit.models import packing
-    from grpokit.models.forward import completion_logprobs
+    from grpokit.models.forward import ForwardOptions, completion_logprobs
     from grpokit.models.loading import load_model_and_tokenizer
 
     results: list = []
@@ -297,7 +297,7 @@ def phase_packed(model_dir: Path, out: Path) -> list:
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize() if DEVICE == "cuda" else None
         t0 = time.perf_counter()
-        logp, _ = completion_logprobs(model, *args, packed=packed)
+        logp, _ = completion_logprobs(model, *args, options=ForwardOptions(packed=packed))
         (logp.float() * weights).sum().backward()
         torch.cuda.synchronize() if DEVICE == "cuda" else None
         seconds = time.perf_counter() - t0

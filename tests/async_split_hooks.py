@@ -11,6 +11,7 @@ path in both processes.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import grpokit.rollout.engines as engines
@@ -39,10 +40,11 @@ def scripted_calls(text, **_):
     return [ToolCall("add", {"a": len(text), "b": 1})]
 
 
-def scripted_conversations(*args, tokenizer, eos_token_ids, **kwargs):
+def scripted_conversations(model, request, *, tokenizer, **kwargs):
     """The engine's multi-turn sampling with turns that end at a digit or "=" and always call `add`."""
-    digits = [tokenizer.convert_tokens_to_ids(d) for d in "0123456789="]
-    return sample_conversations(*args, tokenizer=tokenizer, eos_token_ids=digits, parse_calls=scripted_calls, **kwargs)
+    digits = tuple(tokenizer.convert_tokens_to_ids(d) for d in "0123456789=")
+    request = dataclasses.replace(request, sampling=dataclasses.replace(request.sampling, eos_token_ids=digits))
+    return sample_conversations(model, request, tokenizer=tokenizer, parse_calls=scripted_calls, **kwargs)
 
 
 if os.environ.get(SCRIPTED) == "1":  # a worker process (the test process patches with monkeypatch instead)

@@ -19,6 +19,7 @@ from grpokit.rollout.adapters import adapt_environment, openenv_environment, ver
 from grpokit.rollout.engines import HFEngine
 from grpokit.rollout.environments import Environments
 from grpokit.rollout.multiturn import sample_conversations
+from grpokit.rollout.request import RolloutResult, SamplingParams
 from grpokit.rollout.tools import ToolCall
 from grpokit.training.loop import train
 from grpokit.training.tool_setup import resolve_tools
@@ -170,15 +171,14 @@ def scripted(config, model, tokenizer):
     arguments = {"step": {"guess": 5}, "add": {"a": 1, "b": 2}}
 
     class Scripted(HFEngine):
-        def generate(self, prompt_ids, *, group_size, sampling, generator=None, **_):
+        def generate(self, request):
             digits = [self.tokenizer.convert_tokens_to_ids(d) for d in "0123456789="]
-            rollout, self.tool_stats = sample_conversations(
-                self.model, prompt_ids, group_size=group_size, max_new_tokens=sampling.max_new_tokens,
-                eos_token_ids=digits, pad_token_id=sampling.pad_token_id, tokenizer=self.tokenizer,
-                tools=self.tools, max_tool_turns=1, generator=generator,
+            s = SamplingParams(request.sampling.max_new_tokens, tuple(digits), request.sampling.pad_token_id)
+            rollout, stats = sample_conversations(
+                self.model, dataclasses.replace(request, sampling=s), tokenizer=self.tokenizer, max_tool_turns=1,
                 parse_calls=lambda text, tools, **_: [ToolCall(tools[0]["function"]["name"],
                                                                arguments[tools[0]["function"]["name"]])])
-            return rollout
+            return RolloutResult(rollout, tool_stats=stats)
 
     return Scripted(model, tokenizer)
 

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from conftest import make_config, parity
 from grpokit.models.tiny import build_char_tokenizer
 from grpokit.rollout.decode import sample_groups
+from grpokit.rollout.request import RolloutRequest, SamplingParams
 from test_rollout import recomputed_logprobs  # the independent recompute, shared with the rollout tests
 
 PROMPTS = ["1+2=", "What is 17 + 25?", "hi"]  # mixed lengths → left padding
@@ -72,10 +73,10 @@ def load(path: Path):
 def test_rollout_logprobs_equal_recomputed(arch_model_dir):
     model, tok = load(arch_model_dir)
     model.train()  # sampling must switch dropout off by itself
-    r = sample_groups(
-        model, [tok.encode(p) for p in PROMPTS], group_size=3, max_new_tokens=10,
-        eos_token_ids=list(range(3, 15)),  # frequent enough that rows finish and get dropped
-        pad_token_id=tok.pad_token_id, temperature=0.8, generator=torch.Generator().manual_seed(0))
+    r = sample_groups(model, RolloutRequest(
+        [tok.encode(p) for p in PROMPTS], 3, SamplingParams(
+            10, tuple(range(3, 15)),  # frequent enough that rows finish and get dropped
+            tok.pad_token_id, temperature=0.8), torch.Generator().manual_seed(0)))
     assert model.training
     model.eval()
     lengths = r.completion_lengths
@@ -86,11 +87,10 @@ def test_rollout_logprobs_equal_recomputed(arch_model_dir):
 def test_batched_greedy_equals_per_prompt(arch_model_dir):
     model, tok = load(arch_model_dir)
     prompts = [tok.encode(p) for p in PROMPTS]
-    kw = dict(group_size=1, max_new_tokens=8, eos_token_ids=None, pad_token_id=tok.pad_token_id,
-              temperature=0.0)
-    batched = sample_groups(model, prompts, **kw)
+    sampling = SamplingParams(8, pad_token_id=tok.pad_token_id, temperature=0.0)
+    batched = sample_groups(model, RolloutRequest(prompts, 1, sampling))
     for b, p in enumerate(prompts):
-        single = sample_groups(model, [p], **kw)
+        single = sample_groups(model, RolloutRequest([p], 1, sampling))
         assert batched.completion_ids[b].tolist() == single.completion_ids[0].tolist()
         torch.testing.assert_close(batched.logprobs[b], single.logprobs[0], atol=1e-4, rtol=0)
 

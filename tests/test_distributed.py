@@ -28,6 +28,7 @@ from grpokit.errors import ConfigError
 from grpokit.models.parallel import DistributedContext, ShardedStream, buckets
 from grpokit.rollout.batch import concat_rollouts
 from grpokit.rollout.engines import HFEngine
+from grpokit.rollout.request import RolloutResult
 
 SCENARIOS = {
     # dapo: the global token count normalises; micro-batches of 2 answers (gradient accumulation on each rank)
@@ -61,13 +62,13 @@ class PerPromptEngine(HFEngine):
 
     calls = 0
 
-    def generate(self, prompt_ids, *, group_size, sampling, generator=None):
+    def generate(self, request):
         self.calls += 1
         parts = []
-        for p in prompt_ids:
+        for p in request.prompt_ids:
             g = torch.Generator().manual_seed(zlib.crc32(bytes(str(p), "utf-8")) + 7919 * self.calls)
-            parts.append(super().generate([p], group_size=group_size, sampling=sampling, generator=g))
-        return concat_rollouts(parts, sampling.pad_token_id)
+            parts.append(super().generate(replace(request, prompt_ids=[p], generator=g)).rollout)
+        return RolloutResult(concat_rollouts(parts, request.sampling.pad_token_id))
 
 
 def per_prompt_engine(config, model, tokenizer):

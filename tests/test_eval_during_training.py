@@ -28,9 +28,10 @@ def test_eval_metrics_are_logged_when_due_and_equal_evaluate_on_the_checkpoint(t
     from grpokit.models.loading import load_model, load_tokenizer, max_positions_of
     from grpokit.models.parallel import DistributedContext
     from grpokit.observe.report import build_report
+    from grpokit.rollout.request import SamplingParams
     from grpokit.tasks import get_task
-    from grpokit.training.evaluation import evaluate
-    from grpokit.training.setup import prepare_held_out
+    from grpokit.training.evaluation import EvalSettings, evaluate
+    from grpokit.training.setup import PreparedData, prepare_held_out
 
     config = make_config(tiny_model_dir, tmp_path / "run", steps=3, eval=EVAL)
     run = train(config, reward_functions=[parity])
@@ -41,13 +42,13 @@ def test_eval_metrics_are_logged_when_due_and_equal_evaluate_on_the_checkpoint(t
     assert 0 < logged[3]["eval/mean_reward"] < 1  # parity on a random model: neither all nor nothing
 
     tokenizer = load_tokenizer(str(run / "checkpoint-3"))
-    table = prepare_held_out(config, get_task("addition"), tokenizer, max_positions_of(str(tiny_model_dir)), None,
-                             DistributedContext())
+    table = prepare_held_out(config, PreparedData([], get_task("addition")), tokenizer,
+                             max_positions_of(str(tiny_model_dir)), None, DistributedContext())
     assert len(table.rows) == 6
     model = load_model(str(run / "checkpoint-3"))
-    again = evaluate(model, tokenizer, table.rows, table.ids, [s for s in _specs()], samples_per_prompt=3,
-                     temperature=1.0, max_new_tokens=5, correct_threshold=0.5, greedy=True, seed=5,
-                     eos_token_ids=table.eos_token_ids)
+    sampling = SamplingParams(5, tuple(table.eos_token_ids), tokenizer.pad_token_id, temperature=1.0)
+    again = evaluate(model, tokenizer, table.rows, table.ids, [s for s in _specs()], EvalSettings(
+        sampling, samples_per_prompt=3, correct_threshold=0.5, greedy=True, seed=5))
     for key in ("accuracy", "pass@3", "mean_reward", "greedy_accuracy"):
         assert logged[3][f"eval/{key}"] == pytest.approx(again[key], abs=1e-6), key
 

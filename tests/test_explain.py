@@ -8,7 +8,7 @@ import json
 import pytest
 
 from grpokit.cli import main
-from grpokit.observe.explain import build_last_token_model, explain_checkpoints
+from grpokit.observe.explain import TrustRegion, build_last_token_model, explain_checkpoints
 
 # seed 002: π(token | context) for the contexts P, PA, PAB (each ends in a different token)
 OLD = {"P": {"A": 0.5, "B": 0.3, "C": 0.2}, "A": {"A": 0.2, "B": 0.6, "C": 0.2}, "B": {"A": 0.3, "B": 0.3, "C": 0.4}}
@@ -66,7 +66,7 @@ def test_clipping_depends_on_the_advantage_sign(seed_models):
     down = explain_checkpoints(old, new, "P", "ABC", device="cpu", advantage=-1.0)
     assert [s["clipped"] for s in up["steps"]] == [False, False, True]  # 1.5 > 1 + ε, A > 0
     assert [s["clipped"] for s in down["steps"]] == [False, False, False]  # ratios above 1 never clip A < 0
-    wide = explain_checkpoints(old, new, "P", "ABC", device="cpu", epsilon_high=0.28)
+    wide = explain_checkpoints(old, new, "P", "ABC", device="cpu", trust_region=TrustRegion(epsilon_high=0.28))
     assert [s["outside_trust_region"] for s in wide["steps"]] == [False, False, True]
     assert wide["trust_region"] == pytest.approx([0.8, 1.28])
 

@@ -15,7 +15,7 @@ from conftest import make_config, parity
 from grpokit.errors import SetupError
 from grpokit.models import checkpointing
 from grpokit.models.checkpointing import decoder_layers, enable_activation_checkpointing
-from grpokit.models.forward import completion_logprobs
+from grpokit.models.forward import ForwardOptions, completion_logprobs
 from grpokit.models.loading import load_model
 from grpokit.training.loop import train
 from test_fast_paths import CASES, _batch, _config, _loss_and_grads, _rollout
@@ -70,7 +70,7 @@ def test_layers_run_again_in_the_backward_only_under_gradients(pair):
 
     def step(model, share):
         def run():
-            logp, _ = completion_logprobs(model, *args, share_prompts=share)
+            logp, _ = completion_logprobs(model, *args, options=ForwardOptions(share_prompts=share))
             logp.sum().backward()
         return run
 
@@ -91,7 +91,7 @@ def _bytes_saved_for_backward(model, args) -> int:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logp, _ = completion_logprobs(model, *args, share_prompts=False, fused=False)
+        logp, _ = completion_logprobs(model, *args, options=ForwardOptions(share_prompts=False, fused=False))
     logp.sum().backward()
     return total
 

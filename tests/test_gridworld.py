@@ -6,6 +6,7 @@ The hand-checked walks are on the default 4 x 4 grid: x grows to the right, y up
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -16,6 +17,7 @@ from grpokit.errors import EnvironmentFault, TaskError
 from grpokit.observe.tracking import read_metrics
 from grpokit.rollout.engines import HFEngine
 from grpokit.rollout.multiturn import sample_conversations
+from grpokit.rollout.request import RolloutResult, SamplingParams
 from grpokit.rollout.tools import ToolCall
 from grpokit.tasks import TASKS, GridWorld, GridWorldTask, get_task, task_environment
 from grpokit.tasks.gridworld import observation, parse_prompt, reaches_goal, walk
@@ -126,14 +128,14 @@ def _walking_engine():
     directions = ("right", "up", "left", "down")
 
     class Walking(HFEngine):
-        def generate(self, prompt_ids, *, group_size, sampling, generator=None):
+        def generate(self, request):
             digits = [self.tokenizer.convert_tokens_to_ids(d) for d in "0123456789"]
-            rollout, self.tool_stats = sample_conversations(
-                self.model, prompt_ids, group_size=group_size, max_new_tokens=sampling.max_new_tokens,
-                eos_token_ids=digits, pad_token_id=sampling.pad_token_id, tokenizer=self.tokenizer,
-                tools=self.tools, max_tool_turns=3, temperature=sampling.temperature, generator=generator,
+            s = request.sampling
+            s = SamplingParams(s.max_new_tokens, tuple(digits), s.pad_token_id, s.temperature)
+            rollout, stats = sample_conversations(
+                self.model, dataclasses.replace(request, sampling=s), tokenizer=self.tokenizer, max_tool_turns=3,
                 parse_calls=lambda text, **_: [ToolCall("move", {"direction": directions[len(text) % 4]})])
-            return rollout
+            return RolloutResult(rollout, tool_stats=stats)
 
     return lambda config, model, tokenizer: Walking(model, tokenizer)
 

@@ -27,6 +27,7 @@ from grpokit.rollout.engines import HFEngine
 from grpokit.rollout.grading import Draw
 from grpokit.rollout.history import ConversationHistory
 from grpokit.rollout.multiturn import converse, sample_conversations
+from grpokit.rollout.request import RolloutRequest, RolloutResult, SamplingParams
 from grpokit.rollout.tools import ToolBox, ToolCall, check_tool_template
 from grpokit.training.generate import GenerationBatch
 from grpokit.training.loop import train
@@ -98,10 +99,10 @@ def _sample(tiny, *, template=None, history=True, G=2, temperature=1.0, budget=4
     box = ToolBox([add])
     renderer = (history_cls or ConversationHistory)(tok, PROMPTS, [box.schemas] * len(PROMPTS)).repeat(G) \
         if history else None
-    return sample_conversations(model, _prompt_ids(tok), group_size=G, max_new_tokens=budget,
-                                eos_token_ids=_digits(tok), pad_token_id=tok.pad_token_id, tokenizer=tok, tools=box,
-                                max_tool_turns=2, temperature=temperature, parse_calls=_scripted,
-                                generator=torch.Generator().manual_seed(seed), history=renderer)
+    sampling = SamplingParams(budget, tuple(_digits(tok)), tok.pad_token_id, temperature)
+    request = RolloutRequest(_prompt_ids(tok), G, sampling, torch.Generator().manual_seed(seed), tools=box,
+                             history=renderer)
+    return sample_conversations(model, request, tokenizer=tok, max_tool_turns=2, parse_calls=_scripted)
 
 
 def _batch(rollout, advantages=None, token_advantages=None):
@@ -211,17 +212,18 @@ def test_turn_by_turn_sampling_forks_and_its_rows_recompute_exactly(think):
     def generate_turns(contexts, max_tokens):
         turns = []
         for context, m in zip(contexts, max_tokens):
-            r = sample_groups(model, [context], group_size=1, max_new_tokens=m, eos_token_ids=digits,
-                              pad_token_id=tok.pad_token_id, generator=generator)
+            r = sample_groups(model, RolloutRequest([context], 1, SamplingParams(m, tuple(digits), tok.pad_token_id),
+                                                    generator))
             n = int(r.completion_mask[0].sum())
             turns.append((r.completion_ids[0, :n].tolist(), r.logprobs[0, :n].tolist()))
         return turns
 
     box = ToolBox([add])
     history = ConversationHistory(tok, PROMPTS, [box.schemas] * 3).repeat(2)
-    rollout, stats = converse(_prompt_ids(tok), group_size=2, max_new_tokens=40, eos_token_ids=digits,
-                              pad_token_id=tok.pad_token_id, tokenizer=tok, tools=box, max_tool_turns=2,
-                              generate_turns=generate_turns, parse_calls=_scripted, history=history)
+    request = RolloutRequest(_prompt_ids(tok), 2, SamplingParams(40, tuple(digits), tok.pad_token_id), tools=box,
+                             history=history)
+    rollout, stats = converse(request, tokenizer=tok, max_tool_turns=2, generate_turns=generate_turns, device="cpu",
+                              parse_calls=_scripted)
     assert [len(s) for s in rollout.forks.starts] == [t - 1 for t in stats.turns] and rollout.forks.any
     batch, _ = split_rows(_batch(rollout), tok.pad_token_id)
     rows = batch.rollout
@@ -254,13 +256,12 @@ def test_settings_split_cannot_serve_are_refused_at_start(think_dir, tmp_path):
 
 def _engine():
     class Scripted(HFEngine):  # turns end at a digit or "=" and always call `add`; the history is the real one
-        def generate(self, prompt_ids, *, group_size, sampling, generator=None, **_):
-            rollout, self.tool_stats = sample_conversations(
-                self.model, prompt_ids, group_size=group_size, max_new_tokens=sampling.max_new_tokens,
-                eos_token_ids=_digits(self.tokenizer), pad_token_id=sampling.pad_token_id, tokenizer=self.tokenizer,
-                tools=self.tools, max_tool_turns=2, temperature=sampling.temperature, generator=generator,
-                parse_calls=_scripted, history=self.history)
-            return rollout
+        def generate(self, request):
+            s = request.sampling
+            s = SamplingParams(s.max_new_tokens, tuple(_digits(self.tokenizer)), s.pad_token_id, s.temperature)
+            rollout, stats = sample_conversations(self.model, dataclasses.replace(request, sampling=s),
+                                                  tokenizer=self.tokenizer, max_tool_turns=2, parse_calls=_scripted)
+            return RolloutResult(rollout, tool_stats=stats)
 
     return lambda config, model, tokenizer: Scripted(model, tokenizer, tools=ToolBox([add]))
 
@@ -294,18 +295,20 @@ def test_held_out_evaluation_samples_from_the_rendered_conversation(think, monke
     """`[eval]` with tools.history = "split" samples as training does; append cannot run this template at all."""
     import grpokit.rollout.multiturn as multiturn
     from grpokit.rewards.core import RewardSpec
-    from grpokit.training.evaluation import evaluate
+    from grpokit.training.evaluation import EvalSettings, ToolUse, evaluate
 
     model, tok = think
     monkeypatch.setattr(multiturn, "call_parser", lambda tokenizer: _scripted)
     rows = [{"prompt": p} for p in PROMPTS]
     specs = [RewardSpec("final_parity", final_parity, 1.0)]
-    common = dict(samples_per_prompt=2, max_new_tokens=40, tools=ToolBox([add]), max_tool_turns=2,
-                  eos_token_ids=_digits(tok), greedy=False)
-    result = evaluate(model, tok, rows, _prompt_ids(tok), specs, history="split", **common)
+    settings = EvalSettings(SamplingParams(40, tuple(_digits(tok)), tok.pad_token_id), samples_per_prompt=2,
+                            greedy=False)
+    tool_use = ToolUse(ToolBox([add]), max_tool_turns=2)
+    result = evaluate(model, tok, rows, _prompt_ids(tok), specs, settings,
+                      tool_use=dataclasses.replace(tool_use, history="split"))
     assert result["tool_call_share"] == 1.0 and 0 <= result["mean_reward"] <= 1
     with pytest.raises(ValueError, match='tools.history = "split"'):
-        evaluate(model, tok, rows, _prompt_ids(tok), specs, **common)
+        evaluate(model, tok, rows, _prompt_ids(tok), specs, settings, tool_use=tool_use)
 
 
 def test_forks_travel_with_their_answers_through_dynamic_samplings_filter_and_join(think):

@@ -14,8 +14,9 @@ from transformers import DynamicCache
 from grpokit.models.loading import load_model, load_tokenizer
 from grpokit.models.onednn import packed_linears
 from grpokit.models.tiny import build_tiny_model
-from grpokit.rollout.decode import Decoder, sample_groups
+from grpokit.rollout.decode import Decoder, DecodeSpeed, sample_groups
 from grpokit.rollout.layer_loop import LayerLoop, layer_loop_for
+from grpokit.rollout.request import RolloutRequest, SamplingParams
 
 PROMPTS = ["12+7=", "3+45=", "100+100="]  # different lengths: left padding in the attention mask
 
@@ -23,9 +24,9 @@ PROMPTS = ["12+7=", "3+45=", "100+100="]  # different lengths: left padding in t
 def _sample(model, tok, layer_loop: bool, packed: bool = False, **kw):
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     with packed_linears(model, 3 * 4, packed):
-        return sample_groups(model, ids, group_size=4, max_new_tokens=24, eos_token_ids=tok.eos_token_id,
-                             pad_token_id=tok.pad_token_id, temperature=1.0, layer_loop=layer_loop,
-                             generator=torch.Generator().manual_seed(3), **kw)
+        request = RolloutRequest(ids, 4, SamplingParams(24, (tok.eos_token_id,), tok.pad_token_id, temperature=1.0),
+                                 torch.Generator().manual_seed(3))
+        return sample_groups(model, request, speed=DecodeSpeed(layer_loop=layer_loop, **kw))
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
@@ -155,10 +156,11 @@ def test_multi_turn_sampling_is_the_same_with_the_layer_loop(tiny_model_dir, mon
     ids = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
 
     def sample(layer_loop: bool):
+        request = RolloutRequest(ids, 3, SamplingParams(24, tuple(digits), tok.pad_token_id),
+                                 torch.Generator().manual_seed(0), tools=ToolBox([add]))
         return sample_conversations(
-            model, ids, group_size=3, max_new_tokens=24, eos_token_ids=digits, pad_token_id=tok.pad_token_id,
-            tokenizer=tok, tools=ToolBox([add]), max_tool_turns=2, generator=torch.Generator().manual_seed(0),
-            layer_loop=layer_loop, parse_calls=lambda text, **_: [ToolCall("add", {"a": len(text), "b": 1})],
+            model, request, tokenizer=tok, max_tool_turns=2, speed=DecodeSpeed(layer_loop=layer_loop),
+            parse_calls=lambda text, **_: [ToolCall("add", {"a": len(text), "b": 1})],
             render_results=lambda results: tok.encode("<" + ",".join(r.content for r in results) + ">",
                                                       add_special_tokens=False))
 

@@ -20,6 +20,7 @@ from grpokit.config.schema import AlgorithmConfig, Config, DataConfig, ModelConf
 from grpokit.config.variants import GLOBAL_TOKEN_LOSSES
 from grpokit.models.loading import load_model, load_tokenizer
 from grpokit.rollout.decode import sample_groups
+from grpokit.rollout.request import RolloutRequest, SamplingParams
 from grpokit.training.generate import GenerationBatch
 from grpokit.training.setup import Policy
 from grpokit.training.update import _micro_step, loss_spec, micro_batches_of, optimize, token_budget_split
@@ -39,9 +40,8 @@ def rollout(tiny64):
     """12 answers (3 prompts x G) whose completion masks end at LENGTHS."""
     model, tok = tiny64
     prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in ("12+7=", "3+45=", "100+1=")]
-    r = sample_groups(model, prompts, group_size=G, max_new_tokens=T_MAX, eos_token_ids=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, temperature=1.0, ignore_eos=True,
-                      generator=torch.Generator().manual_seed(0))
+    sampling = SamplingParams(T_MAX, (tok.eos_token_id,), tok.pad_token_id, temperature=1.0, ignore_eos=True)
+    r = sample_groups(model, RolloutRequest(prompts, G, sampling, torch.Generator().manual_seed(0)))
     mask = (torch.arange(T_MAX)[None, :] < torch.tensor(LENGTHS)[:, None]).to(r.completion_mask.dtype)  # [N, T]
     return dataclasses.replace(r, completion_mask=mask, completion_ids=torch.where(mask.bool(), r.completion_ids,
                                tok.pad_token_id), logprobs=r.logprobs.double() * mask)

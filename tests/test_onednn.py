@@ -13,8 +13,8 @@ from grpokit.models import onednn
 from grpokit.models.cpu import isa_of
 from grpokit.models.loading import load_model_and_tokenizer
 from grpokit.models.onednn import kernel_available, kernel_note, onednn_linears, packed_linears
-from grpokit.rollout.engine_protocol import SamplingParams
 from grpokit.rollout.engines import HFEngine
+from grpokit.rollout.request import RolloutRequest, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -168,9 +168,8 @@ def test_the_engine_samples_the_same_answers_packed_or_not(tiny):
     for temperature in (0.0, 1.0):
         s = SamplingParams(max_new_tokens=8, eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id,
                            temperature=temperature)
-        runs = [HFEngine(model, tok, packed_weights=p).generate(prompts, group_size=4, sampling=s,
-                                                                generator=torch.Generator().manual_seed(3))
-                for p in (False, True)]
+        runs = [HFEngine(model, tok, packed_weights=p).generate(
+            RolloutRequest(prompts, 4, s, torch.Generator().manual_seed(3))).rollout for p in (False, True)]
         assert torch.equal(runs[0].completion_ids, runs[1].completion_ids)
         torch.testing.assert_close(runs[0].logprobs, runs[1].logprobs, rtol=0, atol=1e-5)
     assert not any("forward" in m.__dict__ for m in linears(model))

@@ -17,7 +17,7 @@ import torch
 import grpokit.models.forward as forward
 import test_micro_batch_grouping as grouping
 from grpokit.config.schema import TrainConfig
-from grpokit.models.forward import completion_logprobs
+from grpokit.models.forward import ForwardOptions, completion_logprobs
 from grpokit.models.packing import PackedLayout, packing_applies, varlen_attention
 from grpokit.training.setup import Policy
 from grpokit.training.update import _micro_step, loss_spec, micro_batches_of, token_budget_split
@@ -98,7 +98,8 @@ def test_packed_log_probs_entropies_and_one_pass_backward_match_the_padded_forwa
         flat = weights.reshape(-1)
         grad_fn = (lambda lp, at: flat[at] if not isinstance(at, int) else flat[at:at + len(lp)]) if one_pass \
             else None
-        logp, entropy = completion_logprobs(*args, with_entropy=True, chunk_size=5, packed=packed, grad_fn=grad_fn)
+        logp, entropy = completion_logprobs(*args, with_entropy=True, grad_fn=grad_fn,
+                                            options=ForwardOptions(chunk_size=5, packed=packed))
         (logp * weights).sum().backward()
         return logp.detach() * mask, entropy.detach() * mask, [p.grad.clone() for p in model.parameters()]
 
@@ -110,7 +111,7 @@ def test_packed_log_probs_entropies_and_one_pass_backward_match_the_padded_forwa
         for g, w in zip(got[2], want[2]):
             torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
     assert packed_calls == [True, True]
-    packed_logp, _ = completion_logprobs(*args, packed=True)
+    packed_logp, _ = completion_logprobs(*args, options=ForwardOptions(packed=True))
     assert bool((packed_logp[~r.completion_mask.bool()] == 0).all())  # padding positions hold 0
 
 

@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from grpokit.models.forward import position_ids_from_mask
 from grpokit.models.tiny import build_tiny_model
 from grpokit.rollout.batch import Rollout
-from grpokit.rollout.decode import sample_groups
+from grpokit.rollout.decode import DecodeSpeed, sample_groups
+from grpokit.rollout.request import RolloutRequest, SamplingParams
 from grpokit.rollout.sampling import exponential_race, filter_candidates, sample_tokens
 
 PROMPTS = ["1+2=", "What is 17 + 25? Answer:", "hello"]  # mixed lengths → left padding
@@ -30,11 +31,14 @@ def prompts(tiny):
     return [tiny[1].encode(p) for p in PROMPTS]
 
 
-def rollout(tiny, prompts, **kw) -> Rollout:
+def rollout(tiny, prompts, *, group_size=2, generator=None, tokenizer=None, speed=DecodeSpeed(), **sampling
+            ) -> Rollout:
     model, tok = tiny
-    args = dict(group_size=2, max_new_tokens=12, eos_token_ids=tok.eos_token_id,
-                pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0))
-    return sample_groups(model, prompts, **{**args, **kw})
+    sampling = {"max_new_tokens": 12, "eos_token_ids": (tok.eos_token_id,), "pad_token_id": tok.pad_token_id,
+                **sampling}
+    request = RolloutRequest(prompts, group_size, SamplingParams(**sampling),
+                             generator or torch.Generator().manual_seed(0))
+    return sample_groups(model, request, tokenizer=tokenizer, speed=speed)
 
 
 def recomputed_logprobs(model, r: Rollout, temperature: float) -> torch.Tensor:
@@ -131,9 +135,9 @@ def test_batched_equals_per_prompt_greedy(tiny, prompts, eos_offset):
     eos = tiny[1].eos_token_id
     if eos_offset is not None:  # a token greedy decoding emits, so rows end at different steps
         eos = int(rollout(tiny, prompts, temperature=0).completion_ids[2, eos_offset])
-    batched = rollout(tiny, prompts, temperature=0, eos_token_ids=eos, group_size=2)
+    batched = rollout(tiny, prompts, temperature=0, eos_token_ids=(eos,), group_size=2)
     for b, p in enumerate(prompts):
-        single = rollout(tiny, [p], temperature=0, eos_token_ids=eos, group_size=2)
+        single = rollout(tiny, [p], temperature=0, eos_token_ids=(eos,), group_size=2)
         t = single.completion_ids.shape[1]
         rows = slice(2 * b, 2 * b + 2)
         assert torch.equal(batched.completion_ids[rows, :t], single.completion_ids)
@@ -147,10 +151,10 @@ def test_batched_equals_per_prompt_greedy(tiny, prompts, eos_offset):
 
 
 def test_eos_ends_row_and_is_masked_in(tiny, prompts):
-    free = rollout(tiny, prompts, temperature=0, eos_token_ids=None)
+    free = rollout(tiny, prompts, temperature=0, eos_token_ids=())
     assert free.truncated.all() and (free.completion_lengths == 12).all()
     eos = int(free.completion_ids[0, 4])  # a token row 0 emits at step 4 (maybe earlier too)
-    r = rollout(tiny, prompts, temperature=0, eos_token_ids=[eos, 10**6])
+    r = rollout(tiny, prompts, temperature=0, eos_token_ids=(eos, 10**6))
     expected = first_hit_lengths(free.completion_ids, lambda i, j: free.completion_ids[i, j] == eos)
     assert expected[0] is not None
     for row, length in enumerate(expected):
@@ -173,10 +177,10 @@ def test_ignore_eos_gives_full_length(tiny, prompts):
 
 def test_stop_strings_stop_generation(tiny, prompts):
     model, tok = tiny
-    free = rollout(tiny, prompts, temperature=0, eos_token_ids=None)
+    free = rollout(tiny, prompts, temperature=0, eos_token_ids=())
     text0 = tok.decode(free.completion_ids[0], skip_special_tokens=True)
     stop = text0[3:5]
-    r = rollout(tiny, prompts, temperature=0, eos_token_ids=None, stop_strings=[stop, "@@@@"],
+    r = rollout(tiny, prompts, temperature=0, eos_token_ids=(), stop_strings=(stop, "@@@@"),
                 tokenizer=tok)
 
     def hit(i, j):
@@ -319,5 +323,19 @@ def test_bad_inputs_raise(tiny, prompts, kw, match):
 
 
 def test_prompt_exactly_at_position_limit_is_accepted(tiny):
-    r = rollout(tiny, [[5] * 56], max_new_tokens=8, eos_token_ids=None)
+    r = rollout(tiny, [[5] * 56], max_new_tokens=8, eos_token_ids=())
     assert r.completion_ids.shape == (2, 8)
+
+
+def test_old_keyword_spelling_warns_and_samples_the_same(tiny, prompts):
+    """`sample_groups(model, prompt_ids, group_size=..., ...)` (before `RolloutRequest`) still works, warning."""
+    model, tok = tiny
+    with pytest.warns(DeprecationWarning, match="RolloutRequest"):
+        old = sample_groups(model, prompts, group_size=2, max_new_tokens=12, eos_token_ids=tok.eos_token_id,
+                            pad_token_id=tok.pad_token_id, temperature=0.9, top_k=5, stop_strings=["@@"],
+                            tokenizer=tok, generator=torch.Generator().manual_seed(0), sampler="gumbel",
+                            share_prefill=False)
+    new = rollout(tiny, prompts, temperature=0.9, top_k=5, stop_strings=("@@",), tokenizer=tok,
+                  speed=DecodeSpeed(sampler="gumbel", share_prefill=False))
+    for a, b in zip(old.__dict__.values(), new.__dict__.values()):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b

@@ -9,6 +9,7 @@ import pytest
 from grpokit.models.loading import load_tokenizer
 from grpokit.models.tiny import build_char_tokenizer, build_tiny_model
 from grpokit.rollout.multiturn import _Answers
+from grpokit.rollout.request import RolloutRequest, SamplingParams
 from grpokit.rollout.tools import ToolBox, ToolCall, call_parser, check_tool_template, parse_tool_calls
 
 # Llama 3.1's way of writing a call, on the tiny tokenizer: the JSON object alone, then the end of turn.
@@ -81,8 +82,9 @@ def test_the_start_up_check_accepts_a_format_the_response_template_reads(llama_s
 
 def test_the_sampler_parses_with_the_tokenizer_by_default(llama_style):
     box = ToolBox([add])
-    answers = _Answers([llama_style.encode("user: x\nassistant: ", add_special_tokens=False)], 1, 64, llama_style, box,
-                       2, None, lambda results: [])
+    request = RolloutRequest([llama_style.encode("user: x\nassistant: ", add_special_tokens=False)], 1,
+                             SamplingParams(64), tools=box)
+    answers = _Answers(request, llama_style, 2, None, lambda results: [])
     ids = llama_style.encode('{"name": "add", "parameters": {"a": 1, "b": 2}}<eos>', add_special_tokens=False)
     answers.add(0, ids, [0.0] * len(ids))
     assert answers.end_turn(0, ended=True) == [ToolCall("add", {"a": 1, "b": 2})]

@@ -1,5 +1,5 @@
 """The built-in task that needs a tool (multiplication + calculator), its warm-start traces, evaluation
-with tools (`evaluate(tools=...)`, `grpokit eval`), and the tool demo end to end (`--quick`)."""
+with tools (`evaluate(tool_use=...)`, `grpokit eval`), and the tool demo end to end (`--quick`)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ from grpokit.cli import main
 from grpokit.config.schema import DataConfig, ToolsConfig
 from grpokit.data.prompts import render_prompt
 from grpokit.demo_tools import trace_sampler
-from grpokit.evaluate import evaluate
+from grpokit.evaluate import EvalSettings, SamplingParams, ToolUse, evaluate
 from grpokit.models.loading import load_model_and_tokenizer, load_tokenizer
 from grpokit.models.tiny import TOOL_CHAT_TEMPLATE, TOOL_WORDS, build_char_tokenizer, build_tiny_model
 from grpokit.observe.tracking import read_metrics
 from grpokit.rollout.engines import HFEngine
 from grpokit.rollout.multiturn import sample_conversations
+from grpokit.rollout.request import RolloutRequest
 from grpokit.rollout.tools import ToolBox, ToolCall
 from grpokit.sft import collate
 from grpokit.tasks import calculator, get_task
@@ -157,9 +158,9 @@ def test_a_task_with_a_tool_brings_it_unless_the_run_names_its_own(calc_model_di
     seen = []
     real = HFEngine.generate
 
-    def spy(self, prompt_ids, **kwargs):
-        seen.append(self.tokenizer.decode(prompt_ids[0]))
-        return real(self, prompt_ids, **kwargs)
+    def spy(self, request):
+        seen.append(self.tokenizer.decode(request.prompt_ids[0]))
+        return real(self, request)
 
     monkeypatch.setattr(HFEngine, "generate", spy)
     run = train(config)
@@ -185,20 +186,45 @@ def test_evaluate_with_tools_counts_calls_and_failures_of_the_sampled_answers(ca
     import grpokit.rollout.engines
     monkeypatch.setattr(grpokit.rollout.engines, "sample_conversations",
                         lambda *args, **kwargs: sample_conversations(*args, parse_calls=scripted, **kwargs))
-    result = evaluate(model, tokenizer, rows, ids, task.reward_functions(), samples_per_prompt=2, temperature=1.0,
-                      max_new_tokens=40, tools=tools, max_tool_turns=1, greedy=False, seed=3)
+    settings = EvalSettings(SamplingParams(40, pad_token_id=tokenizer.pad_token_id, temperature=1.0),
+                            samples_per_prompt=2, greedy=False, seed=3)
+    result = evaluate(model, tokenizer, rows, ids, task.reward_functions(), settings,
+                      tool_use=ToolUse(tools, max_tool_turns=1))
     # recompute the same draw independently
     calls = iter(range(10_000))
-    _, stats = sample_conversations(model, ids, group_size=2, max_new_tokens=40, eos_token_ids=[tokenizer.eos_token_id],
-                                    pad_token_id=tokenizer.pad_token_id, tokenizer=tokenizer, tools=tools,
-                                    max_tool_turns=1, generator=torch.Generator().manual_seed(3), parse_calls=scripted)
+    request = RolloutRequest(ids, 2, SamplingParams(40, (tokenizer.eos_token_id,), tokenizer.pad_token_id),
+                             torch.Generator().manual_seed(3), tools=tools)
+    _, stats = sample_conversations(model, request, tokenizer=tokenizer, max_tool_turns=1, parse_calls=scripted)
     assert sum(stats.calls) > 0
     assert result["tool_call_share"] == pytest.approx(sum(c > 0 for c in stats.calls) / len(stats.calls))
     assert result["tool_failure_rate"] == pytest.approx(sum(stats.failures) / sum(stats.calls))
     assert 0.0 < result["tool_failure_rate"] < 1.0
     # without tools the keys are absent (a single-turn evaluation)
-    plain = evaluate(model, tokenizer, rows, ids, task.reward_functions(), samples_per_prompt=1, greedy=False)
+    plain = evaluate(model, tokenizer, rows, ids, task.reward_functions(), EvalSettings(samples_per_prompt=1,
+                                                                                       greedy=False))
     assert "tool_call_share" not in plain
+
+
+def test_evaluates_old_keyword_spelling_warns_and_gives_the_same_metrics(calc_model_dir, monkeypatch):
+    """`evaluate(..., samples_per_prompt=..., max_new_tokens=..., tools=..., max_tool_turns=...)` (before
+    `EvalSettings` and `ToolUse`) still works, warning, and scores as the new spelling does."""
+    model, tokenizer = load_model_and_tokenizer(calc_model_dir, device="cpu")
+    task = get_task("multiplication")
+    rows = task.generate(3, seed=0, split="eval")
+    tools = ToolBox([calculator])
+    ids = [tokenizer(render_prompt(tokenizer, r["prompt"], tools=tools.schemas), add_special_tokens=False)["input_ids"]
+           for r in rows]
+    import grpokit.rollout.engines
+    monkeypatch.setattr(grpokit.rollout.engines, "sample_conversations", lambda *args, **kwargs: sample_conversations(
+        *args, parse_calls=lambda text, **_: [ToolCall("calculator", {"expression": "6*7"})], **kwargs))
+    with pytest.warns(DeprecationWarning, match="EvalSettings"):
+        old = evaluate(model, tokenizer, rows, ids, task.reward_functions(), samples_per_prompt=2, temperature=0.9,
+                       max_new_tokens=24, tools=tools, max_tool_turns=1, seed=3)
+    settings = EvalSettings(SamplingParams(24, pad_token_id=tokenizer.pad_token_id, temperature=0.9),
+                            samples_per_prompt=2, seed=3)
+    new = evaluate(model, tokenizer, rows, ids, task.reward_functions(), settings,
+                   tool_use=ToolUse(tools, max_tool_turns=1))
+    assert old == new and "tool_call_share" in new
 
 
 def test_eval_cli_with_a_tool_task_and_its_errors(calc_model_dir, tiny_model_dir, tmp_path, capsys):

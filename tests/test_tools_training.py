@@ -25,6 +25,7 @@ from grpokit.observe.tracking import read_jsonl, read_metrics
 from grpokit.rewards.graders import completion_text
 from grpokit.rollout.engines import HFEngine
 from grpokit.rollout.multiturn import sample_conversations
+from grpokit.rollout.request import RolloutResult, SamplingParams
 from grpokit.rollout.tools import ToolBox, ToolCall
 from grpokit.training.loop import train
 
@@ -53,16 +54,17 @@ def scripted_engine(box: ToolBox | None, call: ToolCall | None = None, seen: lis
     otherwise): tool rounds on a random model. With environments the engine's per-answer boxes are used."""
 
     class Scripted(HFEngine):
-        def generate(self, prompt_ids, *, group_size, sampling, generator=None):
+        def generate(self, request):
             if seen is not None:  # the prompts as rendered, blanks dropped
-                seen.extend(self.tokenizer.decode(p).replace(" ", "") for p in prompt_ids)
+                seen.extend(self.tokenizer.decode(p).replace(" ", "") for p in request.prompt_ids)
             digits = [self.tokenizer.convert_tokens_to_ids(d) for d in "0123456789="]
-            rollout, self.tool_stats = sample_conversations(
-                self.model, prompt_ids, group_size=group_size, max_new_tokens=sampling.max_new_tokens,
-                eos_token_ids=digits, pad_token_id=sampling.pad_token_id, tokenizer=self.tokenizer,
-                tools=self.tools or box, max_tool_turns=2, temperature=sampling.temperature, generator=generator,
+            s = request.sampling
+            s = SamplingParams(s.max_new_tokens, tuple(digits), s.pad_token_id, s.temperature)
+            rollout, stats = sample_conversations(
+                self.model, dataclasses.replace(request, sampling=s, tools=request.tools or box),
+                tokenizer=self.tokenizer, max_tool_turns=2,
                 parse_calls=lambda text, **_: [call or ToolCall("add", {"a": len(text), "b": 1})])
-            return rollout
+            return RolloutResult(rollout, tool_stats=stats)
 
     return lambda config, model, tokenizer: Scripted(model, tokenizer)
 
@@ -94,9 +96,9 @@ def test_tools_from_toml_render_into_the_prompts(tool_model_dir, tmp_path, monke
     seen = []
     real = HFEngine.generate
 
-    def spy(self, prompt_ids, **kw):
-        seen.append(self.tokenizer.decode(prompt_ids[0]))
-        return real(self, prompt_ids, **kw)
+    def spy(self, request):
+        seen.append(self.tokenizer.decode(request.prompt_ids[0]))
+        return real(self, request)
 
     monkeypatch.setattr(HFEngine, "generate", spy)
     run = train(config, reward_functions=[final_parity])
@@ -203,9 +205,9 @@ def test_what_reset_returns_is_appended_to_each_answers_prompt(tool_model_dir, t
     seen = []
     real = HFEngine.generate
 
-    def spy(self, prompt_ids, *, group_size, **kw):
-        seen.append((len(prompt_ids), group_size, self.tokenizer.decode(prompt_ids[0])))
-        return real(self, prompt_ids, group_size=group_size, **kw)
+    def spy(self, request):
+        seen.append((len(request.prompt_ids), request.group_size, self.tokenizer.decode(request.prompt_ids[0])))
+        return real(self, request)
 
     monkeypatch.setattr(HFEngine, "generate", spy)
     config = make_config(tool_model_dir, tmp_path / "run", steps=1, max_new_tokens=8)

@@ -160,6 +160,7 @@ def test_evaluate_draws_the_answers_once_and_counts_them_as_grpokits_evaluation(
     from grpokit.data.files import load_prompts
     from grpokit.models.loading import max_positions_of
     from grpokit.rollout import decode, engines
+    from grpokit.rollout.request import SamplingParams
     from grpokit.training import evaluation
     from grpokit.training.rollout_setup import resolve_reward_specs
     from grpokit.training.setup import PreparedData, eval_max_new_tokens, tokenize_prompts
@@ -167,7 +168,7 @@ def test_evaluate_draws_the_answers_once_and_counts_them_as_grpokits_evaluation(
     draws, real = [], decode.sample_groups
 
     def counted(*args, **kwargs):
-        draws.append(len(args[1]))  # the prompts of one batch
+        draws.append(len(args[1].prompt_ids))  # the prompts of one batch
         return real(*args, **kwargs)
 
     monkeypatch.setattr(decode, "sample_groups", counted)
@@ -181,11 +182,12 @@ def test_evaluate_draws_the_answers_once_and_counts_them_as_grpokits_evaluation(
     config = trainer.config
     table = tokenize_prompts(config, PreparedData(load_prompts(ROWS, prompt_column="prompt"), None),
                              trainer.processing_class, max_positions_of(config.model.path), None)
+    sampling = SamplingParams(eval_max_new_tokens(config), tuple(table.eos_token_ids),
+                              trainer.processing_class.pad_token_id, args.temperature, args.top_p, args.top_k)
     own = evaluation.evaluate(trainer.model, trainer.processing_class, table.rows, table.ids,
-                              resolve_reward_specs(config, None, trainer.reward_funcs), samples_per_prompt=4,
-                              temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                              max_new_tokens=eval_max_new_tokens(config), greedy=False, seed=args.seed,
-                              eos_token_ids=table.eos_token_ids, correct_threshold=config.eval.correct_threshold)
+                              resolve_reward_specs(config, None, trainer.reward_funcs), evaluation.EvalSettings(
+                                  sampling, samples_per_prompt=4, correct_threshold=config.eval.correct_threshold,
+                                  greedy=False, seed=args.seed))
     assert (metrics["eval_reward"], metrics["eval_accuracy"], metrics["eval_pass@4"]) == pytest.approx(
         (own["mean_reward"], own["accuracy"], own["pass@4"]), abs=1e-9)
     assert 0 < own["accuracy"] < 1  # answers of both kinds: the comparison can tell counts apart

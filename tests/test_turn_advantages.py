@@ -21,6 +21,7 @@ import torch
 
 from grpokit.algorithms.turn_advantages import (
     TURN_ADVANTAGES,
+    GroupNormalization,
     discounted_returns,
     gigpo_advantages,
     mt_grpo_advantages,
@@ -36,13 +37,13 @@ def t(rows, dtype=torch.float64):
     return torch.tensor(rows, dtype=dtype)
 
 
-def example(**kwargs):
+def example(*, gamma=0.5, omega=1.0, **normalization):
     outcome = t([1.0, 0.0, 1.0])
     turn_rewards = t([[0.2, nan], [0.0, nan], [nan, nan]])
     states = t([[0, 1], [0, 1], [0, -1]], torch.long)
     turns = t([2, 2, 1], torch.long)
-    options = dict(gamma=0.5, omega=1.0, scale_rewards="none") | kwargs
-    return gigpo_advantages(outcome, turn_rewards, states, turns, 3, **options)
+    return gigpo_advantages(outcome, turn_rewards, states, turns, 3, gamma=gamma, omega=omega,
+                            normalization=GroupNormalization(**dict(scale_rewards="none") | normalization))
 
 
 def test_gigpo_adds_the_step_group_advantage_to_the_episode_advantage():
@@ -82,12 +83,14 @@ def test_gigpo_groups_identical_states_at_any_turn_and_never_across_prompts():
     turn_rewards = torch.full((4, 2), nan, dtype=torch.float64)
     states = t([[3, 5], [5, -1], [3, 5], [5, -1]], torch.long)
     turns = t([2, 1, 2, 1], torch.long)
-    adv = gigpo_advantages(outcome, turn_rewards, states, turns, 2, gamma=1.0, scale_rewards="none")
+    adv = gigpo_advantages(outcome, turn_rewards, states, turns, 2, gamma=1.0,
+                           normalization=GroupNormalization(scale_rewards="none"))
     # prompt 0: episode +-1/2; state 5 holds a0's return 1 and a1's 0: +-1/2; state 3 alone: 0
     torch.testing.assert_close(adv[:2], t([[0.5, 1.0], [-1.0, 0.0]]))
     # prompt 1: equal outcomes (episode 0) and equal returns in state 5: exactly 0, no eps blow-up
     assert adv[2:].abs().max().item() == 0.0
-    scaled = gigpo_advantages(outcome, turn_rewards, states, turns, 2, gamma=1.0, scale_rewards="group")
+    scaled = gigpo_advantages(outcome, turn_rewards, states, turns, 2, gamma=1.0,
+                              normalization=GroupNormalization(scale_rewards="group"))
     assert scaled[2:].abs().max().item() == 0.0
 
 
@@ -95,7 +98,8 @@ def test_gigpo_leaves_unscored_answers_out_of_the_step_groups():
     outcome = t([nan, 0.0, 1.0])
     turn_rewards = torch.full((3, 1), nan, dtype=torch.float64)
     states = t([[0], [0], [0]], torch.long)
-    adv = gigpo_advantages(outcome, turn_rewards, states, t([1, 1, 1], torch.long), 3, scale_rewards="none")
+    adv = gigpo_advantages(outcome, turn_rewards, states, t([1, 1, 1], torch.long), 3,
+                           normalization=GroupNormalization(scale_rewards="none"))
     # a0 is unscored: A^E = 0 and no step advantage; a1, a2 hold +-1/2 in both levels
     torch.testing.assert_close(adv, t([[0.0], [-1.0], [1.0]]))
 
@@ -104,7 +108,7 @@ def test_gigpo_without_states_is_the_episode_advantage_of_the_summed_rewards():
     outcome = t([1.0, 0.0])
     turn_rewards = t([[0.5, nan], [nan, nan]])
     adv = gigpo_advantages(outcome, turn_rewards, torch.full((2, 2), -1), t([2, 1], torch.long), 2,
-                           scale_rewards="none")
+                           normalization=GroupNormalization(scale_rewards="none"))
     # episode returns 1.5, 0 -> +-0.75 on every existing turn
     torch.testing.assert_close(adv, t([[0.75, 0.75], [-0.75, 0.0]]))
 

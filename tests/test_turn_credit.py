@@ -21,6 +21,7 @@ from grpokit.models.loading import load_model, load_tokenizer
 from grpokit.observe.tracking import read_metrics
 from grpokit.rollout.environments import Environments
 from grpokit.rollout.multiturn import sample_conversations
+from grpokit.rollout.request import RolloutRequest, SamplingParams
 from grpokit.rollout.tools import ToolBox, ToolCall, WithReward
 from grpokit.training.loop import train
 from grpokit.training.turn_credit import check_turn_setup
@@ -60,9 +61,10 @@ def _sample(tiny, tools, prompts=("12+7=", "3+45="), G=3, seed=0):
     model, tok = tiny
     digits = [tok.convert_tokens_to_ids(d) for d in "0123456789="]
     ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+    request = RolloutRequest(ids, G, SamplingParams(24, tuple(digits), tok.pad_token_id),
+                             torch.Generator().manual_seed(seed), tools=tools)
     return sample_conversations(
-        model, ids, group_size=G, max_new_tokens=24, eos_token_ids=digits, pad_token_id=tok.pad_token_id,
-        tokenizer=tok, tools=tools, max_tool_turns=2, generator=torch.Generator().manual_seed(seed),
+        model, request, tokenizer=tok, max_tool_turns=2,
         parse_calls=lambda text, **_: [ToolCall("add", {"a": len(text), "b": 1})],
         render_results=lambda results: tok.encode("<" + ",".join(r.content for r in results) + ">",
                                                   add_special_tokens=False))

@@ -28,9 +28,9 @@ from transformers import AutoModelForImageTextToText  # noqa: E402
 from trl.data_utils import apply_chat_template, prepare_multimodal_messages  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
-from grpokit.algorithms.objectives import LossSpec, policy_loss  # noqa: E402
+from grpokit.algorithms.objectives import Accumulation, LossSpec, policy_loss  # noqa: E402
 from grpokit.data.images import with_image_placeholders  # noqa: E402
-from grpokit.models.forward import completion_logprobs  # noqa: E402
+from grpokit.models.forward import ForwardOptions, completion_logprobs  # noqa: E402
 from grpokit.models.media import RowMedia  # noqa: E402
 from grpokit.models.tiny_vision import build_tiny_vlm  # noqa: E402
 from grpokit.models.vision import encode_image_prompt, load_processor, vision_family  # noqa: E402
@@ -132,7 +132,7 @@ def test_logprobs_and_entropy_match_trl(vlm, fused):
     completion_ids, completion_mask = _completions(_text_ids(processor), seed=1)
     _, trl_inputs, trl_logp, trl_entropy = _trl_side(arch, processor, load(), rows, completion_ids, completion_mask)
     prompt_ids, prompt_mask, _, (logp, entropy) = _grpokit_side(
-        arch, processor, load(), rows, completion_ids, completion_mask, fused=fused)
+        arch, processor, load(), rows, completion_ids, completion_mask, options=ForwardOptions(fused=fused))
     assert torch.equal(prompt_ids, trl_inputs["prompt_ids"])  # the same tokens, image tokens expanded alike
     m = completion_mask.bool()
     torch.testing.assert_close(logp[m], trl_logp[m], atol=1e-5, rtol=0)
@@ -169,7 +169,7 @@ def test_loss_and_gradient_match_trl(vlm):
     *_, (logp, _) = _grpokit_side(arch, processor, model, rows, completion_ids, completion_mask)
     loss, _ = policy_loss(logp, None, advantages, completion_mask,
                           LossSpec(epsilon=EPS, epsilon_high=EPS_HIGH, loss_type="dapo"),
-                          num_items_in_batch=completion_mask.sum())
+                          accumulation=Accumulation(completion_mask.sum()))
     loss.backward()
     assert abs(loss.item() - trl_loss.item()) < 1e-5
     head, trl_head = model.get_output_embeddings().weight, trl_model.get_output_embeddings().weight

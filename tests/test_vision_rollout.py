@@ -13,12 +13,13 @@ import torch
 from PIL import Image
 
 from grpokit.data.images import with_image_placeholders
-from grpokit.models.forward import completion_logprobs
+from grpokit.models.forward import ForwardOptions, completion_logprobs
 from grpokit.models.media import PromptImages, RowMedia
 from grpokit.models.tiny_vision import build_tiny_vlm
 from grpokit.models.vision import encode_image_prompt, vision_family
 from grpokit.rollout.batch import concat_rollouts
-from grpokit.rollout.decode import sample_groups
+from grpokit.rollout.decode import DecodeSpeed, sample_groups
+from grpokit.rollout.request import RolloutRequest, SamplingParams
 from grpokit.rollout.sampling import sample_tokens
 
 G, TEMPERATURE = 3, 0.8
@@ -60,10 +61,11 @@ def vlm(request):
     return model, processor, ids, RowMedia(family, images, model.config.image_token_id)
 
 
-def _sample(model, processor, ids, media, **kwargs):
-    options = dict(group_size=G, max_new_tokens=12, eos_token_ids=None, pad_token_id=processor.tokenizer.pad_token_id,
-                   temperature=TEMPERATURE, generator=torch.Generator().manual_seed(0), media=media)
-    return sample_groups(model, ids, **{**options, **kwargs})
+def _sample(model, processor, ids, media, share_prefill=True, **sampling):
+    sampling = {"max_new_tokens": 12, "pad_token_id": processor.tokenizer.pad_token_id, "temperature": TEMPERATURE,
+                **sampling}
+    request = RolloutRequest(ids, G, SamplingParams(**sampling), torch.Generator().manual_seed(0), media=media)
+    return sample_groups(model, request, speed=DecodeSpeed(share_prefill=share_prefill))
 
 
 @pytest.mark.parametrize("share_prefill", [True, False])
@@ -76,7 +78,7 @@ def test_sampled_logprobs_equal_the_scoring_forward(vlm, share_prefill):
         for linear_head in (True, False):
             logp, _ = completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
                                           rollout.completion_mask, temperature=TEMPERATURE, media=rollout.media,
-                                          linear_head=linear_head)
+                                          options=ForwardOptions(linear_head=linear_head))
             m = rollout.completion_mask.bool()
             torch.testing.assert_close(rollout.logprobs[m], logp[m], atol=1e-5, rtol=0)
     assert rollout.logprobs[m].std() > 0.1  # the distribution is not flat: a wrong position would show
@@ -112,10 +114,10 @@ def test_image_tokens_are_never_sampled(vlm, temperature, top_k):
         with torch.no_grad():
             logp, _ = completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
                                           rollout.completion_mask, temperature=temperature or 1.0,
-                                          media=rollout.media, linear_head=False)
-        text_only = sample_groups(model, ids[:1], group_size=2, max_new_tokens=4, eos_token_ids=None,
-                                  pad_token_id=processor.tokenizer.pad_token_id, temperature=TEMPERATURE,
-                                  generator=torch.Generator().manual_seed(0))  # no media: no suppression
+                                          media=rollout.media, options=ForwardOptions(linear_head=False))
+        text_only = sample_groups(model, RolloutRequest(  # no media: no suppression
+            ids[:1], 2, SamplingParams(4, pad_token_id=processor.tokenizer.pad_token_id, temperature=TEMPERATURE),
+            torch.Generator().manual_seed(0)))
     finally:
         boost.remove()
     m = rollout.completion_mask.bool()
@@ -182,7 +184,8 @@ def test_the_shared_prompt_forward_equals_every_row_whole_in_values_and_gradient
     results = []
     for share in (True, False):
         model.zero_grad(set_to_none=True)
-        logp, _ = completion_logprobs(model, *args, temperature=TEMPERATURE, media=rollout.media, share_prompts=share)
+        logp, _ = completion_logprobs(model, *args, temperature=TEMPERATURE, media=rollout.media,
+                                      options=ForwardOptions(share_prompts=share))
         (logp * rollout.completion_mask).sum().backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         results.append((logp.detach(), grads))

@@ -16,11 +16,13 @@ import pytest
 import torch
 from PIL import Image
 
+from grpokit.models.forward import ForwardOptions
 from grpokit.models.media import PromptImages, RowMedia
 from grpokit.models.tiny_vision import build_tiny_vlm
 from grpokit.models.vision import encode_image_prompt
 from grpokit.models.vision_forward import vision_completion_logprobs
 from grpokit.rollout.multiturn import sample_conversations
+from grpokit.rollout.request import RolloutRequest, SamplingParams
 from grpokit.rollout.tool_output import content_parts, is_content_blocks
 from grpokit.rollout.tools import ToolBox, ToolCall, ToolResult
 from grpokit.rollout.vision import ToolImages
@@ -60,10 +62,10 @@ def _sample(vlm, *, seed=0, temperature=1.0, group_size=3, budget=120, render=Tr
     media = RowMedia(arch, tuple(images), int(model.config.image_token_id)) if with_prompt_images else None
     if not with_prompt_images:
         ids = [tok.encode("user: what?\nassistant: ", add_special_tokens=False)] * 2
+    request = RolloutRequest(ids, group_size, SamplingParams(budget, tuple(digits), tok.pad_token_id, temperature),
+                             torch.Generator().manual_seed(seed), tools=ToolBox([look]), media=media)
     return sample_conversations(
-        model, ids, group_size=group_size, max_new_tokens=budget, eos_token_ids=digits, pad_token_id=tok.pad_token_id,
-        tokenizer=tok, tools=ToolBox([look]), max_tool_turns=2, temperature=temperature,
-        generator=torch.Generator().manual_seed(seed), media=media,
+        model, request, tokenizer=tok, max_tool_turns=2,
         parse_calls=lambda text, **_: [ToolCall("look", {"n": len(text)})],
         render_results=ToolImages(processor, arch, int(model.config.image_token_id)) if render else None)
 
@@ -71,7 +73,8 @@ def _sample(vlm, *, seed=0, temperature=1.0, group_size=3, budget=120, render=Tr
 def _recompute(model, rollout):
     with torch.no_grad():
         logp, _ = vision_completion_logprobs(model, rollout.prompt_ids, rollout.prompt_mask, rollout.completion_ids,
-                                             rollout.completion_mask, rollout.media, linear_head=False)
+                                             rollout.completion_mask, rollout.media,
+                                             options=ForwardOptions(linear_head=False))
     return logp
 
 
@@ -225,10 +228,11 @@ def _converse(vlm, box, *, render=None, history=None, with_prompt_images=True):
         ids, images = _prompts(arch, processor)
         media = RowMedia(arch, tuple(images), int(model.config.image_token_id))
     digits = [tok.convert_tokens_to_ids(d) for d in "0123456789"]
-    return sample_conversations(  # room for an error's text after the first turn (a character each)
-        model, ids, group_size=2, max_new_tokens=700, eos_token_ids=digits, pad_token_id=tok.pad_token_id,
-        tokenizer=tok, tools=box, max_tool_turns=1,
-        generator=torch.Generator().manual_seed(0), media=media, history=history,
+    budget = 700  # room for an error's text after the first turn (a character each)
+    request = RolloutRequest(ids, 2, SamplingParams(budget, tuple(digits), tok.pad_token_id),
+                             torch.Generator().manual_seed(0), tools=box, history=history, media=media)
+    return sample_conversations(
+        model, request, tokenizer=tok, max_tool_turns=1,
         parse_calls=lambda text, **_: [ToolCall("probe", {"n": 1})],
         render_results=render or ToolImages(processor, arch, int(model.config.image_token_id)).check())
 
@@ -299,7 +303,7 @@ def test_idefics3_image_splitting_counts_crops_without_breaking_the_checks():
     """SmolVLM's processors split an image into crops (its `num_images` counts them): the start-up check still sees
     the template show tool images, and a prompt with one split image still goes to vLLM as one image."""
     from grpokit.data.images import image_ref
-    from grpokit.rollout.vllm import _request
+    from grpokit.rollout.vllm.engine import _request
 
     model, processor = build_tiny_vlm(None, arch="idefics3", hidden_size=32, num_layers=1, seed=0, tools=True)
     processor.image_processor.do_image_splitting, processor.image_processor.size = True, {"longest_edge": 96}

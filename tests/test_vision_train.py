@@ -181,14 +181,17 @@ def test_what_is_not_built_with_images_is_refused(vlm_dirs, tmp_path, no_model_l
               reward_functions=[distinct_letters])
     from types import SimpleNamespace
 
+    from grpokit.config.options import VLLMOptions
     from grpokit.training.vision_setup import _refuse_unbuilt  # a config with the vllm engine needs vLLM installed
 
-    on_vllm = SimpleNamespace(tools=SimpleNamespace(history="append"), rollout=SimpleNamespace(engine="vllm", vllm={}))
+    on_vllm = SimpleNamespace(tools=SimpleNamespace(history="append"),
+                              rollout=SimpleNamespace(engine="vllm", vllm={}, vllm_options=VLLMOptions()))
     with pytest.raises(SetupError, match="^rollout.engine: the vLLM engine with images in multi-turn rollouts is "
                                          "not built yet"):
         _refuse_unbuilt(on_vllm, environments=False, tools=True)
     _refuse_unbuilt(on_vllm, environments=False, tools=False)  # single-turn: vLLM takes the images
     on_vllm.rollout.vllm = {"server": "http://localhost:8000"}  # token-id prompts over HTTP carry no pixels
+    on_vllm.rollout.vllm_options = VLLMOptions.of(on_vllm.rollout.vllm)
     with pytest.raises(SetupError, match="^rollout.vllm.server: a vLLM server with images .* not built yet"):
         _refuse_unbuilt(on_vllm, environments=False, tools=False)
     with pytest.raises(SetupError, match="^tools: .*the chat template ignores the tools"):
@@ -331,9 +334,9 @@ def test_the_trl_drop_ins_evaluate_samples_from_the_rows_images(vlm_dirs, tmp_pa
 
     given, real = [], HFEngine.generate
 
-    def spy(self, prompt_ids, *, media=None, **kwargs):
-        given.append(None if media is None else media.num_images)
-        return real(self, prompt_ids, media=media, **kwargs)
+    def spy(self, request):
+        given.append(None if request.media is None else request.media.num_images)
+        return real(self, request)
 
     monkeypatch.setattr(HFEngine, "generate", spy)
     args = GRPOConfig(output_dir=str(tmp_path / "o"), max_steps=1, per_device_train_batch_size=2, num_generations=2,

@@ -162,7 +162,7 @@ def cmd_report(args) -> int:
 
 def cmd_explain(args) -> int:
     from grpokit.models.loading import check_model_folder, load_model, load_tokenizer
-    from grpokit.observe.explain import explain, format_explanation
+    from grpokit.observe.explain import TrustRegion, explain, format_explanation
 
     check_model_folder(args.old, field="--old")  # both folders before either model loads
     check_model_folder(args.new, field="--new")
@@ -170,7 +170,7 @@ def cmd_explain(args) -> int:
     old = load_model(args.old, dtype=args.dtype, device=args.device, field="--old").eval()
     new = load_model(args.new, dtype=args.dtype, device=args.device, field="--new").eval()
     result = explain(old, new, tokenizer, args.prompt, args.answer, chat=args.chat, temperature=args.temperature,
-                     top_k=args.top_k, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
+                     top_k=args.top_k, trust_region=TrustRegion(args.epsilon, args.epsilon_high),
                      advantage=args.advantage)
     print(json.dumps(result, indent=2, ensure_ascii=False) if args.json else format_explanation(result))
     return 0
@@ -276,17 +276,28 @@ def _add_data_args(p, rows: str) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """`grpokit`'s parser: one sub-parser per command, in the order `grpokit --help` lists them."""
     parser = _Parser(prog="grpokit", description="GRPO fine-tuning of Hugging Face causal LMs.")
     parser.add_argument("--version", action="version", version=f"grpokit {_version()}",
                         help="print grpokit's version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from grpokit.serve import add_parser as add_serve_parser
 
+    for add in (_add_train_parser, _add_config_parser, _add_eval_parser, _add_sft_parser, _add_demo_parser,
+                _add_report_parser, _add_explain_parser, _add_tiny_model_parser, add_serve_parser):
+        add(sub)
+    return parser
+
+
+def _add_train_parser(sub) -> None:
     p = sub.add_parser("train", help="run GRPO from a TOML config")
     _add_config_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
     p.add_argument("--nproc-per-node", type=int, metavar="N", help="start N torchrun processes on this machine")
     p.set_defaults(func=cmd_train)
 
+
+def _add_config_parser(sub) -> None:
     p = sub.add_parser("config", help="print the resolved config (defaults and preset filled in) and check it",
                        description="Print the resolved config (defaults and the preset filled in, --set applied) "
                                    "as TOML or JSON, and check it without loading a model. Every field: "
@@ -295,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of TOML")
     p.set_defaults(func=cmd_config)
 
+
+def _add_eval_parser(sub) -> None:
     p = sub.add_parser("eval", help="sampled accuracy, pass@k and mean reward on held-out prompts")
     _add_model_args(p)
     _add_data_args(p, "prompts")
@@ -318,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_eval)
 
+
+def _add_sft_parser(sub) -> None:
     p = sub.add_parser("sft", help="short supervised warm start before RL")
     _add_model_args(p)
     _add_data_args(p, "prompt/completion pairs")
@@ -330,6 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the examples' order and initialisation")
     p.set_defaults(func=cmd_sft)
 
+
+def _add_demo_parser(sub) -> None:
     p = sub.add_parser("demo", help="build a tiny model, warm-start it, run GRPO, show before/after")
     _add_choice(p, "--task", ("addition", "tools", "vision"), default="addition",
                 help="addition: 2-digit addition; tools: 2-digit multiplication with a calculator tool called inside "
@@ -339,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the whole demo (model, data, sampling)")
     p.set_defaults(func=cmd_demo)
 
+
+def _add_report_parser(sub) -> None:
     p = sub.add_parser("report",
                        help="write a self-contained HTML report of a run folder (curves, groups, diagnostics)")
     p.add_argument("run_dir", help="a run folder (output.dir) with metrics.jsonl")
@@ -347,6 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3, help="steps whose sampled groups are shown (first, last, between)")
     p.set_defaults(func=cmd_report)
 
+
+def _add_explain_parser(sub) -> None:
     p = sub.add_parser("explain", help="per-token probabilities and policy ratios of one answer under two checkpoints")
     p.add_argument("--old", required=True, help="model folder of the policy that sampled the answer")
     p.add_argument("--new", required=True, help="model folder after the update")
@@ -362,20 +383,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=cmd_explain)
 
-    p = sub.add_parser("tiny-model", help="write a tiny random-init model + char tokenizer to a folder")
-    p.add_argument("out", help="a new (or empty) folder")
+
+def _add_tiny_model_parser(sub) -> None:
     from grpokit.models.tiny import TINY_ARCHS, TINY_VLM_ARCHS
 
+    p = sub.add_parser("tiny-model", help="write a tiny random-init model + char tokenizer to a folder")
+    p.add_argument("out", help="a new (or empty) folder")
     _add_choice(p, "--arch", TINY_ARCHS + TINY_VLM_ARCHS, default="qwen2", help="architecture (HF model_type)")
     p.add_argument("--hidden-size", type=int, default=128, help="hidden size, a multiple of 8")
     p.add_argument("--layers", type=int, default=4, help="decoder layers, >= 1")
     p.add_argument("--seed", type=int, default=0, help="seed of the random initialisation")
     p.add_argument("--tools", action="store_true", help="a chat template that lists tools and renders tool calls")
     p.set_defaults(func=cmd_tiny_model)
-    from grpokit.serve import add_parser as add_serve_parser
-
-    add_serve_parser(sub)
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -125,7 +125,7 @@ def run_demo(out: str | Path = "demo_run", *, quick: bool = False, seed: int = 0
         RolloutConfig,
         TrainConfig,
     )
-    from grpokit.evaluate import evaluate
+    from grpokit.evaluate import EvalSettings, SamplingParams, evaluate
     from grpokit.models.loading import load_model_and_tokenizer
     from grpokit.models.tiny import build_tiny_model
     from grpokit.observe.tracking import read_metrics
@@ -160,10 +160,11 @@ def run_demo(out: str | Path = "demo_run", *, quick: bool = False, seed: int = 0
     tokenizer.save_pretrained(out / "sft")
 
     ids = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in held_out]
-    eval_kwargs = dict(samples_per_prompt=EVAL["samples_per_prompt"], temperature=EVAL["temperature"],
-                       max_new_tokens=GRPO["max_new_tokens"], seed=seed)
+    settings = EvalSettings(SamplingParams(GRPO["max_new_tokens"], pad_token_id=tokenizer.pad_token_id,
+                                           temperature=EVAL["temperature"]),
+                            samples_per_prompt=EVAL["samples_per_prompt"], seed=seed)
     console.rule("[bold]3. held-out evaluation before GRPO")
-    before = evaluate(model, tokenizer, held_out, ids, specs, **eval_kwargs)
+    before = evaluate(model, tokenizer, held_out, ids, specs, settings)
     console.print(before)
 
     console.rule("[bold]4. GRPO")
@@ -183,7 +184,7 @@ def run_demo(out: str | Path = "demo_run", *, quick: bool = False, seed: int = 0
     model, tokenizer = load_model_and_tokenizer(final)
 
     console.rule("[bold]5. held-out evaluation after GRPO (same sampling settings)")
-    after = evaluate(model, tokenizer, held_out, ids, specs, **eval_kwargs)
+    after = evaluate(model, tokenizer, held_out, ids, specs, settings)
     metrics = read_metrics(run_dir)
     summary = write_summary(out, before, after, started, config.train.steps, run_dir)
     k = EVAL["samples_per_prompt"]

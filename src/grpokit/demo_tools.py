@@ -89,7 +89,7 @@ def run_tool_demo(out: str | Path = "demo_tools_run", *, quick: bool = False, se
     )
     from grpokit.data.prompts import render_prompt
     from grpokit.demo import before_after, prepare_demo_folder, sparkline, write_summary
-    from grpokit.evaluate import evaluate
+    from grpokit.evaluate import EvalSettings, SamplingParams, ToolUse, evaluate
     from grpokit.models.loading import load_model_and_tokenizer
     from grpokit.models.tiny import TOOL_CHAT_TEMPLATE, TOOL_WORDS, build_char_tokenizer, build_tiny_model
     from grpokit.observe.tracking import read_metrics
@@ -127,11 +127,13 @@ def run_tool_demo(out: str | Path = "demo_tools_run", *, quick: bool = False, se
 
     ids = [tokenizer(render_prompt(tokenizer, r["prompt"], tools=tools.schemas), add_special_tokens=False)["input_ids"]
            for r in held_out]
-    eval_kwargs = dict(samples_per_prompt=EVAL["samples_per_prompt"], temperature=EVAL["temperature"],
-                       max_new_tokens=GRPO["max_new_tokens"], seed=seed, tools=tools, max_tool_turns=GRPO["max_calls"])
+    settings = EvalSettings(SamplingParams(GRPO["max_new_tokens"], pad_token_id=tokenizer.pad_token_id,
+                                           temperature=EVAL["temperature"]),
+                            samples_per_prompt=EVAL["samples_per_prompt"], seed=seed)
+    tool_use = ToolUse(tools, GRPO["max_calls"])
     specs = task.reward_functions()
     console.rule("[bold]3. held-out evaluation before GRPO")
-    before = evaluate(model, tokenizer, held_out, ids, specs, **eval_kwargs)
+    before = evaluate(model, tokenizer, held_out, ids, specs, settings, tool_use=tool_use)
     console.print(before)
 
     console.rule("[bold]4. GRPO (the calculator runs inside each rollout)")
@@ -151,7 +153,7 @@ def run_tool_demo(out: str | Path = "demo_tools_run", *, quick: bool = False, se
     model, tokenizer = load_model_and_tokenizer(list_checkpoints(run_dir)[-1])
 
     console.rule("[bold]5. held-out evaluation after GRPO (same sampling settings)")
-    after = evaluate(model, tokenizer, held_out, ids, specs, **eval_kwargs)
+    after = evaluate(model, tokenizer, held_out, ids, specs, settings, tool_use=tool_use)
     metrics = read_metrics(run_dir)
     summary = write_summary(out, before, after, started, config.train.steps, run_dir)
     k = EVAL["samples_per_prompt"]

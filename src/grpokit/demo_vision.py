@@ -95,26 +95,11 @@ def run_vision_demo(out: str | Path = "demo_vision_run", *, quick: bool = False,
 
 
 def _run(console, out: Path, quick: bool, seed: int) -> dict:
-    from grpokit.config.schema import (
-        AlgorithmConfig,
-        Config,
-        DataConfig,
-        ModelConfig,
-        OutputConfig,
-        RolloutConfig,
-        TrainConfig,
-    )
-    from grpokit.demo import before_after, sparkline, write_summary
+    """The demo's five phases (module docstring), each printed under its own rule; the summary it writes."""
     from grpokit.evaluate import evaluate
     from grpokit.models.media import RowMedia
-    from grpokit.models.tiny_vision import build_tiny_vlm
-    from grpokit.models.vision import load_processor, save_processor
-    from grpokit.observe.tracking import read_metrics
-    from grpokit.sft import sft
+    from grpokit.models.vision import save_processor
     from grpokit.tasks import get_task
-    from grpokit.training.checkpoint import list_checkpoints
-    from grpokit.training.loop import train
-    from grpokit.training.vision_setup import load_vision_model
 
     started = time.perf_counter()
     task_args = {k: v for k, v in TASK.items() if k != "name"}
@@ -124,15 +109,46 @@ def _run(console, out: Path, quick: bool, seed: int) -> dict:
     specs = task.reward_functions()
 
     console.rule("[bold]1. tiny Qwen2-VL + processor, built locally")
-    model, processor = build_tiny_vlm(out / "base", arch=MODEL["arch"], hidden_size=MODEL["hidden_size"],
-                                      num_layers=MODEL["num_layers"], image_size=TASK["image_size"], seed=seed)
-    tokenizer = processor.tokenizer
+    model, processor = _tiny_vlm(out / "base", seed)
     encoded = encoded_rows(processor, model.config, train_rows)
     console.print(f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters; a prompt is "
                   f"{len(encoded[0][0])} tokens, {encoded[0][0].count(int(model.config.image_token_id))} of them "
                   "for the image")
 
     console.rule("[bold]2. supervised warm start: learn to look, then half the targets another count")
+    model = _warm_start(console, model, processor.tokenizer, train_rows, encoded, quick=quick, seed=seed)
+    model.save_pretrained(out / "sft")
+    save_processor(processor, out / "sft")
+
+    held = encoded_rows(processor, model.config, held_out)
+    ids = [i for i, _ in held]
+    media = RowMedia.concat([m for _, m in held], [1] * len(held))
+    eval_kwargs = dict(samples_per_prompt=EVAL["samples_per_prompt"], temperature=EVAL["temperature"],
+                       max_new_tokens=GRPO["max_new_tokens"], seed=seed, media=media)
+    console.rule("[bold]3. held-out evaluation before GRPO")
+    before = evaluate(model, processor.tokenizer, held_out, ids, specs, **eval_kwargs)
+    console.print(before)
+
+    console.rule("[bold]4. GRPO (the vision tower frozen)")
+    config, run_dir, model, tokenizer = _grpo(out, task_args, train_rows, quick=quick, seed=seed)
+
+    console.rule("[bold]5. held-out evaluation after GRPO (same sampling settings)")
+    after = evaluate(model, tokenizer, held_out, ids, specs, **eval_kwargs)
+    return _show_results(console, out, before, after, started, config, run_dir)
+
+
+def _tiny_vlm(folder: Path | None, seed: int):
+    """A freshly initialised tiny Qwen2-VL (`MODEL`) for `TASK`'s images, and its processor; saved to `folder`."""
+    from grpokit.models.tiny_vision import build_tiny_vlm
+
+    return build_tiny_vlm(folder, arch=MODEL["arch"], hidden_size=MODEL["hidden_size"],
+                          num_layers=MODEL["num_layers"], image_size=TASK["image_size"], seed=seed)
+
+
+def _warm_start(console, model, tokenizer, train_rows: list[dict], encoded, *, quick: bool, seed: int):
+    """Phase 2: the clean SFT stage (from a fresh initialisation where the last never learned to look, up to
+    `SFT["attempts"]`), then the noisy one; the model that went through them (maybe not `model`)."""
+    from grpokit.sft import sft
 
     def stage(name: str, wrong: float, steps: int) -> float:
         """One SFT stage; its mean loss over the last 20 steps (the clean stage's goal: below `until_loss`)."""
@@ -154,23 +170,28 @@ def _run(console, out: Path, quick: bool, seed: int) -> dict:
         if attempt < SFT["attempts"]:
             console.print(f"  the loss is still {loss:.2f}, above {SFT['until_loss']} (the model does not look yet): "
                           f"a fresh random initialisation, attempt {attempt + 1} of {SFT['attempts']}")
-            model = build_tiny_vlm(None, arch=MODEL["arch"], hidden_size=MODEL["hidden_size"],
-                                   num_layers=MODEL["num_layers"], image_size=TASK["image_size"],
-                                   seed=seed + 1000 * attempt)[0]
+            model = _tiny_vlm(None, seed + 1000 * attempt)[0]
     stage("noisy", SFT["wrong_fraction"], QUICK["sft_steps"] if quick else SFT["noisy_steps"])
-    model.save_pretrained(out / "sft")
-    save_processor(processor, out / "sft")
+    return model
 
-    held = encoded_rows(processor, model.config, held_out)
-    ids = [i for i, _ in held]
-    media = RowMedia.concat([m for _, m in held], [1] * len(held))
-    eval_kwargs = dict(samples_per_prompt=EVAL["samples_per_prompt"], temperature=EVAL["temperature"],
-                       max_new_tokens=GRPO["max_new_tokens"], seed=seed, media=media)
-    console.rule("[bold]3. held-out evaluation before GRPO")
-    before = evaluate(model, tokenizer, held_out, ids, specs, **eval_kwargs)
-    console.print(before)
 
-    console.rule("[bold]4. GRPO (the vision tower frozen)")
+def _grpo(out: Path, task_args: dict, train_rows: list[dict], *, quick: bool, seed: int):
+    """Phase 4: GRPO from the warm-started model in `out / "sft"` (the vision tower frozen, as a run is by
+    default); its config, run folder, and the last checkpoint's model and tokenizer."""
+    from grpokit.config.schema import (
+        AlgorithmConfig,
+        Config,
+        DataConfig,
+        ModelConfig,
+        OutputConfig,
+        RolloutConfig,
+        TrainConfig,
+    )
+    from grpokit.models.vision import load_processor
+    from grpokit.training.checkpoint import list_checkpoints
+    from grpokit.training.loop import train
+    from grpokit.training.vision_setup import load_vision_model
+
     config = Config(
         model=ModelConfig(path=str(out / "sft")),
         data=DataConfig(task=TASK["name"], task_args=task_args, seed=seed),
@@ -183,10 +204,14 @@ def _run(console, out: Path, quick: bool, seed: int) -> dict:
     )
     run_dir = train(config, rows=train_rows)
     final = list_checkpoints(run_dir)[-1]
-    model, tokenizer = load_vision_model(str(final)), load_processor(final).tokenizer
+    return config, run_dir, load_vision_model(str(final)), load_processor(final).tokenizer
 
-    console.rule("[bold]5. held-out evaluation after GRPO (same sampling settings)")
-    after = evaluate(model, tokenizer, held_out, ids, specs, **eval_kwargs)
+
+def _show_results(console, out: Path, before: dict, after: dict, started: float, config, run_dir: Path) -> dict:
+    """Phase 5's table: before / after, the reward and entropy curves; the summary written to `out`."""
+    from grpokit.demo import before_after, sparkline, write_summary
+    from grpokit.observe.tracking import read_metrics
+
     metrics = read_metrics(run_dir)
     summary = write_summary(out, before, after, started, config.train.steps, run_dir)
     k = EVAL["samples_per_prompt"]

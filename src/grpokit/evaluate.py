@@ -1,7 +1,8 @@
 """`grpokit eval`: held-out rows, rewards and tools from the command line's words.
 
-The scoring itself (`evaluate`: sampled accuracy, pass@k, greedy accuracy, mean reward) lives in
-training/evaluation.py, where evaluation during training uses it too; it is re-exported here.
+The scoring itself (`evaluate`: sampled accuracy, pass@k, greedy accuracy, mean reward; its settings
+`EvalSettings` with a `SamplingParams`, and `ToolUse`) lives in training/evaluation.py, where evaluation during
+training uses it too; it is re-exported here.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from grpokit.data.files import load_prompts
 from grpokit.data.prompts import render_prompt
 from grpokit.errors import SetupError
 from grpokit.rewards.registry import reward_specs
+from grpokit.rollout.request import SamplingParams
 from grpokit.rollout.tools import ToolBox
 from grpokit.tasks import cli_task, task_tools
-from grpokit.training.evaluation import evaluate, pass_at_k
+from grpokit.training.evaluation import EvalSettings, ToolUse, evaluate, pass_at_k
 
-__all__ = ["check_context", "eval_prompts", "eval_rows_and_specs", "eval_tools", "evaluate", "load_eval_model",
-           "pass_at_k"]
+__all__ = ["EvalSettings", "SamplingParams", "ToolUse", "check_context", "eval_prompts", "eval_rows_and_specs",
+           "eval_tools", "evaluate", "load_eval_model", "pass_at_k"]
 
 
 def eval_rows_and_specs(*, task, task_args, data, prompt_column, rewards, num_prompts, seed):

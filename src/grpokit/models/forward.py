@@ -9,8 +9,11 @@ logit soft-capping, for instance) are scored through the model's own logits inst
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import warnings
 from contextlib import contextmanager
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import Tensor
@@ -18,6 +21,9 @@ from torch import Tensor
 from grpokit.algorithms.logprobs import token_logprobs, token_logprobs_from_hidden
 from grpokit.models.packing import packed_completion_hidden, packing_applies
 from grpokit.models.prompt_forward import distinct_prompts, position_ids_from_mask, prompt_forward
+
+if TYPE_CHECKING:
+    from grpokit.config.schema import TrainConfig
 
 
 class _RowsIntoGrad(torch.autograd.Function):
@@ -137,6 +143,61 @@ def _shared_prompt_hidden(model, prompt_ids, prompt_mask, completion_ids, comple
     return torch.cat([last[:, None], out.last_hidden_state], dim=1)  # [N, T, H]
 
 
+@dataclasses.dataclass(frozen=True)
+class ForwardOptions:
+    """How the training forward runs: choices of speed and memory that leave the log-probs as they are (up to float
+    rounding). A run builds them from its config's [train] section (`from_train`); the per-call inputs (the
+    tensors, the temperature, what to return, `grad_fn`, the images) stay arguments of `completion_logprobs`.
+
+    `chunk_size`: flattened [N*T] rows per chunk of the selective log-softmax (`train.logprob_chunk_size`).
+    `linear_head`: logits == lm_head(last hidden state) (`head_is_linear`): the model body runs once and the head
+    chunk by chunk, the [N, T, V] logits never whole; False scores through the model's own logits.
+    `fused` (linear heads): the fused selective log-softmax of `fused_logprobs`, with the one-pass backward of
+    `grad_fn` (`train.fused_logprobs`); False is the plain checkpointed path, kept for ablations and tests.
+    `share_prompts` (linear heads): run each distinct prompt once and repeat its KV cache over its answers
+    (`train.shared_prompt_forward`; False runs every row's prompt, for ablations).
+    `packed` (linear heads, with `share_prompts`, text only, where `packing_applies`, answers of different
+    lengths): the answers run as one row without padding (models/packing.py, `train.packed_sequences`); the
+    log-probs at padding positions are then 0, and `grad_fn`'s offsets become the chunk's flat positions in [N*T]."""
+
+    chunk_size: int = 1024
+    linear_head: bool = True
+    fused: bool = True
+    share_prompts: bool = True
+    packed: bool = False
+
+    @classmethod
+    def from_train(cls, train: TrainConfig, *, linear_head: bool, packed: bool = False,
+                   backward: bool = False) -> ForwardOptions:
+        """The options `train` (a config's [train] section) asks for, for a model whose head is `linear_head`
+        and a batch that runs `packed` (`Policy.packs_sequences`). `backward`: a forward the loss backpropagates
+        through, where `train.gradient_checkpointing` turns the shared prompt forward off (a checkpointed layer
+        cannot write the shared prompt's KV cache: its replay would write it twice)."""
+        return cls(chunk_size=train.logprob_chunk_size, linear_head=linear_head, fused=train.fused_logprobs,
+                   share_prompts=train.shared_prompt_forward and not (backward and train.gradient_checkpointing),
+                   packed=packed)
+
+
+def _options_as_keywords(score):
+    """`score(..., chunk_size=..., fused=...)`, the spelling before `ForwardOptions`, still works: the keywords
+    are folded into `options`, with a DeprecationWarning naming the new spelling."""
+    names = tuple(f.name for f in dataclasses.fields(ForwardOptions))
+
+    @functools.wraps(score)
+    def call(*args, **kwargs):
+        old = {name: kwargs.pop(name) for name in names if name in kwargs}
+        if old:
+            spelled = ", ".join(f"{k}={v!r}" for k, v in old.items())
+            warnings.warn(f"{score.__name__}: the keywords {', '.join(old)} moved into `options`; pass "
+                          f"options=ForwardOptions({spelled}) (from grpokit.models.forward import ForwardOptions)",
+                          DeprecationWarning, stacklevel=2)
+            kwargs["options"] = dataclasses.replace(kwargs.get("options") or ForwardOptions(), **old)
+        return score(*args, **kwargs)
+
+    return call
+
+
+@_options_as_keywords
 def completion_logprobs(
     model,
     prompt_ids: torch.Tensor,  # [N, P] left-padded
@@ -145,26 +206,20 @@ def completion_logprobs(
     completion_mask: torch.Tensor,  # [N, T]
     *,
     temperature: float = 1.0,
-    chunk_size: int = 1024,
     with_entropy: bool = False,
-    linear_head: bool = True,
-    fused: bool = True,
     grad_fn=None,
-    share_prompts: bool = True,
-    packed: bool = False,
     media=None,
+    options: ForwardOptions | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs `[N, T]` (and entropies) of the completion tokens under `model`.
+    """Log-probs `[N, T]` (and entropies `[N, T]` `with_entropy`, else None) of the completion tokens under `model`.
 
-    `fused` (linear heads): the fused selective log-softmax of `fused_logprobs`, one-pass backward
-    with `grad_fn` (dLoss/dlogp of a chunk of the flattened `[N*T]` log-probs); `fused=False` is
-    the plain checkpointed path, kept for ablations and tests. `share_prompts` (linear heads): run
-    each distinct prompt once and repeat its KV cache over its answers (`train.shared_prompt_forward`;
-    False runs every row's prompt, for ablations). `packed` (linear heads, with `share_prompts`, text only, where
-    `packing_applies`, answers of different lengths): the answers run as one row without padding
-    (models/packing.py); the log-probs at padding positions are then 0, and `grad_fn`'s offsets become the
-    chunk's flat positions in `[N*T]`. `media` (`models.media.RowMedia`): the rows' images, for a
-    vision-language model (`models/vision_forward.py`; the shared prompt forward takes them too)."""
+    `grad_fn` (linear heads, `options.fused`): dLoss/dlogp of a chunk of the flattened `[N*T]` log-probs, for the
+    fused head's one-pass backward. `media` (`models.media.RowMedia`): the rows' images, for a vision-language
+    model (`models/vision_forward.py`; the shared prompt forward takes them too). `options`: how the forward runs
+    (`ForwardOptions`, its defaults when None); they change the cost, not the log-probs."""
+    options = options or ForwardOptions()
+    chunk_size, linear_head, fused = options.chunk_size, options.linear_head, options.fused
+    share_prompts, packed = options.share_prompts, options.packed
     lengths = completion_mask.sum(-1) if packed else None  # [N] (one length: no padding to save, the batched forward)
     if packed and share_prompts and linear_head and media is None and len(lengths) > 1 \
             and bool(lengths.min() < lengths.max()) and packing_applies(model):
@@ -188,8 +243,8 @@ def completion_logprobs(
         from grpokit.models.vision_forward import vision_completion_logprobs
 
         return vision_completion_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, media,
-                                          temperature=temperature, chunk_size=chunk_size, with_entropy=with_entropy,
-                                          linear_head=linear_head, fused=fused, grad_fn=grad_fn)
+                                          temperature=temperature, with_entropy=with_entropy, grad_fn=grad_fn,
+                                          options=options)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P+T]
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)  # [N, P+T]
     positions = position_ids_from_mask(attention_mask)

@@ -9,19 +9,26 @@ logits never exist.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from grpokit.algorithms.logprobs import token_logprobs, token_logprobs_from_hidden
 from grpokit.models.media import RowMedia
 
+if TYPE_CHECKING:  # forward.py calls this module: no import back at run time
+    from grpokit.models.forward import ForwardOptions
+
 
 def vision_completion_logprobs(
     model, prompt_ids: Tensor, prompt_mask: Tensor, completion_ids: Tensor, completion_mask: Tensor,
-    media: RowMedia, *, temperature: float = 1.0, chunk_size: int = 1024, with_entropy: bool = False,
-    linear_head: bool = True, fused: bool = True, grad_fn=None,
+    media: RowMedia, *, options: ForwardOptions, temperature: float = 1.0, with_entropy: bool = False, grad_fn=None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Log-probs `[N, T]` (and entropies) of the completion tokens under `model`, the rows' images in view."""
+    """Log-probs `[N, T]` (and entropies) of the completion tokens under `model`, the rows' images in view.
+    Of `options` (`forward.ForwardOptions`) only `chunk_size`, `linear_head` and `fused` apply: every row runs
+    whole."""
+    chunk_size, linear_head, fused = options.chunk_size, options.linear_head, options.fused
     if len(media) != prompt_ids.shape[0]:
         raise ValueError(f"media has {len(media)} rows for a batch of {prompt_ids.shape[0]}")
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)  # [N, P+T]

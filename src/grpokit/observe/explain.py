@@ -24,7 +24,10 @@ fixture of its test.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
+import warnings
 from pathlib import Path
 
 import torch
@@ -40,10 +43,49 @@ def next_token_logprobs(model, prompt_ids: list[int], answer_ids: list[int], tem
     return (logits / temperature).log_softmax(-1)
 
 
+@dataclasses.dataclass(frozen=True)
+class TrustRegion:
+    """The clipped objective's trust region [1 - epsilon, 1 + epsilon_high] for the token ratio (a run's
+    `algorithm.epsilon` and `algorithm.epsilon_high`; `epsilon_high` None: `epsilon` on both sides)."""
+
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+
+    @property
+    def upper_epsilon(self) -> float:
+        return self.epsilon_high or self.epsilon
+
+    @property
+    def bounds(self) -> tuple[float, float]:
+        """(low, high): a ratio outside them is flagged, and with an advantage may take the clipped branch."""
+        return 1 - self.epsilon, 1 + self.upper_epsilon
+
+
+def _epsilon_as_keywords(explain_fn):
+    """`explain(..., epsilon=..., epsilon_high=...)`, the spelling before `TrustRegion`, still works: the keywords
+    are folded into `trust_region`, with a DeprecationWarning naming the new spelling."""
+
+    @functools.wraps(explain_fn)
+    def call(*args, **kwargs):
+        old = {name: kwargs.pop(name) for name in ("epsilon", "epsilon_high") if name in kwargs}
+        if old:
+            spelled = ", ".join(f"{k}={v!r}" for k, v in old.items())
+            warnings.warn(f"{explain_fn.__name__}: the keywords {', '.join(old)} moved into `trust_region`; pass "
+                          f"trust_region=TrustRegion({spelled}) (from grpokit.observe.explain import TrustRegion)",
+                          DeprecationWarning, stacklevel=2)
+            kwargs["trust_region"] = dataclasses.replace(kwargs.get("trust_region") or TrustRegion(), **old)
+        return explain_fn(*args, **kwargs)
+
+    return call
+
+
+@_epsilon_as_keywords
 def explain(old_model, new_model, tokenizer, prompt: str, answer: str, *, chat: bool = False,
-            temperature: float = 1.0, top_k: int = 5, epsilon: float = 0.2, epsilon_high: float | None = None,
+            temperature: float = 1.0, top_k: int = 5, trust_region: TrustRegion | None = None,
             advantage: float | None = None) -> dict:
-    """Per-token tables and ratios of `answer` after `prompt` under the old and the new model (a JSON-able dict)."""
+    """Per-token tables and ratios of `answer` after `prompt` under the old and the new model (a JSON-able dict).
+    `trust_region` (`TrustRegion`, its defaults when None) flags the ratios outside it; with the answer's
+    `advantage`, the tokens where the clipped objective takes the clipped branch are marked too."""
     from grpokit.data.prompts import render_prompt
 
     text = render_prompt(tokenizer, [{"role": "user", "content": prompt}] if chat else prompt)
@@ -58,7 +100,8 @@ def explain(old_model, new_model, tokenizer, prompt: str, answer: str, *, chat: 
                            f"{new_model.config.vocab_size} tokens); compare two checkpoints of one model")
     old = next_token_logprobs(old_model, prompt_ids, answer_ids, temperature).cpu()  # [T, V]
     new = next_token_logprobs(new_model, prompt_ids, answer_ids, temperature).cpu()  # [T, V]
-    low, high = 1 - epsilon, 1 + (epsilon_high or epsilon)
+    trust_region = trust_region or TrustRegion()
+    low, high = trust_region.bounds
     piece = lambda i: tokenizer.decode([i])  # noqa: E731
     steps, context = [], [piece(i) for i in prompt_ids]
     for t, token_id in enumerate(answer_ids):
@@ -80,7 +123,7 @@ def explain(old_model, new_model, tokenizer, prompt: str, answer: str, *, chat: 
     log_ratio = sum(s["log_ratio"] for s in steps)
     return {
         "prompt": text, "answer": answer, "prompt_tokens": [piece(i) for i in prompt_ids],
-        "temperature": temperature, "epsilon": epsilon, "epsilon_high": epsilon_high or epsilon,
+        "temperature": temperature, "epsilon": trust_region.epsilon, "epsilon_high": trust_region.upper_epsilon,
         "advantage": advantage, "trust_region": [low, high], "steps": steps,
         "sequence": {"p_old": math.exp(lp_old_sum), "p_new": math.exp(lp_old_sum + log_ratio),
                      "log_ratio": log_ratio, "ratio": math.exp(log_ratio),

@@ -34,7 +34,8 @@ on the other prompts in the batch (greedy decoding does not).
 from __future__ import annotations
 
 import inspect
-from typing import Sequence
+import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -43,8 +44,33 @@ from grpokit.models.forward import position_ids_from_mask
 from grpokit.models.media import RowMedia
 from grpokit.rollout.batch import Rollout, left_pad
 from grpokit.rollout.layer_loop import layer_loop_for
+from grpokit.rollout.request import RolloutRequest, SamplingParams
 from grpokit.rollout.sampling import sample_tokens
 from grpokit.rollout.vision import MediaPrefill, suppressed_tokens
+
+
+@dataclass(frozen=True)
+class DecodeSpeed:
+    """How the built-in sampler decodes: these change speed, not the distribution (the same seed, prompts and
+    model give the same answers; benchmark ablations).
+
+    - `sampler` (`rollout.sampler`): the token sampler (rollout/sampling.py).
+    - `preallocate_kv_cache` (`rollout.preallocated_kv_cache`): a KV cache allocated once for the whole answer
+      (False: transformers' DynamicCache, which concatenates every step).
+    - `share_prefill` (`rollout.shared_prefill`): one prefill per prompt (False: all N = B*G rows).
+    - `layer_loop` (`rollout.layer_loop`): decode steps as a plain loop over the layers where that is the model's
+      own computation (rollout/layer_loop.py).
+    """
+
+    sampler: str = "inverse_cdf"
+    preallocate_kv_cache: bool = True
+    share_prefill: bool = True
+    layer_loop: bool = True
+
+    @classmethod
+    def from_config(cls, config) -> "DecodeSpeed":
+        r = config.rollout
+        return cls(r.sampler, r.preallocated_kv_cache, r.shared_prefill, r.layer_loop)
 
 
 def _preallocated_layer(capacity: int):
@@ -179,16 +205,16 @@ def _stop_string_hits(tokens: Tensor, rows: Tensor, t: int, tokenizer, stops, wi
     return torch.tensor(hits, dtype=torch.bool, device=tokens.device)
 
 
-def _decode_loop(model, ids: Tensor, mask: Tensor, *, group_size: int, max_new_tokens: int,
-                 eos: Tensor | None, pad_token_id: int, sampling: dict, stops: tuple[str, ...],
-                 tokenizer, preallocate: bool = True, media: RowMedia | None = None, layer_loop: bool = True
-                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Prefill [B, P] once (with `media`: the B prompts' images), expand to N rows and decode them.
+def _decode_loop(model, ids: Tensor, mask: Tensor, *, group_size: int, sampling: SamplingParams, draw: dict,
+                 tokenizer, speed: DecodeSpeed, media: RowMedia | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Prefill [B, P] once (with `media`: the B prompts' images), expand to N rows and decode them: each token
+    drawn by `sample_tokens(logits, **draw)`, the answers' budget, end tokens and stop strings `sampling`'s.
 
     Returns tokens and logprobs [N, max_new_tokens], lengths [N] and finished [N].
     """
-    step = Decoder(model, capacity=ids.shape[1] + max_new_tokens if preallocate else None, media=media,
-                   layer_loop=layer_loop)
+    max_new_tokens, pad_token_id, stops = sampling.max_new_tokens, sampling.pad_token_id, tuple(sampling.stop_strings)
+    capacity = ids.shape[1] + max_new_tokens if speed.preallocate_kv_cache else None
+    step = Decoder(model, capacity=capacity, media=media, layer_loop=speed.layer_loop)
     positions = position_ids_from_mask(mask)  # [B, P]
     logits = step(ids, mask, positions)  # [B, V]: the prefill runs on B rows, not N
     step.repeat_rows(group_size)
@@ -196,6 +222,9 @@ def _decode_loop(model, ids: Tensor, mask: Tensor, *, group_size: int, max_new_t
     mask = mask.repeat_interleave(group_size, 0)  # [N, P]
     next_pos = positions[:, -1].repeat_interleave(group_size) + 1  # [N]
     n, device = logits.shape[0], logits.device
+    eos = None if sampling.ignore_eos or sampling.eos_token_ids is None else \
+        torch.as_tensor(sampling.eos_token_ids, dtype=torch.long).reshape(-1)
+    eos = eos.to(device) if eos is not None and eos.numel() else None  # [E]
     tokens = torch.full((n, max_new_tokens), pad_token_id, dtype=torch.long,
                         device=device)  # [N, T]
     logps = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)  # [N, T]
@@ -204,7 +233,7 @@ def _decode_loop(model, ids: Tensor, mask: Tensor, *, group_size: int, max_new_t
     active = torch.arange(n, device=device)  # [n_active] original row ids
     window = max((len(s.encode()) for s in stops), default=0) + 2
     for t in range(max_new_tokens):
-        tok, lp = sample_tokens(logits, **sampling)  # [n_active]
+        tok, lp = sample_tokens(logits, **draw)  # [n_active]
         tokens[active, t] = tok
         logps[active, t] = lp
         done = torch.isin(tok, eos) if eos is not None else torch.zeros_like(tok, dtype=torch.bool)
@@ -226,24 +255,25 @@ def _decode_loop(model, ids: Tensor, mask: Tensor, *, group_size: int, max_new_t
     return tokens, logps, lengths, finished
 
 
-def _validate(model, prompt_ids, group_size, max_new_tokens, temperature, top_p, top_k,
-              stop_strings, tokenizer, generator) -> None:
+def _validate(model, request: RolloutRequest, tokenizer) -> None:
     """Every input error before any model work, each naming the bad value."""
+    prompt_ids, group_size, s, generator = request.prompt_ids, request.group_size, request.sampling, request.generator
+    max_new_tokens = s.max_new_tokens
     if not prompt_ids:
         raise ValueError("prompt_ids is empty: pass at least one prompt (a list of token ids)")
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
-    if stop_strings and tokenizer is None:
+    if s.temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {s.temperature}")
+    if not 0 < s.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {s.top_p}")
+    if s.top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 disables it), got {s.top_k}")
+    if s.stop_strings and tokenizer is None:
         raise ValueError("stop_strings need a tokenizer to decode completions: pass tokenizer=")
-    if any(not s for s in stop_strings):
+    if any(not stop for stop in s.stop_strings):
         raise ValueError("stop_strings must not contain an empty string")
     if generator is not None and generator.device.type != model.device.type:
         raise ValueError(f"generator is on {generator.device}, the model on {model.device}: "
@@ -262,73 +292,96 @@ def _validate(model, prompt_ids, group_size, max_new_tokens, temperature, top_p,
                 f"max_position_embeddings={max_pos}: shorten the prompt or lower max_new_tokens")
         if vocab is not None and (min(p) < 0 or max(p) >= vocab):
             raise ValueError(f"prompt {i} has a token id outside the vocabulary [0, {vocab})")
+    if request.media is not None and len(request.media) != len(prompt_ids):
+        raise ValueError(f"media has {len(request.media)} rows for {len(prompt_ids)} prompts: give one per prompt")
 
 
-def sample_groups(
-    model, prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: int,
-    eos_token_ids: int | Sequence[int] | None, pad_token_id: int, temperature: float = 1.0,
-    top_p: float = 1.0, top_k: int = 0, stop_strings: Sequence[str] = (), tokenizer=None,
-    generator: torch.Generator | None = None, ignore_eos: bool = False, sampler: str = "inverse_cdf",
-    preallocate_kv_cache: bool = True, share_prefill: bool = True, layer_loop: bool = True,
-    media: RowMedia | None = None,
-) -> Rollout:
-    """Sample ``group_size`` completions for each prompt; see the module docstring for how.
+# `sample_groups`' keywords before it took a `RolloutRequest` (grpokit 0.x): still accepted, with a warning
+_OLD_KEYWORDS = ("group_size", "max_new_tokens", "eos_token_ids", "pad_token_id", "temperature", "top_p", "top_k",
+                 "stop_strings", "generator", "ignore_eos", "sampler", "preallocate_kv_cache", "share_prefill",
+                 "layer_loop", "media")
 
-    A completion ends at the first EOS token (any of ``eos_token_ids``, unless
-    ``ignore_eos``) or the first token after which its decoded text contains one
-    of ``stop_strings``; that token is kept and masked in. The model runs in
+
+def _request_from_keywords(prompt_ids, old: dict) -> tuple[RolloutRequest, DecodeSpeed]:
+    """The request and speed options the old spelling `sample_groups(model, prompt_ids, group_size=..., ...)`
+    meant; a keyword it never had, or a required one left out, is a TypeError as before."""
+    unknown = sorted(set(old) - set(_OLD_KEYWORDS))
+    if unknown:
+        raise TypeError(f"sample_groups() got an unexpected keyword argument {unknown[0]!r}")
+    missing = [k for k in ("group_size", "max_new_tokens", "eos_token_ids", "pad_token_id") if k not in old]
+    if missing:
+        raise TypeError(f"sample_groups() missing required keyword argument {missing[0]!r}")
+    eos = old["eos_token_ids"]
+    eos = () if eos is None else tuple(torch.as_tensor(eos, dtype=torch.long).reshape(-1).tolist())
+    sampling = SamplingParams(old["max_new_tokens"], eos, old["pad_token_id"], old.get("temperature", 1.0),
+                              old.get("top_p", 1.0), old.get("top_k", 0), tuple(old.get("stop_strings", ())),
+                              old.get("ignore_eos", False))
+    speed = DecodeSpeed(**{k: old[k] for k in ("sampler", "preallocate_kv_cache", "share_prefill", "layer_loop")
+                           if k in old})
+    return RolloutRequest(list(prompt_ids), old["group_size"], sampling, old.get("generator"),
+                          media=old.get("media")), speed
+
+
+def sample_groups(model, request: RolloutRequest, *, tokenizer=None, speed: DecodeSpeed = DecodeSpeed(),
+                  **deprecated) -> Rollout:
+    """Sample `request.group_size` completions for each of `request.prompt_ids`, drawn as `request.sampling`
+    says with `request.generator`'s noise; see the module docstring for how.
+
+    A completion ends at the first EOS token (any of `sampling.eos_token_ids`, unless
+    `sampling.ignore_eos`) or the first token after which its decoded text contains one
+    of `sampling.stop_strings` (they need `tokenizer`); that token is kept and masked in. The model runs in
     eval mode (dropout off) and is put back in its previous mode afterwards.
 
     Sampling runs under ``torch.inference_mode``, but the returned tensors are
     ordinary ones: inference tensors cannot be used in autograd, and the
     trainer indexes its differentiable logits with ``completion_ids``.
 
-    The last four options change speed, not the distribution (`rollout.sampler`,
-    `rollout.preallocated_kv_cache`, `rollout.shared_prefill`, `rollout.layer_loop`; benchmark
-    ablations): the token sampler, a preallocated KV cache (False: transformers' DynamicCache, which
-    concatenates every step), one prefill per prompt (False: all N = B*G rows), and decode steps as
-    a plain loop over the layers where that is the model's own computation (rollout/layer_loop.py).
+    `speed` (`DecodeSpeed`) changes speed, not the distribution.
 
-    `media` (`models.media.RowMedia`, one row per prompt): the prompts' images, for a vision-language
+    `request.media` (`models.media.RowMedia`, one row per prompt): the prompts' images, for a vision-language
     model (rollout/vision.py): they go into the prefill only, Qwen2-VL's decode positions carry its
     rope deltas, image tokens are never sampled, and the returned rollout carries them per answer.
+
+    The old spelling `sample_groups(model, prompt_ids, group_size=G, max_new_tokens=..., eos_token_ids=...,
+    pad_token_id=..., ...)` still works and warns (DeprecationWarning): pass `RolloutRequest(prompt_ids,
+    group_size=G, sampling=SamplingParams(...), generator=..., media=...)` and `speed=DecodeSpeed(...)`.
     """
-    stops = tuple(stop_strings)
-    _validate(model, prompt_ids, group_size, max_new_tokens, temperature, top_p, top_k,
-              stops, tokenizer, generator)
-    if media is not None and len(media) != len(prompt_ids):
-        raise ValueError(f"media has {len(media)} rows for {len(prompt_ids)} prompts: give one per prompt")
-    device = model.device
-    eos = None
-    if eos_token_ids is not None and not ignore_eos:
-        eos = torch.as_tensor(eos_token_ids, dtype=torch.long).reshape(-1).to(device)  # [E]
-        eos = eos if eos.numel() else None
-    ids, mask = left_pad(prompt_ids, pad_token_id, device)  # [B, P]
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, sampler=sampler)
+    if not isinstance(request, RolloutRequest):  # the old spelling: a list of prompts and loose keywords
+        warnings.warn("sample_groups(model, prompt_ids, group_size=..., max_new_tokens=..., ...) is deprecated: "
+                      "call sample_groups(model, RolloutRequest(prompt_ids, group_size, SamplingParams(...), "
+                      "generator, media=...), tokenizer=..., speed=DecodeSpeed(...))", DeprecationWarning, stacklevel=2)
+        request, speed = _request_from_keywords(request, deprecated)
+    elif deprecated:
+        raise TypeError(f"sample_groups() got an unexpected keyword argument {next(iter(deprecated))!r} (with a "
+                        "RolloutRequest, the sampling settings are the request's)")
+    _validate(model, request, tokenizer)
+    G, sampling, media, device = request.group_size, request.sampling, request.media, model.device
+    ids, mask = left_pad(request.prompt_ids, sampling.pad_token_id, device)  # [B, P]
+    draw = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                generator=request.generator, sampler=speed.sampler)
     if media is not None:
-        sampling["suppress"] = suppressed_tokens(model, device)  # image placeholders: never drawn
+        draw["suppress"] = suppressed_tokens(model, device)  # image placeholders: never drawn
     was_training = model.training
     model.eval()
     try:
         with torch.inference_mode():
-            share = share_prefill or group_size == 1
+            share = speed.share_prefill or G == 1
             tokens, logps, lengths, finished = _decode_loop(
-                model, ids if share else ids.repeat_interleave(group_size, 0),
-                mask if share else mask.repeat_interleave(group_size, 0), group_size=group_size if share else 1,
-                max_new_tokens=max_new_tokens, eos=eos, pad_token_id=pad_token_id, sampling=sampling, stops=stops,
-                tokenizer=tokenizer, preallocate=preallocate_kv_cache, layer_loop=layer_loop,
-                media=None if media is None else media if share else media.repeat_interleave(group_size))
+                model, ids if share else ids.repeat_interleave(G, 0), mask if share else mask.repeat_interleave(G, 0),
+                group_size=G if share else 1, sampling=sampling, draw=draw, tokenizer=tokenizer, speed=speed,
+                media=None if media is None else media if share else media.repeat_interleave(G))
     finally:
         model.train(was_training)
     tokens, logps, lengths, finished = (x.clone() for x in (tokens, logps, lengths, finished))
     width = int(lengths.max())
     completion_mask = torch.arange(width, device=device)[None, :] < lengths[:, None]  # [N, T]
+    pad_token_id = sampling.pad_token_id
     return Rollout(
-        prompt_ids=ids.repeat_interleave(group_size, 0),  # [N, P]
-        prompt_mask=mask.repeat_interleave(group_size, 0),  # [N, P]
+        prompt_ids=ids.repeat_interleave(G, 0),  # [N, P]
+        prompt_mask=mask.repeat_interleave(G, 0),  # [N, P]
         completion_ids=tokens[:, :width].masked_fill(~completion_mask, pad_token_id),  # [N, T]
         completion_mask=completion_mask.long(),  # [N, T]
         logprobs=logps[:, :width].masked_fill(~completion_mask, 0.0),  # [N, T]
         truncated=~finished,  # [N]
-        media=None if media is None else media.repeat_interleave(group_size),  # [N] each answer's prompt images
+        media=None if media is None else media.repeat_interleave(G),  # [N] each answer's prompt images
     )

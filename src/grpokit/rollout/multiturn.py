@@ -1,6 +1,7 @@
 """Multi-turn rollouts with tool calls, in one KV cache.
 
-    rollout, stats = sample_conversations(model, prompt_ids, group_size=G, max_new_tokens=256, tools=toolbox, ...)
+    request = RolloutRequest(prompt_ids, G, SamplingParams(256, eos_token_ids, pad_token_id), tools=toolbox)
+    rollout, stats = sample_conversations(model, request, tokenizer=tokenizer, max_tool_turns=8)
 
 Each of the N = B*G rows generates an assistant turn; a turn ends at an end-of-turn token (EOS).
 When it called tools (`tools.call_parser`), the calls run (all rows' calls of that step at
@@ -39,7 +40,7 @@ import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -47,9 +48,10 @@ from torch import Tensor
 from grpokit.models.forward import position_ids_from_mask
 from grpokit.models.media import PromptImages, RowMedia
 from grpokit.rollout.batch import Forks, Rollout, left_pad, rollout_from_tokens
-from grpokit.rollout.decode import Decoder
+from grpokit.rollout.decode import Decoder, DecodeSpeed
 from grpokit.rollout.environments import TurnLog
-from grpokit.rollout.history import ConversationHistory, assistant_message, continues
+from grpokit.rollout.history import assistant_message, continues
+from grpokit.rollout.request import RolloutRequest
 from grpokit.rollout.sampling import sample_tokens
 from grpokit.rollout.tool_output import ENGINE_NO_IMAGES, SPLIT_NO_IMAGES, TEXT_NO_IMAGES
 from grpokit.rollout.tools import ToolBox, ToolCall, ToolResult, call_parser, run_calls, tool_suffix_ids
@@ -74,48 +76,53 @@ class ToolStats:
 
 
 def sample_conversations(
-    model, prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: int, eos_token_ids: Sequence[int],
-    pad_token_id: int, tokenizer, tools: ToolBox | Sequence[ToolBox], max_tool_turns: int = 8, temperature: float = 1.0,
-    top_p: float = 1.0, top_k: int = 0, generator: torch.Generator | None = None, sampler: str = "inverse_cdf",
+    model, request: RolloutRequest, *, tokenizer, max_tool_turns: int = 8, speed: DecodeSpeed = DecodeSpeed(),
     parse_calls: Callable[..., list[ToolCall]] | None = None,
     render_results: Callable[[list[ToolResult]], list[int]] | None = None,
-    history: ConversationHistory | None = None, media: RowMedia | None = None, layer_loop: bool = True,
 ) -> tuple[Rollout, ToolStats]:
-    """Sample `group_size` multi-turn answers per prompt; see the module docstring. `tools` is one tool
-    box for every answer, or one per answer (N, group by group: environments' own methods).
+    """Sample `request.group_size` multi-turn answers per prompt; see the module docstring. `request.tools` is one
+    tool box for every answer, or one per answer (N, group by group: environments' own methods); the answers are
+    drawn with `request.sampling`'s budget, end-of-turn tokens, temperature, top-p and top-k (its stop strings and
+    `ignore_eos` are not read: a turn ends at an end-of-turn token) and `request.generator`'s noise. Of `speed`,
+    the token sampler and the layer loop are used.
 
     `parse_calls(text, prefix=..., tools=...)` (text of one turn with its special tokens, the
     conversation before it, the tools' schemas -> calls; default: `tools.call_parser`) and
     `render_results` (results -> suffix token ids, default: the chat template) are the model-format hooks;
-    `history` (one entry per answer) renders whole conversations instead, forking where they are rewritten.
+    `request.history` (one entry per answer) renders whole conversations instead, forking where they are rewritten.
 
-    A vision-language model (rollout/vision.py): `media` (one row per prompt) holds the prompts' images, and a
-    `render_results` of `vision.ToolImages` shows the model the images tool results hold (without it a result
+    A vision-language model (rollout/vision.py): `request.media` (one row per prompt) holds the prompts' images, and
+    a `render_results` of `vision.ToolImages` shows the model the images tool results hold (without it a result
     with images is a failed call: the model reads text only)."""
+    if request.tools is None:
+        raise ValueError("sample_conversations needs tools: RolloutRequest(..., tools=ToolBox([...]))")
     render = render_results or (lambda results: tool_suffix_ids(tokenizer, results))
+    history, media, sampling = request.history, request.media, request.sampling
     if history is not None and media is not None and any(r is not None for r in media.rows):
         raise ValueError("tools.history = \"split\" re-renders conversations, which cannot carry images yet; use "
                          "tools.history = \"append\" with image rows")
     if media is None and history is None and isinstance(render, ToolImages):  # a VLM with text prompts
-        media = RowMedia(render.family, (None,) * len(prompt_ids), render.image_token_id)
+        media = RowMedia(render.family, (None,) * len(request.prompt_ids), render.image_token_id)
     device = model.device
-    eos = torch.as_tensor(list(eos_token_ids), dtype=torch.long, device=device)
+    eos = torch.as_tensor(list(sampling.eos_token_ids), dtype=torch.long, device=device)
     if not eos.numel():
         raise ValueError("multi-turn sampling needs an end-of-turn token: eos_token_ids is empty")
     was_training = model.training
     model.eval()
-    sampling = dict(temperature=temperature, top_k=top_k, top_p=top_p, generator=generator, sampler=sampler)
+    draw = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                generator=request.generator, sampler=speed.sampler)
     if media is not None:
-        sampling["suppress"] = suppressed_tokens(model, device)  # image placeholders: never drawn
+        draw["suppress"] = suppressed_tokens(model, device)  # image placeholders: never drawn
+    answers = _Answers(request, tokenizer, max_tool_turns, parse_calls, render)
     try:
         with torch.inference_mode():
-            answers = _loop(model, prompt_ids, group_size, max_new_tokens, eos, pad_token_id, tokenizer, tools,
-                            max_tool_turns, sampling, parse_calls, render, history, media, layer_loop)
+            _loop(model, answers, eos=eos, draw=draw, media=media, layer_loop=speed.layer_loop)
     finally:
         model.train(was_training)
     # built outside inference mode: the trainer indexes its differentiable log-probs with these tensors
-    rollout = answers.rollout(prompt_ids, group_size, pad_token_id, model.device)
-    rows = () if media is None else tuple(PromptImages.join([media.rows[i // group_size], *answers.images[i]])
+    G = request.group_size
+    rollout = answers.rollout(model.device)
+    rows = () if media is None else tuple(PromptImages.join([media.rows[i // G], *answers.images[i]])
                                           for i in range(len(answers.images)))
     if any(r is not None for r in rows):  # each answer's images: its prompt's, then its tool results'
         rollout = dataclasses.replace(rollout, media=RowMedia(media.family, rows, media.image_token_id))
@@ -127,10 +134,11 @@ class _Answers:
     current turn started, truncation, and what the tools did. One home for the rules both samplers
     share: when a turn's calls run, the budget, what a result that does not fit does."""
 
-    def __init__(self, prompt_ids, G: int, budget: int, tokenizer, tools, max_tool_turns: int, parse_calls, render,
-                 history: ConversationHistory | None = None, no_images: str = TEXT_NO_IMAGES):
-        N = len(prompt_ids) * G
-        self.prompt_ids, self.G = prompt_ids, G
+    def __init__(self, request: RolloutRequest, tokenizer, max_tool_turns: int, parse_calls, render,
+                 no_images: str = TEXT_NO_IMAGES):
+        prompt_ids, G, history = request.prompt_ids, request.group_size, request.history
+        budget, tools, N = request.sampling.max_new_tokens, request.tools, request.num_answers
+        self.prompt_ids, self.G, self.pad_id = prompt_ids, G, request.sampling.pad_token_id
         self.tokens: list[list[int]] = [[] for _ in range(N)]
         self.logps: list[list[float]] = [[] for _ in range(N)]
         self.is_tool: list[list[int]] = [[] for _ in range(N)]
@@ -254,18 +262,20 @@ class _Answers:
         grown = len(suffix) - len(self.prompt_ids[i // self.G]) if fork else self.used(i) + len(suffix)
         return (suffix if grown < self.budget else None), fork, images
 
-    def rollout(self, prompt_ids, G: int, pad_id: int, device) -> Rollout:
-        rollout = _to_rollout(prompt_ids, self.tokens, self.logps, self.is_tool, self.truncated, G, pad_id, device)
+    def rollout(self, device) -> Rollout:
+        rollout = _to_rollout(self.prompt_ids, self.tokens, self.logps, self.is_tool, self.truncated, self.G,
+                              self.pad_id, device)
         forks = None if self.history is None else Forks(tuple(tuple(s for s, _ in f) for f in self.forks),
                                                         tuple(tuple(tuple(p) for _, p in f) for f in self.forks))
         return dataclasses.replace(rollout, turns=self.turns.tensors(self.stats.turns, rollout.completion_ids.shape[1],
                                                                      device), forks=forks)
 
 
-def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_turns, sampling, parse_calls,
-          render, history=None, media=None, layer_loop=True):
-    """The decode loop; returns the `_Answers` it wrote."""
-    ids, mask = left_pad(prompt_ids, pad_id, model.device)  # [B, P]
+def _loop(model, answers: _Answers, *, eos: Tensor, draw: dict, media: RowMedia | None, layer_loop: bool) -> None:
+    """The decode loop: writes `answers` (its request's prompts, group size, budget), each token drawn by
+    `sample_tokens(logits, **draw)`, a turn ending at one of `eos` [E]."""
+    G, budget, pad_id = answers.G, answers.budget, answers.pad_id
+    ids, mask = left_pad(answers.prompt_ids, pad_id, model.device)  # [B, P]
     step = Decoder(model, capacity=ids.shape[1] + budget, media=media,  # grows if holes need more room
                    layer_loop=layer_loop)
     positions = position_ids_from_mask(mask)  # [B, P]
@@ -273,10 +283,9 @@ def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_
     step.repeat_rows(G)
     mask = mask.repeat_interleave(G, 0)  # [N, P+...]: 0 on left padding and on holes
     next_pos = positions[:, -1].repeat_interleave(G) + 1  # [N] position of each row's next real token
-    answers = _Answers(prompt_ids, G, budget, tokenizer, tools, max_tool_turns, parse_calls, render, history)
     active = list(range(logits.shape[0]))  # original row ids, in cache order
     while active:
-        tok, lp = sample_tokens(logits, **sampling)  # [n]
+        tok, lp = sample_tokens(logits, **draw)  # [n]
         ended = torch.isin(tok, eos).tolist()
         feed: list[list[int]] = []  # per kept row, the tokens to run next
         keep: list[int] = []  # cache rows that continue
@@ -310,7 +319,6 @@ def _loop(model, prompt_ids, G, budget, eos, pad_id, tokenizer, tools, max_tool_
         mask = _compact(step, mask)
         images = [answers.feed_images.pop(row, None) for row in active] if answers.feed_images else None
         logits, mask, next_pos = _feed(step, feed, mask, next_pos, pad_id, images)
-    return answers
 
 
 def _compact(step: Decoder, mask: Tensor, slack: float = 2.0) -> Tensor:
@@ -325,26 +333,26 @@ def _compact(step: Decoder, mask: Tensor, slack: float = 2.0) -> Tensor:
     return mask.gather(1, columns)
 
 
-def converse(prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: int, eos_token_ids: Sequence[int],
-             pad_token_id: int, tokenizer, tools: ToolBox | Sequence[ToolBox], max_tool_turns: int,
-             generate_turns: Callable[[list[list[int]], list[int]], list[tuple[list[int], list[float]]]],
+def converse(request: RolloutRequest, *, tokenizer, max_tool_turns: int,
+             generate_turns: Callable[[list[list[int]], list[int]], list[tuple[list[int], list[float]]]], device,
              parse_calls: Callable[..., list[ToolCall]] | None = None,
-             render_results: Callable[[list[ToolResult]], list[int]] | None = None,
-             device="cpu", history: ConversationHistory | None = None) -> tuple[Rollout, ToolStats]:
+             render_results: Callable[[list[ToolResult]], list[int]] | None = None) -> tuple[Rollout, ToolStats]:
     """Multi-turn answers turn by turn, for an engine that cannot append to its own cache (vLLM, whose
     prefix cache makes the repeated conversation cheap): `generate_turns(contexts, max_tokens)` samples
     one turn (ending at an end-of-turn token, kept) for each token-id context, returning its tokens and
-    their log-probs. Same rules as `sample_conversations`: the same budget, turn limit, tool faults,
-    truncation and `tool_mask`; the next turn's context is the prompt plus everything so far (with `history`:
-    the current row's prompt, the conversation as the template rendered it where it last forked)."""
+    their log-probs. Same rules as `sample_conversations`: the same budget (`request.sampling.max_new_tokens`),
+    turn limit, tool faults, truncation and `tool_mask`; the next turn's context is the prompt plus everything so far
+    (with `request.history`: the current row's prompt, the conversation as the template rendered it where it last
+    forked). The request's tools, end-of-turn tokens and pad token are read; `generate_turns` samples as it will.
+    The rollout's tensors go to `device`."""
+    if request.tools is None:
+        raise ValueError("converse needs tools: RolloutRequest(..., tools=ToolBox([...]))")
     render = render_results or (lambda results: tool_suffix_ids(tokenizer, results))
-    eos, N = set(eos_token_ids), len(prompt_ids) * group_size
-    answers = _Answers(prompt_ids, group_size, max_new_tokens, tokenizer, tools, max_tool_turns, parse_calls, render,
-                       history, no_images=ENGINE_NO_IMAGES)
-    pending = list(range(N))
+    eos, budget = set(request.sampling.eos_token_ids), request.sampling.max_new_tokens
+    answers = _Answers(request, tokenizer, max_tool_turns, parse_calls, render, no_images=ENGINE_NO_IMAGES)
+    pending = list(range(request.num_answers))
     while pending:
-        turns = generate_turns([answers.context(i) for i in pending],
-                               [max_new_tokens - answers.used(i) for i in pending])
+        turns = generate_turns([answers.context(i) for i in pending], [budget - answers.used(i) for i in pending])
         waiting = []
         for i, (turn, turn_logps) in zip(pending, turns):
             answers.add(i, turn, turn_logps)
@@ -353,7 +361,7 @@ def converse(prompt_ids: list[list[int]], *, group_size: int, max_new_tokens: in
                 waiting.append((i, calls))
         suffixes = answers.run_tools(waiting) if waiting else []
         pending = [i for (i, _), suffix in zip(waiting, suffixes) if suffix is not None]
-    return answers.rollout(prompt_ids, group_size, pad_token_id, device), answers.stats
+    return answers.rollout(device), answers.stats
 
 
 def _feed(step: Decoder, feed: list[list[int]], mask: Tensor, next_pos: Tensor, pad_id: int, images=None):

@@ -1,6 +1,7 @@
 """Sampling with images: the prompt's pixels in the prefill, multimodal positions in the decode.
 
-`sample_groups(..., media=RowMedia)` (rollout/decode.py) calls the model through `MediaPrefill`:
+`sample_groups(model, RolloutRequest(..., media=RowMedia))` (rollout/decode.py) calls the model through
+`MediaPrefill`:
 
 - **One image-encoder pass and one prefill per prompt.** The B prompts' pixels go into the [B, P]
   prefill only (laid out by `RowMedia.model_inputs` as the processor lays out a batch); the KV cache

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import math
 import os
+import warnings
 from dataclasses import dataclass
 from math import comb
 from pathlib import Path
@@ -30,9 +31,9 @@ from grpokit.models.fsdp import full_params_for_generation
 from grpokit.models.media import RowMedia
 from grpokit.models.parallel import global_sum
 from grpokit.rewards.core import RewardSpec
-from grpokit.rollout.engine_protocol import SamplingParams
 from grpokit.rollout.engines import HFEngine
 from grpokit.rollout.environments import Environments
+from grpokit.rollout.request import SamplingParams
 from grpokit.rollout.side import PromptTable, RolloutSide
 from grpokit.rollout.tools import ToolBox
 from grpokit.rollout.vision import tool_images_for
@@ -47,20 +48,49 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def eval_side(model, tokenizer, prompts: PromptTable, specs: Sequence[RewardSpec], *, samples_per_prompt: int,
-              temperature: float, top_p: float = 1.0, top_k: int = 0, max_new_tokens: int,
-              prompt_column: str = "prompt", stop_strings: Sequence[str] = (), tools: ToolBox | None = None,
-              max_tool_turns: int = 8, environments: Environments | None = None, history: str = "append",
-              tool_images=None) -> RolloutSide:
+@dataclass(frozen=True)
+class EvalSettings:
+    """How an evaluation draws and grades its answers: `samples_per_prompt` answers to each prompt, sampled as
+    `sampling` says (the answer budget, temperature, top-p, top-k, stop strings, end tokens, pad token), an answer
+    correct when its total reward reaches `correct_threshold`; with `greedy` also one answer per prompt at
+    temperature 0. `seed` seeds the evaluation's noise; `batch_prompts` prompts are sampled at once; the reward
+    functions receive the rows' `prompt_column` as `prompts`."""
+
+    sampling: SamplingParams = SamplingParams(max_new_tokens=32)
+    samples_per_prompt: int = 8
+    correct_threshold: float = 1.0
+    greedy: bool = True
+    seed: int = 0
+    batch_prompts: int = 64
+    prompt_column: str = "prompt"
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """An evaluation's multi-turn answers, as in training (`[tools]`): `tools` runs the calls (the prompts were
+    rendered with its schemas), at most `max_tool_turns` turns of calls per answer (`tools.max_calls`). With
+    `environments` (`tools` their tool box) each answer runs in its own instance, reset with its row; `history =
+    "split"` (`tools.history`) samples each turn from the conversation as the template renders it; `tool_images`
+    (`rollout.vision.ToolImages`) shows a vision-language model the images its tools return."""
+
+    tools: ToolBox | None
+    max_tool_turns: int = 8
+    environments: Environments | None = None
+    history: str = "append"
+    tool_images: object = None
+
+
+def eval_side(model, tokenizer, prompts: PromptTable, specs: Sequence[RewardSpec], settings: EvalSettings, *,
+              tool_use: ToolUse | None = None) -> RolloutSide:
     """The rollout side (rollout/side.py) an evaluation draws with: the built-in sampler on `model` as it is
-    now, `samples_per_prompt` answers per prompt of `prompts`, as in training (tools, environments, the split
-    history, images) but with the evaluation's budget and temperature. Also the TRL drop-in's evaluate()'s."""
-    engine = HFEngine(model, tokenizer, tools=tools, max_tool_turns=max_tool_turns, packed_weights=False,
-                      tool_images=tool_images)
-    sampling = SamplingParams(max_new_tokens, tuple(prompts.eos_token_ids), tokenizer.pad_token_id, temperature,
-                              top_p, top_k, tuple(stop_strings))
-    return RolloutSide(prompts, specs, engine, tokenizer, sampling, samples_per_prompt, environments,
-                       history == "split", "eval.max_new_tokens", prompt_column)
+    now, `settings.samples_per_prompt` answers per prompt of `prompts` sampled as `settings.sampling` says, as in
+    training (with `tool_use`: tools, environments, the split history, images) but with the evaluation's budget and
+    temperature. Also the TRL drop-in's evaluate()'s."""
+    t = tool_use or ToolUse(None)
+    engine = HFEngine(model, tokenizer, tools=t.tools, max_tool_turns=t.max_tool_turns, packed_weights=False,
+                      tool_images=t.tool_images)
+    return RolloutSide(prompts, specs, engine, tokenizer, settings.sampling, settings.samples_per_prompt,
+                       t.environments, t.history == "split", "eval.max_new_tokens", settings.prompt_column)
 
 
 def greedy_side(side: RolloutSide) -> RolloutSide:
@@ -86,77 +116,86 @@ def _no_reduce(counts: torch.Tensor) -> torch.Tensor:
     return counts
 
 
+# `evaluate`'s keywords before it took `EvalSettings` and `ToolUse` (grpokit 0.x): still accepted, with a warning
+_SETTINGS_KEYWORDS = ("samples_per_prompt", "correct_threshold", "greedy", "seed", "batch_prompts", "prompt_column")
+_SAMPLING_KEYWORDS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_strings", "eos_token_ids")
+_TOOL_KEYWORDS = ("tools", "max_tool_turns", "environments", "history", "tool_images")
+
+
+def _settings_from_keywords(tokenizer, old: dict) -> tuple[EvalSettings, ToolUse | None]:
+    """The settings the old spelling `evaluate(..., samples_per_prompt=8, temperature=1.0, max_new_tokens=32,
+    tools=..., ...)` meant, its defaults included (the tokenizer's end token and pad token)."""
+    unknown = sorted(set(old) - {*_SETTINGS_KEYWORDS, *_SAMPLING_KEYWORDS, *_TOOL_KEYWORDS})
+    if unknown:
+        raise TypeError(f"evaluate() got an unexpected keyword argument {unknown[0]!r}")
+    eos = old.get("eos_token_ids")
+    eos = list(eos) if eos is not None else [tokenizer.eos_token_id]
+    sampling = SamplingParams(old.get("max_new_tokens", 32), tuple(eos), tokenizer.pad_token_id,
+                              old.get("temperature", 1.0), old.get("top_p", 1.0), old.get("top_k", 0),
+                              tuple(old.get("stop_strings", ())))
+    settings = EvalSettings(sampling, **{k: old[k] for k in _SETTINGS_KEYWORDS if k in old})
+    tools = {k: old[k] for k in _TOOL_KEYWORDS if k in old}
+    return settings, ToolUse(**{"tools": None, **tools}) if tools else None
+
+
 @torch.no_grad()
-def evaluate(
-    model,
-    tokenizer,
-    rows: Sequence[dict],
-    prompt_ids: Sequence[Sequence[int]],
-    specs: Sequence[RewardSpec],
-    *,
-    samples_per_prompt: int = 8,
-    temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    max_new_tokens: int = 32,
-    correct_threshold: float = 1.0,
-    greedy: bool = True,
-    seed: int = 0,
-    batch_prompts: int = 64,
-    prompt_column: str = "prompt",
-    stop_strings: Sequence[str] = (),
-    tools: ToolBox | None = None,
-    max_tool_turns: int = 8,
-    eos_token_ids: Sequence[int] | None = None,
-    reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce,
-    environments: Environments | None = None,
-    history: str = "append",
-    media: RowMedia | None = None,
-    tool_images=None,
-) -> dict:
-    """Metrics over `rows` (with their tokenized prompts): an answer is correct when its
-    total reward reaches `correct_threshold`. With `tools` (the prompts rendered with their
-    schemas) answers are multi-turn conversations, as in training, and the result also has
+def evaluate(model, tokenizer, rows: Sequence[dict], prompt_ids: Sequence[Sequence[int]], specs: Sequence[RewardSpec],
+             settings: EvalSettings = EvalSettings(), *, tool_use: ToolUse | None = None, media: RowMedia | None = None,
+             reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce, **deprecated) -> dict:
+    """Metrics over `rows` (with their tokenized prompts), the answers drawn and graded as `settings` says: an
+    answer is correct when its total reward reaches `settings.correct_threshold`; `settings.sampling`'s empty
+    `eos_token_ids` (the default) means the tokenizer's end token. With `tool_use` (the prompts rendered with its
+    tools' schemas) answers are multi-turn conversations, as in training, and the result also has
     `tool_call_share` (answers that called a tool at least once) and `tool_failure_rate`
     (failed calls / calls) of the sampled answers. `reduce` sums the counts over processes
     (each evaluated its own share of the rows), so every process returns the whole set's metrics.
-    With `environments` (and `tools`, their tool box) each answer runs in its own instance, as in training;
-    `history = "split"` (tools.history) samples each turn from the conversation as the template renders it.
     `media` (`models.media.RowMedia`, one row per prompt of `rows`, or `training.vision_setup.PromptMedia`, which
-    encodes each batch's rows when it is sampled): a vision-language model's images; `tool_images`
-    (`rollout.vision.ToolImages`) shows it the images its tools return."""
+    encodes each batch's rows when it is sampled): a vision-language model's images.
+
+    The old spelling `evaluate(..., samples_per_prompt=8, temperature=1.0, max_new_tokens=32, tools=box,
+    max_tool_turns=8, ...)` still works and warns (DeprecationWarning): pass `EvalSettings(SamplingParams(...),
+    samples_per_prompt=...)` and `tool_use=ToolUse(box, max_tool_turns=8)`."""
+    if deprecated:
+        warnings.warn("evaluate(..., samples_per_prompt=..., temperature=..., max_new_tokens=..., tools=..., ...) is "
+                      "deprecated: call evaluate(model, tokenizer, rows, prompt_ids, specs, EvalSettings("
+                      "SamplingParams(max_new_tokens, eos_token_ids, pad_token_id, temperature, ...), "
+                      "samples_per_prompt=...), "
+                      "tool_use=ToolUse(tools, max_tool_turns=...))", DeprecationWarning, stacklevel=3)
+        if settings != EvalSettings() or tool_use is not None:
+            raise TypeError("evaluate(): give either settings= and tool_use= or the deprecated keywords "
+                            f"({', '.join(sorted(deprecated))}), not both")
+        settings, tool_use = _settings_from_keywords(tokenizer, deprecated)
     model.eval()
-    generator = torch.Generator(device=model.device).manual_seed(seed)
-    eos = list(eos_token_ids) if eos_token_ids is not None else [tokenizer.eos_token_id]
-    side = eval_side(model, tokenizer, PromptTable(list(rows), [list(p) for p in prompt_ids], eos, media), specs,
-                     samples_per_prompt=samples_per_prompt, temperature=temperature, top_p=top_p, top_k=top_k,
-                     max_new_tokens=max_new_tokens, prompt_column=prompt_column, stop_strings=stop_strings,
-                     tools=tools, max_tool_turns=max_tool_turns, environments=environments, history=history,
-                     tool_images=tool_images)
+    generator = torch.Generator(device=model.device).manual_seed(settings.seed)
+    eos = tuple(settings.sampling.eos_token_ids) or (tokenizer.eos_token_id,)
+    settings = dataclasses.replace(settings, sampling=dataclasses.replace(settings.sampling, eos_token_ids=eos))
+    side = eval_side(model, tokenizer, PromptTable(list(rows), [list(p) for p in prompt_ids], list(eos), media), specs,
+                     settings, tool_use=tool_use)
     with full_params_for_generation(model):  # FSDP: gathered once, each process decodes its own share
-        sampled, calls, failures = _grade(side, generator, batch_prompts)  # [P, k]
-        best = _grade(greedy_side(side), generator, batch_prompts)[0] if greedy else torch.zeros(0, 1)  # [P, 1]
-    k = samples_per_prompt
-    correct = torch.nan_to_num(sampled, nan=0.0) >= correct_threshold  # [P, k]
+        sampled, calls, failures = _grade(side, generator, settings.batch_prompts)  # [P, k]
+        best = _grade(greedy_side(side), generator, settings.batch_prompts)[0] if settings.greedy \
+            else torch.zeros(0, 1)  # [P, 1]
+    k, threshold = settings.samples_per_prompt, settings.correct_threshold
+    correct = torch.nan_to_num(sampled, nan=0.0) >= threshold  # [P, k]
     graded = ~torch.isnan(sampled)
     counts = torch.tensor([  # summed over processes: every metric is a ratio of two of these
         len(rows), correct.sum(), sum(pass_at_k(k, int(c), k) for c in correct.sum(-1)),
-        torch.nansum(sampled), graded.sum(), (torch.nan_to_num(best, nan=0.0) >= correct_threshold).sum(),
+        torch.nansum(sampled), graded.sum(), (torch.nan_to_num(best, nan=0.0) >= threshold).sum(),
         sum(c > 0 for c in calls), len(calls), sum(failures), sum(calls)], dtype=torch.float64)
     n, right, passed, reward_sum, n_graded, greedy_right, calling, answers, failed, n_calls = \
         reduce(counts).tolist()
     result = {
         "num_prompts": int(n),
         "samples_per_prompt": k,
-        "temperature": temperature,
+        "temperature": settings.sampling.temperature,
         "accuracy": right / (n * k) if n else math.nan,
         f"pass@{k}": passed / n if n else math.nan,
         "mean_reward": reward_sum / n_graded if n_graded else math.nan,
     }
-    if tools:
+    if tool_use is not None and tool_use.tools:
         result["tool_call_share"] = calling / answers if answers else 0.0
         result["tool_failure_rate"] = failed / n_calls if n_calls else 0.0
-    if greedy:
+    if settings.greedy:
         result["greedy_accuracy"] = greedy_right / n if n else math.nan
     return result
 
@@ -185,17 +224,15 @@ class HeldOut:
         return {f"eval/{k}": float(v) for k, v in result.items() if k not in skip}
 
     def _evaluate(self, model, tokenizer, specs: Sequence[RewardSpec]) -> dict:
-        e, p = self.config.eval, self.prompts
-        media = p.media  # image rows: vision_setup.PromptMedia, each batch's images encoded when it is sampled
-        return evaluate(model, tokenizer, self.prompts.rows, self.prompts.ids, specs,
-                        samples_per_prompt=e.samples_per_prompt, temperature=e.temperature,
-                        top_p=self.config.rollout.top_p, top_k=self.config.rollout.top_k,
-                        max_new_tokens=eval_max_new_tokens(self.config), correct_threshold=e.correct_threshold,
-                        greedy=e.greedy, seed=e.seed, stop_strings=self.config.rollout.stop_strings,
-                        tools=self.tools, max_tool_turns=self.config.tools.max_calls,
-                        eos_token_ids=self.prompts.eos_token_ids, reduce=global_sum, environments=self.environments,
-                        history=self.config.tools.history, media=media,
-                        tool_images=self._tool_images(model) if self.tools else None)
+        c, e, p = self.config, self.config.eval, self.prompts
+        sampling = SamplingParams(eval_max_new_tokens(c), tuple(p.eos_token_ids), tokenizer.pad_token_id,
+                                  e.temperature, c.rollout.top_p, c.rollout.top_k, tuple(c.rollout.stop_strings))
+        settings = EvalSettings(sampling, e.samples_per_prompt, e.correct_threshold, e.greedy, e.seed)
+        tool_use = ToolUse(self.tools, c.tools.max_calls, self.environments, c.tools.history,
+                           self._tool_images(model) if self.tools else None)
+        # image rows: p.media is a vision_setup.PromptMedia, each batch's images encoded when it is sampled
+        return evaluate(model, tokenizer, p.rows, p.ids, specs, settings, tool_use=tool_use, media=p.media,
+                        reduce=global_sum)
 
     def _tool_images(self, model):
         """The renderer of tool results with images, built (and checked) at the first evaluation only."""

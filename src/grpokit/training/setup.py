@@ -31,6 +31,7 @@ from grpokit.models.lora import AdapterDisabled, LoraReference, adapter_of, appl
 from grpokit.models.onednn import kernel_note
 from grpokit.models.packing import packing_applies
 from grpokit.models.parallel import DistributedContext
+from grpokit.models.weight_sync import WeightPublisher
 from grpokit.rewards.core import RewardSpec
 from grpokit.rewards.sandbox import sandbox_isolation
 from grpokit.rewards.worker_pool import RewardPool
@@ -40,6 +41,7 @@ from grpokit.rollout.environments import Environments
 from grpokit.rollout.multiturn import check_full_attention
 from grpokit.rollout.side import PromptTable, RolloutSide
 from grpokit.rollout.tools import ToolBox, check_tool_template
+from grpokit.rollout.weights import build_publisher
 from grpokit.tasks import get_task
 from grpokit.training import vision_setup as vision_setup  # vision-language models: processor, images
 from grpokit.training.checkpoint import list_checkpoints, restore_checkpoint
@@ -102,21 +104,21 @@ def eval_max_new_tokens(config: Config) -> int:
     return config.eval.max_new_tokens or config.rollout.max_new_tokens
 
 
-def prepare_held_out(config: Config, task, tokenizer, max_positions: int | None, tools: ToolBox | None,
-                     dist: DistributedContext, rows: Iterable[dict] | None = None,
-                     train_rows: list[dict] | None = None, vision=None, folder: Path | None = None,
-                     environments: bool = False) -> PromptTable | None:
+def prepare_held_out(config: Config, data: PreparedData, tokenizer, max_positions: int | None, tools: ToolBox | None,
+                     dist: DistributedContext, eval_rows: Iterable[dict] | None = None, *, vision=None,
+                     folder: Path | None = None, environments: bool = False) -> PromptTable | None:
     """The `[eval]` section's prompts, this process's share (every process scores its own; the counts
-    are summed): `rows` from Python, else `eval.path`, else the built-in task's eval split; read or
+    are summed): `eval_rows` from Python, else `eval.path`, else the built-in task's eval split (`data.task`); read or
     generated and tokenized before the model loads: a file without the prompt column, or a prompt too
-    long for the context, is an error naming `eval.path`. Rows with images (`vision`: the run's
-    vision_setup.VisionInputs) are rendered by the processor and re-encoded at each evaluation."""
-    e = config.eval
+    long for the context, is an error naming `eval.path`; so is a held-out row without a column the training
+    rows (`data.rows`) have. Rows with images (`vision`: the run's vision_setup.VisionInputs) are rendered by the
+    processor and re-encoded at each evaluation."""
+    e, task, train_rows = config.eval, data.task, data.rows
     if not e.every:
         return None
-    if rows is not None:
+    if eval_rows is not None:
         try:
-            rows = load_prompts(rows, prompt_column=config.data.prompt_column)[:e.num_prompts]
+            rows = load_prompts(eval_rows, prompt_column=config.data.prompt_column)[:e.num_prompts]
         except DataError as err:
             raise DataError(f"eval_rows: {err}") from None
     elif e.path:
@@ -219,6 +221,7 @@ class Run:
     sampling_generator: torch.Generator  # this process's sampling noise (not a sampler: that is the engine)
     stream: object  # resumable prompt stream (this process's share of each batch)
     start_step: int  # 0, or the step of the checkpoint resumed from
+    weights: WeightPublisher  # how the trainer's weights reach the engine's sampler; the rollout source publishes
 
 
 def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward_functions, resume: bool,
@@ -260,7 +263,7 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
         environments.max_positions = max_positions
     prompts = PromptTable(data.rows, *vision_setup.tokenize_image_prompts(config, data, vision, tokenizer, toolbox)) \
         if vision and vision.images else tokenize_prompts(config, data, tokenizer, max_positions, toolbox, environments)
-    held_out = prepare_held_out(config, data.task, tokenizer, max_positions, toolbox, dist, eval_rows, data.rows,
+    held_out = prepare_held_out(config, data, tokenizer, max_positions, toolbox, dist, eval_rows,
                                 vision=vision, folder=folder, environments=environments is not None)
     folder = dist.run_on_main(prepare_run_folder, config, resume=resume, lock=lock)
     given = RolloutSpec(local, prompts, reward_functions, tools, environment_factory)  # what async workers build from
@@ -328,14 +331,17 @@ def build_run(config: Config, inputs: Inputs, dist: DistributedContext, engine=N
                                                   shuffle=config.data.shuffle))
     rollout_engine = given_engine(engine(inputs.local, policy.model, inputs.tokenizer), inputs.tools) if engine \
         else build_engine(inputs.local, policy.model, inputs.tokenizer, tools=inputs.tools)
-    start_step = 0
+    weights, start_step = None, 0
     try:
+        weights = build_publisher(inputs.local, rollout_engine)  # chosen once: the run's transport to the sampler
         if inputs.resume and (checkpoints := list_checkpoints(inputs.folder.path)):
             start_step = restore_checkpoint(checkpoints[-1], policy, sampling_generator, stream)
-        rollout_engine.sync_weights(policy.model)  # vLLM starts from the trainer's (resumed) weights; HF: no-op
-    except BaseException:  # the loop stops it once the run is built; until then, here (an agent's endpoint)
+        weights.publish(policy.model, start_step)  # vLLM starts from the trainer's (resumed) weights; HF: nothing
+    except BaseException:  # the loop stops them once the run is built; until then, here (an agent's endpoint)
+        if weights is not None:
+            weights.close()
         rollout_engine.stop_serving()
         raise
     side = RolloutSide.for_training(inputs.local, inputs.prompts, inputs.specs, rollout_engine, inputs.tokenizer,
                                     inputs.environments)
-    return Run(inputs, policy, side, sampling_generator, stream, start_step)
+    return Run(inputs, policy, side, sampling_generator, stream, start_step, weights)

@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import torch
 
-from grpokit.algorithms.turn_advantages import gigpo_advantages, mt_grpo_advantages, token_advantages
+from grpokit.algorithms.turn_advantages import (
+    GroupNormalization,
+    gigpo_advantages,
+    mt_grpo_advantages,
+    token_advantages,
+)
 from grpokit.config.schema import Config
 from grpokit.errors import SetupError
 from grpokit.rollout.batch import Rollout
@@ -59,8 +64,8 @@ def turn_credit(algo, rollout: Rollout, total: torch.Tensor, advantages: torch.T
     if algo.turn_advantage == "gigpo":
         per_turn = gigpo_advantages(total.to(advantages.dtype), rewards.to(advantages.dtype), states, counts, G,
                                     gamma=algo.turn_discount, omega=algo.turn_advantage_weight,
-                                    scale_rewards=algo.scale_rewards, std=algo.std,
-                                    estimator=algo.advantage_estimator)  # [N, K]
+                                    normalization=GroupNormalization(scale_rewards=algo.scale_rewards, std=algo.std,
+                                                                     estimator=algo.advantage_estimator))  # [N, K]
     else:
         per_turn = mt_grpo_advantages(advantages, rewards.to(advantages.dtype), counts, G,
                                       weight=algo.turn_advantage_weight, scale=algo.scale_rewards != "none",

@@ -19,7 +19,7 @@ import torch
 from grpokit.algorithms.mismatch import importance_correction
 from grpokit.algorithms.objectives import Accumulation, LossSpec, adapt_entropy_coef, high_entropy_mask, policy_loss
 from grpokit.config.schema import Config
-from grpokit.models.forward import completion_logprobs
+from grpokit.models.forward import ForwardOptions, completion_logprobs
 from grpokit.models.parallel import global_sum, reduce_gradients, world_size
 from grpokit.models.prompt_forward import distinct_prompts
 from grpokit.training.generate import GenerationBatch
@@ -46,14 +46,13 @@ def score_old_and_ref(config: Config, policy: Policy, batch: GenerationBatch) ->
 
 def _score(config: Config, model, batch: GenerationBatch, policy: Policy) -> torch.Tensor:
     r, out = batch.rollout, []
+    options = ForwardOptions.from_train(config.train, linear_head=policy.linear_head,
+                                        packed=policy.packs_sequences(batch))
     for rows in torch.arange(batch.num_rows).split(config.micro_batch_size):
         logp, _ = completion_logprobs(model, r.prompt_ids[rows], r.prompt_mask[rows], r.completion_ids[rows],
                                       r.completion_mask[rows], temperature=config.rollout.temperature,
-                                      chunk_size=config.train.logprob_chunk_size, linear_head=policy.linear_head,
-                                      fused=config.train.fused_logprobs,
-                                      share_prompts=config.train.shared_prompt_forward,
-                                      packed=policy.packs_sequences(batch),
-                                      media=None if r.media is None else r.media.select(rows))  # each row's images
+                                      media=None if r.media is None else r.media.select(rows),  # each row's images
+                                      options=options)
         out.append(logp)
     return torch.cat(out)  # [N, T]
 
@@ -349,11 +348,10 @@ def _micro_step(config: Config, spec: LossSpec, policy: Policy, batch: Generatio
         sel = rows if len(keep) == n else rows[keep.to(rows.device)]
         logp_kept, entropy = completion_logprobs(
             model, r.prompt_ids[sel], r.prompt_mask[sel], r.completion_ids[sel, :T], r.completion_mask[sel, :T],
-            temperature=config.rollout.temperature, chunk_size=train.logprob_chunk_size, with_entropy=True,
-            linear_head=linear_head, fused=train.fused_logprobs, grad_fn=grad_fn,
-            share_prompts=train.shared_prompt_forward and not train.gradient_checkpointing,
-            packed=policy.packs_sequences(batch), media=None if r.media is None else r.media.select(sel))  # [k, T]
-        # (a checkpointed layer cannot write the shared prompt's KV cache: its replay would write it twice)
+            temperature=config.rollout.temperature, with_entropy=True, grad_fn=grad_fn,
+            media=None if r.media is None else r.media.select(sel),
+            options=ForwardOptions.from_train(train, linear_head=linear_head, packed=policy.packs_sequences(batch),
+                                              backward=True))  # [k, T]
         logp = logp_kept if len(keep) == n else logp_kept.new_zeros(n, T).index_copy(0, keep, logp_kept)
     else:  # nothing carries a gradient: no model call at all
         logp = torch.zeros(n, T, device=mask.device)

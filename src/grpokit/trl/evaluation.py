@@ -49,7 +49,8 @@ def run_evaluation(trainer, model, rows: list[dict], prefix: str) -> dict[str, f
     """grpokit's evaluation of `model` on `rows`, with TRL's metric names (`<prefix>_loss`, `<prefix>_reward`...)."""
     from grpokit.data.files import load_prompts
     from grpokit.errors import DataError
-    from grpokit.training.evaluation import eval_side
+    from grpokit.rollout.request import SamplingParams
+    from grpokit.training.evaluation import EvalSettings, ToolUse, eval_side
     from grpokit.training.rollout_setup import resolve_rewards
     from grpokit.training.setup import PreparedData, eval_max_new_tokens
     from grpokit.training.tool_setup import resolve_tools
@@ -66,10 +67,10 @@ def run_evaluation(trainer, model, rows: list[dict], prefix: str) -> dict[str, f
     samples = args.num_generations_eval or args.num_generations
     started, was_training = time.perf_counter(), model.training
     model.eval()
-    side = eval_side(model, tokenizer, table, specs, samples_per_prompt=samples, temperature=args.temperature,
-                     top_p=args.top_p, top_k=args.top_k, max_new_tokens=eval_max_new_tokens(config),
-                     stop_strings=config.rollout.stop_strings, tools=tools, max_tool_turns=config.tools.max_calls,
-                     environments=environments, history=config.tools.history, tool_images=tool_images)
+    sampling = SamplingParams(eval_max_new_tokens(config), tuple(table.eos_token_ids), tokenizer.pad_token_id,
+                              args.temperature, args.top_p, args.top_k, tuple(config.rollout.stop_strings))
+    side = eval_side(model, tokenizer, table, specs, EvalSettings(sampling, samples),
+                     tool_use=ToolUse(tools, config.tools.max_calls, environments, config.tools.history, tool_images))
     try:
         batches, totals = _answer_metrics(trainer, model, side, seed=args.seed)
     finally:
@@ -160,8 +161,8 @@ def _answer_metrics(trainer, model, side, *, seed: int, batch_prompts: int = 64)
 def _batch_metrics(trainer, model, draw, answers: torch.Tensor, specs, G: int) -> dict:
     """TRL's evaluation metrics of one eval batch of whole groups: rewards, lengths, the loss at ratio 1."""
     from grpokit.algorithms.advantages import decoupled_advantages, group_advantages
-    from grpokit.algorithms.objectives import policy_loss
-    from grpokit.models.forward import completion_logprobs, head_is_linear
+    from grpokit.algorithms.objectives import Accumulation, policy_loss
+    from grpokit.models.forward import ForwardOptions, completion_logprobs, head_is_linear
     from grpokit.observe.metrics import completion_metrics, reward_summary
     from grpokit.rewards.core import reward_metrics
     from grpokit.training.update import loss_spec
@@ -180,15 +181,15 @@ def _batch_metrics(trainer, model, draw, answers: torch.Tensor, specs, G: int) -
     mask = mask[:, :T]
     scored = (r.prompt_ids[answers], r.prompt_mask[answers], r.completion_ids[answers, :T],
               r.completion_mask[answers, :T])
-    linear = head_is_linear(model)
+    options = ForwardOptions(linear_head=head_is_linear(model))
     logp, entropy = completion_logprobs(model, *scored, temperature=config.rollout.temperature, with_entropy=True,
-                                        linear_head=linear)
+                                        options=options)
     reference = _reference(trainer, model) if algo.beta > 0 else None
     ref = completion_logprobs(reference, *scored, temperature=config.rollout.temperature,
-                              linear_head=linear)[0] if reference is not None else None
+                              options=options)[0] if reference is not None else None
     loss, stats = policy_loss(  # one eval batch, no accumulation: entropy_parts 1, as TRL
         logp, None, adv.to(logp.device), mask, spec=loss_spec(config), ref_logp=ref,
-        entropy=entropy if algo.uses_entropy else None, num_items_in_batch=mask.sum().clamp(min=1),
+        entropy=entropy if algo.uses_entropy else None, accumulation=Accumulation(mask.sum().clamp(min=1)),
         sampling_logp=r.logprobs[answers, :T] if algo.off_policy_mask_threshold else None)
     maskf = mask.to(entropy.dtype)
     lengths = r.action_mask[answers].sum(-1).float()

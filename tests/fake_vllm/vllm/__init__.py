@@ -74,6 +74,7 @@ class LLM:
 
     def generate(self, prompts, sampling_params, use_tqdm=False, lora_request=None):
         from grpokit.rollout.decode import sample_groups
+        from grpokit.rollout.request import RolloutRequest, SamplingParams
 
         model = self._model(lora_request)
         several = isinstance(sampling_params, list)  # vLLM takes one SamplingParams per prompt too
@@ -83,9 +84,9 @@ class LLM:
         for prompt, p in zip(prompts, per_prompt):
             if several:
                 g = torch.Generator().manual_seed(p.seed or 0)
-            r = sample_groups(model, [prompt["prompt_token_ids"]], group_size=p.n, max_new_tokens=p.max_tokens,
-                              eos_token_ids=p.stop_token_ids, pad_token_id=0, temperature=p.temperature,
-                              top_p=p.top_p, top_k=p.top_k, generator=g, media=self._media(prompt))
+            sampling = SamplingParams(p.max_tokens, tuple(p.stop_token_ids or ()), 0, p.temperature, p.top_p, p.top_k)
+            r = sample_groups(model, RolloutRequest([prompt["prompt_token_ids"]], p.n, sampling, g,
+                                                    media=self._media(prompt)))
             answers = []
             for j in range(p.n):
                 ids = r.completion_ids[j, :int(r.completion_mask[j].sum())].tolist()
