@@ -19,7 +19,7 @@ import pytest
 from fault_harness import assert_user_error, run_cli
 from grpokit import serve
 from grpokit.errors import UserError
-from grpokit.rollout.vllm import head_size
+from grpokit.rollout.vllm.checks import head_size
 
 FAKE = Path(__file__).parent / "fake_vllm"
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
@@ -46,9 +46,9 @@ def model32(tmp_path_factory):
 def known_head_sizes(monkeypatch):
     """In this process, vLLM's CPU head sizes are the known list: importing vLLM's attention here would leave the
     real vllm in sys.modules (the stand-in tests import theirs). The CLI tests ask the real one."""
-    from grpokit.rollout import vllm
+    from grpokit.rollout.vllm import checks
 
-    monkeypatch.setattr(vllm, "cpu_head_sizes", lambda: vllm.CPU_HEAD_SIZES)
+    monkeypatch.setattr(checks, "cpu_head_sizes", lambda: checks.CPU_HEAD_SIZES)
 
 
 def command(monkeypatch, platform: str, model, *flags, env: dict | None = None) -> tuple[list[str], dict]:

@@ -162,7 +162,7 @@ def serve_command(args) -> tuple[list[str], dict]:
             "--logprobs-mode", "processed_logprobs"]
     if platform != "cpu":
         argv += ["--gpu-memory-utilization", str(args.gpu_memory_utilization or 0.9)]
-    if platform == "cpu":  # prompts never split across steps (rollout/vllm.py cpu_scheduler says why)
+    if platform == "cpu":  # prompts never split across steps (rollout/vllm/checks.py cpu_scheduler says why)
         from grpokit.rollout.vllm.checks import cpu_scheduler
 
         given = {flag.split("=", 1)[0].replace("_", "-") for flag in extra}

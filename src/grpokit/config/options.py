@@ -3,48 +3,51 @@ type and range, with the field named in the error (their sections live in schema
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from grpokit.config.checks import check, checked_value, installed, one_of
 from grpokit.config.variants import ROLLOUT_MODES
 
-# rollout.vllm options (typed: VLLMOptions below): type, example
-VLLM_OPTIONS = {"gpu_memory_utilization": (float, "0.3"), "enable_sleep_mode": (bool, "true"),
-                "kv_cache_gib": (int, "1"), "max_model_len": (int, "4096"), "enforce_eager": (bool, "true"),
-                "dtype": (str, '"bfloat16"'), "server": (str, '"http://localhost:8000"'),
-                "server_timeout_s": (float, "600"), "weight_transfer": (str, '"folder"'),
-                "weight_folder": (str, '"/shared/grpokit-weights"'), "sync_bucket_mb": (float, "512")}
-# the colocated engine's own; a server is started with its settings (`grpokit serve --gpu-memory-utilization ...`)
-COLOCATED_ONLY = ("gpu_memory_utilization", "enable_sleep_mode", "kv_cache_gib", "max_model_len", "enforce_eager",
-                  "dtype")
-# how full weights reach a server (rollout/vllm/weights.py): "auto" = NCCL where it can run, else the folder
-SERVER_ONLY = ("weight_transfer", "weight_folder", "sync_bucket_mb")
-WEIGHT_TRANSFERS = ("auto", "nccl", "folder")
+WEIGHT_TRANSFERS = ("auto", "nccl", "folder")  # how full weights reach a server: "auto" = NCCL where it can run
+
+
+def _option(default, example: str, applies: str = "both"):
+    """A `rollout.vllm` key: its default, an example for errors, and which engine it applies to ("colocated":
+    a server is started with its own settings, `grpokit serve --gpu-memory-utilization ...`; "server": how full
+    weights reach a server, rollout/vllm/weights.py; "both")."""
+    return field(default=default, metadata={"example": example, "applies": applies})
 
 
 @dataclass(frozen=True)
 class VLLMOptions:
     """`rollout.vllm = {...}` typed, with its defaults (`RolloutConfig.vllm_options`; the TOML keeps the table the
-    user wrote). `server` set: vLLM samples as a server over HTTP (rollout/vllm/server.py) and the server-only
-    fields apply; unset: a `vllm.LLM` colocated in the training process (rollout/vllm/colocated.py)."""
+    user wrote, and every key it may hold is a field here). `server` set: vLLM samples as a server over HTTP
+    (rollout/vllm/server.py); unset: a `vllm.LLM` colocated in the training process (rollout/vllm/colocated.py)."""
 
-    server: str | None = None  # "http://host:8000": a vLLM server (grpokit serve); None: colocated
-    server_timeout_s: float = 600.0
-    weight_transfer: str = "auto"  # how full weights reach a server: "auto" | "nccl" | "folder"
-    weight_folder: str | None = None  # a folder trainer and server both see (default: under TMPDIR)
-    sync_bucket_mb: float = 512  # the folder's safetensors shards, MB each
-    gpu_memory_utilization: float = 0.3  # colocated only, from here down
-    enable_sleep_mode: bool = False
-    kv_cache_gib: int = 1  # vLLM's CPU build: its KV cache in GiB of RAM
-    max_model_len: int | None = None
-    enforce_eager: bool = False
-    dtype: str | None = None  # None: model.dtype
+    gpu_memory_utilization: float = _option(0.3, "0.3", "colocated")
+    enable_sleep_mode: bool = _option(False, "true", "colocated")
+    kv_cache_gib: int = _option(1, "1", "colocated")  # vLLM's CPU build: its KV cache in GiB of RAM
+    max_model_len: int | None = _option(None, "4096", "colocated")
+    enforce_eager: bool = _option(False, "true", "colocated")
+    dtype: str | None = _option(None, '"bfloat16"', "colocated")  # None: model.dtype
+    server: str | None = _option(None, '"http://localhost:8000"')  # a vLLM server (grpokit serve); None: colocated
+    server_timeout_s: float = _option(600.0, "600")  # every call to the server waits at most this long
+    weight_transfer: str = _option("auto", '"folder"', "server")  # WEIGHT_TRANSFERS
+    weight_folder: str | None = _option(None, '"/shared/grpokit-weights"', "server")  # default: under TMPDIR
+    sync_bucket_mb: float = _option(512, "512", "server")  # the folder's safetensors shards, MB each
 
     @classmethod
     def of(cls, table: dict) -> "VLLMOptions":
         """The `rollout.vllm` table typed (check_vllm refuses an unknown key and a value of another type; the
         checks that run before it read the known keys only)."""
         return cls(**{k: v for k, v in table.items() if k in cls.__dataclass_fields__})
+
+
+_TYPES = {"float": float, "int": int, "bool": bool, "str": str}
+# each key's type (its annotation's first type) and example, in the order the config reference lists them
+VLLM_OPTIONS = {f.name: (_TYPES[f.type.split("|")[0].strip()], f.metadata["example"]) for f in fields(VLLMOptions)}
+COLOCATED_ONLY = tuple(f.name for f in fields(VLLMOptions) if f.metadata["applies"] == "colocated")
+SERVER_ONLY = tuple(f.name for f in fields(VLLMOptions) if f.metadata["applies"] == "server")
 
 
 def server_address_problem(url: str) -> str | None:

@@ -168,9 +168,8 @@ class _Worker:
     def connect(self, server_lock) -> None:
         s = self.spec
         if self.server:  # the step the server holds goes to this engine's `served` (LoRA: the trainer's adapter names)
-            served = self.side.engine.served
-            served.adapter_prefix = s.adapter_prefix
-            self.receiver = ServerSubscriber(server_lock, self.announced, served, bool(self.config.model.lora))
+            self.receiver = ServerSubscriber(server_lock, self.announced, self.side.engine.served,
+                                             s.adapter_prefix if self.config.model.lora else None)
         else:
             self.receiver = GlooSubscriber(self.model, s.port, self.index + 1, s.workers + 1, s.timeout_s,
                                            self.announced)

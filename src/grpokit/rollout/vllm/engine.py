@@ -40,12 +40,13 @@ class ServedWeights:
     adapter: object = None  # a LoRARequest, or what a server's adapter is named by (lora_name, lora_int_id, lora_path)
     adapter_prefix: str = "policy"
 
-    def use(self, step: int, lora: bool) -> None:
+    def use(self, step: int, adapter_prefix: str | None) -> None:
         """The sampler holds `step`'s weights, pushed by another process (a torchrun rank 0, an async trainer):
-        with LoRA, under that step's adapter name."""
+        with LoRA (`adapter_prefix`: the pushing process's adapter names), under that step's adapter name."""
         self.step = step
-        if lora:
-            self.adapter = SimpleNamespace(lora_name=adapter_name(self.adapter_prefix, step), lora_int_id=step + 1,
+        if adapter_prefix is not None:
+            self.adapter_prefix = adapter_prefix
+            self.adapter = SimpleNamespace(lora_name=adapter_name(adapter_prefix, step), lora_int_id=step + 1,
                                            lora_path="")
 
 

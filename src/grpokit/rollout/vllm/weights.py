@@ -25,52 +25,18 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
 import time
 import uuid
 import weakref
 from pathlib import Path
-from types import SimpleNamespace
 
 from grpokit.errors import RolloutWorkerError, UserError
 from grpokit.models.lora import adapter_of
 from grpokit.models.parallel import any_rank, buckets, rank
 from grpokit.models.weight_sync import WeightPublisher
 from grpokit.rollout.vllm.engine import CompletionParams, ServedWeights, adapter_name
-
-
-def sync_tensors(model):
-    """(Hugging Face name, tensor) of every parameter and persistent buffer the sampler needs, ungathered (an FSDP
-    shard's `shape` is the whole tensor's): a tied output head under its own name too (vLLM's reload re-creates
-    each layer's tensors, untying them, and keeps the head's old ones when no `lm_head.weight` arrives; its loader
-    skips the alias where the tie holds); other shared tensors once. Not sent: non-persistent buffers, which are
-    not checkpoint weights (Gemma's `embed_scale`: vLLM's loader refuses the name) and rotary tables (the
-    decoder's, a vision tower's rotary_pos_emb), which vLLM rebuilds."""
-    seen = set()
-    for name, t in list(model.named_parameters(remove_duplicate=False)) + _persistent_buffers(model):
-        if "rotary_emb" in name or name.endswith("inv_freq") or (id(t) in seen and not _is_head(name)):
-            continue
-        seen.add(id(t))
-        yield name, t
-
-
-def _persistent_buffers(model) -> list:
-    return [(f"{prefix}.{name}" if prefix else name, b) for prefix, module in model.named_modules()
-            for name, b in module.named_buffers(recurse=False) if name not in module._non_persistent_buffers_set]
-
-
-def _is_head(name: str) -> bool:
-    return name.removeprefix("base_model.model.").endswith("lm_head.weight")
-
-
-def named_weights_for_sync(model):
-    """`sync_tensors`, each whole, one at a time (FSDP shards are gathered here, one tensor at a time: every
-    rank must iterate in step); a tied head as a copy of its own (safetensors refuses shared storage)."""
-    sent = set()
-    for name, t in sync_tensors(model):
-        full = (t.full_tensor() if hasattr(t, "full_tensor") else t).detach()
-        yield name, full.clone() if id(t) in sent else full
-        sent.add(id(t))
+from grpokit.rollout.vllm.nccl import NcclTransfer, can_run_nccl, nccl_api_problem  # noqa: F401 - re-exported
+from grpokit.rollout.vllm.tensors import named_weights_for_sync, sync_tensors  # noqa: F401 - re-exported
 
 
 def _timed(fn):
@@ -228,104 +194,6 @@ class FolderReload(WeightPublisher):
             shutil.rmtree(self.root, ignore_errors=True)
 
 
-def _vllm_transfer():
-    """vLLM's trainer side of its NCCL weight transfer (imported on the trainer only: the worker sends HTTP), in
-    the layout of vLLM 0.28 and later (`packed` in the init info; 0.25-0.27 had these helpers but refuse it)."""
-    problem = nccl_api_problem()
-    if problem:
-        raise UserError(f"rollout.vllm.weight_transfer = \"nccl\": {problem}; install vLLM >= 0.28 beside the "
-                        "trainer, or use rollout.vllm.weight_transfer = \"folder\"")
-    from vllm.distributed.weight_transfer.nccl_common import trainer_init
-    from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer as send
-    from vllm.utils.network_utils import get_ip, get_open_port
-
-    return SimpleNamespace(trainer_init=trainer_init, send=send, get_ip=get_ip, get_open_port=get_open_port)
-
-
-def nccl_api_problem() -> str | None:
-    """Why this process cannot drive vLLM's NCCL weight transfer (0.28's API), or None."""
-    try:
-        from vllm.distributed.weight_transfer import nccl_common
-        from vllm.distributed.weight_transfer.packed_tensor import packed_nccl_broadcast_producer  # noqa: F401
-    except ImportError as e:
-        return f"this process has no vLLM weight-transfer API ({e})"
-    info = getattr(nccl_common, "NCCLWeightTransferInitInfo", None)
-    if info is not None and "packed" not in getattr(info, "__dataclass_fields__", {"packed": None}):
-        return "this vLLM's transfer takes no `packed` init info (vLLM 0.25-0.27)"
-    return None
-
-
-class NcclTransfer(WeightPublisher):
-    """A server's full weights through vLLM's weight-transfer API (the server started with `VLLM_SERVER_DEV_MODE=1`
-    and `--weight-transfer-config '{"backend": "nccl"}'`): the trainer opens an NCCL group with the server's
-    workers once (`/init_weight_transfer_engine`), then per push `/pause` -> `/start_weight_update` -> the tensors
-    broadcast from the trainer while `/update_weights` receives them -> `/finish_weight_update` -> `/resume`. The
-    broadcast runs on a thread of its own: NCCL has no timeout, the HTTP call has one."""
-
-    def __init__(self, client):
-        self.client, self._transfer, self._group = client, None, None
-
-    def publish(self, model, step: int) -> float:
-        t0 = time.perf_counter()
-        if self._group is None:
-            self._open()
-        manifest = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in sync_tensors(model)]
-        info = {"names": [m[0] for m in manifest], "dtype_names": [m[1] for m in manifest],
-                "shapes": [m[2] for m in manifest]}
-        self.client.call("POST", "/pause", params={"mode": "keep"})
-        self.client.call("POST", "/start_weight_update", json={"is_checkpoint_format": True})
-        stream = named_weights_for_sync(model)  # FSDP: each tensor gathered as it is sent
-        try:
-            self._while_sending(lambda: self._transfer.send(iterator=stream, group=self._group, src=0,
-                                                            post_iter_func=lambda item: item[1]),
-                                lambda: self.client.call("POST", "/update_weights", json={"update_info": info}))
-        except RolloutWorkerError as e:  # the transfer's own error is the one to say; the clean-up is brief
-            for path in ("/finish_weight_update", "/resume"):
-                with contextlib.suppress(RolloutWorkerError):
-                    self.client.call("POST", path, timeout_s=10)
-            raise RolloutWorkerError(f"{e}. The server may hold half-received weights: restart it before "
-                                     "resuming (a resumed run pushes every weight again)") from None
-        self.client.call("POST", "/finish_weight_update")
-        self.client.call("POST", "/resume")
-        return time.perf_counter() - t0
-
-    def _open(self) -> None:
-        t = self._transfer = _vllm_transfer()
-        reply = self.client.call("GET", "/get_world_size")
-        try:
-            size = 1 + int(reply["world_size"])
-        except (KeyError, TypeError, ValueError):
-            raise self.client.not_vllm("/get_world_size", reply) from None
-        info = {"master_address": t.get_ip(), "master_port": t.get_open_port(), "rank_offset": 1,
-                "world_size": size, "packed": True}
-        self._while_sending(lambda: setattr(self, "_group", t.trainer_init(info)),
-                            lambda: self.client.call("POST", "/init_weight_transfer_engine",
-                                                     json={"init_info": info}))
-
-    def _while_sending(self, send, drive) -> None:
-        """Run `send` (a collective without a timeout) on a thread while `drive` (the HTTP call that makes the
-        server take part, with one) runs here: a server that fails answers the call, never hangs the trainer."""
-        failed: list[BaseException] = []
-        thread = threading.Thread(target=lambda: _noting(send, failed), daemon=True, name="vllm-weight-transfer")
-        thread.start()
-        drive()
-        thread.join(self.client.timeout_s)  # the server said it received: the sending side ends soon after
-        if thread.is_alive():
-            raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.client.url} answered, but the "
-                                     f"weight transfer did not end within rollout.vllm.server_timeout_s = "
-                                     f"{self.client.timeout_s:g} s; {self.client.fix}")
-        if failed:
-            raise RolloutWorkerError(f"rollout.vllm.server: the weight transfer to the vLLM server failed "
-                                     f"({type(failed[0]).__name__}: {failed[0]})") from failed[0]
-
-
-def _noting(fn, failed: list) -> None:
-    try:
-        fn()
-    except BaseException as e:  # noqa: BLE001 - said by the caller's thread
-        failed.append(e)
-
-
 def check_serves(server, model, lora_request, tokens: int = 16) -> None:
     """One answer sampled by the server, its log-probs recomputed by the trainer: far apart, the server serves
     another model (or another base under LoRA, e.g. weights an earlier run pushed), and the run would learn from
@@ -405,28 +273,11 @@ class RankZero(WeightPublisher):
             raise failed or RolloutWorkerError("rollout.vllm.server: rank 0 could not push the weights to the "
                                                "vLLM server (its error says why)")
         if rank() != 0:
-            self.served.use(step, self.lora)
+            self.served.use(step, self.served.adapter_prefix if self.lora else None)
         return time.perf_counter() - t0
 
     def close(self) -> None:
         self.inner.close()
-
-
-def can_run_nccl(server_info: dict) -> str | None:
-    """Why vLLM's weight transfer cannot run between this trainer and the server, or None. Its NCCL backend needs
-    CUDA on both sides (a server that names another backend, such as tests/fake_vllm's gloo, does not)."""
-    import torch
-
-    config = server_info.get("vllm_config") or {}
-    transfer = config.get("weight_transfer_config")
-    if str((transfer or {}).get("backend", "nccl")) == "nccl":  # the first reason a user can act on
-        if not torch.cuda.is_available():
-            return "the trainer has no CUDA device"
-        if str((config.get("device_config") or {}).get("device", "cuda")) == "cpu":
-            return "the server runs on CPU"
-    if "weight_transfer_config" in config and not transfer:
-        return "the server was started without --weight-transfer-config"
-    return nccl_api_problem()
 
 
 def choose_server_transport(client, choice: str, folder: str | None, shard_mb: float):
@@ -497,10 +348,11 @@ class LockedPublisher(WeightPublisher):
 class ServerSubscriber:
     """Asynchronous rollout against a vLLM server, the worker's end (in place of `GlooSubscriber`): the step whose
     weights the server holds, set on the worker engine's `served` (with LoRA: that step's adapter name), and the
-    lock under which a batch is sampled (no push lands inside it: each answer has one version)."""
+    lock under which a batch is sampled (no push lands inside it: each answer has one version). `adapter_prefix`:
+    with LoRA, the names the trainer's adapters are loaded under (None: full weights)."""
 
-    def __init__(self, lock, version, served: ServedWeights, lora: bool):
-        self.lock, self.version, self.served, self.lora = lock, version, served, lora
+    def __init__(self, lock, version, served: ServedWeights, adapter_prefix: str | None):
+        self.lock, self.version, self.served, self.adapter_prefix = lock, version, served, adapter_prefix
 
     def wait_for(self, step: int, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -512,7 +364,7 @@ class ServerSubscriber:
 
     def apply(self) -> int:
         step = int(self.version.value)
-        self.served.use(step, self.lora)
+        self.served.use(step, self.adapter_prefix)
         return step
 
     def holding(self):
