@@ -157,3 +157,17 @@ def test_bad_shapes_are_refused_naming_them():
 
 def test_the_config_names_the_same_estimators():
     assert CONFIG_NAMES == TURN_ADVANTAGES
+
+
+def test_the_keywords_before_group_normalization_still_work_with_a_warning_naming_it():
+    """gigpo_advantages(..., scale_rewards=..., std=...), the public spelling before GroupNormalization: the same
+    advantages, and a DeprecationWarning that names the new spelling (grpokit.errors.keywords_moved_into, which
+    completion_logprobs and explain use as well)."""
+    outcome, turn_rewards = t([1.0, 0.0, 1.0]), t([[0.2, nan], [0.0, nan], [nan, nan]])
+    states, turns = t([[0, 1], [0, 1], [0, -1]], torch.long), t([2, 2, 1], torch.long)
+    with pytest.warns(DeprecationWarning, match=r"pass normalization=GroupNormalization\(scale_rewards='none', "
+                                                r"std='sample'\) \(from grpokit.algorithms.turn_advantages"):
+        old = gigpo_advantages(outcome, turn_rewards, states, turns, 3, gamma=0.5, scale_rewards="none", std="sample")
+    new = gigpo_advantages(outcome, turn_rewards, states, turns, 3, gamma=0.5,
+                           normalization=GroupNormalization(scale_rewards="none", std="sample"))
+    torch.testing.assert_close(old, new, rtol=0, atol=0)

@@ -130,3 +130,30 @@ class RolloutWorkerError(UserError, RuntimeError):
     def __init__(self, message: str, *, users_code: bool = False):
         super().__init__(message)
         self.users_code = users_code
+
+
+def keywords_moved_into(parameter: str, options_class, home: str):
+    """A decorator for a public function whose loose keywords were gathered into one options dataclass: the old
+    spelling, `fn(..., a=..., b=...)`, still works, folded into `parameter` (an `options_class`), with a
+    DeprecationWarning that names the new spelling (`home`: the module to import the class from)."""
+    import dataclasses
+    import functools
+    import warnings
+
+    names = tuple(f.name for f in dataclasses.fields(options_class))
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            old = {name: kwargs.pop(name) for name in names if name in kwargs}
+            if old:
+                cls, spelled = options_class.__name__, ", ".join(f"{k}={v!r}" for k, v in old.items())
+                warnings.warn(f"{fn.__name__}: the keywords {', '.join(old)} moved into `{parameter}`; pass "
+                              f"{parameter}={cls}({spelled}) (from {home} import {cls})", DeprecationWarning,
+                              stacklevel=2)
+                kwargs[parameter] = dataclasses.replace(kwargs.get(parameter) or options_class(), **old)
+            return fn(*args, **kwargs)
+
+        return call
+
+    return wrap

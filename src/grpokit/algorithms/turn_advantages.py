@@ -43,13 +43,12 @@ Pure torch; never modifies its inputs.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import warnings
 
 import torch
 from torch import Tensor
 
 from grpokit.algorithms.advantages import group_advantages
+from grpokit.errors import keywords_moved_into
 
 __all__ = ["TURN_ADVANTAGES", "GroupNormalization", "discounted_returns", "gigpo_advantages", "mt_grpo_advantages",
            "normalize_within", "token_advantages"]
@@ -114,27 +113,7 @@ class GroupNormalization:
     eps: float = 1e-4
 
 
-def _normalization_as_keywords(advantages_fn):
-    """`gigpo_advantages(..., scale_rewards=..., std=...)`, the spelling before `GroupNormalization`, still works:
-    the keywords are folded into `normalization`, with a DeprecationWarning naming the new spelling."""
-    names = tuple(f.name for f in dataclasses.fields(GroupNormalization))
-
-    @functools.wraps(advantages_fn)
-    def call(*args, **kwargs):
-        old = {name: kwargs.pop(name) for name in names if name in kwargs}
-        if old:
-            spelled = ", ".join(f"{k}={v!r}" for k, v in old.items())
-            warnings.warn(f"{advantages_fn.__name__}: the keywords {', '.join(old)} moved into `normalization`; pass "
-                          f"normalization=GroupNormalization({spelled}) "
-                          f"(from grpokit.algorithms.turn_advantages import GroupNormalization)",
-                          DeprecationWarning, stacklevel=2)
-            kwargs["normalization"] = dataclasses.replace(kwargs.get("normalization") or GroupNormalization(), **old)
-        return advantages_fn(*args, **kwargs)
-
-    return call
-
-
-@_normalization_as_keywords
+@keywords_moved_into("normalization", GroupNormalization, "grpokit.algorithms.turn_advantages")
 def gigpo_advantages(outcome: Tensor, turn_rewards: Tensor, states: Tensor, turns: Tensor, group_size: int, *,
                      gamma: float = 0.95, omega: float = 1.0, normalization: GroupNormalization | None = None
                      ) -> Tensor:

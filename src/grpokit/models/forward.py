@@ -10,8 +10,6 @@ logit soft-capping, for instance) are scored through the model's own logits inst
 from __future__ import annotations
 
 import dataclasses
-import functools
-import warnings
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator
 
@@ -19,6 +17,7 @@ import torch
 from torch import Tensor
 
 from grpokit.algorithms.logprobs import token_logprobs, token_logprobs_from_hidden
+from grpokit.errors import keywords_moved_into
 from grpokit.models.packing import packed_completion_hidden, packing_applies
 from grpokit.models.prompt_forward import distinct_prompts, position_ids_from_mask, prompt_forward
 
@@ -178,26 +177,7 @@ class ForwardOptions:
                    packed=packed)
 
 
-def _options_as_keywords(score):
-    """`score(..., chunk_size=..., fused=...)`, the spelling before `ForwardOptions`, still works: the keywords
-    are folded into `options`, with a DeprecationWarning naming the new spelling."""
-    names = tuple(f.name for f in dataclasses.fields(ForwardOptions))
-
-    @functools.wraps(score)
-    def call(*args, **kwargs):
-        old = {name: kwargs.pop(name) for name in names if name in kwargs}
-        if old:
-            spelled = ", ".join(f"{k}={v!r}" for k, v in old.items())
-            warnings.warn(f"{score.__name__}: the keywords {', '.join(old)} moved into `options`; pass "
-                          f"options=ForwardOptions({spelled}) (from grpokit.models.forward import ForwardOptions)",
-                          DeprecationWarning, stacklevel=2)
-            kwargs["options"] = dataclasses.replace(kwargs.get("options") or ForwardOptions(), **old)
-        return score(*args, **kwargs)
-
-    return call
-
-
-@_options_as_keywords
+@keywords_moved_into("options", ForwardOptions, "grpokit.models.forward")
 def completion_logprobs(
     model,
     prompt_ids: torch.Tensor,  # [N, P] left-padded

@@ -25,14 +25,12 @@ fixture of its test.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import warnings
 from pathlib import Path
 
 import torch
 
-from grpokit.errors import ExplainError
+from grpokit.errors import ExplainError, keywords_moved_into
 
 
 @torch.no_grad()
@@ -61,25 +59,7 @@ class TrustRegion:
         return 1 - self.epsilon, 1 + self.upper_epsilon
 
 
-def _epsilon_as_keywords(explain_fn):
-    """`explain(..., epsilon=..., epsilon_high=...)`, the spelling before `TrustRegion`, still works: the keywords
-    are folded into `trust_region`, with a DeprecationWarning naming the new spelling."""
-
-    @functools.wraps(explain_fn)
-    def call(*args, **kwargs):
-        old = {name: kwargs.pop(name) for name in ("epsilon", "epsilon_high") if name in kwargs}
-        if old:
-            spelled = ", ".join(f"{k}={v!r}" for k, v in old.items())
-            warnings.warn(f"{explain_fn.__name__}: the keywords {', '.join(old)} moved into `trust_region`; pass "
-                          f"trust_region=TrustRegion({spelled}) (from grpokit.observe.explain import TrustRegion)",
-                          DeprecationWarning, stacklevel=2)
-            kwargs["trust_region"] = dataclasses.replace(kwargs.get("trust_region") or TrustRegion(), **old)
-        return explain_fn(*args, **kwargs)
-
-    return call
-
-
-@_epsilon_as_keywords
+@keywords_moved_into("trust_region", TrustRegion, "grpokit.observe.explain")
 def explain(old_model, new_model, tokenizer, prompt: str, answer: str, *, chat: bool = False,
             temperature: float = 1.0, top_k: int = 5, trust_region: TrustRegion | None = None,
             advantage: float | None = None) -> dict:
