@@ -492,3 +492,31 @@ def test_a_grpokit_engine_subclass_with_the_old_spelling_or_construction_is_one_
     for old in (lambda: VLLMEngine("/models/m"), lambda: VLLMEngine(ColocatedLLM(FakeLLM(), FAKE_VLLM), llm=None)):
         with pytest.raises(SetupError, match=r"VLLMEngine now takes its backend: VLLMEngine\(ColocatedLLM.start"):
             old()
+
+
+def test_grpokit_engines_still_answer_the_old_generate_and_speed_spelling_with_a_warning(tiny):
+    model, tok = tiny
+    prompts = [tok("1+2=")["input_ids"]]
+    s = SamplingParams(max_new_tokens=4, eos_token_ids=(tok.eos_token_id,), pad_token_id=tok.pad_token_id)
+    engine = HFEngine(model, tok, packed_weights=False)
+    want = engine.generate(RolloutRequest(prompts, 2, s, torch.Generator().manual_seed(1))).rollout
+    with pytest.warns(DeprecationWarning, match=r"generate\(RolloutRequest\(prompt_ids, group_size, sampling"):
+        got = engine.generate(prompts, group_size=2, sampling=s, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(got.completion_ids, want.completion_ids)
+    with pytest.warns(DeprecationWarning, match=r"HFEngine.__init__: .* pass speed=DecodeSpeed\(sampler='gumbel'\)"):
+        old = HFEngine(model, tok, sampler="gumbel")
+    assert old.speed.sampler == "gumbel"
+
+
+def test_a_subclass_of_a_grpokit_engine_with_sync_weights_is_told_of_every_update(tiny_model_dir, tmp_path):
+    """`sync_weights` on a subclass of HFEngine (an engine of the caller's that keeps a sampler copy of its own)
+    is the run's publisher: once at the start and after each update, as before the one weight verb."""
+    syncs = []
+
+    class Copying(HFEngine):
+        def sync_weights(self, model):
+            syncs.append(sum(p.detach().sum().item() for p in model.parameters()))
+
+    train(run_config(tiny_model_dir, tmp_path / "r", train={"steps": 2}), reward_functions=[parity],
+          engine=lambda config, model, tok: Copying(model, tok))
+    assert len(syncs) == 3 and syncs[0] != syncs[1] != syncs[2]

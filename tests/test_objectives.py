@@ -327,10 +327,10 @@ def test_error_beta_without_ref_and_dr_grpo_without_length():
 def test_the_earlier_accumulation_keywords_still_work_with_a_deprecation_warning():
     logp, old, adv, mask = _batch()
     now, _ = policy_loss(logp, old, adv, mask, accumulation=Accumulation(num_items_in_batch=36, entropy_parts=2))
-    with pytest.warns(DeprecationWarning, match=r"accumulation=Accumulation\(num_items_in_batch=..., entropy_parts"):
+    with pytest.warns(DeprecationWarning, match=r"pass accumulation=Accumulation\(num_items_in_batch=36, entropy_"):
         before, _ = policy_loss(logp, old, adv, mask, num_items_in_batch=36, entropy_parts=2)
     assert before.item() == now.item()
-    with pytest.raises(TypeError, match=r"pass accumulation=Accumulation\(entropy_parts=...\) alone"):
+    with pytest.raises(TypeError, match=r"pass accumulation=Accumulation\(entropy_parts=2\) alone"):
         policy_loss(logp, old, adv, mask, accumulation=Accumulation(), entropy_parts=2)
 
 
@@ -483,7 +483,7 @@ def test_pure_modules_import_only_torch_and_stdlib(module):
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             roots.add(node.module if node.module.startswith("grpokit.") else node.module.split(".")[0])
     allowed = {"torch", "__future__"} | set(sys.stdlib_module_names)
-    allowed.add("grpokit.config.variants")
+    allowed |= {"grpokit.config.variants", "grpokit.errors"}  # torch-free names; errors imports nothing at load
     assert all(r in allowed or r.startswith("grpokit.algorithms.") for r in roots), roots
 
 

@@ -98,8 +98,8 @@ class _MovedModule(importlib.abc.Loader):
                 found = importlib.import_module(home)
                 if hasattr(found, _RENAMED.get(name, name)):
                     return getattr(found, _RENAMED.get(name, name))
-            if name in _GONE:
-                raise AttributeError(f"{module.__name__}.{name} is gone: {_GONE[name]}")
+            if name in _GONE:  # an ImportError: `from module import name` shows it as it is
+                raise ImportError(f"{module.__name__}.{name} is gone: {_GONE[name]}")
             raise AttributeError(f"{name!r} is not in {module.__name__} any more (it moved: see {', '.join(homes)})")
 
         module.__getattr__ = __getattr__

@@ -135,7 +135,8 @@ class RolloutWorkerError(UserError, RuntimeError):
 def keywords_moved_into(parameter: str, options_class, home: str):
     """A decorator for a public function whose loose keywords were gathered into one options dataclass: the old
     spelling, `fn(..., a=..., b=...)`, still works, folded into `parameter` (an `options_class`), with a
-    DeprecationWarning that names the new spelling (`home`: the module to import the class from)."""
+    DeprecationWarning that names the new spelling (`home`: the module to import the class from); both spellings
+    in one call is an error naming the new one."""
     import dataclasses
     import functools
     import warnings
@@ -148,10 +149,13 @@ def keywords_moved_into(parameter: str, options_class, home: str):
             old = {name: kwargs.pop(name) for name in names if name in kwargs}
             if old:
                 cls, spelled = options_class.__name__, ", ".join(f"{k}={v!r}" for k, v in old.items())
-                warnings.warn(f"{fn.__name__}: the keywords {', '.join(old)} moved into `{parameter}`; pass "
+                if parameter in kwargs:
+                    raise TypeError(f"{fn.__qualname__}() got {parameter}= and {', '.join(old)}=: pass "
+                                    f"{parameter}={cls}({spelled}) alone")
+                warnings.warn(f"{fn.__qualname__}: the keywords {', '.join(old)} moved into `{parameter}`; pass "
                               f"{parameter}={cls}({spelled}) (from {home} import {cls})", DeprecationWarning,
                               stacklevel=2)
-                kwargs[parameter] = dataclasses.replace(kwargs.get(parameter) or options_class(), **old)
+                kwargs[parameter] = options_class(**old)
             return fn(*args, **kwargs)
 
         return call

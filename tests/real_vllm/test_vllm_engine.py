@@ -125,8 +125,9 @@ def test_lora_through_the_server_loads_switches_and_unloads_adapters(vllm_model_
                 reward_functions=[watching])
     rows = read_metrics(run)
     assert len(rows) == 3 and max(r["sampling/logprob_gap_max"] for r in rows) < GAP
-    assert [[name.rsplit("-", 1)[1] for name in step] for step in held] == [["v1"], ["v2"], ["v3"]], held
-    assert adapters(fresh_server, str(vllm_model_dir)) == []  # v4, pushed after the last step, unloaded at the end
+    # named by the trainer's step, the version everywhere: step 1's batch samples the start's adapter (v0)
+    assert [[name.rsplit("-", 1)[1] for name in step] for step in held] == [["v0"], ["v1"], ["v2"]], held
+    assert adapters(fresh_server, str(vllm_model_dir)) == []  # v3, pushed after the last step, unloaded at the end
 
 
 def test_async_through_the_server_with_max_staleness_0_is_the_sync_run(vllm_model_dir, fresh_server, tmp_path):

@@ -82,10 +82,7 @@ lists (config/variants.py): each one is checked here on import to have exactly o
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -94,6 +91,7 @@ from torch import Tensor
 
 from grpokit.config.variants import ENTROPY_AGGREGATIONS, LOSS_KINDS
 from grpokit.config.variants import IMPORTANCE_SAMPLING_LEVELS as LEVEL_NAMES
+from grpokit.errors import keywords_moved_into
 
 
 def _one_each(names, impls: dict[str, Callable], what: str) -> dict[str, Callable]:
@@ -337,28 +335,7 @@ class Accumulation:
     entropy_parts: int = 1  # the calls one optimizer step adds up unscaled: the token_mean entropy bonus's divisor
 
 
-def _accepts_old_keywords(fn):
-    """`policy_loss(..., num_items_in_batch=..., entropy_parts=...)`, the spelling before `accumulation`, still
-    works, with a DeprecationWarning naming the new one."""
-    old_names = tuple(f.name for f in dataclasses.fields(Accumulation))
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        old = {name: kwargs.pop(name) for name in old_names if name in kwargs}
-        if old:
-            new = f"accumulation=Accumulation({', '.join(f'{name}=...' for name in old)})"
-            if "accumulation" in kwargs:
-                raise TypeError(f"policy_loss() got accumulation= and {', '.join(old)}=: pass {new} alone")
-            warnings.warn(f"policy_loss({', '.join(f'{name}=...' for name in old)}) is now policy_loss({new}) "
-                          f"(Accumulation from grpokit.algorithms); the old keywords will be removed",
-                          DeprecationWarning, stacklevel=2)
-            kwargs["accumulation"] = Accumulation(**old)
-        return fn(*args, **kwargs)
-
-    return wrapper
-
-
-@_accepts_old_keywords
+@keywords_moved_into("accumulation", Accumulation, "grpokit.algorithms")
 def policy_loss(
     logp: Tensor,
     old_logp: Tensor | None,

@@ -4,9 +4,10 @@
     sampler:  subscriber.wait_for(step, timeout_s); subscriber.apply()  # between two batches, never inside one
 
 The trainer's step is the weights' version everywhere: the start's push is step 0 (or the resumed checkpoint's),
-the push after optimizer step s is version s. One publisher per run, chosen once (`rollout.engines.build_publisher`
-for the run's engine; the asynchronous rollout's channel in training/rollout_source.py) and owned by the rollout
-source, which calls `publish` and, at the end, `close`. No transport calls back into an engine: a sampler that
+the push after optimizer step s is version s. One publisher per run, chosen once (`rollout.weights.build_publisher`
+for the run's engine, which training/setup.py's `build_run` makes the start's push with; the asynchronous rollout's
+channel in training/rollout_source.py): the rollout source publishes through it after every update, and the loop
+closes it when the run ends. No transport calls back into an engine: a sampler that
 needs to know what it holds reads a subscriber (vLLM: `rollout.vllm.weights.ServedWeights`). prime-rl's
 weight-broadcast interface is the model. The transports:
 - `SharedModel` (here): the built-in sampler on the training model itself: nothing moves;

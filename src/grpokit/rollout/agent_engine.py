@@ -33,7 +33,7 @@ class AgentEngine(EngineBase):
     """A rollout engine whose answers are the agent's conversations, sampled by `inner` (the run's own
     engine, without tools; one that is not a grpokit engine is wrapped, engine_protocol.PlainEngine) through the
     endpoint. Each request carries its rows (the rollout side's, side.py): answer i runs on row i // G. The run's
-    weights reach `inner` (rollout.engines.build_publisher publishes to it)."""
+    weights reach `inner` (rollout.weights.build_publisher publishes to it)."""
 
     def __init__(self, agent: Agent, inner, tokenizer, *, max_calls: int = 8, time_limit_s: float = 300.0,
                  port: int = 0, batch_wait_s: float = 0.02, max_positions: int | None = None):

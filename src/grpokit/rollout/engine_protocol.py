@@ -7,7 +7,7 @@ An engine holds no per-batch state: the request (rollout/request.py) carries the
 environments' boxes, split history and images, and the result carries what came back (the rollout, the tools'
 and agents' statistics, the weight version). How the trainer's weights reach an engine is not the engine's job:
 one publisher per run (models/weight_sync.py `WeightPublisher.publish(model, step)`, chosen by
-`rollout.engines.build_publisher`) moves them; the engine samples with whatever its sampler holds.
+`rollout.weights.build_publisher`) moves them; the engine samples with whatever its sampler holds.
 
 Every engine class (engines.py, vllm/, agent_engine.py) derives from `EngineBase`. An engine handed to
 `train(engine=...)` that is not one is wrapped in `PlainEngine`: `generate(request)` and, for a sampler that
@@ -16,6 +16,7 @@ holds weights of its own, `sync_weights(model)` (the run's publisher calls it af
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from typing import Protocol
@@ -54,6 +55,26 @@ class EngineBase:
 
     def stop_serving(self) -> None:
         """Nothing started, nothing to stop."""
+
+
+def accepts_earlier_spelling(generate):
+    """`engine.generate(prompt_ids, *, group_size, sampling, generator=None, media=None) -> Rollout`, the spelling
+    before the request, still works on grpokit's own engines: warned, built into a request, answered with the
+    result's rollout (as it was). `inspect.signature` shows the new spelling."""
+
+    @functools.wraps(generate)
+    def call(self, *args, **kwargs):
+        if len(args) == 1 and not kwargs and isinstance(args[0], RolloutRequest):
+            return generate(self, args[0])
+        warnings.warn(f"{type(self).__name__}.generate(prompt_ids, *, group_size, sampling, ...) is the old "
+                      "spelling; pass one request: generate(RolloutRequest(prompt_ids, group_size, sampling, "
+                      "generator)) (grpokit.rollout.request), which returns a RolloutResult", DeprecationWarning,
+                      stacklevel=2)
+        prompt_ids = args[0] if args else kwargs.pop("prompt_ids")
+        media = kwargs.pop("media", None)
+        return generate(self, RolloutRequest(prompt_ids, media=media, **kwargs)).rollout
+
+    return call
 
 
 def _takes_request(generate) -> bool:

@@ -31,10 +31,11 @@ import dataclasses
 
 import torch
 
+from grpokit.errors import keywords_moved_into
 from grpokit.models.fsdp import full_params_for_generation
 from grpokit.models.onednn import packed_linears
 from grpokit.rollout.decode import DecodeSpeed, sample_groups
-from grpokit.rollout.engine_protocol import EngineBase, RolloutEngine
+from grpokit.rollout.engine_protocol import EngineBase, RolloutEngine, accepts_earlier_spelling
 from grpokit.rollout.multiturn import sample_conversations
 from grpokit.rollout.request import RolloutRequest, RolloutResult
 from grpokit.rollout.tools import ToolBox
@@ -48,6 +49,7 @@ class HFEngine(EngineBase):
     layer loop; `rollout.*` in the config) and `packed_weights` the decode's oneDNN matmuls (models/onednn.py):
     they change the cost, not the distribution."""
 
+    @keywords_moved_into("speed", DecodeSpeed, "grpokit.rollout.decode")
     def __init__(self, model, tokenizer=None, *, tools: ToolBox | None = None, max_tool_turns: int = 8,
                  packed_weights: bool = True, tool_images=None, speed: DecodeSpeed = DecodeSpeed()):
         self.model, self.tokenizer, self.speed, self.packed_weights = model, tokenizer, speed, packed_weights
@@ -58,6 +60,7 @@ class HFEngine(EngineBase):
     def device(self) -> torch.device:
         return self.model.device
 
+    @accepts_earlier_spelling
     def generate(self, request: RolloutRequest) -> RolloutResult:
         """Single-turn answers, or with tools (the request's, else the engine's own) multi-turn conversations whose
         tool results join the same KV cache; `request.media`: the prompts' images (rollout/vision.py)."""

@@ -144,8 +144,8 @@ def evaluate(model, tokenizer, rows: Sequence[dict], prompt_ids: Sequence[Sequen
              reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce, **deprecated) -> dict:
     """Metrics over `rows` (with their tokenized prompts), the answers drawn and graded as `settings` says: an
     answer is correct when its total reward reaches `settings.correct_threshold`; `settings.sampling`'s empty
-    `eos_token_ids` (the default) means the tokenizer's end token. With `tool_use` (the prompts rendered with its
-    tools' schemas) answers are multi-turn conversations, as in training, and the result also has
+    `eos_token_ids` (the default) means the tokenizer's end token, where it has one. With `tool_use` (the prompts
+    rendered with its tools' schemas) answers are multi-turn conversations, as in training, and the result also has
     `tool_call_share` (answers that called a tool at least once) and `tool_failure_rate`
     (failed calls / calls) of the sampled answers. `reduce` sums the counts over processes
     (each evaluated its own share of the rows), so every process returns the whole set's metrics.
@@ -167,7 +167,7 @@ def evaluate(model, tokenizer, rows: Sequence[dict], prompt_ids: Sequence[Sequen
         settings, tool_use = _settings_from_keywords(tokenizer, deprecated)
     model.eval()
     generator = torch.Generator(device=model.device).manual_seed(settings.seed)
-    eos = tuple(settings.sampling.eos_token_ids) or (tokenizer.eos_token_id,)
+    eos = tuple(settings.sampling.eos_token_ids) or tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
     settings = dataclasses.replace(settings, sampling=dataclasses.replace(settings.sampling, eos_token_ids=eos))
     side = eval_side(model, tokenizer, PromptTable(list(rows), [list(p) for p in prompt_ids], list(eos), media), specs,
                      settings, tool_use=tool_use)

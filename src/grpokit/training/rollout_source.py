@@ -4,7 +4,7 @@
     metrics = rollouts.publish(model, step)     # after the update: the samplers get step's weights
 
 Both publish through one `WeightPublisher` (models/weight_sync.py), chosen once: the run's own (`run.weights`,
-rollout.engines.build_publisher: nothing for the built-in sampler, a vLLM transport, an engine of the caller's)
+rollout.weights.build_publisher: nothing for the built-in sampler, a vLLM transport, an engine of the caller's)
 in sync mode and, against a vLLM server, in async mode under the worker's lock; gloo to the built-in workers.
 
 `SyncRollouts` is the loop as it always was: sample on the training model, then train. `AsyncRollouts`

@@ -19,6 +19,23 @@ from grpokit.rollout.vllm.engine import VLLMEngine
 
 __all__ = ["INSTALL", "VLLMEngine", "check_vllm_can_run", "on_cpu", "vllm_engine"]
 
+# names the module grpokit.rollout.vllm had before it became this package: found where they went, with a warning
+_MOVED = {"head_size": "checks", "cpu_head_size_problem": "checks", "model_max_length": "checks",
+          "transformers_fallback": "checks", "cpu_head_sizes": "checks", "CPU_HEAD_SIZES": "checks",
+          "cpu_scheduler": "checks", "VLLM_LORA_RANKS": "colocated"}
+
+
+def __getattr__(name):
+    if name not in _MOVED:
+        raise AttributeError(f"module 'grpokit.rollout.vllm' has no attribute {name!r}")
+    import importlib
+    import warnings
+
+    home = f"grpokit.rollout.vllm.{_MOVED[name]}"
+    warnings.warn(f"grpokit.rollout.vllm.{name} moved to {home}; import it from there", DeprecationWarning,
+                  stacklevel=2)
+    return getattr(importlib.import_module(home), name)
+
 
 def vllm_engine(config, tokenizer, *, tools: ToolBox | None = None) -> VLLMEngine:
     """The vLLM engine `rollout.vllm` describes, for this process: a server's (`rollout.vllm.server`) or a

@@ -24,7 +24,7 @@ from typing import Protocol
 
 from grpokit.errors import SetupError
 from grpokit.rollout.batch import rollout_from_tokens
-from grpokit.rollout.engine_protocol import EngineBase
+from grpokit.rollout.engine_protocol import EngineBase, accepts_earlier_spelling
 from grpokit.rollout.multiturn import converse
 from grpokit.rollout.request import RolloutRequest, RolloutResult
 from grpokit.rollout.tools import ToolBox
@@ -102,6 +102,7 @@ class VLLMEngine(EngineBase):
         """The adapter the next batch is sampled with (None: the base weights)."""
         return self.served.adapter
 
+    @accepts_earlier_spelling
     def generate(self, request: RolloutRequest) -> RolloutResult:
         """Single-turn answers (with `request.media`: the prompts' images as vLLM's multimodal inputs), or with
         tools multi-turn conversations (text only)."""

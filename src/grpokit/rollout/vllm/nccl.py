@@ -117,8 +117,10 @@ def _noting(fn, failed: list) -> None:
 
 
 def can_run_nccl(server_info: dict) -> str | None:
-    """Why vLLM's weight transfer cannot run between this trainer and the server, or None. Its NCCL backend needs
-    CUDA on both sides (a server that names another backend, such as tests/fake_vllm's gloo, does not)."""
+    """Why vLLM's weight transfer cannot run between this trainer and the server, or None. Its built-in backend,
+    NCCL, needs CUDA on both sides; a backend registered in vLLM's weight-transfer registry
+    (`register_weight_transfer_engine`: a plugin's, or tests/fake_vllm's gloo) says for itself where it runs, so
+    only the server's start flag and this vLLM's API are checked for it."""
     import torch
 
     config = server_info.get("vllm_config") or {}

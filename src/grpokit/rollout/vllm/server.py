@@ -192,6 +192,9 @@ class ServerLLM:
         """Nothing to wake: the server is always up."""
         return contextlib.nullcontext()
 
+    def wake_weights(self) -> None:
+        """Nothing asleep: the server is always up."""
+
     def _one(self, model: str, prompt: dict, p, index: int) -> SimpleNamespace:
         if "multi_modal_data" in prompt:
             raise UserError("rollout.vllm.server: a vLLM server takes no images with token-id prompts; use the "

@@ -89,6 +89,7 @@ class AdapterFolders(WeightPublisher):
             self.root = _run_folder(self, "grpokit-lora-", self.folder)
         folder = _next_folder(self.root)
         _writing(folder, lambda: adapter_of(model).save_pretrained(str(folder)), "the LoRA adapter")
+        self.backend.wake_weights()  # sleep mode: the previous adapter is removed from an awake engine
         self.loads += 1
         self.served.adapter, self.served.step = self.backend.load_adapter(name, self.loads, str(folder)), step
         if previous is not None:
