@@ -515,3 +515,17 @@ def test_chunked_logprobs_of_empty_batch():
     assert token_logprobs(torch.zeros(0, 3, 7), torch.zeros(0, 3, dtype=torch.long)).shape == (0, 3)
     logp, ent = token_logprobs(torch.zeros(2, 0, 7), torch.zeros(2, 0, dtype=torch.long), with_entropy=True)
     assert logp.shape == ent.shape == (2, 0)
+
+
+def test_the_loss_options_as_keywords_still_work_with_a_warning_naming_loss_spec():
+    """`grpokit.policy_loss(logp, old, A, mask, loss_type="grpo")`, the README's form before `LossSpec`: it raised a
+    bare TypeError (an unexpected keyword); now the same loss, and a DeprecationWarning showing the spelling."""
+    logp, old, adv, mask = _batch()
+    now, _ = policy_loss(logp, old, adv, mask, LossSpec(loss_type="grpo", epsilon=0.1))
+    with pytest.warns(DeprecationWarning, match=r"pass spec=LossSpec\(loss_type='grpo', epsilon=0.1\) \(from grpokit"):
+        before, _ = policy_loss(logp, old, adv, mask, loss_type="grpo", epsilon=0.1)
+    assert before.item() == now.item()
+    with pytest.raises(TypeError, match=r"pass spec=LossSpec\(beta=0.1\) alone"):
+        policy_loss(logp, old, adv, mask, spec=LossSpec(), beta=0.1)
+    with pytest.raises(TypeError, match=r"pass spec=LossSpec\(beta=0.1\) alone"):  # the spec given by position
+        policy_loss(logp, old, adv, mask, LossSpec(), beta=0.1)

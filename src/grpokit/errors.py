@@ -139,17 +139,20 @@ def keywords_moved_into(parameter: str, options_class, home: str):
     in one call is an error naming the new one."""
     import dataclasses
     import functools
+    import inspect
     import warnings
 
     names = tuple(f.name for f in dataclasses.fields(options_class))
 
     def wrap(fn):
+        position = list(inspect.signature(fn).parameters).index(parameter)  # where it sits when passed positionally
+
         @functools.wraps(fn)
         def call(*args, **kwargs):
             old = {name: kwargs.pop(name) for name in names if name in kwargs}
             if old:
                 cls, spelled = options_class.__name__, ", ".join(f"{k}={v!r}" for k, v in old.items())
-                if parameter in kwargs:
+                if parameter in kwargs or len(args) > position:
                     raise TypeError(f"{fn.__qualname__}() got {parameter}= and {', '.join(old)}=: pass "
                                     f"{parameter}={cls}({spelled}) alone")
                 warnings.warn(f"{fn.__qualname__}: the keywords {', '.join(old)} moved into `{parameter}`; pass "

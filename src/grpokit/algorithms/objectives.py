@@ -335,6 +335,7 @@ class Accumulation:
     entropy_parts: int = 1  # the calls one optimizer step adds up unscaled: the token_mean entropy bonus's divisor
 
 
+@keywords_moved_into("spec", LossSpec, "grpokit")  # policy_loss(..., loss_type="grpo"): the README's form
 @keywords_moved_into("accumulation", Accumulation, "grpokit.algorithms")
 def policy_loss(
     logp: Tensor,
