@@ -350,7 +350,10 @@ class AsyncRollouts:
                 raise RolloutWorkerError(f"rollout worker {i} {how}{oom} while the trainer waited for {what}")
         now = time.monotonic()
         for i in range(self.W if self.started else 0):
-            if processes.is_hung(self.beats, i, self.timeout_s):
+            # at the deadline, a worker silent for 4 beats is frozen (SIGSTOP, a debugger), not slow: it froze after
+            # the trainer began to wait, so its beat is younger than the timeout, but "alive" would be wrong
+            silent = now > deadline and i == waiting_for and processes.is_hung(self.beats, i, 0.0)
+            if silent or processes.is_hung(self.beats, i, self.timeout_s):
                 raise RolloutWorkerError(f"rollout worker {i} is hung: no heartbeat for "
                                          f"{processes.beat_age(self.beats, i):.0f} s "
                                          f"(rollout.worker_timeout_s = {self.timeout_s:g}); it is stopped")
