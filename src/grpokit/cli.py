@@ -30,13 +30,32 @@ def cmd_train(args) -> int:
     config = load_config(args.config, args.set)  # a bad field fails here, before torch is imported
     if args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ:  # this machine's torchrun processes
         from grpokit.models.parallel import launch  # (each says its error; torchrun's traceback is not shown)
-        return launch(args.nproc_per_node, shlex.split(_train_command(args))[1:])
+        command = f"{_train_command(args)} --nproc-per-node {args.nproc_per_node}"
+        return launch(args.nproc_per_node, shlex.split(_train_command(args))[1:],
+                      lost=lambda what: _lost(what, config.output.dir, command))
     from grpokit.training.loop import train
+    from grpokit.training.safekeeping import lost_process_error
+    from grpokit.training.stopping import continue_command
 
-    run_dir = train(config, resume=args.resume, command=_train_command(args))
+    try:
+        run_dir = train(config, resume=args.resume, command=_train_command(args))
+    except RuntimeError as e:  # another torchrun process lost outside the steps (setup): one line, as in them
+        hint = continue_command(_train_command(args))
+        if isinstance(e, UserError) or not (lost := lost_process_error(e, config.output.dir, hint)):
+            raise
+        raise lost from None
     if os.environ.get("RANK", "0") == "0":  # under torchrun, once
         print(f"run folder: {run_dir}")
     return 0
+
+
+def _lost(what: str, run_dir: str, command: str) -> str:
+    """The launcher's line for `what` happened to a process it started: the run folder's state, the command that
+    continues (training/safekeeping.py)."""
+    from grpokit.training.safekeeping import lost_message
+    from grpokit.training.stopping import continue_command
+
+    return lost_message(what, run_dir, continue_command(command))
 
 
 def cmd_config(args) -> int:
@@ -407,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except UserError as e:
-        say(e)  # under torchrun, a start-up error once per machine
+        if not getattr(e, "quiet", False):  # quiet: another process says it (a lost one: models/parallel.py)
+            say(e)  # under torchrun, a start-up error once per machine
         return e.exit_code
     except KeyboardInterrupt:
         print("stopped: interrupted (Ctrl-C)", file=sys.stderr)

@@ -13,19 +13,31 @@ How weights move depends on where vLLM runs (`--weight-transfer`): on CUDA, vLLM
 a safetensors folder that the server reloads (`POST /collective_rpc` with `reload_weights`). On a CPU, vLLM's KV
 cache is a fixed size in GiB (`--kv-cache-gib`, env VLLM_CPU_KVCACHE_SPACE; a GPU's share, 0.9, would mean 90% of
 the RAM), and the model's attention head size must be one vLLM's CPU attention has kernels for: both are checked
-here, before vLLM spends its half minute starting. The process becomes vLLM's (exec): its logs, its signals, its
-exit code.
+here, before vLLM spends its half minute starting.
+
+vLLM runs as a child (`run_vllm`): its logs on this process's stdout and stderr, Ctrl-C and SIGTERM (SIGHUP as
+SIGTERM) passed on to it, its exit code this process's. It leads a session of its own, which holds what it starts
+(its engine core, 674 MB on the tiny model, and multiprocessing's resource tracker), and all of it dies with
+`grpokit serve`, however that dies: exec'd in its place, as it was, a SIGKILL left the engine core and the tracker
+running under PID 1. The kernel sends vLLM's server SIGTERM when this process dies (PR_SET_PDEATHSIG), which stops
+its engine core; a guard (a small interpreter in a session of its own, told the same way) then sends the session
+SIGTERM and, after `GRACE_S`, SIGKILL, so a grandchild that outlives its parent goes too.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib.util
 import json
 import os
 import re
 import shlex
+import signal
 import socket
+import subprocess
 import sys
+import time
 
 from grpokit.errors import UserError
 
@@ -159,7 +171,8 @@ def serve_command(args) -> tuple[list[str], dict]:
                         "reloads")
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model, "--host", args.host,
             "--port", str(args.port), "--dtype", args.dtype, "--tensor-parallel-size", str(args.tensor_parallel_size),
-            "--logprobs-mode", "processed_logprobs"]
+            "--logprobs-mode", "processed_logprobs",
+            "--middleware", "grpokit.rollout.vllm.lease.RunLease"]  # one run at a time (rollout/vllm/lease.py)
     if platform != "cpu":
         argv += ["--gpu-memory-utilization", str(args.gpu_memory_utilization or 0.9)]
     if platform == "cpu":  # prompts never split across steps (rollout/vllm/checks.py cpu_scheduler says why)
@@ -222,8 +235,118 @@ def cmd_serve(args) -> int:
     argv, env = serve_command(args)
     print(f"starting: {shlex.join(argv)}\nthen train with: rollout.engine = \"vllm\" and "
           f"rollout.vllm = {{server = \"{server_url(args.host, args.port)}\"}}", flush=True)
-    os.execve(argv[0], argv, env)
-    return 0  # not reached
+    code = run_vllm(argv, env)
+    if code < 0:  # vLLM died of a signal: so does this process, as when it was vLLM (exec)
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code if code >= 0 else 128 - code
+
+
+GRACE_S = 10.0  # from SIGTERM to SIGKILL, for what vLLM left behind: its engine core stops within a few seconds
+PASSED_ON = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
+
+
+def run_vllm(argv: list[str], env: dict) -> int:
+    """Run `argv` (vLLM's server) as a child leading a session of its own, and return its exit code (negative: the
+    signal that ended it). Ctrl-C, SIGTERM and SIGHUP reach it through here (SIGHUP as SIGTERM: the terminal that
+    closed was this process's); what it leaves behind when it exits is stopped (SIGTERM, then SIGKILL after
+    GRACE_S); and if this process dies, however, the child is sent SIGTERM by the kernel and a guard stops its
+    session (the module's docstring says why)."""
+    child: subprocess.Popen | None = None
+    pending: list[int] = []
+
+    def pass_on(signum, _frame) -> None:
+        if child is None:
+            pending.append(PASSED_ON[signum])
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, PASSED_ON[signum])
+
+    previous = {sig: signal.signal(sig, pass_on) for sig in PASSED_ON}
+    guard = None
+    try:
+        child = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                 preexec_fn=_signalled_when_gone(os.getpid()))
+        guard = _start_guard(child.pid)
+        for sig in pending:
+            os.kill(child.pid, sig)
+        code = child.wait()
+        _stop_group(child.pid, GRACE_S)  # its engine core, its resource tracker: whatever outlived it
+        return code
+    finally:
+        if child is not None and child.returncode is None:  # this process is being stopped by an error
+            _stop_group(child.pid, 0.0)
+            child.wait()
+        if guard is not None:
+            guard.kill()
+            guard.wait()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _signalled_when_gone(parent: int):
+    """The `preexec_fn` that has the kernel send the child SIGTERM when `parent` dies (Linux PR_SET_PDEATHSIG;
+    kept across exec); prctl is looked up here, before the fork, so the forked child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:  # it died before that took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+def _start_guard(group: int) -> subprocess.Popen:
+    """The guard of vLLM's session `group`: a fresh interpreter (no copy of this one's threads) in a session of
+    its own (a signal to this process's group does not reach it) running `guard`, with grpokit importable."""
+    source = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder grpokit is imported from
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)}
+    code = f"from grpokit.serve import guard; guard({os.getpid()}, {group}, {GRACE_S})"
+    return subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def guard(parent: int, group: int, grace_s: float) -> None:
+    """The guard's whole life: when `parent` (grpokit serve) dies, however it dies, stop process group `group`
+    (vLLM's session) and exit. The kernel tells it (PR_SET_PDEATHSIG, SIGTERM); a check each second covers
+    systems without it. `parent` ends it with SIGKILL once vLLM has exited."""
+    from grpokit import processes
+
+    def stop(*_) -> None:
+        _stop_group(group, grace_s)
+        os._exit(0)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, stop)
+    processes.die_with_parent(parent, signal.SIGTERM)
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            stop()
+
+
+def _stop_group(group: int, grace_s: float) -> None:
+    """SIGTERM to process group `group` unless `grace_s` is 0, up to `grace_s` seconds for it to empty, then
+    SIGKILL to whatever is left. A group with no process left is gone: nothing to do."""
+    try:
+        os.killpg(group, signal.SIGTERM if grace_s else signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(group, signal.SIGKILL)
 
 
 def add_parser(sub) -> None:

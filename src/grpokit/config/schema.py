@@ -291,7 +291,8 @@ class ToolsConfig:
     # How each turn sees the earlier ones: "append" (the sampled tokens, tool results appended after them: one
     # training row per answer, as TRL's GRPOTrainer) or "split" (the conversation as the chat template renders it;
     # where that no longer continues the sampled tokens, e.g. a template that drops earlier turns' <think>, the
-    # answer goes on as a new training row; rollout/history.py, docs/AGENTS.md)
+    # answer goes on as a new training row; rollout/history.py, docs/AGENTS.md). "append" with such a template is
+    # switched to "split" at the start, with a note
     history: str = "append"
     # "file.py:function": a black-box agent, agent(base_url, row) -> final answer, that calls the model through
     # the OpenAI-compatible endpoint grpokit serves on 127.0.0.1 during rollout (rollout/agent_endpoint.py)

@@ -32,20 +32,30 @@ What rank r of W does, and why the result equals one process on the same global 
   by each rank's token counts, times are maxima, `tokens_per_sec` a sum (`observe/metrics.py`).
 - **Files.** Only rank 0 writes checkpoints, metrics, completions and the console; the checkpoint holds
   every rank's sampling-generator state, so `--resume` with the same W continues exactly.
+- **A process lost** (killed, out of memory, its machine down): the others' next collective fails with gloo's
+  "Connection reset by peer" (`peer_loss` reads it). Which process is gone is found from the roster every process
+  joins with (its node, host and pid: a pid on this host is looked at, a process elsewhere is the one whose
+  connection closed) and from what the others said in the group's store as they left (`mark_left`: one that
+  stopped on its own error printed it). One process per machine says it, one `error:` line with the command that
+  continues (training/safekeeping.py); under `launch` the launcher names a process it started itself.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import os
+import socket
+import time
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as tdist
 
-from grpokit.errors import ConfigError, SetupError
+from grpokit import processes
+from grpokit.errors import ConfigError, SetupError, UserError
 from grpokit.models.gloo_exit import drain_at_exit
 
 BUCKET_BYTES = 32 * 2**20
@@ -90,6 +100,7 @@ class DistributedContext:
     world_size: int = 1
     local_rank: int = 0
     owns_group: bool = False  # created by from_env(), so close() destroys it
+    failed: bool = False  # the run is leaving on an error (training/safekeeping.py): close() waits for no one
 
     @property
     def is_main(self) -> bool:
@@ -113,12 +124,18 @@ class DistributedContext:
             atexit.register(_destroy)
             owns = True
         drain_at_exit()
+        _join_roster()
         return cls(tdist.get_rank(), tdist.get_world_size(), local_rank, owns)
 
     def close(self) -> None:
-        """Wait for every process (the group itself lives until the process exits)."""
-        if is_distributed():
-            tdist.barrier()
+        """Wait for every process (the group itself lives until the process exits); not after an error (`failed`),
+        when the others may never come. A process lost after the last step changes nothing: its work is saved."""
+        if is_distributed() and not self.failed:
+            try:
+                tdist.barrier()
+            except RuntimeError as e:
+                if not _peer_gone(e):
+                    raise
 
     # ---- configuration ---------------------------------------------------------------------
 
@@ -328,14 +345,186 @@ def is_fsdp(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def launch(nproc: int, argv: list[str]) -> int:
+# ---- a process of the run lost ------------------------------------------------------------------------
+
+LAUNCHED = "GRPOKIT_LAUNCHED"  # set by `launch` for the processes it starts: it names one of them that dies itself
+# What a collective raises when the process at the other end of a connection is gone (gloo; NCCL's remote error)
+_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "ncclRemoteError",
+         "remote process exited")
+
+
+class LostProcessError(UserError, RuntimeError):
+    """Another process of this run is gone, so this one stops; the message names it and how to continue.
+    `quiet`: another process (or grpokit's launcher) says it, so the CLI prints nothing here."""
+
+    def __init__(self, message: str, *, quiet: bool = False):
+        super().__init__(message)
+        self.quiet = quiet
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One process of the run, as the others know it from the start."""
+
+    rank: int
+    node: int  # torchrun's GROUP_RANK: which machine (launch) of the run
+    host: str
+    pid: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerLoss:
+    """What `peer_loss` found: `what` happened (a sentence naming the process), and whether this process `says`
+    it (else the lost one said why itself, the launcher that started it names it, or a lower rank here says it)."""
+
+    what: str
+    says: bool
+
+
+_roster: list[Member] = []
+_joined = [0]  # how many times this process joined (a second train() in one process): the store keys' prefix
+
+
+def _join_roster() -> None:
+    """Every process's node, host and pid, gathered once as the run joins the group."""
+    me = Member(tdist.get_rank(), int(os.environ.get("GROUP_RANK", "0")), socket.gethostname(), os.getpid())
+    members: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(members, me)
+    _roster[:] = members
+    _joined[0] += 1
+
+
+def _peer_gone(error: BaseException) -> bool:
+    return isinstance(error, RuntimeError) and not isinstance(error, UserError) and any(
+        words in str(error) for words in _GONE)
+
+
+def _store():
+    try:
+        return tdist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError, AttributeError):
+        return None
+
+
+def _key(rank_: int) -> str:
+    """Where process `rank_` says it left; rank 0's pid and the join count keep a restarted run's keys apart."""
+    return f"grpokit/{_roster[0].pid}.{_joined[0]}/left/{rank_}"
+
+
+def mark_left(how: str) -> None:
+    """Tell the others, in the group's store, that this process leaves the run, and why: "error", its own (which it
+    prints: an error line, a traceback); "reported" or "quiet", another process lost (said here, or left to another
+    process or the launcher). A process whose connection to it then closes does not call it lost. Bounded: a store
+    on a machine that is gone answers nothing."""
+    store = _store()
+    if store is None or not _roster:
+        return
+    with contextlib.suppress(Exception):
+        processes.receive(lambda: store.set(_key(rank()), how), 2.0)
+
+
+def _marks(members: list[Member]) -> dict[int, str]:
+    """What each of `members` said as it left (`mark_left`); {} when the store cannot be read."""
+    store = _store()
+    if store is None:
+        return {}
+
+    def read() -> dict[int, str]:
+        return {m.rank: store.get(_key(m.rank)).decode() for m in members if store.check([_key(m.rank)])}
+
+    try:
+        return processes.receive(read, 3.0)
+    except Exception:  # noqa: BLE001 - its host is gone too, or slow: nobody said anything we can read
+        return {}
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` of this host has exited (a zombie not yet reaped by its launcher included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        return False
+
+
+def _names(members: list[Member]) -> str:
+    """"training process 1 (node 1)", "training processes 2, 3 (host b)": the node where the run has several, the
+    host where it is not this one."""
+    ranks = ", ".join(str(m.rank) for m in members)
+    return f"training process{'es' if len(members) > 1 else ''} {ranks}{_where(members)}"
+
+
+def _where(members: list[Member]) -> str:
+    nodes = sorted({m.node for m in members})
+    hosts = sorted({m.host for m in members} - {socket.gethostname()})
+    where = [f"node {', '.join(map(str, nodes))}"] if len({m.node for m in _roster}) > 1 else []
+    where += [f"host {', '.join(hosts)}"] if hosts else []
+    return f" ({', '.join(where)})" if where else ""
+
+
+_CAUSE = "killed, out of memory: dmesg names the OOM killer's victims, or its machine down"
+
+
+def peer_loss(error: BaseException | None, wait_s: float = 3.0) -> PeerLoss | None:
+    """If `error` (raised by a collective) says that another process of the run is gone: which one, and whether
+    this process says so; None for any other error. `error` None: asked on a stop signal (torchrun stops the
+    others once one of its processes has exited), answered at once from the processes of this host.
+
+    A process of this host is gone when its pid is; one elsewhere cannot be looked at, so when none here is gone
+    the lost one is elsewhere, named when it is the only one it can be. One that said it was leaving (`mark_left`)
+    is not lost: it printed its own error where it ran, or left after a loss itself. Of the processes one launcher
+    started (a machine's output), the lowest that is left says it, once."""
+    if (error is not None and not _peer_gone(error)) or not _roster:
+        return None
+    me = _roster[rank()]
+    others = [m for m in _roster if m.rank != me.rank]
+    here = [m for m in others if m.host == me.host]  # their pids can be looked at
+    deadline = time.monotonic() + (wait_s if error is not None else 0.0)
+    while not (dead := [m for m in here if _gone(m.pid)]) and here and time.monotonic() < deadline:
+        time.sleep(0.05)  # its connections close a moment before it is gone
+    if error is None and not dead:
+        return None
+    marks = _marks(others)
+    mine = [m for m in others if (m.node, m.host) == (me.node, me.host)]  # started by the same launcher
+    quiet = any(marks.get(m.rank) in ("error", "reported") for m in mine) or \
+        any(m.rank < me.rank and m.rank not in marks and not _gone(m.pid) for m in mine)  # it says it
+    lost = [m for m in dead if m.rank not in marks]
+    errors = [m for m in others if marks.get(m.rank) == "error"]
+    elsewhere = [m for m in others if m.host != me.host and m.rank not in marks] if not dead else []
+    if lost:
+        launcher = bool(os.environ.get(LAUNCHED)) and all((m.node, m.host) == (me.node, me.host) for m in lost)
+        return PeerLoss(f"{_names(lost)} was lost: its connection closed in the middle of a collective ({_CAUSE})",
+                        says=not (quiet or launcher))
+    if errors:  # it printed its error where it ran
+        return PeerLoss(f"{_names(errors)} stopped on an error of its own, printed where it ran", says=not quiet)
+    if len(elsewhere) == 1:
+        return PeerLoss(f"{_names(elsewhere)} was lost: its connection closed in the middle of a collective "
+                        f"({_CAUSE})", says=not quiet)
+    if elsewhere:  # some of them: which, no process here can tell
+        return PeerLoss(f"a training process{_where(elsewhere) or ' on another machine'} was lost: its connection "
+                        f"closed in the middle of a collective ({_CAUSE})", says=not quiet)
+    return PeerLoss(f"another training process was lost: its connection closed in the middle of a collective "
+                    f"({_CAUSE})", says=not quiet)
+
+
+def launch(nproc: int, argv: list[str], lost: Callable[[str], str] = str) -> int:
     """`python -m grpokit.cli *argv` in `nproc` processes on this machine (`grpokit train --nproc-per-node N`),
     started by torch's own launcher (`torchrun --standalone`) run in this process; the run's exit code.
 
     A process that fails says why itself (its `error:` line, once per machine for a start-up error, exit 2; a
     bug keeps its traceback); the launcher then ends with that process's exit code and adds nothing: not
     torchrun's `ChildFailedError` traceback (printed by torchrun's own process, which no rank can silence:
-    `launch` is why), nor its agent's log lines. A process ended by a signal gets one line naming it."""
+    `launch` is why), nor its agent's log lines. A process that ends without a word (a signal: `kill -9`, the
+    OOM killer; an exit code grpokit never gives) is named here, in one line, `lost(what happened)` (the run
+    folder's state and the command that continues), exit 2; the others leave it to this line (`LAUNCHED`)."""
     if nproc < 1:
         raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
     import logging
@@ -349,20 +538,32 @@ def launch(nproc: int, argv: list[str]) -> int:
     levels = [logger.level for logger in quiet]
     for logger in quiet:
         logger.setLevel(logging.CRITICAL)
+    launched = os.environ.get(LAUNCHED)
+    os.environ[LAUNCHED] = "1"  # the processes inherit it
     try:
         run(parse_args(["--standalone", "--nproc-per-node", str(nproc), "-m", "grpokit.cli", *argv]))
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
+        said = (1, 2, 130)  # it printed why: a traceback, an `error:` line, a `stopped:` line
+        stopped = (-signal.SIGTERM, -signal.SIGINT)  # how the launcher stops the others once one ended: no cause
+        failures = sorted(e.failures.items())
+        causes = [(r, f) for r, f in failures if f.exitcode not in said + stopped]
+        if not causes and (spoken := [f for _, f in failures if f.exitcode in said]):
+            return min(spoken, key=lambda f: f.timestamp).exitcode
+        rank_, failure = (causes or failures)[0]  # (or only stopped ones: a signal from outside)
         if failure.exitcode >= 0:
-            return failure.exitcode or 1
-        try:
-            name = signal.Signals(-failure.exitcode).name
-        except ValueError:
-            name = f"signal {-failure.exitcode}"
-        print(f"error: training process {rank} was ended by {name} (killed from outside, or out of memory: "
-              "dmesg names the OOM killer's victims); the other processes were stopped", file=sys.stderr)
-        return 128 - failure.exitcode
+            how = f"exited with code {failure.exitcode} without a word"
+        else:
+            try:
+                name = signal.Signals(-failure.exitcode).name
+            except ValueError:
+                name = f"signal {-failure.exitcode}"
+            how = f"was ended by {name} (killed from outside, or out of memory: dmesg names the OOM killer's victims)"
+        print(f"error: {lost(f'training process {rank_} {how}, and the other processes were stopped')}",
+              file=sys.stderr, flush=True)
+        return 2
     finally:
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
+        if launched is None:
+            os.environ.pop(LAUNCHED, None)
     return 0

@@ -45,6 +45,7 @@ import math
 import numbers
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import parent_process
 from typing import Any, Callable, Sequence
@@ -178,14 +179,36 @@ async def _await(awaitable):
     return await awaitable
 
 
+_watchers: list[Callable[[str | None], None]] = []  # a rollout worker's (`watch_calls`)
+
+
+def watch_calls(record: Callable[[str | None], None]) -> None:
+    """Have `record(name)` called before each reward function's call in this process, `record(None)` after it: a
+    rollout worker keeps the name where the trainer reads it (training/rollout_workers.py), which then names the
+    function whose call ended the worker's process (an os._exit, a crash in native code, a kill)."""
+    _watchers[:] = [record]
+
+
+@contextmanager
+def _watched(name: str):
+    for record in _watchers:
+        record(name)
+    try:
+        yield
+    finally:
+        for record in _watchers:
+            record(None)
+
+
 def _run_guarded(spec: RewardSpec, kwargs: dict):
     """`_run(spec.fn, kwargs)`, in the trainer's process with its exits guarded (exit_guard.py): an `os._exit`
     there is one `RewardError` naming the function and the fix, not the run's end without a word. A rollout
     worker (a process multiprocessing started) runs it unguarded: the exit ends the worker, which the trainer
-    names."""
+    names, with the function the worker was running (`watch_calls`)."""
     try:
         if parent_process() is not None:
-            return _run(spec.fn, kwargs)
+            with _watched(spec.name):
+                return _run(spec.fn, kwargs)
         return guarded(lambda: _run(spec.fn, kwargs), reward_function(spec.name))()
     except ToolExit as e:
         raise RewardError(str(e)) from None

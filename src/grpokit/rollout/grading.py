@@ -64,16 +64,17 @@ class Draw:
 
 def grade(rollout: Rollout, rows: list[dict], tokenizer, specs, G: int, *, prompt_column: str = "prompt",
           conversations: list[list[dict]] | None = None, environments: list | None = None,
-          log_metric=None) -> Draw:
+          log_metric=None, trainer_state=None) -> Draw:
     """Decode the answers and run every reward function on them (TRL's calling convention); the
     prompt is the rows' `prompt_column`, every other column goes to the reward functions. Multi-turn
     answers (`conversations`) reach the reward functions as their messages, and each answer's
     environment instance as the keyword `environments`, as in TRL. What the functions report through
-    TRL's `log_metric(name, value)` goes to `log_metric`."""
+    TRL's `log_metric(name, value)` goes to `log_metric`; `trainer_state` is TRL's keyword of that name."""
     ids = [row[m.bool()].tolist() for row, m in zip(rollout.completion_ids, rollout.completion_mask)]
     texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
     prompt_values = [r[prompt_column] for r in rows for _ in range(G)]
     completions = conversations if conversations is not None else as_trl_completions(prompt_values, texts)
     columns = columns_of(rows, repeat=G) | ({} if environments is None else {"environments": environments})
-    per_fn, total = compute_rewards(specs, prompt_values, completions, ids, columns, log_metric=log_metric)
+    per_fn, total = compute_rewards(specs, prompt_values, completions, ids, columns, log_metric=log_metric,
+                                    trainer_state=trainer_state)
     return Draw(rollout, per_fn, total, prompt_values, texts, conversations)

@@ -65,9 +65,10 @@ class RolloutSide:
                    config.rollout.group_size, environments, config.tools.history == "split")
 
     def draw(self, indices: Sequence[int], *, generator: torch.Generator | None,
-             log_metric: Callable[[str, float], None] | None = None) -> Draw:
+             log_metric: Callable[[str, float], None] | None = None, trainer_state=None) -> Draw:
         """Sample `group_size` answers to each of the rows `indices` (B of them) and grade them: N = B*G
-        answers, group by group. What the reward functions report (TRL's `log_metric`) goes to `log_metric`."""
+        answers, group by group. What the reward functions report (TRL's `log_metric`) goes to `log_metric`;
+        `trainer_state` is what they receive as TRL's `trainer_state`."""
         G, rows = self.group_size, [self.prompts.rows[i] for i in indices]
         ids, group, tools = [self.prompts.ids[i] for i in indices], G, self.engine.tools
         if self.environments is not None:  # each answer's own instance: the engine calls its methods
@@ -84,7 +85,7 @@ class RolloutSide:
         draw = grade(result.rollout, rows, self.tokenizer, self.specs, G, prompt_column=self.prompt_column,
                      conversations=None if stats is None else stats.conversations,
                      environments=None if self.environments is None else self.environments.active,
-                     log_metric=log_metric)
+                     log_metric=log_metric, trainer_state=trainer_state)
         return dataclasses.replace(draw, tool_stats=stats, agent_metrics=dict(result.agent_metrics),
                                    sample_s=t1 - t0, grade_s=time.perf_counter() - t1)
 

@@ -324,6 +324,18 @@ def tool_suffix_ids(tokenizer, results: Sequence[ToolResult], **template_kwargs)
     """The tokens the chat template puts after an assistant turn that called tools: the tool messages,
     then the header of the next assistant turn. Rendered against a minimal conversation, as TRL does,
     and cut at that conversation's end of turn (EOS), which the sampled turn already ends with."""
+    prefix, full = _call_and_results(tokenizer, results, **template_kwargs)
+    if full[: len(prefix)] != prefix:
+        raise ValueError("the chat template renders an assistant turn differently once tool messages follow it "
+                         "(as Qwen3's drops earlier turns' <think>), so tool results cannot be appended to the "
+                         "sampled tokens; set tools.history = \"split\" to train such conversations as the template "
+                         "renders them (a new training row where it rewrites them), or use a template that does not")
+    return full[len(prefix):]
+
+
+def _call_and_results(tokenizer, results: Sequence[ToolResult], **template_kwargs) -> tuple[list[int], list[int]]:
+    """The minimal conversation's tokens up to the called turn's end (EOS), and with `results` after it plus the
+    next assistant header."""
     conversation = call_conversation(results[0].name)
     messages = [{"role": "tool", "name": r.name, "content": r.content} for r in results]
     prefix = tokenizer.apply_chat_template(conversation, add_generation_prompt=False, tokenize=True,
@@ -331,14 +343,27 @@ def tool_suffix_ids(tokenizer, results: Sequence[ToolResult], **template_kwargs)
     full = tokenizer.apply_chat_template(conversation + messages, add_generation_prompt=True, tokenize=True,
                                          return_dict=False, **template_kwargs)
     eos = [i for i, t in enumerate(prefix) if t == tokenizer.eos_token_id]
-    if eos:
-        prefix = prefix[: eos[-1] + 1]
-    if full[: len(prefix)] != prefix:
-        raise ValueError("the chat template renders an assistant turn differently once tool messages follow it "
-                         "(as Qwen3's drops earlier turns' <think>), so tool results cannot be appended to the "
-                         "sampled tokens; set tools.history = \"split\" to train such conversations as the template "
-                         "renders them (a new training row where it rewrites them), or use a template that does not")
-    return full[len(prefix):]
+    return (prefix[: eos[-1] + 1] if eos else prefix), full
+
+
+def rewrites_earlier_turns(tokenizer, name: str = "dummy") -> bool:
+    """Whether the chat template renders an assistant turn differently once tool messages follow it (Qwen3's
+    drops earlier turns' <think>; TRL's `is_chat_template_prefix_preserving`, negated): then tool results
+    cannot be appended to the sampled tokens, and `tools.history = "split"` trains such conversations. False
+    when the template cannot render the probe at all (`check_tool_template` names that)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return False
+    try:
+        prefix, full = _call_and_results(tokenizer, [ToolResult(name, "42", False)])
+    except Exception:  # noqa: BLE001 - jinja raises many types; check_tool_template says which
+        return False
+    return full[: len(prefix)] != prefix
+
+
+SPLIT_CHOSEN = ("note: tools.history = \"split\": the chat template of {model} renders an assistant turn differently "
+                "once tool messages follow it (as Qwen3's drops earlier turns' <think>), so tool results cannot be "
+                "appended to the sampled tokens; each turn is sampled from the conversation as the template renders "
+                "it, a new training row where it rewrites earlier turns")
 
 
 def check_tool_template(tokenizer, tools: ToolBox, history: str = "append") -> None:

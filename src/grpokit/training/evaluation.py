@@ -99,12 +99,12 @@ def greedy_side(side: RolloutSide) -> RolloutSide:
                                sampling=dataclasses.replace(side.sampling, temperature=0.0, top_p=1.0))
 
 
-def _grade(side: RolloutSide, generator: torch.Generator, batch_prompts: int):
+def _grade(side: RolloutSide, generator: torch.Generator, batch_prompts: int, trainer_state=None):
     """Total rewards [num_prompts, group_size] of the side's answers to every prompt, and with tools the calls
     and failed calls of every answer ([num_prompts * group_size] each)."""
     G, totals, calls, failures = side.group_size, [torch.zeros(0, side.group_size)], [], []
     for indices in side.batches(batch_prompts):
-        draw = side.draw(indices, generator=generator)
+        draw = side.draw(indices, generator=generator, trainer_state=trainer_state)
         totals.append(draw.total.view(-1, G).cpu())
         if draw.tool_stats is not None:
             calls += draw.tool_stats.calls
@@ -141,14 +141,15 @@ def _settings_from_keywords(tokenizer, old: dict) -> tuple[EvalSettings, ToolUse
 @torch.no_grad()
 def evaluate(model, tokenizer, rows: Sequence[dict], prompt_ids: Sequence[Sequence[int]], specs: Sequence[RewardSpec],
              settings: EvalSettings = EvalSettings(), *, tool_use: ToolUse | None = None, media: RowMedia | None = None,
-             reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce, **deprecated) -> dict:
+             reduce: Callable[[torch.Tensor], torch.Tensor] = _no_reduce, trainer_state=None, **deprecated) -> dict:
     """Metrics over `rows` (with their tokenized prompts), the answers drawn and graded as `settings` says: an
     answer is correct when its total reward reaches `settings.correct_threshold`; `settings.sampling`'s empty
     `eos_token_ids` (the default) means the tokenizer's end token, where it has one. With `tool_use` (the prompts
     rendered with its tools' schemas) answers are multi-turn conversations, as in training, and the result also has
     `tool_call_share` (answers that called a tool at least once) and `tool_failure_rate`
     (failed calls / calls) of the sampled answers. `reduce` sums the counts over processes
-    (each evaluated its own share of the rows), so every process returns the whole set's metrics.
+    (each evaluated its own share of the rows), so every process returns the whole set's metrics. `trainer_state`
+    is what the reward functions receive as TRL's keyword of that name (the loop's: training/generate.py).
     `media` (`models.media.RowMedia`, one row per prompt of `rows`, or `training.vision_setup.PromptMedia`, which
     encodes each batch's rows when it is sampled): a vision-language model's images.
 
@@ -172,8 +173,8 @@ def evaluate(model, tokenizer, rows: Sequence[dict], prompt_ids: Sequence[Sequen
     side = eval_side(model, tokenizer, PromptTable(list(rows), [list(p) for p in prompt_ids], list(eos), media), specs,
                      settings, tool_use=tool_use)
     with full_params_for_generation(model):  # FSDP: gathered once, each process decodes its own share
-        sampled, calls, failures = _grade(side, generator, settings.batch_prompts)  # [P, k]
-        best = _grade(greedy_side(side), generator, settings.batch_prompts)[0] if settings.greedy \
+        sampled, calls, failures = _grade(side, generator, settings.batch_prompts, trainer_state)  # [P, k]
+        best = _grade(greedy_side(side), generator, settings.batch_prompts, trainer_state)[0] if settings.greedy \
             else torch.zeros(0, 1)  # [P, 1]
     k, threshold = settings.samples_per_prompt, settings.correct_threshold
     correct = torch.nan_to_num(sampled, nan=0.0) >= threshold  # [P, k]
@@ -212,18 +213,18 @@ class HeldOut:
     def due(self, step: int) -> bool:
         return step % self.config.eval.every == 0 or step == self.config.train.steps
 
-    def run(self, model, tokenizer, specs: Sequence[RewardSpec]) -> dict[str, float]:
+    def run(self, model, tokenizer, specs: Sequence[RewardSpec], trainer_state=None) -> dict[str, float]:
         """`eval/...` metrics of the model as it is now (every process takes part)."""
         e, was_training = self.config.eval, model.training
         try:
-            result = self._evaluate(model, tokenizer, specs)
+            result = self._evaluate(model, tokenizer, specs, trainer_state)
         except RewardError as err:  # name the evaluation: the training data is not where it failed
             raise type(err)(f"evaluation during training ([eval], {e.path or 'the task eval split'}): {err}") from err
         model.train(was_training)
         skip = ("num_prompts", "samples_per_prompt", "temperature")
         return {f"eval/{k}": float(v) for k, v in result.items() if k not in skip}
 
-    def _evaluate(self, model, tokenizer, specs: Sequence[RewardSpec]) -> dict:
+    def _evaluate(self, model, tokenizer, specs: Sequence[RewardSpec], trainer_state=None) -> dict:
         c, e, p = self.config, self.config.eval, self.prompts
         sampling = SamplingParams(eval_max_new_tokens(c), tuple(p.eos_token_ids), tokenizer.pad_token_id,
                                   e.temperature, c.rollout.top_p, c.rollout.top_k, tuple(c.rollout.stop_strings))
@@ -232,7 +233,7 @@ class HeldOut:
                            self._tool_images(model) if self.tools else None)
         # image rows: p.media is a vision_setup.PromptMedia, each batch's images encoded when it is sampled
         return evaluate(model, tokenizer, p.rows, p.ids, specs, settings, tool_use=tool_use, media=p.media,
-                        reduce=global_sum)
+                        reduce=global_sum, trainer_state=trainer_state)
 
     def _tool_images(self, model):
         """The renderer of tool results with images, built (and checked) at the first evaluation only."""

@@ -8,6 +8,7 @@ everything here is per answer, the rows are cut last.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -67,16 +68,38 @@ class GenerationBatch:
         return (answers.cpu()[:, None] == self.conversation.cpu()[None, :]).nonzero()[:, 1]
 
 
-def generate_and_grade(config: Config, side: RolloutSide, stream,
-                       sampling_generator: torch.Generator) -> tuple[GenerationBatch, dict]:
+def reward_trainer_state(config: Config, step: int, stream):
+    """TRL's `trainer_state` keyword of the reward functions before step `step` (1-based) draws: a transformers
+    `TrainerState` counted as TRL counts it, in optimizer steps (`num_iterations` x minibatches per generation
+    batch; with grpokit's defaults one per step): `global_step` those done, `max_steps` the run's, `epoch` the
+    prompts used so far / the rows (from the prompt stream's position)."""
+    from transformers import TrainerState
+
+    from grpokit.models.parallel import rank
+
+    per_step = config.algorithm.num_iterations * (config.generation_batch_size // config.minibatch_size)
+    position = stream.state_dict() if hasattr(stream, "state_dict") else {}
+    rows = position.get("num_rows") or 0
+    epoch = position.get("epoch", 0) + position.get("index", 0) / rows if rows else 0.0
+    total_rows = config.train.steps * config.train.prompts_per_step
+    return TrainerState(epoch=epoch, global_step=(step - 1) * per_step, max_steps=config.train.steps * per_step,
+                        logging_steps=per_step, num_train_epochs=math.ceil(total_rows / rows) if rows else 0,
+                        is_world_process_zero=rank() == 0)
+
+
+def generate_and_grade(config: Config, side: RolloutSide, stream, sampling_generator: torch.Generator,
+                       step: int | None = None) -> tuple[GenerationBatch, dict]:
     """Draw G graded answers for B prompts (`side`, rollout/side.py); with dynamic sampling, keep drawing
-    prompt batches (up to `max_resample_rounds` more) until B groups carry signal."""
+    prompt batches (up to `max_resample_rounds` more) until B groups carry signal. `step` (the loop's, 1-based)
+    gives the reward functions TRL's `trainer_state` (None without it)."""
     G, B, algo, specs = config.rollout.group_size, config.train.prompts_per_step, config.algorithm, side.specs
+    state = reward_trainer_state(config, step, stream) if step is not None else None
     draws: list[Draw] = []
     logged: dict[str, list[float]] = {}  # what reward functions report (TRL's log_metric): averaged over draws
     for _ in range(1 + (algo.max_resample_rounds if algo.dynamic_sampling else 0)):
         draws.append(side.draw(stream.next_batch(), generator=sampling_generator,  # B row indices
-                               log_metric=lambda name, value: logged.setdefault(name, []).append(float(value))))
+                               log_metric=lambda name, value: logged.setdefault(name, []).append(float(value)),
+                               trainer_state=state))
         # several processes: every one draws as often as the one that needs most (streams stay in step)
         if not algo.dynamic_sampling or all_ranks(sum(d.with_signal(G).size for d in draws) >= B * G):
             break

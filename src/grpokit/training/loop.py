@@ -32,6 +32,7 @@ from grpokit.observe.metrics import num_tokens, reduce_metrics
 from grpokit.observe.tracking import ConsoleProgress, MetricsWriter, drop_rows_after, write_completions
 from grpokit.rollout.agent_engine import agent_engine_from_config
 from grpokit.training.evaluation import HeldOut
+from grpokit.training.generate import reward_trainer_state
 from grpokit.training.reference import sync_reference
 from grpokit.training.rollout_source import build_rollouts, check_async_can_run, split_threads
 from grpokit.training.run_folder import RunFolderLock, record_segment
@@ -77,6 +78,7 @@ def train(
         inputs = check_inputs(config, dist, lock, rows=rows, reward_functions=reward_functions, resume=resume,
                               tools=tools, environment_factory=environment_factory, eval_rows=eval_rows)
         resources.callback(_close_inputs, inputs)
+        config = inputs.config or config  # tools.history may be chosen for the chat template (tool_setup.py)
         if dist.is_main:
             for note in inputs.folder.notes + inputs.notes:
                 print(note, flush=True)
@@ -148,7 +150,8 @@ def _loop(config: Config, run: Run, dist: DistributedContext, hint: str, command
         if held_out is not None and held_out.due(step):  # [eval]: every process scores its share
             t3 = time.perf_counter()
             with keeper.on_eval_error(step, metrics):
-                metrics.update(held_out.run(policy.model, inputs.tokenizer, inputs.specs))
+                metrics.update(held_out.run(policy.model, inputs.tokenizer, inputs.specs,
+                                            reward_trainer_state(local, step + 1, run.stream)))  # after step's update
             metrics["time/eval"] = time.perf_counter() - t3
         log.step(step, metrics, batch)
         # save (after the guards: NaN updates, nothing graded); a stop asked for ends the run here

@@ -49,7 +49,7 @@ from grpokit.models.threads import usable_cores
 from grpokit.models.weight_sync import GlooPublisher
 from grpokit.rollout.vllm.weights import LockedPublisher
 from grpokit.training.generate import generate_and_grade
-from grpokit.training.rollout_workers import WorkerSpec, parameter_shapes, worker_main
+from grpokit.training.rollout_workers import WorkerSpec, parameter_shapes, running_reward, worker_main
 from grpokit.training.worker_budget import available_memory, check_memory, crowded_cores
 
 
@@ -63,7 +63,8 @@ class SyncRollouts:
     def next(self, step: int):
         if self.failed is not None:  # the loop saves the step whose weights did not travel, then says it
             raise self.failed
-        return generate_and_grade(self.run.inputs.local, self.run.side, self.run.stream, self.run.sampling_generator)
+        return generate_and_grade(self.run.inputs.local, self.run.side, self.run.stream, self.run.sampling_generator,
+                                  step)
 
     def publish(self, model, step: int) -> dict:
         try:
@@ -232,6 +233,10 @@ class AsyncRollouts:
         self.beats = ctx.Array("d", [time.monotonic()] * self.W)
         self.results, self.orders = ctx.Queue(), [ctx.Queue() for _ in range(self.W)]
         self.server_lock = ctx.Lock()  # a vLLM server: held by the worker while it samples, by the trainer to push
+        # the reward function each worker is running in its own process (rewards.isolation = "none"), named when the
+        # worker's process ends in it; no lock, which a worker killed in the middle of a write would keep
+        self.running = [ctx.Array("c", 256, lock=False) if config.rewards.isolation == "none" else None
+                        for _ in range(self.W)]
         server = r.vllm_options.server is not None  # the run's publisher pushes to it, under the worker's lock
         self.channel = LockedPublisher(run.weights, self.timeout_s, self.server_lock, self.announced,
                                        holds=run.start_step) if server \
@@ -247,7 +252,8 @@ class AsyncRollouts:
         self.devices = worker_devices(config, run.policy.model)
         self.procs = [ctx.Process(target=worker_main, name=f"grpokit-rollout-{i}", daemon=True,
                                   args=(spec, i, self.devices[i], self.orders[i], self.results, self.beats,
-                                        self.announced, os.getpid(), self.server_lock)) for i in range(self.W)]
+                                        self.announced, os.getpid(), self.server_lock, self.running[i]))
+                      for i in range(self.W)]
         self.inbox = None
         try:  # a start that fails half-way stops the workers already started
             with _main_hidden(not any(from_main)), processes.stop_signals_held():
@@ -347,6 +353,11 @@ class AsyncRollouts:
                     raise said
                 how = f"was killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exited with code {p.exitcode}"
                 oom = " (SIGKILL: often the kernel's out-of-memory killer)" if p.exitcode == -9 else ""
+                if reward := running_reward(self.running[i]):  # the user's code: the fix before the command
+                    raise RolloutWorkerError(
+                        f"rollout worker {i} {how} in reward function '{reward}'{oom}, which runs in the worker's "
+                        "process (rewards.isolation = \"none\"); rewards.isolation = \"process\" runs it in a worker "
+                        "process of its own, where that ends that process, not the rollout worker", users_code=True)
                 raise RolloutWorkerError(f"rollout worker {i} {how}{oom} while the trainer waited for {what}")
         now = time.monotonic()
         for i in range(self.W if self.started else 0):

@@ -34,6 +34,7 @@ from grpokit.errors import RolloutWorkerError, UserError
 from grpokit.models.loading import load_model, load_tokenizer, max_positions_of
 from grpokit.models.lora import apply_lora
 from grpokit.models.weight_sync import GlooSubscriber
+from grpokit.rewards.core import watch_calls
 from grpokit.rollout.engines import build_engine
 from grpokit.rollout.side import RolloutSide
 from grpokit.rollout.vllm.weights import ServerSubscriber
@@ -183,7 +184,7 @@ class _Worker:
             version = self.receiver.apply()
             waited_s += time.perf_counter() - t0
             started = time.time()
-            batch, metrics = generate_and_grade(self.config, self.side, self.stream, self.sampling_generator)
+            batch, metrics = generate_and_grade(self.config, self.side, self.stream, self.sampling_generator, step)
         batch = with_policy_version(batch, version)  # the answers and, where they forked, their training rows
         return WorkerBatch(batch, metrics, version, self.stream.state_dict(), self.sampling_generator.get_state(),
                            waited_s, started, time.time(),
@@ -207,14 +208,33 @@ def _linger(orders, limit_s: float = 60.0) -> None:
             return
 
 
+def record_reward_calls(running) -> None:
+    """Keep the name of the reward function this process runs (rewards.isolation = "none": in it) in `running`, a
+    shared `ctypes` char array the trainer reads when this process ends without a word (rewards/core.py
+    `watch_calls`)."""
+    size = len(running)
+
+    def record(name: str | None) -> None:
+        running.value = (name or "").encode()[:size - 1]
+
+    watch_calls(record)
+
+
+def running_reward(running) -> str:
+    """The reward function whose call a worker was in (`record_reward_calls`), or ""."""
+    return running.value.decode(errors="replace") if running is not None else ""
+
+
 def worker_main(spec: WorkerSpec, index: int, device: str, orders, results, beats, announced, parent: int,
-                server_lock=None) -> None:
+                server_lock=None, running=None) -> None:
     """The worker process: build, say "ready", join the weight channel, then serve orders until None."""
     processes.die_with_parent(parent)
     processes.own_session()  # the trainer's stop kills the group: what its tools and rewards started too
     processes.ignore_stop_signals()  # the trainer stops the workers, after saving
     torch.set_num_threads(spec.threads)
     processes.start_heartbeat(beats, index, parent)
+    if running is not None:
+        record_reward_calls(running)
     worker = None
     try:
         worker = _Worker(spec, index, announced, device)

@@ -8,7 +8,10 @@ lives here, so the loop itself reads as the algorithm:
 - `train.max_consecutive_skips` steps in a row with only NaN/inf updates, or with no answer graded: the
   run stops (it learns nothing), the newest checkpoint untouched;
 - a save is due (`output.save_every`, the last step), the `output.keep_best` metric improved, or a stop
-  was asked (SIGINT / SIGTERM on any process): the step is saved; a stop ends the loop there.
+  was asked (SIGINT / SIGTERM on any process): the step is saved; a stop ends the loop there;
+- another torchrun process is lost (killed, out of memory, its machine down): the checkpoints are as they were,
+  and one `error:` line names the process and the command that continues (`lost_process_error`; which process
+  and who says it: models/parallel.py `peer_loss`), instead of gloo's "Connection reset by peer" tracebacks.
 
 The messages themselves (and the signal handlers) are stopping.py's.
 """
@@ -16,6 +19,9 @@ The messages themselves (and the signal handlers) are stopping.py's.
 from __future__ import annotations
 
 import math
+import os
+import signal
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -23,7 +29,7 @@ from typing import Iterator
 from grpokit.config.loading import to_toml
 from grpokit.config.schema import Config
 from grpokit.errors import RewardError, RolloutWorkerError, TrainingDiverged
-from grpokit.models.parallel import DistributedContext
+from grpokit.models.parallel import DistributedContext, LostProcessError, mark_left, peer_loss
 from grpokit.training.checkpoint import CheckpointWeights, list_checkpoints, save_checkpoint, trainer_state
 from grpokit.training.evaluation import BestCheckpoint
 from grpokit.training.run_folder import with_resolved_paths
@@ -49,10 +55,31 @@ class Safekeeping:
 
     def __enter__(self) -> "Safekeeping":
         self.stop.__enter__()
+        if self.dist.world_size > 1 and threading.current_thread() is threading.main_thread():
+            graceful = signal.getsignal(signal.SIGTERM)
+
+            def on_sigterm(signum, frame):  # torchrun stops the others once one of its processes is gone:
+                if (lost := lost_process_error(None, self.run_dir, self.hint)) is not None:  # no step to finish
+                    raise _Lost(lost)
+                graceful(signum, frame)
+
+            signal.signal(signal.SIGTERM, on_sigterm)  # (the graceful stop's __exit__ puts the one before back)
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.stop.__exit__(*exc)
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.stop.__exit__(exc_type, exc, tb)
+        if exc is None or self.dist.world_size == 1:
+            return
+        self.dist.failed = True  # its close waits for no one: the others may never come
+        if isinstance(exc, _Lost):  # raised on torchrun's SIGTERM, which the line above let through again
+            _heed_no_stop_signal()
+            raise exc.error from None
+        if isinstance(exc, LostProcessError):
+            return
+        if (lost := lost_process_error(exc, self.run_dir, self.hint)) is None:
+            mark_left("error")  # its own error, which it prints: the others' connections to it close, not lost
+            return
+        raise lost from None
 
     @contextmanager
     def on_rollout_error(self, step: int) -> Iterator[None]:
@@ -122,3 +149,44 @@ class Safekeeping:
                                      self.config.output.keep_last, self.config_text, self.hint, keep_step)
         self.saved = step
         return path
+
+
+class _Lost(BaseException):
+    """A lost process found on a stop signal, raised from its handler wherever the main thread is: a BaseException,
+    so that the code it lands in (a reward function's `except Exception`, a retry) cannot take it for its own
+    error; `Safekeeping.__exit__` turns it into its `error`."""
+
+    def __init__(self, error: LostProcessError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def lost_message(what: str, run_dir: str | Path, hint: str) -> str:
+    """`what` happened to a process of the run (models/parallel.py names it), then what the run folder keeps and
+    the command that continues it."""
+    last = list_checkpoints(run_dir)
+    if not last:
+        return f"{what}; the run stopped before its first checkpoint: start it again with the same command"
+    return f"{what}; the checkpoints are intact (the newest: {last[-1]}); continue with: {hint}"
+
+
+def lost_process_error(error: BaseException | None, run_dir: str | Path, hint: str) -> LostProcessError | None:
+    """The error that replaces `error` (a collective's "Connection reset by peer"; None: a stop signal) when another
+    process of the run is gone, or None. Under torchrun `hint` is the command each machine's launcher ran again
+    with `--resume`. One process per machine says it; the others leave without a word (`quiet`), and stop heeding
+    torchrun's SIGTERM, which comes for them now that one process has ended: this one line is printed first."""
+    loss = peer_loss(error)
+    if loss is None:
+        return None
+    mark_left("reported" if loss.says else "quiet")
+    _heed_no_stop_signal()
+    if os.environ.get("TORCHELASTIC_RUN_ID") and "--resume" in hint.split():
+        hint = f"{hint}, launched as before (on every machine, with the same number of processes)"
+    return LostProcessError(lost_message(loss.what, run_dir, hint), quiet=not loss.says)
+
+
+def _heed_no_stop_signal() -> None:
+    """Under torchrun, a process leaving after a loss ignores SIGTERM (its launcher's, once another process has
+    ended: it would cut the line short); it is leaving anyway, and torchrun's SIGKILL follows in 30 s."""
+    if threading.current_thread() is threading.main_thread() and os.environ.get("TORCHELASTIC_RUN_ID"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -48,7 +48,7 @@ from grpokit.training.checkpoint import list_checkpoints, restore_checkpoint
 from grpokit.training.optimizer import build_optimizer, lr_lambda
 from grpokit.training.rollout_setup import RolloutSpec, resolve_rewards
 from grpokit.training.run_folder import RunFolder, prepare_run_folder
-from grpokit.training.tool_setup import resolve_tools
+from grpokit.training.tool_setup import choose_history, resolve_tools
 
 
 @dataclass
@@ -171,6 +171,7 @@ class Inputs:
     held_out: PromptTable | None = None  # [eval]: this process's share of the held-out prompts
     reward_pool: RewardPool | None = None  # rewards.isolation = "process": the workers (closed by train)
     notes: list[str] = field(default_factory=list)  # said once at start-up (the code sandbox in force)
+    config: Config | None = None  # the whole run's config as checked (tools.history chosen for the template)
 
     @property
     def complete(self) -> bool:
@@ -261,6 +262,11 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
         vision_setup.context_length(vision.model_config)
     if environments is not None:  # what reset returns is checked against it at each batch
         environments.max_positions = max_positions
+    chosen = choose_history(config, tokenizer, next(iter(toolbox.functions), "dummy") if toolbox else None,
+                            images=bool(vision and vision.images), world=dist.world_size,
+                            say=dist.is_main)  # tools.history = "split" for a template that rewrites earlier turns
+    if chosen is not config:
+        config, local = chosen, dist.local_config(chosen)
     prompts = PromptTable(data.rows, *vision_setup.tokenize_image_prompts(config, data, vision, tokenizer, toolbox)) \
         if vision and vision.images else tokenize_prompts(config, data, tokenizer, max_positions, toolbox, environments)
     held_out = prepare_held_out(config, data, tokenizer, max_positions, toolbox, dist, eval_rows,
@@ -268,7 +274,7 @@ def check_inputs(config: Config, dist: DistributedContext, lock, *, rows, reward
     folder = dist.run_on_main(prepare_run_folder, config, resume=resume, lock=lock)
     given = RolloutSpec(local, prompts, reward_functions, tools, environment_factory)  # what async workers build from
     return Inputs(local, data, specs, tokenizer, prompts, folder, resume, given, toolbox, environments, held_out,
-                  reward_pool, notes)
+                  reward_pool, notes, config)
 
 
 def build_policy(config: Config, model=None, ref_model=None) -> Policy:

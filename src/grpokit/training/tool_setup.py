@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from typing import Callable, Sequence
 
 from grpokit.config.schema import Config
@@ -9,7 +11,7 @@ from grpokit.errors import SetupError
 from grpokit.rewards.registry import load_reward
 from grpokit.rollout.adapters import adapt_environment, was_adapted
 from grpokit.rollout.environments import Environments
-from grpokit.rollout.tools import ToolBox
+from grpokit.rollout.tools import SPLIT_CHOSEN, ToolBox, rewrites_earlier_turns
 from grpokit.tasks import task_environment, task_tools
 from grpokit.training.split_rows import check_history_setup
 from grpokit.training.turn_credit import check_turn_setup
@@ -53,3 +55,23 @@ def resolve_tools(config: Config, functions: Sequence[Callable] | None = None,
     check_turn_setup(config, box, environments)  # algorithm.turn_advantage: what it needs of the tools
     check_history_setup(config, box, environments)  # tools.history = "split": what it cannot run with yet
     return box, environments
+
+
+def choose_history(config: Config, tokenizer, tool_name: str | None, *, images: bool, world: int,
+                   say: bool) -> Config:
+    """`tools.history = "split"` for a chat template that rewrites earlier turns once tool messages follow them
+    (Qwen3's), which "append" cannot run, with one note line on stderr (`say`: this process speaks); `config` as it
+    is otherwise (no tools: `tool_name` None; "split" already; image rows, which only "append" takes). The probe
+    calls `tool_name`, as `check_tool_template` does."""
+    if tool_name is None or config.tools.history != "append" or images \
+            or not rewrites_earlier_turns(tokenizer, tool_name):
+        return config
+    if world > 1:
+        raise SetupError(f"tools: the chat template of {config.model.path} renders an assistant turn differently once "
+                         "tool messages follow it (as Qwen3's drops earlier turns' <think>), so tool results cannot be "
+                         "appended to the sampled tokens, and tools.history = \"split\", which trains such "
+                         f"conversations, runs in one process for now ({world} here): run one process, or use a "
+                         "chat template that does not rewrite earlier turns")
+    if say:
+        print(SPLIT_CHOSEN.format(model=config.model.path), file=sys.stderr, flush=True)
+    return dataclasses.replace(config, tools=dataclasses.replace(config.tools, history="split"))

@@ -6,9 +6,12 @@ of them it still refuses.
   hidden states in chunks of `train.logprob_chunk_size` rows and never builds them either, so it is
   already satisfied (a note says so; a head that is not linear, such as a soft-capped one, needs the
   logits, which the note says too). Liger's model kernels (RMSNorm, RoPE, SwiGLU) are not applied: the
-  same math.
-- `dataloader_num_workers`, `_pin_memory`, `_persistent_workers`, `_prefetch_factor`: grpokit has no
-  DataLoader (the prompts are tokenized once at start-up and held in memory): no effect, with a note.
+  same math. TRL's refusals with it stand (trl/models.py): a peft adapter on `lm_head` (refused without it
+  too, as TRL 1.16 does) and a prompt-learning peft config, each named.
+- `dataloader_num_workers`, `_pin_memory`, `_persistent_workers`, `_prefetch_factor`: grpokit's loop reads
+  no DataLoader (the prompts are tokenized once at start-up and held in memory): no effect on training, with a
+  note; they apply to the loaders TRL's `get_train_dataloader()` / `get_eval_dataloader()` return
+  (trl/loaders.py, which also forces `dataloader_num_workers = 0` for an iterable train set, as TRL).
 - `accelerator_config`: grpokit does not run on Accelerate. The keys that only steer Accelerate's data
   loader (`dispatch_batches`, `even_batches`, `use_seedable_sampler`, `non_blocking`,
   `use_configured_state`) have nothing to act on; `split_batches=True` (the batch size would mean the
@@ -81,8 +84,9 @@ def notes(c) -> list[str]:
                                          ("dataloader_persistent_workers", False), ("dataloader_prefetch_factor", None))
               if getattr(c, name) != default]
     if loader:
-        out.append(f"{', '.join(loader)}: no effect: grpokit has no DataLoader (the prompts are tokenized once at "
-                   "start-up and held in memory)")
+        out.append(f"{', '.join(loader)}: no effect on training: grpokit's loop reads no DataLoader (the prompts are "
+                   "tokenized once at start-up and held in memory); they apply to the loaders "
+                   "trainer.get_train_dataloader() and get_eval_dataloader() return")
     if accelerator_options(c.accelerator_config):
         out.append("accelerator_config: no effect: grpokit does not run on Accelerate (its data loader options do not "
                    "apply to grpokit's prompt stream)")

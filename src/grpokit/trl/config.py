@@ -145,7 +145,7 @@ class _Supported:
     local_rank: int = -1  # set by launchers; grpokit reads the process's rank from torchrun's environment
     # accepted, and already what grpokit does or without an object to act on (docs/TRL.md; `notes` says so)
     use_liger_kernel: bool = False  # Liger's fused GRPO loss avoids the [N, T, V] logits; grpokit never builds them
-    dataloader_num_workers: int = 0  # grpokit has no DataLoader: the prompts are tokenized once, held in memory
+    dataloader_num_workers: int = 0  # only TRL's get_*_dataloader(): grpokit's loop holds its prompts in memory
     dataloader_pin_memory: bool = True
     dataloader_persistent_workers: bool = False
     dataloader_prefetch_factor: int | None = None

@@ -150,7 +150,7 @@ def _answer_metrics(trainer, model, side, *, seed: int, batch_prompts: int = 64)
     per_batch = max(1, trainer._grpo_args.per_device_eval_batch_size // G)  # prompts in one TRL eval batch
     out, totals = [], [torch.zeros(0, G)]
     for indices in side.batches(batch_prompts):
-        draw = side.draw(indices, generator=generator)
+        draw = side.draw(indices, generator=generator, trainer_state=trainer.state)  # TRL passes its state here too
         totals.append(draw.total.view(-1, G).cpu())
         for first in range(0, len(indices), per_batch):
             answers = torch.arange(first * G, min(first + per_batch, len(indices)) * G)

@@ -16,7 +16,10 @@ the tokenizer files, the context length, the KL reference with beta > 0, the che
   both together), or with beta > 0 (TRL's reference is then a copy of the adapter, grpokit's the base
   with the adapter off), it is refused.
 
-With `peft_config`, LoRA is applied here, as TRL applies it, so `trainer.model` is the `PeftModel`.
+With `peft_config`, LoRA is applied here, as TRL applies it, so `trainer.model` is the `PeftModel`. TRL
+1.16's refusals of peft configurations come first, naming what they refuse: an adapter on `lm_head` (the
+log-probs are computed from `lm_head.weight` in a fused path, grpokit's as TRL's and Liger's with
+`use_liger_kernel`), and a prompt-learning config (its virtual tokens; grpokit trains LoRA only).
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def _by_name(name: str, processing_class, args, peft_config):
     saved = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     wanted = wanted_dtype(args)
     dtype = dtype_name(saved.get("dtype") or saved.get("torch_dtype") if str(wanted) == "auto" else wanted)
-    lora = peft_lora(None, saved.get("model_type"), peft_config)
+    lora = peft_lora(None, saved.get("model_type"), peft_config, liger=args.use_liger_kernel)
     tokenizer = processing_class or load_tokenizer(folder, field="model")
     path = str(folder) if Path(name).is_dir() else name
     if processing_class is not None:  # grpokit reads the tokenizer from the folder: one with the given tokenizer
@@ -95,22 +98,27 @@ def _tokenizer_of(model, processing_class):
 
 def _plain_object(model, processing_class, args, peft_config):
     """A loaded PreTrainedModel: trained as it is, and written to <output_dir>/trl-model with its tokenizer."""
+    from grpokit.models.loading import no_progress_bars
+
     if not hasattr(model, "save_pretrained") or not hasattr(model, "config"):
         raise ConfigError(f"model: give a folder, a Hub id, a transformers PreTrainedModel or a peft PeftModel, not "
                           f"a {type(model).__name__}")
     if args.model_init_kwargs:
         raise ConfigError("model_init_kwargs: the model is already loaded (a PreTrainedModel object); "
                           "model_init_kwargs apply only to a model given by name")
-    lora = peft_lora(model, getattr(model.config, "model_type", None), peft_config)
+    lora = peft_lora(model, getattr(model.config, "model_type", None), peft_config, liger=args.use_liger_kernel)
     tokenizer = _tokenizer_of(model, processing_class)
     folder = fresh_folder(args)
-    model.save_pretrained(str(folder))
+    with no_progress_bars():  # transformers' "Writing model shards" (grpokit's saves print none)
+        model.save_pretrained(str(folder))
     tokenizer.save_pretrained(str(folder))
     return model, tokenizer, str(folder), dtype_name(model.dtype), lora
 
 
 def _peft_object(model, processing_class, args, peft_config):
     """A PeftModel with a LoRA adapter: the adapter trains (TRL's behaviour); trl-model/ gets the base weights."""
+    from grpokit.models.loading import no_progress_bars
+
     if args.beta != 0:
         raise ConfigError("model: a PeftModel with beta > 0 is not supported: TRL's KL reference is then a copy of "
                           "your adapter, grpokit's the base model with the adapter off. Merge the adapter "
@@ -118,17 +126,19 @@ def _peft_object(model, processing_class, args, peft_config):
     if args.model_init_kwargs:
         raise ConfigError("model_init_kwargs: the model is already loaded (a PeftModel); leave them unset")
     inner = model.get_base_model()
-    lora = peft_lora(model, getattr(inner.config, "model_type", None), peft_config)
+    lora = peft_lora(model, getattr(inner.config, "model_type", None), peft_config, liger=args.use_liger_kernel)
     tokenizer = _tokenizer_of(inner, processing_class)
     folder = fresh_folder(args)
     base = {k.replace(".base_layer.", "."): v for k, v in inner.state_dict().items() if "lora_" not in k}
-    inner.save_pretrained(str(folder), state_dict=base)
+    with no_progress_bars():
+        inner.save_pretrained(str(folder), state_dict=base)
     tokenizer.save_pretrained(str(folder))
     return model, tokenizer, str(folder), dtype_name(inner.dtype), lora
 
 
-def peft_lora(model, model_type: str | None, peft_config) -> dict | None:
-    """model.lora for a PeftModel given as `model` (its active adapter), or for peft_config; None without LoRA."""
+def peft_lora(model, model_type: str | None, peft_config, *, liger: bool = False) -> dict | None:
+    """model.lora for a PeftModel given as `model` (its active adapter), or for peft_config; None without LoRA.
+    TRL's refusals of peft configurations come first, in its terms (`liger`: use_liger_kernel=True)."""
     from grpokit.trl.mapping import lora_options
 
     if is_peft_model(model):
@@ -137,8 +147,44 @@ def peft_lora(model, model_type: str | None, peft_config) -> dict | None:
                               "unload the existing adapter, save the resulting base model, and pass that base model "
                               "with the new peft_config (or drop peft_config to train the adapter as it is)")
         adapter = model.peft_config[model.active_adapter]
-        return lora_options(adapter, model_type, field="model (its adapter)", allowed=("lora_dropout",))
-    return lora_options(peft_config, model_type) if peft_config is not None else None
+        _refuse_prompt_learning(adapter, "model (its adapter)", liger)
+        lora = lora_options(adapter, model_type, field="model (its adapter)", allowed=("lora_dropout",))
+        _refuse_head_adapter(lora, "model (its adapter)", liger)
+        return lora
+    if peft_config is None:
+        return None
+    _refuse_prompt_learning(peft_config, "peft_config", liger)
+    lora = lora_options(peft_config, model_type)
+    _refuse_head_adapter(lora, "peft_config", liger)
+    return lora
+
+
+def _refuse_prompt_learning(config, field: str, liger: bool) -> None:
+    """TRL refuses prompt-learning methods with use_liger_kernel (their virtual tokens are prepended by
+    PeftModel.forward(), which a fused loss bypasses); grpokit trains LoRA adapters only, so it names them always."""
+    if not getattr(config, "is_prompt_learning", False):
+        return
+    why = ("use_liger_kernel=True is incompatible with prompt-learning PEFT methods: their virtual tokens are "
+           "prepended by PeftModel.forward(), which the fused loss bypasses (TRL's refusal); and ") if liger else ""
+    raise ConfigError(f"{field}: {type(config).__name__} is a prompt-learning PEFT method (PromptTuning, "
+                      f"PrefixTuning, P-Tuning); {why}grpokit trains LoRA adapters only: use a peft LoraConfig")
+
+
+def _refuse_head_adapter(lora: dict, field: str, liger: bool) -> None:
+    """TRL 1.16's refusal of a peft adapter on `lm_head` (with or without use_liger_kernel): the log-probs are
+    computed from `lm_head.weight` directly, which an adapter on the head does not change."""
+    import re
+
+    targets = lora["target_modules"]
+    on_head = re.fullmatch(targets, "lm_head") is not None if isinstance(targets, str) and targets != "all-linear" \
+        else not isinstance(targets, str) and any(t == "lm_head" or t.endswith(".lm_head") for t in targets)
+    if not on_head:
+        return
+    how = "Liger's fused loss (use_liger_kernel=True) and grpokit's fused log-probs, which stand for it," if liger \
+        else "grpokit's fused log-probs, as TRL's,"
+    raise ConfigError(f"{field}: a LoRA adapter on `lm_head` (target_modules={targets!r}) is not supported (TRL "
+                      f"refuses it too): {how} compute the log-probs from `lm_head.weight` directly, so the adapter "
+                      "on the head would not be trained; remove 'lm_head' from target_modules")
 
 
 def policy_module(model):

@@ -17,14 +17,20 @@ the new weights; `trainer.model = other` before `train()` trains the other one. 
   `trainer.reward_processing_classes` as TRL sets them.
 - `train_dataset` / `eval_dataset`: Dataset, IterableDataset, a list of dicts; eval also a dict of them;
   no train_dataset with an `environment_factory` (trl/datasets.py).
-- `peft_config`: a peft `LoraConfig` -> `model.lora` (trl/mapping.py `lora_options`).
-- `tools`, `environment_factory`: passed to grpokit's `train` unchanged (docs/TOOLS.md).
+- `peft_config`: a peft `LoraConfig` -> `model.lora` (trl/mapping.py `lora_options`); TRL's refusals of an
+  adapter on `lm_head` and of prompt-learning configs (trl/models.py).
+- `tools`, `environment_factory`: passed to grpokit's `train` unchanged (docs/TOOLS.md); a chat template that
+  rewrites earlier turns once tool messages follow (Qwen3's) trains on `tools.history = "split"`, chosen here
+  with one note line (TRL swaps in a prefix-preserving template; docs/TRL.md says why grpokit does not).
 - `callbacks`, `optimizers`, `quantization_config`, `rollout_func`: refused when given.
 
 `train()` returns transformers' `TrainOutput` with TRL's metrics (`train_loss`, `train_runtime`, ...);
 `trainer.state` is transformers' `TrainerState` with TRL's `log_history` rows (trl/results.py);
 `evaluate()` returns TRL's `eval_loss` and eval metrics (trl/evaluation.py); `trainer.accelerator` and
-`is_world_process_zero()` are what TRL's scripts call; `trainer.run_dir` is grpokit's run folder.
+`is_world_process_zero()` are what TRL's scripts call; `get_train_dataloader()` / `get_eval_dataloader()` and
+TRL's rewrite of `args` for iterable datasets are trl/loaders.py's; `trainer.run_dir` is grpokit's run folder.
+The reward functions get TRL's `trainer_state` (training/generate.py `reward_trainer_state`; in `evaluate()`,
+`trainer.state`).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from types import SimpleNamespace
 
 from grpokit.errors import ConfigError
 from grpokit.rewards.reward_model import is_model_object
-from grpokit.trl import datasets, models, results
+from grpokit.trl import datasets, loaders, models, results
 from grpokit.trl.accepted import notes
 from grpokit.trl.config import GRPOConfig
 from grpokit.trl.evaluation import best_checkpoint, run_evaluation
@@ -88,6 +94,7 @@ class GRPOTrainer:
             self.rows = datasets.stream_rows(train_dataset, needed, args.remove_unused_columns)
         if args.reward_weights is not None:
             self.config = _with_weights(self.config, args.reward_weights, len(funcs))
+        self.config = _history_for(self.config, tokenizer, tools, environment_factory, self.rows)
         device = training_device(self.config.model.device)
         # Models load last, once every check has passed (TRL loads them in its constructor too).
         self.reward_funcs = reward_callables(funcs, reward_classes, dtype=_reward_dtype(args), device=device) or None
@@ -111,6 +118,7 @@ class GRPOTrainer:
         if self.accelerator.is_main_process:
             for note in notes(args):
                 print(note, flush=True)
+        loaders.adjust_args(args, train_dataset, eval_dataset)  # TRL's rewrite of args for iterable datasets
 
     # ---- TRL's methods -------------------------------------------------------------------------
 
@@ -198,8 +206,21 @@ class GRPOTrainer:
         target.mkdir(parents=True, exist_ok=True)
         if self.config.model.fsdp and self.run_dir is not None:
             return self._copy_final(target)
-        self.model.save_pretrained(str(target))
-        self.processing_class.save_pretrained(str(target))
+        from grpokit.models.loading import no_progress_bars
+
+        with no_progress_bars():  # transformers' "Writing model shards", off as in grpokit's own saves
+            self.model.save_pretrained(str(target))
+            self.processing_class.save_pretrained(str(target))
+
+    def get_train_dataloader(self):
+        """TRL's: a DataLoader over the training rows in the order grpokit samples them, each prompt
+        num_generations times, one generation batch per batch (trl/loaders.py; grpokit's loop does not read it)."""
+        return loaders.train_loader(self)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """TRL's: the eval rows, each num_generations_eval times, in batches of per_device_eval_batch_size; an
+        iterable eval set with one worker (trl/loaders.py)."""
+        return loaders.eval_loader(self, eval_dataset)
 
     def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, token=None,
                     revision=None, **kwargs):
@@ -262,6 +283,20 @@ def _model_name(model) -> str:
     if isinstance(model, str):
         return model
     return getattr(getattr(model, "config", None), "_name_or_path", "") or "model"
+
+
+def _history_for(config, tokenizer, tools, environment_factory, rows):
+    """With tools, a chat template that rewrites earlier turns once tool messages follow them (Qwen3's) trains on
+    `tools.history = "split"`, chosen here with one note line (TRL swaps in a prefix-preserving template instead:
+    docs/TRL.md says why grpokit does not)."""
+    from grpokit.models.parallel import rank, world_size
+    from grpokit.training.tool_setup import choose_history
+
+    if not tools and environment_factory is None:
+        return config
+    name = getattr(tools[0], "__name__", "dummy") if tools else "dummy"
+    images = bool(rows) and any(k in rows[0] for k in ("image", "images"))  # only "append" takes image rows
+    return choose_history(config, tokenizer, name, images=images, world=world_size(), say=rank() == 0)
 
 
 def _reward_dtype(args) -> str | None:

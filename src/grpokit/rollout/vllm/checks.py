@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -104,9 +105,12 @@ def cpu_scheduler(folder, max_model_len: int | None) -> dict:
 
 def check_vllm_can_run(config, folder) -> None:
     """A colocated vLLM on a machine without CUDA is vLLM's CPU build, whose attention takes some head sizes only:
-    said before the model loads, not at the first request after the engine started."""
-    if config.rollout.engine != "vllm" or config.rollout.vllm_options.server:
+    said before the model loads, not at the first request after the engine started. A server: what it would
+    refuse or break on (`check_server`), and the server claimed for this run."""
+    if config.rollout.engine != "vllm":
         return
+    if config.rollout.vllm_options.server:
+        return check_server(config, folder)
     if on_cpu() and (problem := cpu_head_size_problem(folder)):
         raise SetupError(f"rollout.engine = \"vllm\" on this CPU: {config.model.path}: {problem}")
     if fallback := transformers_fallback(folder):
@@ -128,3 +132,115 @@ def transformers_fallback(folder) -> str | None:
         return None
     native = [a for a, module in modules.items() if module and module.rsplit(".", 1)[-1] != "transformers"]
     return None if not architectures or native else architectures[0]
+
+
+def served_shape(inspection: str) -> dict:
+    """The sizes of a served model, from vLLM's text view of it (`get_model_inspection`, over POST
+    /collective_rpc): its class, vocabulary, width, decoder layers and attention head size, each where the view
+    shows it. Tensor parallelism splits none of these."""
+    shape = {"architecture": inspection.lstrip().split("(", 1)[0].strip()}
+    if m := re.search(r"Embedding\(([^)]*)\)", inspection):
+        fields = dict(re.findall(r"(\w+)=(\d+)", m.group(1)))
+        vocab = fields.get("org_vocab_size") or fields.get("num_embeddings")
+        shape.update({k: int(v) for k, v in (("vocab", vocab), ("hidden", fields.get("embedding_dim"))) if v})
+    if m := re.search(r"Attention\(head_size=(\d+)", inspection):
+        shape["head_size"] = int(m.group(1))
+    lines = inspection.splitlines()
+    start = next((i for i, line in enumerate(lines) if "ModuleList()(" in line), None)
+    if start is not None:  # the first module list is the decoder layers: `(0-23): 24 x ...`, `(0): ...`
+        indent = len(lines[start]) - len(lines[start].lstrip()) + 2
+        last = [int(m.group(2) or m.group(1)) for line in lines[start + 1:]
+                if len(line) - len(line.lstrip()) == indent and (m := re.match(r"\s*\((\d+)(?:-(\d+))?\):", line))]
+        if last:
+            shape["layers"] = max(last) + 1
+    return shape
+
+
+def model_shape(folder) -> dict:
+    """The same sizes from the model in `folder` (its config; a vision-language model's text model), where it
+    says them."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder).get_text_config()
+    except Exception:  # noqa: BLE001 - an unreadable config is the folder's own checks' to say
+        return {}
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    head = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    shape = {"architecture": (getattr(config, "architectures", None) or [None])[0], "vocab": config.vocab_size,
+             "hidden": hidden, "layers": getattr(config, "num_hidden_layers", None), "head_size": head}
+    return {k: v for k, v in shape.items() if v}
+
+
+def shape_mismatch(served: dict, ours: dict) -> str | None:
+    """Where the served model's sizes differ from model.path's, in words, or None. Classes are not compared
+    (vLLM runs several architectures through one class: Mistral's as Llama's), sizes are."""
+    words = {"vocab": "vocabulary", "hidden": "hidden size", "layers": "decoder layers", "head_size": "head size"}
+    differ = [f"{words[k]} {served[k]} where model.path has {ours[k]}" for k in words
+              if k in served and k in ours and served[k] != ours[k]]
+    return ", ".join(differ) or None
+
+
+def check_server(config, folder) -> None:
+    """Everything the server would refuse or break on, said before the trainer loads its model and before any
+    push: the served model's sizes against model.path's (a push of other shapes leaves the server half-loaded, and
+    breaks it for the runs after), LoRA and its rank against the server's --max-lora-rank, a CPU server's chunked
+    prefill (vLLM's CPU build dies on the first seeded batch it splits), more stop strings than the server takes;
+    then rank 0 claims the server for this run (vllm/lease.py) and resumes one a stopped run left paused."""
+    import sys
+    import uuid
+
+    from grpokit.errors import RolloutWorkerError, UserError
+    from grpokit.models.parallel import rank
+    from grpokit.rollout.vllm.lease import ServerLease
+    from grpokit.rollout.vllm.server import UNPAUSE, ServerClient
+
+    options, url = config.rollout.vllm_options, config.rollout.vllm_options.server
+    client = ServerClient(url, options.server_timeout_s)
+    client.wait_ready()
+    client.check_setup()
+    vllm_config = client.info.get("vllm_config") if isinstance(client.info.get("vllm_config"), dict) else {}
+    lora, lora_config = config.model.lora, vllm_config.get("lora_config", "unsaid")
+    rank_r = int(lora.get("r", 8)) if lora else 0  # models/lora.py's default
+    if lora and lora_config is None:
+        raise UserError(f"model.lora: the vLLM server at {url} takes no LoRA adapters; restart it with `grpokit "
+                        f"serve MODEL --lora-rank {rank_r}` (vLLM's --enable-lora, with "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1), or train without LoRA")
+    if lora and isinstance(lora_config, dict) and int(lora_config.get("max_lora_rank") or rank_r) < rank_r:
+        raise UserError(f"model.lora.r = {rank_r}: the vLLM server at {url} takes adapters of rank at most "
+                        f"{lora_config['max_lora_rank']} (its --max-lora-rank); restart it with `grpokit serve MODEL "
+                        f"--lora-rank {rank_r}`, or lower model.lora.r")
+    if (vllm_config.get("device_config") or {}).get("device") == "cpu" and \
+            (vllm_config.get("scheduler_config") or {}).get("enable_chunked_prefill"):
+        raise UserError(f"rollout.vllm.server: the vLLM server at {url} runs on the CPU with chunked prefill on, and "
+                        "vLLM's CPU build stops at the first seeded prompt it splits (\"CPU Generator does not use "
+                        "offset\"); restart it with --no-enable-chunked-prefill (`grpokit serve` sets it)")
+    limit = int((client.info.get("vllm_env") or {}).get("VLLM_MAX_STOP_STRINGS") or 4) if client.info else None
+    if limit is not None and len(config.rollout.stop_strings) > limit:
+        raise UserError(f"rollout.stop_strings: {len(config.rollout.stop_strings)} strings, and the vLLM server at "
+                        f"{url} takes at most {limit} a request (its VLLM_MAX_STOP_STRINGS); give at most {limit}, "
+                        f"or restart the server with VLLM_MAX_STOP_STRINGS={len(config.rollout.stop_strings)}")
+    try:  # vLLM's view of the model it serves (dev mode); a server that cannot show it is checked by the probe
+        inspection = client.call("POST", "/collective_rpc", json={"method": "get_model_inspection"},
+                                 timeout_s=min(options.server_timeout_s, 60))["results"][0]
+    except (RolloutWorkerError, KeyError, IndexError, TypeError):
+        inspection = None
+    if isinstance(inspection, str) and (differ := shape_mismatch(served := served_shape(inspection),
+                                                                  model_shape(folder))):
+        raise UserError(f"rollout.vllm.server: the vLLM server at {url} serves another model than model.path "
+                        f"({served['architecture']} with {differ}); pushing these weights into it would leave it "
+                        f"broken for every run after. Start a server on model.path: grpokit serve {config.model.path}")
+    if rank() != 0:
+        return
+    leased = ServerLease(client, f"grpokit-{uuid.uuid4().hex[:12]}").claim()
+    if not leased:
+        print(f"note: the vLLM server at {url} has no lease (it was not started by grpokit serve): nothing stops "
+              "another run from pushing its weights into it while this one trains", file=sys.stderr, flush=True)
+    if not client.is_paused():
+        return
+    if not leased:  # perhaps another run's push in progress: said, not undone
+        raise UserError(f"rollout.vllm.server: the vLLM server at {url} is paused (/is_paused), and every request "
+                        f"would wait for it: {UNPAUSE.format(url=url)}, if no other run is pushing weights to it")
+    client.call("POST", "/resume")  # this run holds it: the pause is what a run stopped mid-push left behind
+    print(f"note: the vLLM server at {url} was paused (a run stopped during its weight push leaves it so); "
+          "resumed it", file=sys.stderr, flush=True)

@@ -62,21 +62,19 @@ class NcclTransfer(WeightPublisher):
         manifest = [(n, str(t.dtype).removeprefix("torch."), list(t.shape)) for n, t in sync_tensors(model)]
         info = {"names": [m[0] for m in manifest], "dtype_names": [m[1] for m in manifest],
                 "shapes": [m[2] for m in manifest]}
-        self.client.call("POST", "/pause", params={"mode": "keep"})
-        self.client.call("POST", "/start_weight_update", json={"is_checkpoint_format": True})
-        stream = named_weights_for_sync(model)  # FSDP: each tensor gathered as it is sent
-        try:
-            self._while_sending(lambda: self._transfer.send(iterator=stream, group=self._group, src=0,
-                                                            post_iter_func=lambda item: item[1]),
-                                lambda: self.client.call("POST", "/update_weights", json={"update_info": info}))
-        except RolloutWorkerError as e:  # the transfer's own error is the one to say; the clean-up is brief
-            for path in ("/finish_weight_update", "/resume"):
+        with self.client.paused():  # resumed on every way out, a Ctrl-C included
+            self.client.call("POST", "/start_weight_update", json={"is_checkpoint_format": True})
+            stream = named_weights_for_sync(model)  # FSDP: each tensor gathered as it is sent
+            try:
+                self._while_sending(lambda: self._transfer.send(iterator=stream, group=self._group, src=0,
+                                                                post_iter_func=lambda item: item[1]),
+                                    lambda: self.client.call("POST", "/update_weights", json={"update_info": info}))
+            except RolloutWorkerError as e:  # the transfer's own error is the one to say; the clean-up is brief
                 with contextlib.suppress(RolloutWorkerError):
-                    self.client.call("POST", path, timeout_s=10)
-            raise RolloutWorkerError(f"{e}. The server may hold half-received weights: restart it before "
-                                     "resuming (a resumed run pushes every weight again)") from None
-        self.client.call("POST", "/finish_weight_update")
-        self.client.call("POST", "/resume")
+                    self.client.call("POST", "/finish_weight_update", timeout_s=10)
+                raise RolloutWorkerError(f"{e}. The server may hold half-received weights: restart it before "
+                                         "resuming (a resumed run pushes every weight again)") from None
+            self.client.call("POST", "/finish_weight_update")
         return time.perf_counter() - t0
 
     def _open(self) -> None:

@@ -21,6 +21,14 @@ a server started on another model, or one still holding weights an earlier run p
 at the start, not a run that learns nothing.
 A server restarted mid-run (it lost the pushed weights) is noticed by its start time (`/metrics`).
 
+A server is shared, and outlives runs, so a run does it no harm: before the trainer's model loads, `checks.check_server`
+reads what the server says of itself (`/server_info`, vLLM's view of the served model) and refuses, in one error,
+a model of other sizes than model.path's (its push would leave the server half-loaded), a LoRA rank above the
+server's, more stop strings than it takes, a CPU server that splits prefills; then the run claims the server
+(vllm/lease.py: one run at a time). A push pauses the server and resumes it on every way out
+(`ServerClient.paused`), and a long call is watched (`ServerClient._watched`): a server stopped, restarted or
+left paused meanwhile is said within seconds, not after `server_timeout_s`.
+
 In async mode (docs/ASYNC.md) the worker process sends the requests and the trainer pushes the weights;
 a lock shared by the two keeps a push from landing while a batch is being sampled, so each answer has
 one policy version. FSDP shards are gathered one tensor at a time (`named_weights_for_sync`).
@@ -29,15 +37,22 @@ one policy version. FSDP shards are gathered one tensor at a time (`named_weight
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 from types import SimpleNamespace
 
 from grpokit.config.options import VLLMOptions
 from grpokit.errors import RolloutWorkerError, UserError
+from grpokit.rollout.vllm.lease import LEASE_PATH, RUN_HEADER, describe, leased_run
 
 FIX = ("start it with `grpokit serve MODEL` (or vLLM's api_server with VLLM_SERVER_DEV_MODE=1), or check "
        "rollout.vllm.server")
+UNPAUSE = ("a run stopped during its weight push leaves a server so, or another client paused it. Resume it with "
+           "`curl -X POST {url}/resume` (or restart it)")
+WATCH_AFTER_S = 30.0  # calls allowed longer than this are watched (`ServerClient._watched`)
+PROBE_EVERY_S = 5.0  # how often a watched call probes the server
+PAUSED_S = 30.0  # a server paused this long, by no push of this process's, is said to be paused
 
 
 class ServerClient:
@@ -52,6 +67,10 @@ class ServerClient:
         self.started: float | None = None  # the server's process start time: a restart loses pushed weights
         self.fix = FIX
         self.session = requests.Session()
+        self.run: str | None = leased_run(self.url)  # this run's id on a server it leased (vllm/lease.py)
+        self.pushing = False  # this process paused the server for a push: a pause is its own, not a fault
+        self._watch = threading.Lock()
+        self._watched_at, self._verdict, self._refused, self._paused_since = 0.0, None, 0, None
 
     def wait_ready(self) -> None:
         """Block until `/health` answers (the server may still be loading its model), at most timeout_s."""
@@ -76,23 +95,37 @@ class ServerClient:
 
         A connection the server closed while idle (its HTTP keep-alive is 5 s; a pooled connection can be taken
         just as it closes: "Remote end closed connection without response") is tried once more on a new one: every
-        call grpokit makes may be repeated (a seeded request samples the same answers). A server that is down
-        refuses the second try too."""
+        call grpokit makes may be repeated (a seeded request samples the same answers), on the same server (a
+        restarted one, which lost the pushed weights, is said instead). A server that is down refuses the second
+        try too. A long call is watched (`_watched`): a server stopped, restarted or paused meanwhile is said
+        within seconds, not after the whole timeout."""
         import requests
+
+        timeout_s = timeout_s or self.timeout_s
+        if self.run is not None:  # a leased server refuses a run that is not its holder (vllm/lease.py)
+            kwargs["headers"] = {**kwargs.get("headers", {}), RUN_HEADER: self.run}
+
+        def send():
+            return self.session.request(method, f"{self.url}{path}", timeout=timeout_s, **kwargs)
 
         try:
             try:
-                response = self.session.request(method, f"{self.url}{path}", timeout=timeout_s or self.timeout_s,
-                                                **kwargs)
+                response = self._watched(send, path) if timeout_s > WATCH_AFTER_S else send()
             except requests.ConnectionError as e:
                 if isinstance(e, requests.Timeout):
                     raise
-                response = self.session.request(method, f"{self.url}{path}", timeout=timeout_s or self.timeout_s,
-                                                **kwargs)
+                if path != "/metrics":  # (the start time itself comes from /metrics)
+                    self.check_not_restarted()
+                response = self._watched(send, path) if timeout_s > WATCH_AFTER_S else send()
         except self.errors as e:  # down, unreachable, or slower than the timeout
+            paused = " It is paused (/is_paused): " + UNPAUSE.format(url=self.url) \
+                if not self.pushing and self.is_paused() else ""  # (a push's own pause is no news)
+            limit = f"rollout.vllm.server_timeout_s = {timeout_s:g} s" if timeout_s == self.timeout_s else \
+                f"{timeout_s:g} s"
             raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.url} did not answer {path} "
-                                     f"within rollout.vllm.server_timeout_s = {self.timeout_s:g} s "
-                                     f"({type(e).__name__}); {FIX}") from None
+                                     f"within {limit} ({type(e).__name__});" + (paused or f" {FIX}")) from None
+        if response.status_code == 409 and "leased" in response.text:
+            raise RolloutWorkerError(self._lease_lost(response))
         if response.status_code == 404 and path == "/v1/completions" and "does not exist" in response.text:
             raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.url} no longer holds the model "
                                      f"or adapter this run samples with ({response.text[:200]}); it was restarted "
@@ -112,6 +145,120 @@ class ServerClient:
             return response.json() if response.content else {}
         except ValueError:  # something that is not vLLM answers there
             raise self.not_vllm(path, response.text) from None
+
+    def _watched(self, send, path: str):
+        """`send()` on a thread of its own while this one probes the server every few seconds (`verdict`): a server
+        that stopped (a SIGTERMed vLLM waits for the open request before it exits: both would wait), restarted or
+        stays paused ends the call with one error. A server that is only slow is waited for, up to the timeout."""
+        box, done = [], threading.Event()
+
+        def run():
+            try:
+                box.append((True, send()))
+            except BaseException as e:  # noqa: BLE001 - raised in the caller's thread below
+                box.append((False, e))
+            finally:
+                done.set()
+
+        threading.Thread(target=run, daemon=True, name="vllm-call").start()
+        while not done.wait(PROBE_EVERY_S):
+            if (verdict := self.verdict()) is not None:
+                raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.url} {verdict} (while "
+                                         f"{path} was waited for)")
+        ok, value = box[0]
+        if ok:
+            return value
+        raise value
+
+    def verdict(self) -> str | None:
+        """What the server's `/health` and start time say, probed at most every PROBE_EVERY_S by all of this
+        client's threads together: "stopped", "restarted", "paused" (for longer than PAUSED_S and not by this
+        process's own push) in words with the fix, or None (up, perhaps slow)."""
+        import requests
+
+        with self._watch:
+            now = time.monotonic()
+            if self._verdict is not None or now - self._watched_at < PROBE_EVERY_S:
+                return self._verdict
+            self._watched_at = now
+            try:
+                requests.get(f"{self.url}/health", timeout=PROBE_EVERY_S)
+            except requests.ConnectionError as e:
+                if not isinstance(e, requests.Timeout):
+                    self._refused += 1  # refused twice in a row: gone (a busy server still accepts)
+                    if self._refused >= 2:
+                        self._verdict = ("stopped answering: it refuses connections (it was stopped, or it crashed)"
+                                         f"; start it again ({FIX.split(', or check')[0]}), then continue with "
+                                         "--resume")
+                return self._verdict
+            except requests.RequestException:
+                return None
+            self._refused = 0
+            if self.started is not None and self.start_time() not in (None, self.started):
+                self._verdict = ("was restarted and lost the weights it was sent; continue with --resume (each "
+                                 "start pushes them again)")
+            elif not self.pushing and self.is_paused():
+                self._paused_since = self._paused_since or now
+                if now - self._paused_since >= PAUSED_S:
+                    self._verdict = "is paused (/is_paused) and no push of this run's is in progress: " + \
+                        UNPAUSE.format(url=self.url)
+            else:
+                self._paused_since = None
+            return self._verdict
+
+    def is_paused(self) -> bool:
+        """The server says it is paused (vLLM's /is_paused; False where it cannot say)."""
+        import requests
+
+        try:
+            return requests.get(f"{self.url}/is_paused", timeout=5).json().get("is_paused") is True
+        except (requests.RequestException, ValueError, AttributeError):
+            return False
+
+    @contextlib.contextmanager
+    def paused(self):
+        """The server paused for a push (`/pause`, requests kept for after it), and resumed on every way out: a
+        failed push, a Ctrl-C (KeyboardInterrupt) or any other exception. Left paused, every later request to the
+        server (other runs', other clients') would hang until its timeout. A resume the server did not confirm
+        (frozen, or busy finishing the reload) has still reached it, and is said once."""
+        self.pushing, failed = True, True
+        try:  # a /pause that timed out has reached the server all the same (a frozen one takes it when it wakes)
+            self.call("POST", "/pause", params={"mode": "keep"})
+            yield
+            failed = False
+        finally:
+            try:  # after a failure, briefly: the error to say is the push's
+                self.call("POST", "/resume", timeout_s=min(self.timeout_s, 5.0 if failed else 30.0))
+            except (RolloutWorkerError, KeyboardInterrupt):
+                print(f"note: the vLLM server at {self.url} did not confirm that it resumed after this run's weight "
+                      "push was stopped; if it stays paused (GET /is_paused): " + UNPAUSE.format(url=self.url),
+                      file=sys.stderr, flush=True)
+            finally:
+                self.pushing = False
+
+    def lease_call(self, method: str, body: dict, timeout_s: float | None = None) -> tuple[int, dict]:
+        """A call to the server's lease (vllm/lease.py): its HTTP status and JSON reply (404: no lease there)."""
+        try:
+            response = self.session.request(method, f"{self.url}{LEASE_PATH}", json=body,
+                                            timeout=timeout_s or min(self.timeout_s, 30.0))
+        except self.errors as e:
+            raise RolloutWorkerError(f"rollout.vllm.server: the vLLM server at {self.url} did not answer "
+                                     f"{LEASE_PATH} ({type(e).__name__}); {FIX}") from None
+        try:
+            reply = response.json()
+        except ValueError:
+            reply = {}
+        return response.status_code, reply if isinstance(reply, dict) else {}
+
+    def _lease_lost(self, response) -> str:
+        try:
+            holder = response.json().get("holder") or {}
+        except (ValueError, AttributeError):
+            holder = {}
+        return (f"rollout.vllm.server: the vLLM server at {self.url} is now held by another run ({describe(holder)}): "
+                "this run's lease on it lapsed (the run was silent for longer than the lease, frozen or suspended) "
+                "and that run claimed it, so its weights are no longer this run's. Continue with --resume once "
+                "that run has ended, or on another server")
 
     def start_time(self) -> float | None:
         """The server's process start time (vLLM's Prometheus /metrics), or None where it does not say."""

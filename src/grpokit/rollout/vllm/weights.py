@@ -19,7 +19,6 @@ in a packed layout: writing into the live parameters, as `load_weights` does, br
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import shutil
@@ -34,7 +33,9 @@ from grpokit.errors import RolloutWorkerError, UserError
 from grpokit.models.lora import adapter_of
 from grpokit.models.parallel import any_rank, buckets, rank
 from grpokit.models.weight_sync import WeightPublisher
+from grpokit.rollout.vllm import leftovers
 from grpokit.rollout.vllm.engine import CompletionParams, ServedWeights, adapter_name
+from grpokit.rollout.vllm.lease import release
 from grpokit.rollout.vllm.nccl import NcclTransfer, can_run_nccl, nccl_api_problem  # noqa: F401 - re-exported
 from grpokit.rollout.vllm.tensors import named_weights_for_sync, sync_tensors  # noqa: F401 - re-exported
 
@@ -86,6 +87,7 @@ class AdapterFolders(WeightPublisher):
         if previous is not None and previous.lora_name == name:  # already there (the start's push, again)
             return 0.0
         if self.root is None:
+            leftovers.unload_dead_adapters(self.backend)  # what killed runs left on the server (leftovers.py)
             self.root = _run_folder(self, "grpokit-lora-", self.folder)
         folder = _next_folder(self.root)
         _writing(folder, lambda: adapter_of(model).save_pretrained(str(folder)), "the LoRA adapter")
@@ -117,7 +119,8 @@ def _run_folder(owner, prefix: str, folder: str | None) -> str:
     try:
         if folder:
             Path(folder).mkdir(parents=True, exist_ok=True)
-        root = tempfile.mkdtemp(prefix=prefix, dir=folder)
+        leftovers.remove_dead_folders(folder or tempfile.gettempdir())  # killed runs' folders (leftovers.py)
+        root = tempfile.mkdtemp(prefix=leftovers.owned(prefix), dir=folder)  # pid, pid namespace, host: whose
     except OSError as e:
         raise UserError(f"{field}: {folder or tempfile.gettempdir()} cannot hold the run's weight folders "
                         f"({e.strerror or e}); give a folder the trainer can write and the sampler can read") from None
@@ -177,18 +180,29 @@ class FolderReload(WeightPublisher):
                 save_file({n: t.cpu().contiguous() for n, t in bucket}, str(folder / f"model-{k:05d}.safetensors"))
 
         _writing(folder, write, "the weights", self.field)
-        self.client.call("POST", "/pause", params={"mode": "keep"})
-        try:
-            self.client.call("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {
-                "weights_path": str(folder), "is_checkpoint_format": True}})
+        with self.client.paused():  # resumed on every way out, a Ctrl-C included
+            try:
+                self._reload(folder)
+            except RolloutWorkerError as e:  # never a half-loaded server: the weights it held before, again
+                raise RolloutWorkerError(f"{e}. {self._restore()}") from None
             self.client.call("POST", "/reset_prefix_cache")
-        finally:
-            with contextlib.suppress(RolloutWorkerError):
-                self.client.call("POST", "/resume")
         if self.previous is not None:
             shutil.rmtree(self.previous, ignore_errors=True)
         self.previous = folder
         return time.perf_counter() - t0
+
+    def _reload(self, folder) -> None:
+        self.client.call("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {
+            "weights_path": str(folder), "is_checkpoint_format": True}})
+
+    def _restore(self) -> str:
+        """After a failed reload, the server's previous weights loaded again (this run's last push, else the
+        model the server started on), so it is left whole for the runs after; what happened, in words."""
+        try:  # vLLM's own model path now names the folder that failed: the served model's root is the start's
+            self._reload(self.previous or self.client.call("GET", "/v1/models")["data"][0]["root"])
+        except (RolloutWorkerError, KeyError, IndexError, TypeError):
+            return "Its previous weights could not be loaded back either: restart the server before any run uses it"
+        return "The server holds its previous weights again"
 
     def close(self) -> None:
         if self.root is not None:
@@ -252,7 +266,10 @@ class ServerPush(WeightPublisher):
         return time.perf_counter() - t0
 
     def close(self) -> None:
-        self.inner.close()
+        try:
+            self.inner.close()
+        finally:
+            release(self.server.client.url)  # the server is free for the next run
 
 
 class RankZero(WeightPublisher):
