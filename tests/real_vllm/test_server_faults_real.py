@@ -118,9 +118,9 @@ def test_a_second_run_on_a_leased_server_is_refused_naming_the_first(vllm_model_
 def test_a_push_stopped_mid_way_resumes_the_server_and_a_paused_one_is_named(vllm_model_dir, tmp_path,
                                                                             server_factory, capfd):
     """A Ctrl-C while the server reloads the pushed weights: the server is resumed on the way out. A server left
-    paused anyway (its run was SIGKILLed mid-push: /pause by hand here) is resumed by the next run that leases
-    it, with a note, so a LoRA run (which never pauses) does not wait out its timeout; one that cannot be leased
-    is said to be paused, with the fix."""
+    paused anyway (its run was SIGKILLed mid-push: /pause by hand here) is resumed by the next run, with a note,
+    so a LoRA run (which never pauses) does not wait out its timeout; a request waited on while another run holds
+    the server paused is said to be paused, with the fix, after 30 s rather than its timeout."""
     from transformers import AutoModelForCausalLM
 
     server = server_factory(vllm_model_dir, lora_rank=8, extra_args=LEASED)

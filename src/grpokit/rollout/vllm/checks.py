@@ -193,7 +193,7 @@ def check_server(config, folder) -> None:
     from grpokit.errors import RolloutWorkerError, UserError
     from grpokit.models.parallel import rank
     from grpokit.rollout.vllm.lease import ServerLease
-    from grpokit.rollout.vllm.server import UNPAUSE, ServerClient
+    from grpokit.rollout.vllm.server import ServerClient
 
     options, url = config.rollout.vllm_options, config.rollout.vllm_options.server
     client = ServerClient(url, options.server_timeout_s)
@@ -236,11 +236,7 @@ def check_server(config, folder) -> None:
     if not leased:
         print(f"note: the vLLM server at {url} has no lease (it was not started by grpokit serve): nothing stops "
               "another run from pushing its weights into it while this one trains", file=sys.stderr, flush=True)
-    if not client.is_paused():
-        return
-    if not leased:  # perhaps another run's push in progress: said, not undone
-        raise UserError(f"rollout.vllm.server: the vLLM server at {url} is paused (/is_paused), and every request "
-                        f"would wait for it: {UNPAUSE.format(url=url)}, if no other run is pushing weights to it")
-    client.call("POST", "/resume")  # this run holds it: the pause is what a run stopped mid-push left behind
-    print(f"note: the vLLM server at {url} was paused (a run stopped during its weight push leaves it so); "
-          "resumed it", file=sys.stderr, flush=True)
+    if client.is_paused():  # what a run stopped mid-push (or frozen in one) left behind: no run holds it now
+        client.call("POST", "/resume")
+        print(f"note: the vLLM server at {url} was paused (a run stopped during its weight push leaves it so); "
+              "resumed it", file=sys.stderr, flush=True)
