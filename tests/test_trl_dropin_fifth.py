@@ -21,6 +21,7 @@ import torch
 from conftest import make_config
 from grpokit.errors import ConfigError
 from grpokit.trl import GRPOConfig, GRPOTrainer
+from test_history_split import THINK_TEMPLATE, add  # the tool, and a template that drops earlier turns' <think>
 
 ROWS = [{"prompt": f"{a}+{b}="} for a in range(4) for b in range(2)]
 RUN = dict(max_steps=2, per_device_train_batch_size=4, num_generations=4, max_completion_length=4,
@@ -109,26 +110,8 @@ def test_the_clis_reward_functions_get_a_trainer_state_that_advances(tiny_model_
 # ---- 3. a template that rewrites earlier turns trains with tools ---------------------------------------
 
 
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first number.
-        b: The second number.
-    """
-    return a + b
-
-
-_TOOLS = ("{% if tools %}tools: {% for t in tools %}{{ t['function']['name'] }}{% if not loop.last %}, {% endif %}"
-          "{% endfor %}{{ '\\n' }}{% endif %}")
-_CALLS = "{% for c in m.get('tool_calls') or [] %}<tool_call>{{ c['function'] | tojson }}</tool_call>{% endfor %}"
-# Qwen3's way: the assistant header opens <think>, and only the last assistant turn keeps it (tests/test_history_split)
-QWEN3_LIKE = (_TOOLS + "{% for m in messages %}{% if not loop.first %}{{ '\\n' }}{% endif %}"
-              "{% if m['role'] == 'assistant' %}"
-              "{% if loop.last %}assistant: <think>{{ m['content'] }}"
-              "{% else %}assistant: {{ m['content'].split('</think>')[-1] }}{% endif %}" + _CALLS +
-              "{% else %}{{ m['role'] }}: {{ m['content'] }}{% endif %}{% endfor %}"
-              "{% if add_generation_prompt %}{{ '\\n' }}assistant: <think>{% endif %}")
+# Qwen3's way: the assistant header opens <think>, and only the last assistant turn keeps it
+QWEN3_LIKE = THINK_TEMPLATE
 
 
 @pytest.fixture(scope="module")
