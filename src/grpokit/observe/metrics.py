@@ -31,6 +31,32 @@ def completion_metrics(completion_mask: torch.Tensor, truncated: torch.Tensor) -
     }
 
 
+def version_metrics(token_version: torch.Tensor, action_mask: torch.Tensor, trainer_version: int) -> dict[str, float]:
+    """How old the weights were that sampled a batch, token by token (in-flight weight updates and streaming
+    groups, where one answer can span versions). `token_version` [N, T]: each token's policy version (-1 on
+    padding); `action_mask` [N, T]: the sampled tokens; `trainer_version`: the weights the update starts from
+    (step - 1). A token's lag is trainer_version - its version, in optimizer steps.
+
+    - `async/token_lag_mean`, `async/token_lag_max`: over the batch's sampled tokens;
+    - `async/versions_per_answer_max`: the most versions one answer was sampled under (1: none spans);
+    - `async/answers_spanning_versions`: the share of answers sampled under more than one version."""
+    sampled = action_mask.bool() & (token_version >= 0)  # [N, T]
+    if not sampled.any():
+        return {"async/token_lag_mean": 0.0, "async/token_lag_max": 0.0, "async/versions_per_answer_max": 1.0,
+                "async/answers_spanning_versions": 0.0}
+    lag = (trainer_version - token_version[sampled]).double()  # [n_tokens]
+    big = torch.iinfo(torch.long).max
+    newest = token_version.masked_fill(~sampled, -1).amax(-1)  # [N]
+    oldest = token_version.masked_fill(~sampled, big).amin(-1)  # [N]
+    has = sampled.any(-1)  # [N]
+    # versions per answer: distinct values along each row (a row's versions only grow, so count the changes)
+    changes = (token_version[:, 1:] != token_version[:, :-1]) & sampled[:, 1:] & sampled[:, :-1]  # [N, T-1]
+    spans = (changes.sum(-1) + 1).masked_fill(~has, 1)  # [N]
+    return {"async/token_lag_mean": float(lag.mean()), "async/token_lag_max": float(lag.max()),
+            "async/versions_per_answer_max": float(spans.max()),
+            "async/answers_spanning_versions": float(((newest > oldest) & has).double().sum() / has.sum())}
+
+
 def input_tokens(rollout) -> int:
     """The tokens one generation batch fed the model, as TRL counts them for `num_tokens`: each answer's
     prompt (a group's prompt once per answer) plus the tokens the model generated (a tool's result,

@@ -82,6 +82,10 @@ class Rollout:
     turns: Turns | None = None  # multi-turn only: each token's turn, each turn's step reward and start state
     # [N] asynchronous rollout: the optimizer step of the weights that sampled each answer (its policy version)
     policy_version: Tensor | None = None
+    # [N, T] long, in-flight weight updates and streaming groups: the policy version that sampled each completion
+    # token (an answer may span versions: weights landed mid-answer, or it continued into a later step); -1 on
+    # padding. `policy_version` is then each answer's oldest token's version (the lag bound holds for it)
+    token_version: Tensor | None = None
     media: RowMedia | None = None  # [N] vision-language models: each answer's prompt images (models/media.py)
     forks: Forks | None = None  # tools.history = "split" only: where answers go on as new training rows
 
@@ -162,6 +166,8 @@ def concat_rollouts(rollouts: Sequence[Rollout], pad_token_id: int) -> Rollout:
                    Turns.concat([r.turns for r in rollouts], T),
                    policy_version=None if any(r.policy_version is None for r in rollouts) else
                    torch.cat([r.policy_version for r in rollouts]),
+                   token_version=None if any(r.token_version is None for r in rollouts) else
+                   cat("token_version", False, T, -1),
                    media=RowMedia.concat([r.media for r in rollouts], [r.num_sequences for r in rollouts]),
                    forks=None if all(r.forks is None for r in rollouts) else
                    Forks.concat([r.forks for r in rollouts], [r.num_sequences for r in rollouts]))

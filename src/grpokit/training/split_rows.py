@@ -90,6 +90,7 @@ def split_rows(batch, pad_token_id: int):
                    completion_mask=take(r.completion_mask, 0), logprobs=take(r.logprobs, 0.0),
                    truncated=r.truncated[conv], tool_mask=None if r.tool_mask is None else take(r.tool_mask, 0),
                    turns=turns, policy_version=None if r.policy_version is None else r.policy_version[conv],
+                   token_version=None if r.token_version is None else take(r.token_version, -1),
                    media=None if r.media is None else r.media[conv])
     token_advantages = None if batch.token_advantages is None else take(batch.token_advantages, 0.0)
     return dataclasses.replace(batch, rows=rows, conversation=conv, loss_mask=take(batch.loss_mask, 0),
