@@ -33,3 +33,11 @@ def test_token_versions_travel_through_concat_padded_with_minus_one():
                        token_version=torch.full((1, T), version))
     both = concat_rollouts([rollout(2, 7), rollout(4, 8)], pad_token_id=0)
     assert both.token_version.tolist() == [[7, 7, -1, -1], [8, 8, 8, 8]]
+
+
+def test_a_version_change_across_a_tool_result_or_padding_is_counted():
+    """The versions of an answer's sampled tokens, whatever lies between them (a tool's result, a -1)."""
+    across_tool = version_metrics(torch.tensor([[0, 0, 0, 1, 1]]), torch.tensor([[1, 1, 0, 1, 1]]), 1)
+    across_gap = version_metrics(torch.tensor([[0, 0, -1, 1, 1]]), torch.ones(1, 5, dtype=torch.long), 1)
+    for m in (across_tool, across_gap):
+        assert m["async/versions_per_answer_max"] == 2.0 and m["async/answers_spanning_versions"] == 1.0

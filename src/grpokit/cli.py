@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import shlex
+import socket
 import sys
 
 from grpokit.errors import ConfigError, UserError, say
@@ -28,10 +29,12 @@ def cmd_train(args) -> int:
     from grpokit.config.loading import load_config
 
     config = load_config(args.config, args.set)  # a bad field fails here, before torch is imported
-    if args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ:  # this machine's torchrun processes
+    launcher = (args.nproc_per_node, args.nnodes, args.rdzv_endpoint, args.rdzv_id)
+    if launcher != (None,) * 4 and "LOCAL_RANK" not in os.environ:  # this machine's processes of the run
         from grpokit.models.parallel import launch  # (each says its error; torchrun's traceback is not shown)
-        command = f"{_train_command(args)} --nproc-per-node {args.nproc_per_node}"
-        return launch(args.nproc_per_node, shlex.split(_train_command(args))[1:],
+        command = _train_command(args)  # the processes get it whole: their "continue with" is the one to run again
+        nproc = 1 if args.nproc_per_node is None else args.nproc_per_node
+        return launch(nproc, shlex.split(command)[1:], rendezvous=_rendezvous(args),
                       lost=lambda what: _lost(what, config.output.dir, command))
     from grpokit.training.loop import train
     from grpokit.training.safekeeping import lost_process_error
@@ -47,6 +50,35 @@ def cmd_train(args) -> int:
     if os.environ.get("RANK", "0") == "0":  # under torchrun, once
         print(f"run folder: {run_dir}")
     return 0
+
+
+def _rendezvous(args) -> list[str] | None:
+    """torchrun's words for `--nnodes N --rdzv-endpoint HOST:PORT [--rdzv-id ID]` (c10d: the launcher whose host is
+    HOST keeps the rendezvous's store at PORT; the others join it); None on one machine (`--standalone`)."""
+    if args.nnodes is None:
+        if args.rdzv_endpoint or args.rdzv_id:
+            raise ConfigError("--rdzv-endpoint and --rdzv-id belong to a run over several machines: add --nnodes N "
+                              "(the same command on each machine)")
+        return None
+    if args.nnodes < 1:
+        raise ConfigError(f"--nnodes must be >= 1, got {args.nnodes}")
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        raise ConfigError(f"--nnodes {args.nnodes}: the machines meet at a rendezvous; add --rdzv-endpoint HOST:PORT "
+                          "(a free port on one of them, e.g. the first machine's host name and 29500), the same on "
+                          "every machine")
+    if args.nnodes == 1 and not args.rdzv_endpoint:
+        return None
+    host, _, port = args.rdzv_endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"--rdzv-endpoint {args.rdzv_endpoint!r} is not HOST:PORT: give a host name or address of "
+                          "one of the machines and a free port on it (1-65535), e.g. --rdzv-endpoint node1:29500")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port))
+    except OSError as e:  # torch's c10d retries an unknown host for minutes, in C++ warnings
+        raise ConfigError(f"--rdzv-endpoint {args.rdzv_endpoint}: the host {host!r} cannot be resolved ({e}); give "
+                          "a host name or address every machine can reach") from None
+    return ["--nnodes", str(args.nnodes), "--rdzv-backend", "c10d", "--rdzv-endpoint", args.rdzv_endpoint,
+            "--rdzv-id", args.rdzv_id or "grpokit"]
 
 
 def _lost(what: str, run_dir: str, command: str) -> str:
@@ -71,7 +103,10 @@ def _train_command(args) -> str:
     """The command line of this run as the user typed it (for "continue with: ..." messages)."""
     prog = sys.argv[0] if os.path.basename(sys.argv[0]) == "grpokit" else "grpokit"
     words = [prog, "train", args.config, *[w for item in args.set for w in ("--set", item)]]
-    return shlex.join(words + (["--resume"] if args.resume else []))
+    launched = [w for flag, value in (("--nproc-per-node", args.nproc_per_node), ("--nnodes", args.nnodes),
+                                      ("--rdzv-endpoint", args.rdzv_endpoint), ("--rdzv-id", args.rdzv_id))
+                if value is not None for w in (flag, str(value))]  # how it was launched: the same again
+    return shlex.join(words + launched + (["--resume"] if args.resume else []))
 
 
 def cmd_eval(args) -> int:
@@ -313,6 +348,11 @@ def _add_train_parser(sub) -> None:
     _add_config_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
     p.add_argument("--nproc-per-node", type=int, metavar="N", help="start N torchrun processes on this machine")
+    p.add_argument("--nnodes", type=int, metavar="N", help="a run over N machines: this command on each (torchrun's "
+                                                           "c10d rendezvous; --nproc-per-node defaults to 1)")
+    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="with --nnodes: where the machines meet (a free port "
+                                                                "on one of them; its launcher keeps the store)")
+    p.add_argument("--rdzv-id", metavar="ID", help="with --nnodes: the run's name at the rendezvous (default grpokit)")
     p.set_defaults(func=cmd_train)
 
 

@@ -26,6 +26,7 @@ SIGTERM and, after `GRACE_S`, SIGKILL, so a grandchild that outlives its parent 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import importlib.util
@@ -231,11 +232,43 @@ def server_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+def serve_commands(args) -> list[tuple[list[str], dict]]:
+    """`--replicas N` servers' command lines: each on its own port (PORT, PORT+1, ...), its own KV cache and, on
+    GPUs, its own `--tensor-parallel-size` of the `--devices` (one server per GPU with the default of 1): the
+    trainer spreads its requests over them (rollout/vllm/servers.py). One server: `serve_command(args)` alone."""
+    if args.replicas < 1:
+        raise UserError(f"--replicas: {args.replicas} servers; give 1 or more")
+    if args.replicas == 1:
+        return [serve_command(args)]
+    devices = args.devices.split(",") if args.devices else []
+    wanted = args.replicas * args.tensor_parallel_size
+    if devices and len(devices) != wanted:
+        gpus = f"{len(devices)} GPU{'s' if len(devices) != 1 else ''}"
+        raise UserError(f"--devices: {gpus} ({args.devices}) for --replicas {args.replicas} x "
+                        f"--tensor-parallel-size {args.tensor_parallel_size}: give {wanted} (one group per server)")
+    if args.port + args.replicas - 1 > 65535:
+        raise UserError(f"--port: {args.port} + {args.replicas} servers runs past port 65535; give a lower one")
+    on_cpu = vllm_platform() == "cpu"
+    if not devices and not on_cpu:  # which GPU is whose
+        raise UserError(f"--replicas: {args.replicas} servers on GPUs need --devices, {wanted} of them (one group "
+                        "of --tensor-parallel-size per server), e.g. --devices 0,1 --replicas 2")
+    kv = args.kv_cache_gib
+    if on_cpu and kv is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):  # the default RAM, shared out
+        kv = max(1, min(KV_CACHE_GIB, int(ram_gib()[1]) // (2 * args.replicas)))
+    tp = args.tensor_parallel_size
+    return [serve_command(argparse.Namespace(**{**vars(args), "port": args.port + k, "kv_cache_gib": kv,
+                                               "devices": ",".join(devices[k * tp:(k + 1) * tp])}))
+            for k in range(args.replicas)]
+
+
 def cmd_serve(args) -> int:
-    argv, env = serve_command(args)
-    print(f"starting: {shlex.join(argv)}\nthen train with: rollout.engine = \"vllm\" and "
-          f"rollout.vllm = {{server = \"{server_url(args.host, args.port)}\"}}", flush=True)
-    code = run_vllm(argv, env)
+    commands = serve_commands(args)
+    urls = [server_url(args.host, args.port + k) for k in range(len(commands))]
+    for argv, _ in commands:
+        print(f"starting: {shlex.join(argv)}", flush=True)
+    where = f"\"{urls[0]}\"" if len(urls) == 1 else "[" + ", ".join(f"\"{u}\"" for u in urls) + "]"
+    print(f"then train with: rollout.engine = \"vllm\" and rollout.vllm = {{server = {where}}}", flush=True)
+    code = run_vllm(commands)
     if code < 0:  # vLLM died of a signal: so does this process, as when it was vLLM (exec)
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
@@ -246,38 +279,46 @@ GRACE_S = 10.0  # from SIGTERM to SIGKILL, for what vLLM left behind: its engine
 PASSED_ON = {signal.SIGINT: signal.SIGINT, signal.SIGTERM: signal.SIGTERM, signal.SIGHUP: signal.SIGTERM}
 
 
-def run_vllm(argv: list[str], env: dict) -> int:
-    """Run `argv` (vLLM's server) as a child leading a session of its own, and return its exit code (negative: the
-    signal that ended it). Ctrl-C, SIGTERM and SIGHUP reach it through here (SIGHUP as SIGTERM: the terminal that
-    closed was this process's); what it leaves behind when it exits is stopped (SIGTERM, then SIGKILL after
-    GRACE_S); and if this process dies, however, the child is sent SIGTERM by the kernel and a guard stops its
-    session (the module's docstring says why)."""
-    child: subprocess.Popen | None = None
+def run_vllm(commands: list[tuple[list[str], dict]], env: dict | None = None) -> int:
+    """Run each `(argv, env)` (vLLM's server; several with --replicas) as a child leading a session of its own,
+    and return the exit code of the first to exit (negative: the signal that ended it); the others are then
+    stopped too (SIGTERM, then SIGKILL after GRACE_S): the trainer was given all of their addresses, and one gone
+    ends its run anyway. Ctrl-C, SIGTERM and SIGHUP reach every child through here (SIGHUP as SIGTERM: the
+    terminal that closed was this process's); what a child leaves behind when it exits is stopped too; and if
+    this process dies, however, each child is sent SIGTERM by the kernel and a guard stops its session (the
+    module's docstring says why)."""
+    if env is not None:  # the earlier spelling, one server: run_vllm(argv, env)
+        commands = [(list(commands), env)]
+    children: list[subprocess.Popen] = []
     pending: list[int] = []
 
     def pass_on(signum, _frame) -> None:
-        if child is None:
-            pending.append(PASSED_ON[signum])
-        else:
+        pending.append(PASSED_ON[signum])  # for the children not started yet
+        for child in children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(child.pid, PASSED_ON[signum])
 
     previous = {sig: signal.signal(sig, pass_on) for sig in PASSED_ON}
-    guard = None
+    guards: list[subprocess.Popen] = []
     try:
-        child = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                                 preexec_fn=_signalled_when_gone(os.getpid()))
-        guard = _start_guard(child.pid)
-        for sig in pending:
-            os.kill(child.pid, sig)
-        code = child.wait()
-        _stop_group(child.pid, GRACE_S)  # its engine core, its resource tracker: whatever outlived it
+        for argv, env in commands:
+            children.append(subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                             preexec_fn=_signalled_when_gone(os.getpid())))
+            guards.append(_start_guard(children[-1].pid))
+            for sig in pending:
+                os.kill(children[-1].pid, sig)
+        while (code := next((c.poll() for c in children if c.poll() is not None), None)) is None:
+            time.sleep(0.2)
+        for child in children:  # its engine core, its resource tracker, the other servers: whatever outlived it
+            _stop_group(child.pid, GRACE_S)
+            child.wait()
         return code
     finally:
-        if child is not None and child.returncode is None:  # this process is being stopped by an error
-            _stop_group(child.pid, 0.0)
-            child.wait()
-        if guard is not None:
+        for child in children:
+            if child.returncode is None:  # this process is being stopped by an error
+                _stop_group(child.pid, 0.0)
+                child.wait()
+        for guard in guards:
             guard.kill()
             guard.wait()
         for sig, handler in previous.items():
@@ -354,7 +395,11 @@ def add_parser(sub) -> None:
                                      "or on the CPU with vLLM's CPU build)")
     p.add_argument("model", help="a model folder or Hub name (the policy's starting weights)")
     p.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (with --replicas N: PORT to PORT+N-1)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="servers to start, each with its own port, KV cache and (GPU) --tensor-parallel-size of "
+                        "--devices: --devices 0,1 --replicas 2 is one server per GPU; the trainer spreads its "
+                        "requests over them (rollout.vllm.server = [...])")
     p.add_argument("--devices", default="", help="GPU indices for vLLM, e.g. 1 or 2,3 (CUDA_VISIBLE_DEVICES)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs one model is split over")
     p.add_argument("--dtype", default="bfloat16", choices=("auto", "float32", "bfloat16", "float16"),

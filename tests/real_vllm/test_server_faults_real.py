@@ -127,8 +127,8 @@ def test_a_push_stopped_mid_way_resumes_the_server_and_a_paused_one_is_named(vll
     push = FolderReload(ServerClient(server.url, 60))
     sent = push._reload
 
-    def interrupted(folder):  # the reload request reaches the server; the trainer is interrupted meanwhile
-        threading.Thread(target=sent, args=(folder,), daemon=True).start()
+    def interrupted(client, folder):  # the reload request reaches the server; the trainer is interrupted meanwhile
+        threading.Thread(target=sent, args=(client, folder), daemon=True).start()
         time.sleep(0.2)
         raise KeyboardInterrupt
 

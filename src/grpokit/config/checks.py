@@ -29,6 +29,49 @@ def one_of(value: Any, allowed: tuple, field_name: str) -> None:
     check(value in allowed, field_name, f"got {value!r}; choose one of {', '.join(map(repr, allowed))}")
 
 
+def check_in_flight(rollout) -> None:
+    """`rollout.in_flight_updates`: weights that land inside an answer need samplers in processes of their own
+    that take weights while they sample (asynchronous workers, or a vLLM server paused with mode=keep)."""
+    if not rollout.in_flight_updates:
+        return
+    check(not rollout.partial_rollouts, "rollout.in_flight_updates",
+          "with rollout.partial_rollouts: streaming groups already continue unfinished answers under the newer "
+          "weights (sync mode); set in_flight_updates = false")
+    check(rollout.mode == "async", "rollout.in_flight_updates",
+          f"needs rollout.mode = \"async\" (it is {rollout.mode!r}: the sync loop samples with the weights of the "
+          "step it trains, so no weights can land inside an answer); set rollout.mode = \"async\" or "
+          "in_flight_updates = false")
+    check(rollout.engine == "hf" or rollout.vllm_options.server is not None, "rollout.in_flight_updates",
+          "a colocated vLLM engine (rollout.engine = \"vllm\" without rollout.vllm.server) cannot take weights "
+          "mid-answer; sample on a vLLM server (rollout.vllm = {server = \"http://...\"}) or the built-in workers "
+          "(engine = \"hf\"), or set in_flight_updates = false")
+    check(rollout.max_staleness >= 1, "rollout.in_flight_updates",
+          "with rollout.max_staleness = 0 does nothing: every batch waits for the newest weights, so none can land "
+          "inside an answer; set max_staleness >= 1 or in_flight_updates = false")
+
+
+def check_partial_rollouts(config) -> None:
+    """`rollout.partial_rollouts` (streaming groups, docs/STREAMING.md): what it is built for (single-turn text
+    prompts, the built-in sampler, sync mode), each other combination refused naming its field."""
+    r, algo, tools = config.rollout, config.algorithm, config.tools
+    if not r.partial_rollouts:
+        return
+    check(r.max_staleness >= 1, "rollout.max_staleness",
+          "is 0, but rollout.partial_rollouts = true continues unfinished answers into the next step under newer "
+          "weights, at least 1 step old: set max_staleness >= 1 (e.g. 1) or partial_rollouts = false")
+    check(r.mode == "sync", "rollout.partial_rollouts",
+          "with rollout.mode = \"async\" is not built yet: use mode = \"sync\" or partial_rollouts = false")
+    check(r.engine == "hf", "rollout.partial_rollouts",
+          f"streams groups through the built-in sampler; rollout.engine = {r.engine!r} is not built yet: use "
+          "engine = \"hf\" or partial_rollouts = false")
+    for name in ("functions", "environment", "agent"):
+        check(not getattr(tools, name), "rollout.partial_rollouts",
+              f"with tools.{name} (multi-turn rollouts) is not built yet: drop tools.{name} or set "
+              "partial_rollouts = false")
+    check(not algo.dynamic_sampling, "rollout.partial_rollouts",
+          "with algorithm.dynamic_sampling is not built yet: set dynamic_sampling = false or partial_rollouts = false")
+
+
 # The fix shown for a field whose default is empty; other fields show their default.
 _EXAMPLES = {
     "model.path": '"models/Qwen2.5-0.5B"',

@@ -30,7 +30,8 @@ class VLLMOptions:
     max_model_len: int | None = _option(None, "4096", "colocated")
     enforce_eager: bool = _option(False, "true", "colocated")
     dtype: str | None = _option(None, '"bfloat16"', "colocated")  # None: model.dtype
-    server: str | None = _option(None, '"http://localhost:8000"')  # a vLLM server (grpokit serve); None: colocated
+    # a vLLM server (grpokit serve), or a list of several (requests spread by load); None: colocated
+    server: str | tuple[str, ...] | None = _option(None, '"http://localhost:8000"')
     server_timeout_s: float = _option(600.0, "600")  # every call to the server waits at most this long
     weight_transfer: str = _option("auto", '"folder"', "server")  # WEIGHT_TRANSFERS
     weight_folder: str | None = _option(None, '"/shared/grpokit-weights"', "server")  # default: under TMPDIR
@@ -41,6 +42,13 @@ class VLLMOptions:
         """The `rollout.vllm` table typed (check_vllm refuses an unknown key and a value of another type; the
         checks that run before it read the known keys only)."""
         return cls(**{k: v for k, v in table.items() if k in cls.__dataclass_fields__})
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        """The server addresses, one or several, each without a trailing slash (empty: colocated)."""
+        if self.server is None:
+            return ()
+        return tuple(url.rstrip("/") for url in ((self.server,) if isinstance(self.server, str) else self.server))
 
 
 _TYPES = {"float": float, "int": int, "bool": bool, "str": str}
@@ -71,11 +79,40 @@ def server_address_problem(url: str) -> str | None:
     return None
 
 
+def same_server(url: str) -> str:
+    """An address as a key that two spellings of one server share: scheme and host in lower case, the scheme's
+    default port written out, no trailing slash (localhost and 127.0.0.1 stay two: a name may resolve elsewhere)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url.rstrip("/"))
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+    return f"{parts.scheme.lower()}://{(parts.hostname or '').lower()}:{port}"
+
+
+def _checked_servers(value) -> str | tuple[str, ...]:
+    """`rollout.vllm.server`: one address, or a list of several, each checked; a server listed twice refused."""
+    name, example = "rollout.vllm.server", '"http://localhost:8000" or ["http://localhost:8000", "http://localhost:8001"]'
+    if not isinstance(value, (list, tuple)):
+        return checked_value(name, str, value, example)
+    urls = checked_value(name, tuple[str, ...], value, example)
+    check(len(urls) >= 1, name, f"is an empty list: give one server's address or several; e.g. {name} = {example}")
+    seen: dict[str, str] = {}
+    for url in urls:
+        problem = server_address_problem(url)
+        check(problem is None, name, f"{problem}: give each server's address, e.g. \"http://localhost:8000\"")
+        check(same_server(url) not in seen, name,
+              f"lists the server {url} twice ({seen.get(same_server(url))!r} and {url!r}): each server once; two "
+              "entries would spread requests over one server and push every update into it twice")
+        seen[same_server(url)] = url
+    return urls
+
+
 def check_vllm(rollout) -> None:
     unknown = set(rollout.vllm) - set(VLLM_OPTIONS)
     check(not unknown, "rollout.vllm",
            f"unknown option(s) {', '.join(sorted(map(str, unknown)))}; known: {', '.join(VLLM_OPTIONS)}")
-    options = {k: checked_value(f"rollout.vllm.{k}", VLLM_OPTIONS[k][0], v, VLLM_OPTIONS[k][1])
+    options = {k: _checked_servers(v) if k == "server" else
+               checked_value(f"rollout.vllm.{k}", VLLM_OPTIONS[k][0], v, VLLM_OPTIONS[k][1])
                for k, v in rollout.vllm.items()}
     object.__setattr__(rollout, "vllm", options)
     check(0 < options.get("gpu_memory_utilization", 0.3) <= 1, "rollout.vllm.gpu_memory_utilization",
@@ -87,8 +124,14 @@ def check_vllm(rollout) -> None:
     one_of(options.get("dtype", "auto"), ("auto", "float32", "bfloat16", "float16"), "rollout.vllm.dtype")
     if "server" in options:
         server = options["server"]
-        check(server_address_problem(server) is None, "rollout.vllm.server",
-               f"{server_address_problem(server)}: give the server's address, e.g. \"http://localhost:8000\"")
+        problem = server_address_problem(server) if isinstance(server, str) else None  # a list's: checked above
+        check(problem is None, "rollout.vllm.server",
+               f"{problem}: give the server's address, e.g. \"http://localhost:8000\"")
+        check(isinstance(server, str) or len(server) == 1 or options.get("weight_transfer") != "nccl",
+               "rollout.vllm.weight_transfer",
+               f"is \"nccl\", and NCCL to several servers ({len(server)} in rollout.vllm.server) is not built yet "
+               "(one NCCL group per server): use \"folder\" (one folder every server reloads; on one host or a shared "
+               "filesystem) or \"auto\", or one server")
         given = [k for k in COLOCATED_ONLY if k in options]
         check(not given, f"rollout.vllm.{given[0] if given else ''}",
                "applies to the colocated engine only: a server's settings are given where it starts (grpokit "

@@ -14,7 +14,16 @@ import re
 from dataclasses import dataclass, field
 
 from grpokit.config.algorithm import AlgorithmConfig
-from grpokit.config.checks import check, check_fields, did_you_mean, installed, one_of, show_value
+from grpokit.config.checks import (
+    check,
+    check_fields,
+    check_in_flight,
+    check_partial_rollouts,
+    did_you_mean,
+    installed,
+    one_of,
+    show_value,
+)
 from grpokit.config.evaluation import EvalConfig, check_eval
 from grpokit.config.options import VLLMOptions, check_async, check_lora, check_vllm
 from grpokit.config.variants import (
@@ -130,7 +139,8 @@ class RolloutConfig:
     engine: str = "hf"  # hf (built-in sampler on the training model) | vllm (colocated vLLM, or a vLLM server)
     # vLLM options (typed: `vllm_options`, config/options.VLLMOptions): colocated (rollout/vllm/colocated.py)
     # gpu_memory_utilization, enable_sleep_mode, kv_cache_gib (CPU), max_model_len, enforce_eager, dtype; or
-    # server = "http://host:8000" (grpokit serve; rollout/vllm/server.py)
+    # server = "http://host:8000" (grpokit serve; rollout/vllm/server.py), or a list of several (requests spread by
+    # load, every push to each: rollout/vllm/servers.py; grpokit serve --replicas N starts N)
     # with server_timeout_s (every call to it, generation included, waits at most this long; 600), weight_transfer
     # (auto | nccl | folder: how full weights reach it; auto = NCCL where it can run), weight_folder (a folder the
     # server can read; default under TMPDIR) and sync_bucket_mb (the folder's shard size, 512)
@@ -154,6 +164,12 @@ class RolloutConfig:
     worker_threads: int = 0  # async: torch threads of each worker; 0 = the cores split between workers and trainer
     worker_timeout_s: float = 300.0  # async: no heartbeat or batch this long ends it (TRL: heartbeat_stale_after_s)
     worker_devices: tuple[str, ...] = ()  # async: each worker's device ("cpu", "cuda:1", ...); none = model.device
+    # async: new weights reach the samplers between two decode steps, inside an answer (PipelineRL's in-flight
+    # updates; the KV cache of unfinished answers is kept), each token tagged with its version; off: between batches
+    in_flight_updates: bool = False
+    # streaming groups (docs/STREAMING.md; sync mode, built-in sampler): freed decode rows take new prompts as
+    # answers end; a step trains the first B groups to complete, unfinished answers go on under the next weights
+    partial_rollouts: bool = False
 
     @property
     def vllm_options(self) -> VLLMOptions:
@@ -162,6 +178,7 @@ class RolloutConfig:
 
     def __post_init__(self):
         check_fields(self, "rollout")
+        check_in_flight(self)
         check_async(self)
         one_of(self.engine, ENGINES, "rollout.engine")
         one_of(self.sampler, SAMPLERS, "rollout.sampler")
@@ -378,10 +395,20 @@ class Config:
                f"algorithm.scale_rewards = {algo.scale_rewards!r} would be ignored (a preset such as dr_grpo sets "
                "it); set algorithm.scale_rewards = \"group\" or rewards.aggregation = \"sum_then_normalize\"")
         check_eval(self)
-        if algo.is_correction == "auto":  # async: the lag is corrected (decoupled PPO, docs/ASYNC.md); sync: off
-            resolved = "token_truncate" if self.rollout.mode == "async" else "none"
+        check_partial_rollouts(self)
+        for name in ("functions", "environment", "agent") if self.rollout.in_flight_updates else ():
+            check(not getattr(self.tools, name), "rollout.in_flight_updates",
+                  f"with tools.{name}: multi-turn rollouts sample through their own decode loop, which takes no "
+                  "weights between its steps yet; set in_flight_updates = false (weights then land between batches)")
+        check(not (self.rollout.in_flight_updates and self.rollout.vllm_options.server and self.model.lora),
+              "rollout.in_flight_updates", "with model.lora each push loads the adapter on the vLLM server under a new "
+              "name and unloads the one the paused requests sample with; set in_flight_updates = false or train "
+              "full weights (model.lora unset)")
+        if algo.is_correction == "auto":  # async, streaming groups: the lag is corrected (decoupled PPO); sync: off
+            lags = "rollout.mode = \"async\"" if self.rollout.mode == "async" else "rollout.partial_rollouts"
+            resolved = "token_truncate" if self.rollout.mode == "async" or self.rollout.partial_rollouts else "none"
             check(resolved == "none" or algo.is_cap_max or algo.is_cap_min, "algorithm.is_cap_max",
-                   "rollout.mode = \"async\" corrects the sampler's lag with is_correction = \"token_truncate\", "
+                   f"{lags} corrects the sampler's lag with is_correction = \"token_truncate\", "
                    "which needs a bound: set is_cap_max (e.g. 3.0), or is_correction = \"none\"")
             object.__setattr__(self, "algorithm", dataclasses.replace(algo, is_correction=resolved))  # its own copy
 
@@ -409,7 +436,8 @@ class Config:
         sampler's are asked for (`old_logprobs = "sampler"`: PPO clipped around the stale sampler, as TRL's
         AsyncGRPOTrainer does, instead of decoupled PPO's trainer log-probs)."""
         return (self.algorithm.num_iterations > 1 or self.minibatch_size < self.generation_batch_size
-                or (self.rollout.mode == "async" and self.algorithm.old_logprobs == "sampler"))
+                or ((self.rollout.mode == "async" or self.rollout.partial_rollouts)
+                    and self.algorithm.old_logprobs == "sampler"))
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

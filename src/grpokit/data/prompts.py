@@ -42,7 +42,9 @@ class PromptStream:
     Epoch e visits the rows in a permutation drawn from (seed, e) alone, so the
     order does not depend on how the stream got there. A batch that runs past
     the end of an epoch continues into the next one: every batch is full and no
-    row is skipped. `state_dict()` / `load_state_dict()` hold (epoch, index).
+    row is skipped. `state_dict()` / `load_state_dict()` hold (epoch, index), and `replay`: rows handed out
+    before the stream goes on, first to last (streaming groups' prompts in flight at a checkpoint: a resumed
+    run samples them again; rollout/streaming.py).
     """
 
     def __init__(self, rows: list[dict], batch_size: int, *, seed: int = 0, shuffle: bool = True):
@@ -52,6 +54,7 @@ class PromptStream:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         self.rows, self.batch_size, self.seed, self.shuffle = list(rows), batch_size, seed, shuffle
         self.epoch, self.index = 0, 0
+        self.replay: list = []
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
@@ -60,7 +63,19 @@ class PromptStream:
             random.Random(f"{self.seed}:{epoch}").shuffle(order)
         return order
 
+    def next_row(self):
+        """One row: the next to replay, else the stream's next (streaming groups take prompts one by one)."""
+        if self.replay:
+            return self.replay.pop(0)
+        if self.index == len(self.rows):
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._permutation(self.epoch)
+        self.index += 1
+        return self.rows[self._order[self.index - 1]]
+
     def next_batch(self) -> list[dict]:
+        if self.replay:
+            return [self.next_row() for _ in range(self.batch_size)]
         batch = []
         while len(batch) < self.batch_size:
             if self.index == len(self.rows):
@@ -76,8 +91,9 @@ class PromptStream:
             yield self.next_batch()
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "num_rows": len(self.rows),
-                "batch_size": self.batch_size, "shuffle": self.shuffle}
+        state = {"epoch": self.epoch, "index": self.index, "seed": self.seed, "num_rows": len(self.rows),
+                 "batch_size": self.batch_size, "shuffle": self.shuffle}
+        return {**state, "replay": list(self.replay)} if self.replay else state
 
     def load_state_dict(self, state: dict) -> None:
         for key, mine in (("num_rows", len(self.rows)), ("seed", self.seed), ("shuffle", self.shuffle)):
@@ -87,6 +103,7 @@ class PromptStream:
         if not 0 <= state["index"] <= len(self.rows) or state["epoch"] < 0:
             raise ValueError(f"cannot resume the prompt stream: bad position {state!r}")
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self.replay = list(state.get("replay", ()))
         self._order = self._permutation(self.epoch)
 
 

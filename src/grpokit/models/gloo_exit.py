@@ -1,10 +1,17 @@
-"""A torchrun process's exit without gloo's worker threads aborting it (models/parallel.py joins the group)."""
+"""How a torchrun process ends: without gloo's worker threads aborting it, with its launcher, and without the native
+noise of a store whose machine is gone (models/parallel.py joins the group and launches the processes)."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
+import sys
+import threading
 import time
+from typing import Iterator
+
+from grpokit import processes
 
 
 def _gloo_workers() -> list[str]:
@@ -62,3 +69,42 @@ def drain_at_exit() -> None:
     if not _draining:
         _draining.append(True)
         atexit.register(drain_gloo_workers)
+
+
+def die_with_launcher() -> None:
+    """Under torchrun, end this process (SIGKILL) when its launcher, torchrun's agent and its parent, dies. torchrun
+    starts each process in a session of its own and sets nothing of the kind, so a launcher killed (`kill -9`, the
+    OOM killer, a node's job step cancelled) left its processes running without it: the rest of the run went on with
+    a node that could no longer restart, stop or report them (two `--nnodes 2` launchers on one host: the survivor
+    still waited in the step's collective for the orphan after 300 s). Ended with its launcher, the process is what
+    it is on a machine that went down: a lost process, which the others name (parallel.py `peer_loss`)."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        processes.die_with_parent(os.getppid())
+
+
+@contextlib.contextmanager
+def stderr_silenced() -> Iterator[None]:
+    """This process's fd 2 to /dev/null (its Python and native writers alike) for the block. For the store's own
+    report of a failed call, a C++ warning with its native stack that logging levels do not reach: after the machine
+    that keeps the store is lost every call fails, which the caller expects and handles; unsilenced, some 20 lines of
+    frames ("recvVector failed ... Connection was likely closed") came before the survivor's one line."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    os.close(null)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def silenced_once_said(said_file: str, done: threading.Event) -> None:
+    """grpokit's launcher's own stderr (its processes have theirs) silenced from the moment one of its processes
+    wrote in `said_file` that it said why the run stops, until `done`: what torchrun's agent prints then is the lost
+    machine's echo (the rendezvous's store gone, its shutdown's C++ warning). A thread of the launcher."""
+    while not done.wait(0.05):
+        if os.path.getsize(said_file):
+            with stderr_silenced():
+                done.wait()
+            return

@@ -47,6 +47,9 @@ import contextlib
 import dataclasses
 import os
 import socket
+import sys
+import tempfile
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable
@@ -56,7 +59,7 @@ import torch.distributed as tdist
 
 from grpokit import processes
 from grpokit.errors import ConfigError, SetupError, UserError
-from grpokit.models.gloo_exit import drain_at_exit
+from grpokit.models.gloo_exit import die_with_launcher, drain_at_exit, silenced_once_said, stderr_silenced
 
 BUCKET_BYTES = 32 * 2**20
 
@@ -71,8 +74,6 @@ def exit_rank(code: int | None) -> None:
     without the interpreter's teardown, which has nothing left to do (the loop has closed its writers, workers
     and pools) and is where gloo's worker threads could abort a finished process (models/gloo_exit.py says how;
     processes that do finalize, a user's own script calling train(), are covered by its drain at exit)."""
-    import sys
-
     _destroy()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -113,6 +114,7 @@ class DistributedContext:
         if world <= 1 and not is_distributed():
             return cls()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        die_with_launcher()
         owns = False
         if not tdist.is_initialized():
             cuda = torch.cuda.is_available()
@@ -347,7 +349,9 @@ def is_fsdp(model) -> bool:
 
 # ---- a process of the run lost ------------------------------------------------------------------------
 
-LAUNCHED = "GRPOKIT_LAUNCHED"  # set by `launch` for the processes it starts: it names one of them that dies itself
+# Set by `launch` for the processes it starts (it names one of them that dies itself): a file where a process that
+# printed why the run stopped says so (`mark_left`), so that the launcher adds nothing when its rendezvous fails too
+LAUNCHED = "GRPOKIT_LAUNCHED"
 # What a collective raises when the process at the other end of a connection is gone (gloo; NCCL's remote error)
 _GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "ncclRemoteError",
          "remote process exited")
@@ -416,10 +420,13 @@ def mark_left(how: str) -> None:
     prints: an error line, a traceback); "reported" or "quiet", another process lost (said here, or left to another
     process or the launcher). A process whose connection to it then closes does not call it lost. Bounded: a store
     on a machine that is gone answers nothing."""
+    if how in ("error", "reported") and os.path.isfile(said := os.environ.get(LAUNCHED, "")):
+        with contextlib.suppress(OSError), open(said, "a") as f:
+            f.write(f"{rank()} {how}\n")
     store = _store()
     if store is None or not _roster:
         return
-    with contextlib.suppress(Exception):
+    with contextlib.suppress(Exception), stderr_silenced():
         processes.receive(lambda: store.set(_key(rank()), how), 2.0)
 
 
@@ -433,7 +440,8 @@ def _marks(members: list[Member]) -> dict[int, str]:
         return {m.rank: store.get(_key(m.rank)).decode() for m in members if store.check([_key(m.rank)])}
 
     try:
-        return processes.receive(read, 3.0)
+        with stderr_silenced():
+            return processes.receive(read, 3.0)
     except Exception:  # noqa: BLE001 - its host is gone too, or slow: nobody said anything we can read
         return {}
 
@@ -515,9 +523,11 @@ def peer_loss(error: BaseException | None, wait_s: float = 3.0) -> PeerLoss | No
                     f"({_CAUSE})", says=not quiet)
 
 
-def launch(nproc: int, argv: list[str], lost: Callable[[str], str] = str) -> int:
+def launch(nproc: int, argv: list[str], lost: Callable[[str], str] = str, rendezvous: list[str] | None = None) -> int:
     """`python -m grpokit.cli *argv` in `nproc` processes on this machine (`grpokit train --nproc-per-node N`),
-    started by torch's own launcher (`torchrun --standalone`) run in this process; the run's exit code.
+    started by torch's own launcher (`torchrun --standalone`) run in this process; the run's exit code. With
+    `rendezvous` (torchrun's `--nnodes N --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id ID`, from
+    `grpokit train --nnodes N`) this machine's share of a run over several, the same command run on each.
 
     A process that fails says why itself (its `error:` line, once per machine for a start-up error, exit 2; a
     bug keeps its traceback); the launcher then ends with that process's exit code and adds nothing: not
@@ -529,9 +539,9 @@ def launch(nproc: int, argv: list[str], lost: Callable[[str], str] = str) -> int
         raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
     import logging
     import signal
-    import sys
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
     quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.distributed.run")]
@@ -539,9 +549,21 @@ def launch(nproc: int, argv: list[str], lost: Callable[[str], str] = str) -> int
     for logger in quiet:
         logger.setLevel(logging.CRITICAL)
     launched = os.environ.get(LAUNCHED)
-    os.environ[LAUNCHED] = "1"  # the processes inherit it
+    said_fd, said_file = tempfile.mkstemp(prefix="grpokit-launch-")
+    os.close(said_fd)
+    os.environ[LAUNCHED] = said_file  # the processes inherit it
+    done = threading.Event()
+    quiet_later = threading.Thread(target=silenced_once_said, args=(said_file, done), daemon=True, name="launch-quiet")
+    if rendezvous:
+        quiet_later.start()
     try:
-        run(parse_args(["--standalone", "--nproc-per-node", str(nproc), "-m", "grpokit.cli", *argv]))
+        try:
+            run(parse_args([*(rendezvous or ["--standalone"]), "--nproc-per-node", str(nproc), "-m", "grpokit.cli",
+                            *argv]))
+        finally:
+            done.set()  # this process's own output is its own again (the line below, a traceback)
+            if quiet_later.is_alive():
+                quiet_later.join()
     except ChildFailedError as e:
         said = (1, 2, 130)  # it printed why: a traceback, an `error:` line, a `stopped:` line
         stopped = (-signal.SIGTERM, -signal.SIGINT)  # how the launcher stops the others once one ended: no cause
@@ -561,9 +583,17 @@ def launch(nproc: int, argv: list[str], lost: Callable[[str], str] = str) -> int
         print(f"error: {lost(f'training process {rank_} {how}, and the other processes were stopped')}",
               file=sys.stderr, flush=True)
         return 2
+    except RendezvousError:  # the machine that keeps the rendezvous's store is gone (its launcher with it)
+        if not os.path.getsize(said_file):  # no process here said why (it was busy, not in a collective)
+            where = rendezvous[rendezvous.index("--rdzv-endpoint") + 1] if rendezvous else "?"
+            what = (f"the rendezvous at {where} stopped answering: the machine that keeps it (its launcher) was lost "
+                    f"({_CAUSE}), and the processes of this machine were stopped")
+            print(f"error: {lost(what)}", file=sys.stderr, flush=True)
+        return 2
     finally:
         for logger, level in zip(quiet, levels):
             logger.setLevel(level)
         if launched is None:
             os.environ.pop(LAUNCHED, None)
+        os.unlink(said_file)
     return 0

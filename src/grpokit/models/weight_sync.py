@@ -1,7 +1,8 @@
 """Moving the trainer's weights to whoever samples: one verb, one implementation per transport.
 
     trainer:  publisher.publish(model, step) -> seconds     # after the update of optimizer step `step`
-    sampler:  subscriber.wait_for(step, timeout_s); subscriber.apply()  # between two batches, never inside one
+    sampler:  subscriber.wait_for(step, timeout_s); subscriber.apply()  # between two batches (in-flight updates:
+                                                                       # also between two decode steps)
 
 The trainer's step is the weights' version everywhere: the start's push is step 0 (or the resumed checkpoint's),
 the push after optimizer step s is version s. One publisher per run, chosen once (`rollout.weights.build_publisher`
@@ -179,7 +180,9 @@ class GlooPublisher(WeightPublisher):
 
 class GlooSubscriber:
     """A worker's end: a thread that takes every transfer into buffers of its own; `apply()` copies the
-    newest into the model between two batches (never during one: each answer has one version)."""
+    newest into the model between two batches, and with `rollout.in_flight_updates` between two decode steps
+    too (`DecodeSpeed.between_steps`: an answer then spans versions). Only whole transfers are staged, and only
+    the worker's main thread writes the parameters, between two forwards, so no forward sees half a version."""
 
     def __init__(self, model: torch.nn.Module, port: int, rank: int, size: int, timeout_s: float, announced):
         self.model, self.announced = model, announced
@@ -242,7 +245,9 @@ class GlooSubscriber:
 
     @torch.no_grad()
     def apply(self) -> int:
-        """Copy the newest received weights into the model; the version it now holds."""
+        """Copy the newest received weights into the model; the version it now holds. Cheap when nothing is
+        staged (one lock), since the decode calls it before every step with in-flight updates; the copy is in
+        place, also under the decode's `torch.inference_mode`."""
         with self._received:
             staged, version = self._staged, self._staged_version
             self._staged = {}

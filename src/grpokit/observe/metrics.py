@@ -49,8 +49,10 @@ def version_metrics(token_version: torch.Tensor, action_mask: torch.Tensor, trai
     newest = token_version.masked_fill(~sampled, -1).amax(-1)  # [N]
     oldest = token_version.masked_fill(~sampled, big).amin(-1)  # [N]
     has = sampled.any(-1)  # [N]
-    # versions per answer: distinct values along each row (a row's versions only grow, so count the changes)
-    changes = (token_version[:, 1:] != token_version[:, :-1]) & sampled[:, 1:] & sampled[:, :-1]  # [N, T-1]
+    # versions per answer: distinct values among its sampled tokens; a row's versions only grow, so count where a
+    # sampled token's version exceeds the newest before it (across tool results and padding between them)
+    newest_so_far = token_version.masked_fill(~sampled, -1).cummax(-1).values  # [N, T]
+    changes = sampled[:, 1:] & (newest_so_far[:, :-1] >= 0) & (token_version[:, 1:] > newest_so_far[:, :-1])
     spans = (changes.sum(-1) + 1).masked_fill(~has, 1)  # [N]
     return {"async/token_lag_mean": float(lag.mean()), "async/token_lag_max": float(lag.max()),
             "async/versions_per_answer_max": float(spans.max()),

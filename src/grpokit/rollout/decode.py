@@ -29,6 +29,15 @@ with μ = 1 the policy ratio is exactly 1 on the first pass. With temperature 0
 The noise for a step is one [n_active, C] draw from ``generator``: the same seed,
 prompts and model give the same samples, but the samples of one prompt depend
 on the other prompts in the batch (greedy decoding does not).
+
+**In-flight weight updates** (``DecodeSpeed.between_steps``, asynchronous workers with
+``rollout.in_flight_updates``): a callable run before the prefill and before every decode
+step, which may copy newer weights into the model and returns the version it holds. Each
+token is tagged with the version whose forward produced its logits (``Rollout.token_version``).
+The KV cache of unfinished answers is kept across a switch (PipelineRL's choice): the keys and
+values of earlier positions stay those the older weights computed, so a token after a switch is
+the new weights' prediction over the old weights' cache, not a clean recompute under the new
+weights (docs/ASYNC.md measures the gap). Without the callable nothing of this runs.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ from __future__ import annotations
 import inspect
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -60,12 +70,16 @@ class DecodeSpeed:
     - `share_prefill` (`rollout.shared_prefill`): one prefill per prompt (False: all N = B*G rows).
     - `layer_loop` (`rollout.layer_loop`): decode steps as a plain loop over the layers where that is the model's
       own computation (rollout/layer_loop.py).
+    - `between_steps`: no speed option but the loop's one hook, in-flight weight updates (the module docstring;
+      an async worker's `GlooSubscriber.apply`). It copies weights in place, which oneDNN-packed copies
+      (`rollout.packed_weights`) would not follow: a worker that swaps weights samples unpacked.
     """
 
     sampler: str = "inverse_cdf"
     preallocate_kv_cache: bool = True
     share_prefill: bool = True
     layer_loop: bool = True
+    between_steps: Callable[[], int] | None = None
 
     @classmethod
     def from_config(cls, config) -> "DecodeSpeed":
@@ -206,16 +220,20 @@ def _stop_string_hits(tokens: Tensor, rows: Tensor, t: int, tokenizer, stops, wi
 
 
 def _decode_loop(model, ids: Tensor, mask: Tensor, *, group_size: int, sampling: SamplingParams, draw: dict,
-                 tokenizer, speed: DecodeSpeed, media: RowMedia | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 tokenizer, speed: DecodeSpeed, media: RowMedia | None = None
+                 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """Prefill [B, P] once (with `media`: the B prompts' images), expand to N rows and decode them: each token
     drawn by `sample_tokens(logits, **draw)`, the answers' budget, end tokens and stop strings `sampling`'s.
 
-    Returns tokens and logprobs [N, max_new_tokens], lengths [N] and finished [N].
+    Returns tokens and logprobs [N, max_new_tokens], lengths [N], finished [N] and, with `speed.between_steps`,
+    each token's weight version [N, max_new_tokens] (-1 where none was sampled; else None).
     """
     max_new_tokens, pad_token_id, stops = sampling.max_new_tokens, sampling.pad_token_id, tuple(sampling.stop_strings)
     capacity = ids.shape[1] + max_new_tokens if speed.preallocate_kv_cache else None
     step = Decoder(model, capacity=capacity, media=media, layer_loop=speed.layer_loop)
     positions = position_ids_from_mask(mask)  # [B, P]
+    swap = speed.between_steps
+    version = swap() if swap is not None else 0  # the weights the prefill runs with
     logits = step(ids, mask, positions)  # [B, V]: the prefill runs on B rows, not N
     step.repeat_rows(group_size)
     logits = logits.repeat_interleave(group_size, 0)  # [N, V]
@@ -230,12 +248,15 @@ def _decode_loop(model, ids: Tensor, mask: Tensor, *, group_size: int, sampling:
     logps = torch.zeros((n, max_new_tokens), dtype=torch.float32, device=device)  # [N, T]
     lengths = torch.full((n,), max_new_tokens, dtype=torch.long, device=device)  # [N]
     finished = torch.zeros(n, dtype=torch.bool, device=device)  # [N]
+    versions = None if swap is None else torch.full((n, max_new_tokens), -1, dtype=torch.long, device=device)  # [N, T]
     active = torch.arange(n, device=device)  # [n_active] original row ids
     window = max((len(s.encode()) for s in stops), default=0) + 2
     for t in range(max_new_tokens):
         tok, lp = sample_tokens(logits, **draw)  # [n_active]
         tokens[active, t] = tok
         logps[active, t] = lp
+        if versions is not None:
+            versions[active, t] = version  # the weights whose forward gave these logits
         done = torch.isin(tok, eos) if eos is not None else torch.zeros_like(tok, dtype=torch.bool)
         if stops:
             done |= _stop_string_hits(tokens, active, t, tokenizer, stops, window)
@@ -250,9 +271,11 @@ def _decode_loop(model, ids: Tensor, mask: Tensor, *, group_size: int, sampling:
             step.select_rows(keep)
             active, tok, mask, next_pos = active[keep], tok[keep], mask[keep], next_pos[keep]
         mask = torch.cat([mask, mask.new_ones((len(active), 1))], dim=1)  # [n_active, P+t+1]
+        if swap is not None:  # newer weights may land here; the cache of earlier positions is kept as it is
+            version = swap()
         logits = step(tok[:, None], mask, next_pos[:, None])  # [n_active, V]
         next_pos = next_pos + 1
-    return tokens, logps, lengths, finished
+    return tokens, logps, lengths, finished, versions
 
 
 def _validate(model, request: RolloutRequest, tokenizer) -> None:
@@ -366,7 +389,7 @@ def sample_groups(model, request: RolloutRequest, *, tokenizer=None, speed: Deco
     try:
         with torch.inference_mode():
             share = speed.share_prefill or G == 1
-            tokens, logps, lengths, finished = _decode_loop(
+            tokens, logps, lengths, finished, versions = _decode_loop(
                 model, ids if share else ids.repeat_interleave(G, 0), mask if share else mask.repeat_interleave(G, 0),
                 group_size=G if share else 1, sampling=sampling, draw=draw, tokenizer=tokenizer, speed=speed,
                 media=None if media is None else media if share else media.repeat_interleave(G))
@@ -376,6 +399,7 @@ def sample_groups(model, request: RolloutRequest, *, tokenizer=None, speed: Deco
     width = int(lengths.max())
     completion_mask = torch.arange(width, device=device)[None, :] < lengths[:, None]  # [N, T]
     pad_token_id = sampling.pad_token_id
+    token_version = None if versions is None else versions[:, :width].clone().masked_fill(~completion_mask, -1)
     return Rollout(
         prompt_ids=ids.repeat_interleave(G, 0),  # [N, P]
         prompt_mask=mask.repeat_interleave(G, 0),  # [N, P]
@@ -383,5 +407,7 @@ def sample_groups(model, request: RolloutRequest, *, tokenizer=None, speed: Deco
         completion_mask=completion_mask.long(),  # [N, T]
         logprobs=logps[:, :width].masked_fill(~completion_mask, 0.0),  # [N, T]
         truncated=~finished,  # [N]
+        policy_version=None if versions is None else token_version[:, 0].clone(),  # [N] the oldest: the first token's
+        token_version=token_version,  # [N, T] with between_steps: each token's weight version
         media=None if media is None else media.repeat_interleave(G),  # [N] each answer's prompt images
     )

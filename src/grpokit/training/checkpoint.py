@@ -225,7 +225,9 @@ def _intact(weights: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Ten
 
 def trainer_state(step: int, policy, sampling_generator: torch.Generator, stream) -> dict:
     """What a checkpoint holds beside the weights: optimizer (gathered under FSDP), schedule, every RNG,
-    every process's sampling generator, the prompt stream's position. A collective under torchrun."""
+    every process's sampling generator, the prompt stream's position (with `rollout.partial_rollouts` the
+    prompts in flight too, as the stream's `replay`: a resumed run samples them again first, from scratch, with
+    its weights; training/rollout_source.py StreamingRollouts). A collective under torchrun."""
     state = {"step": step, "optimizer": optimizer_state(policy.model, policy.optimizer),
              "scheduler": policy.scheduler.state_dict(), "rng": rng_state(),
              "sampler": gather_states(sampling_generator.get_state()), "stream": stream.state_dict(),

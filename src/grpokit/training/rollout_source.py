@@ -44,12 +44,15 @@ import torch.multiprocessing as mp
 from grpokit import processes
 from grpokit.errors import RolloutWorkerError, SetupError
 from grpokit.models.loading import resolve_device
-from grpokit.models.parallel import rank, world_size
+from grpokit.models.parallel import rank
 from grpokit.models.threads import usable_cores
 from grpokit.models.weight_sync import GlooPublisher
+from grpokit.observe.metrics import version_metrics
+from grpokit.rollout.vllm.ranks import every_ranks
 from grpokit.rollout.vllm.weights import LockedPublisher
 from grpokit.training.generate import generate_and_grade
 from grpokit.training.rollout_workers import WorkerSpec, parameter_shapes, running_reward, worker_main
+from grpokit.training.streaming_rollouts import StreamingRollouts
 from grpokit.training.worker_budget import available_memory, check_memory, crowded_cores
 
 
@@ -88,12 +91,6 @@ def split_threads(config) -> tuple[int, int]:
 def check_async_can_run(config, engine) -> None:
     """What asynchronous rollout (and a vLLM server) cannot do yet, and workers this machine cannot hold
     (training/worker_budget.py), refused before the model loads; workers past the cores, said in one line."""
-    server = config.rollout.vllm_options.server is not None
-    if server and world_size() > 1 and (config.rollout.mode == "async" or config.model.fsdp):
-        what = "rollout.mode = \"async\"" if config.rollout.mode == "async" else "model.fsdp"
-        raise SetupError(f"rollout.vllm.server: {world_size()} trainer processes on one vLLM server with {what} is "
-                         "not built yet (data parallel in sync mode is); train in one process, use sync data "
-                         "parallel, or the built-in workers (no rollout.vllm.server)")
     if config.rollout.mode != "async":
         return
     if engine is not None:
@@ -218,6 +215,10 @@ class AsyncRollouts:
 
     def __init__(self, config, run, run_dir: Path):
         r, given = config.rollout, run.inputs.rollout
+        if r.in_flight_updates and (run.side.engine.tools or run.side.environments is not None):
+            raise SetupError("rollout.in_flight_updates: multi-turn rollouts (tools or an environment) sample through "
+                             "their own decode loop, which does not take weights between its steps yet; set "
+                             "rollout.in_flight_updates = false (weights then land between batches)")
         self.config, self.run, self.K, self.W, self.timeout_s = config, run, r.max_staleness, r.workers, \
             r.worker_timeout_s
         self.start = self.published = run.start_step
@@ -238,8 +239,8 @@ class AsyncRollouts:
         self.running = [ctx.Array("c", 256, lock=False) if config.rewards.isolation == "none" else None
                         for _ in range(self.W)]
         server = r.vllm_options.server is not None  # the run's publisher pushes to it, under the worker's lock
-        self.channel = LockedPublisher(run.weights, self.timeout_s, self.server_lock, self.announced,
-                                       holds=run.start_step) if server \
+        self.channel = LockedPublisher(run.weights, self.timeout_s, every_ranks(self.server_lock), self.announced,
+                                       holds=run.start_step, in_flight=r.in_flight_updates) if server \
             else GlooPublisher(self.W, self.timeout_s, self.announced)
         spec = WorkerSpec(given, [n for n, p in run.policy.model.named_parameters() if p.requires_grad],
                           parameter_shapes(run.policy.model), run.stream, run.sampling_generator.get_state(),
@@ -300,7 +301,10 @@ class AsyncRollouts:
             if got.generator_state.numel() == generator.get_state().numel():  # a generator of its kind
                 generator.set_state(got.generator_state)
         lag = step - 1 - got.batch.rollout.policy_version.double()  # [R]: per training row (forked answers: several)
-        metrics = {**got.metrics, "async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max()),
+        answers = got.batch.draw.rollout  # each token's version (rollout_workers.tag_versions): one per answer
+        # unless in-flight updates landed inside it
+        metrics = {**got.metrics, **version_metrics(answers.token_version, answers.action_mask, step - 1),
+                   "async/staleness_mean": float(lag.mean()), "async/staleness_max": float(lag.max()),
                    "async/dropped": self.dropped, "time/trainer_idle": idle, "time/sampler_idle": got.waited_s,
                    "async/sampler_tokens_per_sec": got.tokens / max(got.ended - got.started, 1e-9)}
         self._record(step, [(f"worker {index}", "sample", got.started, got.ended),
@@ -437,6 +441,7 @@ class AsyncRollouts:
 def build_rollouts(config, run, run_dir: Path):
     """The source the loop takes batches from (`rollout.mode`)."""
     if config.rollout.mode != "async":
-        return SyncRollouts(config, run)
+        sync = SyncRollouts(config, run)
+        return StreamingRollouts(config, run, sync) if config.rollout.partial_rollouts else sync
     return AsyncRollouts(config, run, run_dir)
 

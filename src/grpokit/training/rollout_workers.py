@@ -3,7 +3,12 @@
     for step, min_version in orders:                     # from the trainer (training/rollout_source.py)
         wait for weights >= min_version; apply them      # models/weight_sync.py, between two batches
         batch, metrics = generate_and_grade(...)         # the sync loop's own step: rollout -> grade -> advantages
-        results.put(batch tagged with its policy version, the stream's and the sampling generator's state after it)
+        results.put(batch tagged with its policy versions, the stream's and the sampling generator's state after it)
+
+With `rollout.in_flight_updates` the sampler also applies the newest staged weights between two decode steps
+(`DecodeSpeed.between_steps`, rollout/decode.py), so an answer may span versions; each token carries its own
+(`Rollout.token_version`) and each answer its oldest (`policy_version`). Without it every token of a batch
+carries the version applied before it, so the trainer's version metrics read the same fields either way.
 
 A worker builds its rollout side (rollout/side.py) from the trainer's description of it (`RolloutSpec`,
 training/rollout_setup.py: the config, the prepared and tokenized prompts, the reward functions / tools /
@@ -21,6 +26,7 @@ ignores Ctrl-C and SIGTERM (the trainer stops it after saving), and beats a hear
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import sys
 import time
@@ -170,10 +176,16 @@ class _Worker:
         s = self.spec
         if self.server:  # the step the server holds goes to this engine's `served` (LoRA: the trainer's adapter names)
             self.receiver = ServerSubscriber(server_lock, self.announced, self.side.engine.served,
-                                             s.adapter_prefix if self.config.model.lora else None)
+                                             s.adapter_prefix if self.config.model.lora else None,
+                                             in_flight=self.config.rollout.in_flight_updates)
         else:
             self.receiver = GlooSubscriber(self.model, s.port, self.index + 1, s.workers + 1, s.timeout_s,
                                            self.announced)
+            if self.config.rollout.in_flight_updates:  # the decode applies staged weights between its steps; a
+                # packed copy of the weights (oneDNN, made once per rollout) would not follow them
+                engine = self.side.engine
+                engine.speed = dataclasses.replace(engine.speed, between_steps=self.receiver.apply)
+                engine.packed_weights = False
 
     def draw(self, step: int, min_version: int, waited_s: float) -> WorkerBatch:
         t0 = time.perf_counter()
@@ -185,7 +197,10 @@ class _Worker:
             waited_s += time.perf_counter() - t0
             started = time.time()
             batch, metrics = generate_and_grade(self.config, self.side, self.stream, self.sampling_generator, step)
-        batch = with_policy_version(batch, version)  # the answers and, where they forked, their training rows
+        batch = tag_versions(batch, version)  # the answers and, where they forked, their training rows
+        if self.server and self.config.rollout.in_flight_updates:  # the server's tokens carry no version: how far
+            # the weights moved while the batch was sampled is what can be known (docs/ASYNC.md)
+            metrics = {**metrics, "async/server_versions_during_batch": self.receiver.newest() - version}
         return WorkerBatch(batch, metrics, version, self.stream.state_dict(), self.sampling_generator.get_state(),
                            waited_s, started, time.time(),
                            int(batch.draw.rollout.action_mask.sum()))  # the answers' sampled tokens
@@ -193,6 +208,22 @@ class _Worker:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+
+
+def tag_versions(batch, version: int):
+    """`batch` with each answer's token versions [N, T] (-1 off the completion) and policy version [N], its oldest
+    token's: what the sampler recorded with in-flight updates, else `version`, the one applied before the batch,
+    on every completion token. An answer with no token (none: every answer has one) keeps `version`."""
+    answers = batch.draw.rollout
+    tokens = answers.token_version  # [N, T] or None
+    if tokens is None:
+        tokens = torch.full_like(answers.completion_ids, version).masked_fill(~answers.completion_mask.bool(), -1)
+    sampled = tokens >= 0  # [N, T]
+    oldest = tokens.masked_fill(~sampled, torch.iinfo(torch.long).max).amin(-1)  # [N]
+    oldest = torch.where(sampled.any(-1), oldest, version).cpu()  # [N]
+    batch = dataclasses.replace(batch, draw=dataclasses.replace(
+        batch.draw, rollout=dataclasses.replace(answers, token_version=tokens)))
+    return with_policy_version(batch, oldest)
 
 
 def _linger(orders, limit_s: float = 60.0) -> None:

@@ -97,12 +97,13 @@ def split_rows(batch, pad_token_id: int):
                                token_advantages=token_advantages), metrics
 
 
-def with_policy_version(batch, version: int):
+def with_policy_version(batch, version: int | torch.Tensor):
     """`batch` (a GenerationBatch) tagged with the policy version that sampled it (asynchronous rollout: the
     worker, rollout_workers.py): every answer ([N], `draw.rollout`) and, when answers forked, every training row
-    ([R], `rows`: its answer's). The trainer reads the lag from what it trains on (`batch.rollout`, the rows)."""
+    ([R], `rows`: its answer's). The trainer reads the lag from what it trains on (`batch.rollout`, the rows).
+    `version`: one for the batch, or one per answer [N] (in-flight updates: each answer's oldest token's)."""
     answers = batch.draw.rollout
-    versions = torch.full((answers.num_sequences,), version)  # [N]
+    versions = torch.as_tensor(version).expand(answers.num_sequences).clone()  # [N]
     batch = dataclasses.replace(batch, draw=dataclasses.replace(
         batch.draw, rollout=dataclasses.replace(answers, policy_version=versions)))
     if batch.rows is None:

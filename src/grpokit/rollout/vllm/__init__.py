@@ -3,6 +3,7 @@
 - `engine`: `VLLMEngine`, the sampling both backends share (a request in, a result out).
 - `colocated`: `ColocatedLLM`, a `vllm.LLM` in the training process (its sleep mode, its LoRA requests).
 - `server`: `ServerClient` / `ServerLLM`, a vLLM server over HTTP (`grpokit serve`), and the start's probe.
+- `servers`: `ServerPool`, several servers as one backend (requests spread by load).
 - `weights`: the transports of the trainer's weights (in-process reload, a folder, NCCL, LoRA adapter folders),
   chosen once by `vllm_publisher`, and the async rollout's locked publisher and subscriber.
 - `checks`: what vLLM (its CPU build above all) cannot do here, said before the model loads.
@@ -41,10 +42,10 @@ def vllm_engine(config, tokenizer, *, tools: ToolBox | None = None) -> VLLMEngin
     """The vLLM engine `rollout.vllm` describes, for this process: a server's (`rollout.vllm.server`) or a
     colocated one on `model.path` (under torchrun each rank its own, seeded apart)."""
     options = config.rollout.vllm_options
-    if options.server is not None:
-        from grpokit.rollout.vllm.server import ServerLLM
+    if options.server is not None:  # one server or several (vllm/servers.py spreads the requests)
+        from grpokit.rollout.vllm.servers import connect_servers
 
-        backend = ServerLLM.connect(options)
+        backend = connect_servers(options)
     else:
         from grpokit.rollout.vllm.colocated import ColocatedLLM
 

@@ -182,20 +182,48 @@ def shape_mismatch(served: dict, ours: dict) -> str | None:
 
 
 def check_server(config, folder) -> None:
-    """Everything the server would refuse or break on, said before the trainer loads its model and before any
-    push: the served model's sizes against model.path's (a push of other shapes leaves the server half-loaded, and
-    breaks it for the runs after), LoRA and its rank against the server's --max-lora-rank, a CPU server's chunked
-    prefill (vLLM's CPU build dies on the first seeded batch it splits), more stop strings than the server takes;
-    then rank 0 claims the server for this run (vllm/lease.py) and resumes one a stopped run left paused."""
+    """Everything a server would refuse or break on, said before the trainer loads its model and before any
+    push, for each server of `rollout.vllm.server` in turn (one error naming the address at fault): the served
+    model's sizes against model.path's (a push of other shapes leaves the server half-loaded, and breaks it for
+    the runs after), LoRA and its rank against the server's --max-lora-rank, a CPU server's chunked prefill
+    (vLLM's CPU build dies on the first seeded batch it splits), more stop strings than the server takes; then
+    rank 0 claims every server for this run (vllm/lease.py; one held by another run: those claimed already are
+    given back) and resumes one a stopped run left paused."""
     import sys
     import uuid
 
-    from grpokit.errors import RolloutWorkerError, UserError
     from grpokit.models.parallel import rank
     from grpokit.rollout.vllm.lease import ServerLease
+
+    clients = [_checked_server(config, folder, url) for url in config.rollout.vllm_options.servers]
+    if rank() != 0:
+        return
+    run, leases = f"grpokit-{uuid.uuid4().hex[:12]}", []  # one run id on every server
+    for client in clients:
+        lease = ServerLease(client, run)
+        try:
+            leased = lease.claim()
+        except BaseException:
+            for claimed in leases:
+                claimed.release()
+            raise
+        leases.append(lease)
+        if not leased:
+            print(f"note: the vLLM server at {client.url} has no lease (it was not started by grpokit serve): nothing "
+                  "stops another run from pushing its weights into it while this one trains", file=sys.stderr,
+                  flush=True)
+        if client.is_paused():  # what a run stopped mid-push (or frozen in one) left behind: no run holds it now
+            client.call("POST", "/resume")
+            print(f"note: the vLLM server at {client.url} was paused (a run stopped during its weight push leaves it "
+                  "so); resumed it", file=sys.stderr, flush=True)
+
+
+def _checked_server(config, folder, url: str):
+    """One server's checks (`check_server`); its ServerClient."""
+    from grpokit.errors import RolloutWorkerError, UserError
     from grpokit.rollout.vllm.server import ServerClient
 
-    options, url = config.rollout.vllm_options, config.rollout.vllm_options.server
+    options = config.rollout.vllm_options
     client = ServerClient(url, options.server_timeout_s)
     client.wait_ready()
     client.check_setup()
@@ -230,13 +258,4 @@ def check_server(config, folder) -> None:
         raise UserError(f"rollout.vllm.server: the vLLM server at {url} serves another model than model.path "
                         f"({served['architecture']} with {differ}); pushing these weights into it would leave it "
                         f"broken for every run after. Start a server on model.path: grpokit serve {config.model.path}")
-    if rank() != 0:
-        return
-    leased = ServerLease(client, f"grpokit-{uuid.uuid4().hex[:12]}").claim()
-    if not leased:
-        print(f"note: the vLLM server at {url} has no lease (it was not started by grpokit serve): nothing stops "
-              "another run from pushing its weights into it while this one trains", file=sys.stderr, flush=True)
-    if client.is_paused():  # what a run stopped mid-push (or frozen in one) left behind: no run holds it now
-        client.call("POST", "/resume")
-        print(f"note: the vLLM server at {url} was paused (a run stopped during its weight push leaves it so); "
-              "resumed it", file=sys.stderr, flush=True)
+    return client

@@ -322,7 +322,7 @@ class ServerLLM:
     @classmethod
     def connect(cls, options: VLLMOptions) -> "ServerLLM":
         """The server at `options.server`, once it answers, with its setup checked and its start time noted."""
-        client = ServerClient(options.server, options.server_timeout_s)
+        client = ServerClient(options.servers[0], options.server_timeout_s)  # several: vllm/servers.py, one each
         client.wait_ready()
         client.check_setup()
         client.started = client.start_time()

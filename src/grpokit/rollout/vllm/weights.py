@@ -6,19 +6,21 @@
                                                    `reload_weights` from it (POST /collective_rpc)
     LoRA, colocated or server   AdapterFolders     the adapter alone, saved to a folder and loaded as <prefix>-v<step>
 
-`vllm_publisher` chooses one from the config, once per run; a server's is wrapped in `ServerPush` (the server
-still the one pushed to, the probe after the first push) and `RankZero` (torchrun: one push for all ranks), and in
-asynchronous rollout in `LockedPublisher` (no push lands inside a batch its worker samples; the worker's end is
-`ServerSubscriber`). A transport never calls into the engine: it sets the engine's `ServedWeights` (the step the
-sampler holds, the adapter to name), which the engine reads. `choose_server_transport` picks NCCL where it can
-run (a CUDA trainer and a server started with vLLM's NCCL weight transfer) and the folder otherwise, with one
-note saying which. Every transport reloads the weights in
-vLLM's checkpoint format, so vLLM repacks them for its kernels itself (its CPU linear layers keep their weights
-in a packed layout: writing into the live parameters, as `load_weights` does, broke them).
+`vllm_publisher` chooses one from the config, once per run; a server's (or several servers': each transport reaches
+every one of them, vllm/servers.py) is wrapped in `ServerPush` (each server still the one pushed to, the probe after
+the first push) and `RankZero` (vllm/ranks.py: under torchrun rank 0 pushes for all ranks, FSDP shards gathered by
+all), and in asynchronous rollout in `LockedPublisher` (no push lands inside a batch its worker samples; the
+worker's end is `ServerSubscriber`). A transport never calls into the engine: it sets the engine's `ServedWeights`
+(the step the sampler holds, the adapter to name), which the engine reads. `choose_server_transport` picks NCCL
+where it can run (a CUDA trainer and a server started with vLLM's NCCL weight transfer) and the folder otherwise,
+with one note saying which. Every transport reloads the weights in vLLM's checkpoint format, so vLLM repacks them
+for its kernels itself (its CPU linear layers keep their weights in a packed layout: writing into the live
+parameters, as `load_weights` does, broke them).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -31,12 +33,14 @@ from pathlib import Path
 
 from grpokit.errors import RolloutWorkerError, UserError
 from grpokit.models.lora import adapter_of
-from grpokit.models.parallel import any_rank, buckets, rank
+from grpokit.models.parallel import buckets
 from grpokit.models.weight_sync import WeightPublisher
 from grpokit.rollout.vllm import leftovers
 from grpokit.rollout.vllm.engine import CompletionParams, ServedWeights, adapter_name
 from grpokit.rollout.vllm.lease import release
 from grpokit.rollout.vllm.nccl import NcclTransfer, can_run_nccl, nccl_api_problem  # noqa: F401 - re-exported
+from grpokit.rollout.vllm.ranks import RankZero
+from grpokit.rollout.vllm.servers import on_every, servers_of
 from grpokit.rollout.vllm.tensors import named_weights_for_sync, sync_tensors  # noqa: F401 - re-exported
 
 
@@ -86,8 +90,9 @@ class AdapterFolders(WeightPublisher):
         previous, name = self.served.adapter, adapter_name(self.served.adapter_prefix, step)
         if previous is not None and previous.lora_name == name:  # already there (the start's push, again)
             return 0.0
-        if self.root is None:
-            leftovers.unload_dead_adapters(self.backend)  # what killed runs left on the server (leftovers.py)
+        if self.root is None:  # what killed runs left on the server(s) (leftovers.py)
+            for backend in servers_of(self.backend):
+                leftovers.unload_dead_adapters(backend)
             self.root = _run_folder(self, "grpokit-lora-", self.folder)
         folder = _next_folder(self.root)
         _writing(folder, lambda: adapter_of(model).save_pretrained(str(folder)), "the LoRA adapter")
@@ -157,10 +162,13 @@ class FolderReload(WeightPublisher):
     """A server's full weights through a folder both sides see: the trainer writes them as safetensors shards of
     about `shard_mb` (FSDP: gathered one tensor at a time), the server reloads them in place (`POST /collective_rpc
     reload_weights`, paused, its prefix cache reset), then the previous version's folder goes. No NCCL: on CPU, or
-    a cluster where trainer and server cannot open an NCCL connection but share a filesystem."""
+    a cluster where trainer and server cannot open an NCCL connection but share a filesystem. `client`: one
+    server's ServerClient, or a list of several: the folder is written once and every server reloads it,
+    concurrently; one that fails is the push's error (naming it), the others' reloads having ended."""
 
     def __init__(self, client, folder: str | None = None, shard_mb: float = 512, note: str | None = None):
-        self.client, self.shard_bytes, self.folder, self.note = client, int(shard_mb * 2 ** 20), folder, note
+        self.clients = list(client) if isinstance(client, (list, tuple)) else [client]
+        self.shard_bytes, self.folder, self.note = int(shard_mb * 2 ** 20), folder, note
         self.field = "rollout.vllm.weight_folder" if folder else "TMPDIR (or rollout.vllm.weight_folder)"
         self.root: str | None = None  # made at the first push: an async worker's engine or a torchrun rank never does
         self.previous: Path | None = None
@@ -180,26 +188,31 @@ class FolderReload(WeightPublisher):
                 save_file({n: t.cpu().contiguous() for n, t in bucket}, str(folder / f"model-{k:05d}.safetensors"))
 
         _writing(folder, write, "the weights", self.field)
-        with self.client.paused():  # resumed on every way out, a Ctrl-C included
-            try:
-                self._reload(folder)
-            except RolloutWorkerError as e:  # never a half-loaded server: the weights it held before, again
-                raise RolloutWorkerError(f"{e}. {self._restore()}") from None
-            self.client.call("POST", "/reset_prefix_cache")
+        on_every(lambda client: self._reload_on(client, folder), self.clients)
         if self.previous is not None:
             shutil.rmtree(self.previous, ignore_errors=True)
         self.previous = folder
         return time.perf_counter() - t0
 
-    def _reload(self, folder) -> None:
-        self.client.call("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {
+    def _reload_on(self, client, folder: Path) -> None:
+        """One server reloads `folder`, paused (resumed on every way out, a Ctrl-C included)."""
+        with client.paused():
+            try:
+                self._reload(client, folder)
+            except RolloutWorkerError as e:  # never a half-loaded server: the weights it held before, again
+                raise RolloutWorkerError(f"{e}. {self._restore(client)}") from None
+            client.call("POST", "/reset_prefix_cache")
+
+    @staticmethod
+    def _reload(client, folder) -> None:
+        client.call("POST", "/collective_rpc", json={"method": "reload_weights", "kwargs": {
             "weights_path": str(folder), "is_checkpoint_format": True}})
 
-    def _restore(self) -> str:
+    def _restore(self, client) -> str:
         """After a failed reload, the server's previous weights loaded again (this run's last push, else the
         model the server started on), so it is left whole for the runs after; what happened, in words."""
         try:  # vLLM's own model path now names the folder that failed: the served model's root is the start's
-            self._reload(self.previous or self.client.call("GET", "/v1/models")["data"][0]["root"])
+            self._reload(client, self.previous or client.call("GET", "/v1/models")["data"][0]["root"])
         except (RolloutWorkerError, KeyError, IndexError, TypeError):
             return "Its previous weights could not be loaded back either: restart the server before any run uses it"
         return "The server holds its previous weights again"
@@ -241,76 +254,60 @@ def check_serves(server, model, lora_request, tokens: int = 16) -> None:
 
 
 class ServerPush(WeightPublisher):
-    """A push to a vLLM server: the server still the one pushed to before (a restarted one lost the weights), a
-    note when its dtype is not the trainer's, then the transport's push, and after the first push the probe
-    (`check_serves`: the server serves what the trainer trains). Rank 0 only (`RankZero`)."""
+    """A push to a vLLM server, or to several (`server`: a ServerLLM or a ServerPool, vllm/servers.py): each server
+    still the one pushed to before (a restarted one lost the weights), a note when its dtype is not the trainer's,
+    then the transport's push (to every server), and after the first push the probe on each (`check_serves`: each
+    server serves what the trainer trains; one that does not is named). Rank 0 only (`RankZero`)."""
 
     def __init__(self, inner: WeightPublisher, server, served: ServedWeights):
-        self.inner, self.server, self.served, self.checked = inner, server, served, False
+        self.inner, self.servers, self.served, self.checked = inner, servers_of(server), served, False
 
     def publish(self, model, step: int) -> float:
-        t0, client = time.perf_counter(), self.server.client
-        client.check_not_restarted()
+        t0 = time.perf_counter()
+        for server in self.servers:
+            server.client.check_not_restarted()
         if not self.checked and not isinstance(self.inner, AdapterFolders):
             ours = str(next(model.parameters()).dtype).removeprefix("torch.")
-            if client.dtype not in (None, ours):  # as TRL: said once, the correction covers the gap
-                print(f"note: the vLLM server at {client.url} holds {client.dtype} weights, the trainer "
-                      f"{ours}: the sampler's log-probs will differ more (algorithm.is_correction corrects for "
-                      f"it); `grpokit serve --dtype {ours}` or model.dtype = \"{client.dtype}\" aligns "
-                      "them", file=sys.stderr, flush=True)
+            for client in (s.client for s in self.servers):
+                if client.dtype not in (None, ours):  # as TRL: said once, the correction covers the gap
+                    print(f"note: the vLLM server at {client.url} holds {client.dtype} weights, the trainer "
+                          f"{ours}: the sampler's log-probs will differ more (algorithm.is_correction corrects for "
+                          f"it); `grpokit serve --dtype {ours}` or model.dtype = \"{client.dtype}\" aligns "
+                          "them", file=sys.stderr, flush=True)
         self.inner.publish(model, step)
         self.served.step = step
         if not self.checked:
             self.checked = True
-            check_serves(self.server, model, self.served.adapter)
+            for server in self.servers:  # one at a time: the trainer's model scores each probe
+                check_serves(server, model, self.served.adapter)
         return time.perf_counter() - t0
 
     def close(self) -> None:
         try:
             self.inner.close()
         finally:
-            release(self.server.client.url)  # the server is free for the next run
-
-
-class RankZero(WeightPublisher):
-    """Under torchrun (data parallel, every rank holds the whole model), one server: rank 0 publishes while the
-    others wait for it, then ask for the same weights (with LoRA: the adapter by its step's name); a failure on
-    rank 0 reaches every rank."""
-
-    def __init__(self, inner: WeightPublisher, served: ServedWeights, lora: bool):
-        self.inner, self.served, self.lora = inner, served, lora
-
-    def publish(self, model, step: int) -> float:
-        t0, failed = time.perf_counter(), None
-        if rank() == 0:
-            try:
-                self.inner.publish(model, step)
-            except RolloutWorkerError as e:
-                failed = e
-        if any_rank(failed is not None):  # the others wait here for rank 0's push
-            raise failed or RolloutWorkerError("rollout.vllm.server: rank 0 could not push the weights to the "
-                                               "vLLM server (its error says why)")
-        if rank() != 0:
-            self.served.use(step, self.served.adapter_prefix if self.lora else None)
-        return time.perf_counter() - t0
-
-    def close(self) -> None:
-        self.inner.close()
+            for server in self.servers:
+                release(server.client.url)  # the server is free for the next run
 
 
 def choose_server_transport(client, choice: str, folder: str | None, shard_mb: float):
     """The full-weight transport `rollout.vllm.weight_transfer` names ("auto": NCCL where it can run, else the
-    folder, said once)."""
+    folder, said once). `client`: one server's, or a list of several servers' (NCCL to several is not built: the
+    folder, every server reloading it; "nccl" is refused, also by the config's checks)."""
+    clients = list(client) if isinstance(client, (list, tuple)) else [client]
     if choice == "folder":
-        return FolderReload(client, folder, shard_mb)
-    why = can_run_nccl(client.info)
+        return FolderReload(clients, folder, shard_mb)
+    why = can_run_nccl(clients[0].info) if len(clients) == 1 else \
+        f"NCCL to several servers ({len(clients)}) is not built yet"
     if choice == "nccl" and why is not None:
         raise UserError(f"rollout.vllm.weight_transfer = \"nccl\" cannot run: {why}; use \"folder\" (a folder "
                         "the server can read, rollout.vllm.weight_folder) or \"auto\"")
     if why is None:
-        return NcclTransfer(client)
-    return FolderReload(client, folder, shard_mb, note=f"note: weights go to the vLLM server at {client.url} through "
-                        f"a folder ({folder or 'under TMPDIR'}; rollout.vllm.weight_folder), not NCCL: {why}")
+        return NcclTransfer(clients[0])
+    where = f"the vLLM server at {clients[0].url}" if len(clients) == 1 else \
+        f"the vLLM servers at {', '.join(c.url for c in clients)}"
+    return FolderReload(clients, folder, shard_mb, note=f"note: weights go to {where} through a folder ("
+                        f"{folder or 'under TMPDIR'}; rollout.vllm.weight_folder), not NCCL: {why}")
 
 
 def shared_with_ranks(value: str) -> str:
@@ -336,10 +333,15 @@ class LockedPublisher(WeightPublisher):
     """Asynchronous rollout against a vLLM server, the trainer's end: the run's server publisher (`inner`) pushes
     under the lock the worker holds while it samples a batch, so each answer has one version; `version` (shared)
     tells the worker which step's weights the server holds. The server already holds `holds` (the start's push,
-    made when the run was built): that step is announced, not pushed again."""
+    made when the run was built): that step is announced, not pushed again.
 
-    def __init__(self, inner: WeightPublisher, timeout_s: float, lock, version, holds: int):
+    `in_flight` (`rollout.in_flight_updates`): no lock. The push itself pauses the server with `mode=keep`
+    (`ServerClient.paused`: in-flight requests frozen with their KV cache, the weights reloaded, `/resume`
+    continues them), so a push lands inside the worker's batch, as TRL's and PipelineRL's do."""
+
+    def __init__(self, inner: WeightPublisher, timeout_s: float, lock, version, holds: int, in_flight: bool = False):
         self.inner, self.timeout_s, self.lock, self.version, self.holds = inner, timeout_s, lock, version, holds
+        self.in_flight = in_flight
 
     def connect(self) -> None:
         """Nothing to join: the server is the subscriber."""
@@ -348,29 +350,41 @@ class LockedPublisher(WeightPublisher):
 
     def publish(self, model, step: int) -> float:
         t0 = time.perf_counter()
-        if not self.lock.acquire(timeout=self.timeout_s):
-            raise RuntimeError(f"the rollout worker kept the vLLM server busy for more than {self.timeout_s:g} s")
-        try:
+        held = contextlib.nullcontext(True) if self.in_flight else _acquired(self.lock, self.timeout_s)
+        with held as got:
+            if not got:
+                raise RuntimeError(f"the rollout worker kept the vLLM server busy for more than {self.timeout_s:g} s")
             if step != self.holds:
                 self.inner.publish(model, step)
             with self.version.get_lock():
                 self.version.value = step
-        finally:
-            self.lock.release()
         return time.perf_counter() - t0
 
     def close(self) -> None:
         self.inner.close()
 
 
+@contextlib.contextmanager
+def _acquired(lock, timeout_s: float):
+    """`lock` held for the block, or False given to it when `timeout_s` passed first."""
+    got = lock.acquire(timeout=timeout_s)
+    try:
+        yield got
+    finally:
+        if got:
+            lock.release()
+
+
 class ServerSubscriber:
     """Asynchronous rollout against a vLLM server, the worker's end (in place of `GlooSubscriber`): the step whose
     weights the server holds, set on the worker engine's `served` (with LoRA: that step's adapter name), and the
     lock under which a batch is sampled (no push lands inside it: each answer has one version). `adapter_prefix`:
-    with LoRA, the names the trainer's adapters are loaded under (None: full weights)."""
+    with LoRA, the names the trainer's adapters are loaded under (None: full weights). `in_flight`: no lock, pushes
+    land inside the batch (`LockedPublisher`); `newest()` is then the version the server holds at the batch's end."""
 
-    def __init__(self, lock, version, served: ServedWeights, adapter_prefix: str | None):
+    def __init__(self, lock, version, served: ServedWeights, adapter_prefix: str | None, in_flight: bool = False):
         self.lock, self.version, self.served, self.adapter_prefix = lock, version, served, adapter_prefix
+        self.in_flight = in_flight
 
     def wait_for(self, step: int, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -385,8 +399,11 @@ class ServerSubscriber:
         self.served.use(step, self.adapter_prefix)
         return step
 
+    def newest(self) -> int:
+        return int(self.version.value)
+
     def holding(self):
-        return self.lock
+        return contextlib.nullcontext() if self.in_flight else self.lock
 
 
 def vllm_publisher(config, engine) -> WeightPublisher:
@@ -401,6 +418,6 @@ def vllm_publisher(config, engine) -> WeightPublisher:
         served.adapter_prefix = run_prefix()
         inner = AdapterFolders(server, served, options.weight_folder)
     else:
-        inner = choose_server_transport(server.client, options.weight_transfer, options.weight_folder,
-                                        options.sync_bucket_mb)
+        inner = choose_server_transport([s.client for s in servers_of(server)], options.weight_transfer,
+                                        options.weight_folder, options.sync_bucket_mb)
     return RankZero(ServerPush(inner, server, served), served, lora)
